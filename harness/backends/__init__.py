@@ -1,0 +1,46 @@
+"""Checkpoint backends: one file each, one small interface, no knowledge of each other.
+
+A backend module `harness/backends/<name>.py` exposes `BACKEND`, an instance of `Backend`.
+Adding one is that file plus a matrix line naming it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from harness.world import RankContext
+
+
+class Backend(ABC):
+    name: ClassVar[str]
+    #: What a reload promises: "bitwise", or a reason for a tolerance.
+    promise: ClassVar[str] = "bitwise"
+
+    @abstractmethod
+    def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
+        """Collective: every rank of the world calls it with its own model shard."""
+
+    @abstractmethod
+    def load(self, ctx: RankContext, model: Any, directory: Path) -> None:
+        """Collective: fill `model` (built for this world's topology) from `directory`."""
+
+    @abstractmethod
+    def read_full(self, ctx: RankContext, directory: Path) -> dict[str, torch.Tensor]:
+        """Every tensor the checkpoint holds, unsharded, by checkpoint key (no model needed)."""
+
+
+def available() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+def get_backend(name: str) -> Backend:
+    if name not in available():
+        raise KeyError(f"unknown backend {name!r}; available: {available()}")
+    module = importlib.import_module(f"{__name__}.{name}")
+    return module.BACKEND

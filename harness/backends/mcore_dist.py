@@ -1,0 +1,42 @@
+"""megatron-core dist_checkpointing, `torch_dist` format (what verl and Megatron-LM save)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from harness.backends import Backend
+from harness.world import RankContext
+
+
+class McoreDist(Backend):
+    name = "mcore_dist"
+
+    def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        if ctx.is_rank0:
+            directory.mkdir(parents=True, exist_ok=False)  # dist_checkpointing expects it to exist
+        dist.barrier()
+        dist_checkpointing.save(model.sharded_state_dict(), str(directory))
+
+    def load(self, ctx: RankContext, model: Any, directory: Path) -> None:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        # RAISE_ALL: a key the model expects but the checkpoint lacks (or the reverse) is an error,
+        # not a silently kept initial value.
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(directory), strict=StrictHandling.RAISE_ALL)
+        model.load_state_dict(state, strict=True)
+
+    def read_full(self, ctx: RankContext, directory: Path) -> dict[str, torch.Tensor]:
+        from megatron.core import dist_checkpointing
+
+        plain = dist_checkpointing.load_plain_tensors(str(directory))
+        return {k: v for k, v in plain.items() if isinstance(v, torch.Tensor)}
+
+
+BACKEND = McoreDist()

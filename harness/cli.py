@@ -1,0 +1,81 @@
+"""`ckpt-harness`: run a matrix for CI or by hand; exits non-zero when any case fails or errors."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from harness.matrix import load_matrix
+
+    m = load_matrix(args.matrix)
+    for spec in m.select(args.k):
+        print(spec.id)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from harness import report
+    from harness.matrix import load_matrix
+    from harness.runner import RunOptions, run_cases
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    matrix = load_matrix(args.matrix)
+    specs = matrix.select(args.k)
+    if not specs:
+        console.print(f"[red]no case of {args.matrix} matches -k {args.k!r}[/]")
+        return 4
+    console.print(f"[bold]{matrix.name}[/]: {len(specs)} case(s) from {args.matrix}")
+    options = RunOptions(dist_backend=args.dist_backend, workdir=args.workdir, keep=args.keep)
+    done = 0
+    start = time.perf_counter()
+
+    def progress(r) -> None:
+        nonlocal done
+        done += 1
+        style = {"passed": "green", "xfailed": "yellow"}.get(r.status, "bold red")
+        console.print(f"[{done}/{len(specs)}] [{style}]{r.status.upper():8}[/] {escape(r.id)}  {r.phases.get('total', 0):.1f}s", highlight=False)
+
+    # Plain lines, no live display: a refresh thread in the parent is unsafe when ranks fork.
+    results = run_cases(specs, options, on_result=progress)
+    wall = time.perf_counter() - start
+    report.print_summary(results, f"{matrix.name} ({args.matrix})", wall, console)
+    if args.report:
+        path = report.write_json(results, Path(args.report) / "results.json", str(args.matrix), wall)
+        console.print(f"results: {path}")
+    return 0 if all(r.status in ("passed", "xfailed") for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ckpt-harness", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a matrix and print a summary")
+    run.add_argument("matrix", type=Path)
+    run.add_argument("-k", default=None, help="only cases whose id contains every word of this")
+    run.add_argument("--report", type=Path, default=None, help="write DIR/results.json")
+    run.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default="auto")
+    run.add_argument("--workdir", type=Path, default=None, help="parent of per-case scratch dirs (default: system temp)")
+    run.add_argument("--keep", action="store_true", help="keep checkpoints and scratch dirs")
+    run.set_defaults(func=_cmd_run)
+    ls = sub.add_parser("list", help="list the case ids of a matrix")
+    ls.add_argument("matrix", type=Path)
+    ls.add_argument("-k", default=None)
+    ls.set_defaults(func=_cmd_list)
+    args = parser.parse_args(argv)
+    from harness.matrix import MatrixError
+
+    try:
+        return args.func(args)
+    except MatrixError as exc:
+        print(f"ckpt-harness: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

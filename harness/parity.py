@@ -1,0 +1,167 @@
+"""Parity: the judge. Pure functions over plain tensors, no distributed state.
+
+Bitwise means bitwise: tensors are compared as raw bytes (so -0.0 vs 0.0 and NaN payloads count),
+dtypes and shapes must match, and every missing or extra key is reported. A tolerance is used
+only where a case names one and says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+Index = tuple  # per dim: (start, stop) for a sliced dim, or an int for a prepended axis
+
+
+@dataclass
+class Shard:
+    """One rank's piece of a global tensor, as checkpoint metadata places it."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    index: Index
+    replica_id: int | tuple
+    data: torch.Tensor
+
+    def slices(self) -> tuple:
+        return tuple(slice(*i) if isinstance(i, tuple) else i for i in self.index)
+
+
+@dataclass
+class Mismatch:
+    key: str
+    kind: str  # value | dtype | shape | missing | extra | coverage | replica | tolerance
+    expected: str  # what the expected side is (e.g. "canonical", "tp2pp1dp1cp1")
+    actual: str
+    max_abs_diff: float | None = None
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        diff = "" if self.max_abs_diff is None else f" max|diff|={self.max_abs_diff:.3g}"
+        return f"{self.kind}: {self.key} ({self.expected} vs {self.actual}){diff} {self.detail}".rstrip()
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    why: str
+
+    def __str__(self) -> str:
+        return f"atol={self.atol:g} rtol={self.rtol:g} ({self.why})"
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("nan")
+    if a.numel() == 0:
+        return 0.0
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().contiguous().view(torch.uint8), b.detach().contiguous().view(torch.uint8))
+
+
+def compare_tensors(
+    key: str,
+    expected: torch.Tensor,
+    actual: torch.Tensor,
+    expected_label: str,
+    actual_label: str,
+    tolerance: Tolerance | None = None,
+) -> Mismatch | None:
+    if expected.shape != actual.shape:
+        return Mismatch(key, "shape", expected_label, actual_label, None, f"{tuple(expected.shape)} vs {tuple(actual.shape)}")
+    if expected.dtype != actual.dtype:
+        return Mismatch(key, "dtype", expected_label, actual_label, None, f"{expected.dtype} vs {actual.dtype}")
+    if tolerance is None:
+        if bitwise_equal(expected, actual):
+            return None
+        return Mismatch(key, "value", expected_label, actual_label, max_abs_diff(expected, actual), "not bitwise equal")
+    if torch.allclose(actual.double(), expected.double(), atol=tolerance.atol, rtol=tolerance.rtol):
+        return None
+    return Mismatch(key, "tolerance", expected_label, actual_label, max_abs_diff(expected, actual), f"outside {tolerance}")
+
+
+def compare_state(
+    expected: Mapping[str, torch.Tensor],
+    actual: Mapping[str, torch.Tensor],
+    expected_label: str,
+    actual_label: str,
+    tolerance: Tolerance | None = None,
+) -> list[Mismatch]:
+    """Every key of both sides, compared; missing = in expected only, extra = in actual only."""
+    out: list[Mismatch] = []
+    for key in sorted(set(expected) | set(actual)):
+        if key not in actual:
+            out.append(Mismatch(key, "missing", expected_label, actual_label, None, f"absent from {actual_label}"))
+        elif key not in expected:
+            out.append(Mismatch(key, "extra", expected_label, actual_label, None, f"not in {expected_label}"))
+        else:
+            m = compare_tensors(key, expected[key], actual[key], expected_label, actual_label, tolerance)
+            if m is not None:
+                out.append(m)
+    return out
+
+
+def assemble(shards: Iterable[Shard], label: str) -> tuple[dict[str, torch.Tensor], list[Mismatch]]:
+    """Full tensors from every rank's shards, checking that they tile each tensor and agree.
+
+    coverage: an element no rank holds; replica: two ranks hold different bytes for the same
+    element (e.g. DP replicas that diverged); shape: ranks disagree on the global shape.
+    """
+    full: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    problems: list[Mismatch] = []
+    # Main replicas first, so a replica is judged against the main copy it should equal.
+    ordered = sorted(shards, key=lambda s: (s.key, _is_replica(s.replica_id)))
+    for s in ordered:
+        if s.key not in full:
+            full[s.key] = torch.zeros(s.global_shape, dtype=s.data.dtype)
+            covered[s.key] = torch.zeros(s.global_shape, dtype=torch.bool)
+        elif tuple(full[s.key].shape) != tuple(s.global_shape):
+            problems.append(
+                Mismatch(s.key, "shape", label, label, None, f"ranks disagree on global shape: {tuple(full[s.key].shape)} vs {s.global_shape}")
+            )
+            continue
+        region = full[s.key][s.slices()]
+        seen = covered[s.key][s.slices()]
+        data = s.data.reshape(region.shape)
+        if seen.any():
+            overlap_equal = torch.equal(region[seen].view(torch.uint8), data[seen].contiguous().view(torch.uint8))
+            if not overlap_equal:
+                problems.append(
+                    Mismatch(
+                        s.key, "replica", label, label, max_abs_diff(region[seen], data[seen]),
+                        f"replica {s.replica_id} at {s.index} differs from the copy already held",
+                    )
+                )
+        region.copy_(data)
+        covered[s.key][s.slices()] = True
+    for key, mask in covered.items():
+        if not bool(mask.all()):
+            problems.append(
+                Mismatch(key, "coverage", label, label, None, f"{int((~mask).sum())} of {mask.numel()} elements held by no rank")
+            )
+    return full, problems
+
+
+def _is_replica(replica_id: int | tuple) -> bool:
+    if isinstance(replica_id, int):
+        return replica_id != 0
+    return any(r != 0 for r in replica_id)
+
+
+def summarize(mismatches: list[Mismatch], limit: int = 10) -> str:
+    lines = [str(m) for m in mismatches[:limit]]
+    if len(mismatches) > limit:
+        lines.append(f"... and {len(mismatches) - limit} more")
+    return "\n".join(lines)

@@ -1,0 +1,22 @@
+"""`torchrun ... -m harness.rank_entry SPEC WORKDIR`: one phase of a case on a torchrun/srun world.
+
+SPEC is a pickle of (fn, arg) written by `harness.world.dump_spec`; the rank writes its result to
+WORKDIR like a locally launched world does, so the runner reads results the same way.
+"""
+
+import pickle
+import sys
+
+from harness.world import run_from_env
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        raise SystemExit("usage: python -m harness.rank_entry SPEC.pkl WORKDIR")
+    with open(argv[0], "rb") as f:
+        fn, arg = pickle.load(f)
+    run_from_env(fn, arg, argv[1])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

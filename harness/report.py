@@ -1,0 +1,101 @@
+"""Reports: results.json for machines (CI, the baseline gate) and a table for people."""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections import Counter
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Iterable
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from harness.result import CaseResult
+
+_STYLE = {"passed": "green", "failed": "bold red", "error": "bold magenta", "xfailed": "yellow"}
+_VERSIONED = ("torch", "megatron-core", "megatron-bridge", "transformers", "peft")
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in _VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def counts(results: Iterable[CaseResult]) -> dict[str, int]:
+    c = Counter(r.status for r in results)
+    return {s: c.get(s, 0) for s in ("passed", "failed", "error", "xfailed")}
+
+
+def write_json(results: list[CaseResult], path: Path, matrix: str, wall_s: float) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "matrix": matrix,
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": round(wall_s, 2),
+        "platform": {"machine": platform.machine(), "system": platform.system()},
+        "versions": versions(),
+        "summary": counts(results),
+        "results": [r.to_dict() for r in results],
+    }
+    path.write_text(json.dumps(doc, indent=2, default=str))
+    return path
+
+
+def _checks_cell(r: CaseResult) -> str:
+    if not r.checks:
+        return "-"
+    parts = []
+    for c in r.checks:
+        if c.status != "passed":
+            mark = {"failed": "[red]✗[/]", "not-run": "[dim]–[/]"}.get(c.status, "?")
+            parts.append(f"{mark}{c.name}")
+    passed = sum(c.status == "passed" for c in r.checks)
+    return f"{passed}/{len(r.checks)} ✓ " + " ".join(parts)
+
+
+def _diff_cell(r: CaseResult) -> str:
+    c = r.check("logits")
+    if c is None or c.max_abs_diff is None:
+        return "-"
+    return "0" if c.max_abs_diff == 0 else f"{c.max_abs_diff:.1e}"
+
+
+def table(results: list[CaseResult], title: str) -> Table:
+    t = Table(title=title, show_lines=False, header_style="bold")
+    t.add_column("case")
+    t.add_column("status")
+    t.add_column("checks")
+    t.add_column("logits |Δ|", justify="right")
+    t.add_column("save/load/total s", justify="right")
+    for r in results:
+        times = "/".join(f"{r.phases.get(p, 0):.1f}" for p in ("save", "load", "total"))
+        t.add_row(escape(r.id), f"[{_STYLE.get(r.status, '')}]{r.status}[/]", _checks_cell(r), _diff_cell(r), times)
+    return t
+
+
+def print_summary(results: list[CaseResult], title: str, wall_s: float, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(table(results, title))
+    c = counts(results)
+    console.print(
+        f"[bold]{len(results)} cases[/] in {wall_s:.1f}s: "
+        + ", ".join(f"[{_STYLE[s]}]{n} {s}[/]" for s, n in c.items() if n)
+    )
+    notes = sorted({c.detail for r in results for c in r.checks if c.status == "not-run"})
+    for n in notes:
+        console.print(f"[dim]– not run: {n}[/]")
+    for r in results:
+        if r.status in ("failed", "error"):
+            console.print(f"\n[bold red]{escape(r.id)}[/]")
+            console.print(r.failure_text(), markup=False, highlight=False)
+        elif r.status == "xfailed":
+            console.print(f"[yellow]xfailed[/] {escape(r.id)}: {escape(r.xfail_reason or '')}", highlight=False)

@@ -1,0 +1,83 @@
+"""Runs cases: matrix -> case -> world -> backend -> result. Owns status, timing and scratch dirs."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from harness.case import RunEnv
+from harness.matrix import CaseSpec
+from harness.result import CaseResult
+from harness.world import WorldError
+
+
+@dataclass
+class RunOptions:
+    dist_backend: str = "auto"
+    workdir: Path | None = None  # parent of the per-case scratch dirs; a fresh temp dir if None
+    keep: bool = False  # keep checkpoints and scratch dirs for inspection
+
+
+def _case_dirname(case_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in case_id)
+
+
+def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
+    from cases import get_case
+    from harness.models import preload
+
+    preload()  # idempotent; ranks fork from a parent that already imported megatron-core
+    options = options or RunOptions()
+    result = CaseResult(
+        id=spec.id, case=spec.case, model=spec.model, backend=spec.backend,
+        source=spec.source.id, target=spec.target.id, options=spec.opts, xfail_reason=spec.xfail,
+    )
+    parent = Path(options.workdir) if options.workdir else None
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{_case_dirname(spec.id)[:80]}-", dir=parent))
+    env = RunEnv(case_dir=scratch, dist_backend=options.dist_backend, timeout_s=spec.timeout_s)
+    start = time.perf_counter()
+    try:
+        get_case(spec.case).run(spec, env, result)
+        result.status = "failed" if result.failed_checks else "passed"
+    except WorldError as exc:
+        result.status = "error"
+        result.error = str(exc)
+    except Exception as exc:  # a harness-side error is reported, not raised: the matrix goes on
+        import traceback
+
+        result.status = "error"
+        result.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    finally:
+        result.phases["total"] = round(time.perf_counter() - start, 3)
+        if options.keep:
+            result.notes.append(f"scratch kept at {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)  # our own mkdtemp, nothing else
+    if spec.xfail:
+        if result.status in ("failed", "error"):
+            result.status = "xfailed"
+        else:
+            result.status = "failed"
+            result.error = (
+                f"XPASS(strict): expected to fail ({spec.xfail}) but passed; "
+                "if upstream fixed it, remove the xfail from the matrix"
+            )
+    return result
+
+
+def run_cases(
+    specs: Iterable[CaseSpec], options: RunOptions | None = None, on_result: Callable[[CaseResult], None] | None = None
+) -> list[CaseResult]:
+    results = []
+    for spec in specs:
+        r = run_case(spec, options)
+        results.append(r)
+        if on_result:
+            on_result(r)
+    return results

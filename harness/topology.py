@@ -1,0 +1,116 @@
+"""Parallel topologies: the thing a checkpoint must survive a change of.
+
+A topology is a value (tp, pp, dp, cp, vpp, ep) with a compact id; the world size is derived,
+never given, so a matrix cannot state an inconsistent one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+_DIMS = ("tp", "pp", "dp", "cp", "vpp", "ep")
+_ID_RE = re.compile(r"^(?:(tp|pp|dp|cp|vpp|ep)(\d+))+$")
+_PART_RE = re.compile(r"(tp|pp|dp|cp|vpp|ep)(\d+)")
+
+
+class TopologyError(ValueError):
+    """A topology that cannot exist, or cannot hold a given model."""
+
+
+class ModelShape(Protocol):
+    """What a topology needs to know about a model to validate against it."""
+
+    name: str
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+    seq_length: int
+
+
+@dataclass(frozen=True, order=True)
+class Topology:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    vpp: int = 1  # reserved: virtual pipeline stages per rank (not yet exercised)
+    ep: int = 1  # reserved: expert parallel (not yet exercised)
+
+    def __post_init__(self) -> None:
+        for dim in _DIMS:
+            value = getattr(self, dim)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TopologyError(f"topology {dim} must be a positive integer, got {value!r}")
+        if self.vpp != 1:
+            raise TopologyError(f"{self.id}: virtual pipeline (vpp) is not supported yet")
+        if self.ep != 1:
+            raise TopologyError(f"{self.id}: expert parallel (ep) is not supported yet")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def id(self) -> str:
+        """Compact id, e.g. tp2pp1dp2cp1; vpp/ep appear only when not 1."""
+        base = f"tp{self.tp}pp{self.pp}dp{self.dp}cp{self.cp}"
+        extra = "".join(f"{d}{getattr(self, d)}" for d in ("vpp", "ep") if getattr(self, d) != 1)
+        return base + extra
+
+    def __str__(self) -> str:
+        return self.id
+
+    @classmethod
+    def parse(cls, text: str | dict) -> "Topology":
+        """Parse `tp2pp1dp2cp1` (missing dims are 1) or a mapping {tp: 2, dp: 2}."""
+        if isinstance(text, Topology):
+            return text
+        if isinstance(text, dict):
+            unknown = set(text) - set(_DIMS)
+            if unknown:
+                raise TopologyError(f"unknown topology dimension(s) {sorted(unknown)} in {text!r}")
+            return cls(**{k: int(v) for k, v in text.items()})
+        if not isinstance(text, str):
+            raise TopologyError(f"a topology is a string like 'tp2pp1' or a mapping, got {text!r}")
+        compact = text.strip().lower().replace("_", "").replace("-", "").replace(" ", "")
+        if not _ID_RE.match(compact):
+            raise TopologyError(
+                f"cannot parse topology {text!r}: expected e.g. 'tp2pp1dp2cp1' (dims tp, pp, dp, cp)"
+            )
+        values: dict[str, int] = {}
+        for dim, num in _PART_RE.findall(compact):
+            if dim in values:
+                raise TopologyError(f"topology {text!r} names {dim} twice")
+            values[dim] = int(num)
+        return cls(**values)
+
+    def validate(self, model: ModelShape, available_ranks: int | None = None) -> None:
+        """Raise TopologyError naming the model and the rule when the model cannot be split so."""
+        problems = []
+        if model.num_layers % self.pp:
+            problems.append(f"num_layers={model.num_layers} is not divisible by pp={self.pp}")
+        if model.num_attention_heads % self.tp:
+            problems.append(
+                f"num_attention_heads={model.num_attention_heads} is not divisible by tp={self.tp}"
+            )
+        if model.num_query_groups % self.tp:
+            problems.append(
+                f"num_query_groups={model.num_query_groups} is not divisible by tp={self.tp}"
+            )
+        if model.ffn_hidden_size % self.tp:
+            problems.append(f"ffn_hidden_size={model.ffn_hidden_size} is not divisible by tp={self.tp}")
+        if model.vocab_size % self.tp:
+            problems.append(f"vocab_size={model.vocab_size} is not divisible by tp={self.tp}")
+        if model.seq_length % (2 * self.cp):
+            problems.append(
+                f"seq_length={model.seq_length} is not divisible by 2*cp={2 * self.cp} "
+                "(context parallel splits each sequence into 2*cp chunks)"
+            )
+        if available_ranks is not None and self.world_size > available_ranks:
+            problems.append(f"world size {self.world_size} exceeds the {available_ranks} ranks available")
+        if problems:
+            raise TopologyError(f"topology {self.id} cannot hold model {model.name!r}: " + "; ".join(problems))

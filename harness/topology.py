@@ -76,7 +76,7 @@ class Topology:
             return cls(**{k: int(v) for k, v in text.items()})
         if not isinstance(text, str):
             raise TopologyError(f"a topology is a string like 'tp2pp1' or a mapping, got {text!r}")
-        compact = text.strip().lower().replace("_", "").replace("-", "").replace(" ", "")
+        compact = text.strip().lower().replace("_", "").replace(" ", "")
         if not _ID_RE.match(compact):
             raise TopologyError(
                 f"cannot parse topology {text!r}: expected e.g. 'tp2pp1dp2cp1' (dims tp, pp, dp, cp)"

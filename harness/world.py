@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -117,6 +118,8 @@ def _rank_body(spec: _WorldSpec, rank: int, local_rank: int) -> None:
 
 
 def _mp_entry(local_rank: int, spec: _WorldSpec) -> None:
+    # Own process group: whatever this rank starts can be killed with it, even once orphaned.
+    os.setpgid(0, 0)
     os.environ.update(spec.env)
     if spec.backend == "gloo":
         # gloo ranks run on CPU even on a GPU box; hide GPUs before anything initialises CUDA.
@@ -194,6 +197,11 @@ def launch(
             if p.is_alive():
                 p.kill()
             p.join(5)
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         _kill({p for p in seen if p.is_running()})
         for f in ctx.error_files:
             Path(f).unlink(missing_ok=True)

@@ -35,11 +35,22 @@ class Backend(ABC):
         """Every tensor the checkpoint holds, unsharded, by checkpoint key (no model needed)."""
 
 
+_extra: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> None:
+    """Add a backend defined outside this package (a plugin, or a fault-injecting test double).
+    Forked ranks inherit the registration; spawned ranks need it at import time."""
+    _extra[backend.name] = backend
+
+
 def available() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    return sorted({m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")} | set(_extra))
 
 
 def get_backend(name: str) -> Backend:
+    if name in _extra:
+        return _extra[name]
     if name not in available():
         raise KeyError(f"unknown backend {name!r}; available: {available()}")
     module = importlib.import_module(f"{__name__}.{name}")

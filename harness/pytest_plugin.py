@@ -1,0 +1,104 @@
+"""pytest plugin: every case of matrices/*.yaml is a test item, marked `reshard`.
+
+    pytest -m reshard                 # every matrix case
+    pytest -m "reshard and smoke" -n 2
+    pytest matrices/smoke.yaml -k "tp2pp1dp1cp1->tp1pp2"
+
+xdist-safe: each item runs its own worlds (ports bound by the OS, its own scratch dir).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.matrix import KNOWN_MARKERS, CaseSpec, MatrixError, load_matrix
+from harness.result import CaseResult
+
+_MARKER_HELP = {
+    "reshard": "a ckpt-harness matrix case (save -> reshard -> reload)",
+    "smoke": "in the CPU smoke matrix",
+    "optimizer": "checks optimizer state",
+    "resume": "checks training resume",
+    "refusal": "a load that must refuse cleanly",
+    "hf": "Megatron-Bridge HF export/import",
+    "peft": "Megatron-Bridge HF PEFT adapters",
+    "cp": "uses context parallelism",
+    "tied": "tied embeddings",
+}
+
+
+class CaseFailure(Exception):
+    def __init__(self, result: CaseResult):
+        super().__init__(result.failure_text())
+        self.result = result
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("ckpt-harness")
+    group.addoption("--ckpt-dist-backend", default="auto", choices=("auto", "gloo", "nccl"))
+    group.addoption("--ckpt-workdir", default=None, help="parent of per-case scratch dirs")
+    group.addoption("--ckpt-keep", action="store_true", help="keep checkpoints of each case")
+    group.addoption("--ckpt-report", default=None, help="write case results as JSON lines to DIR")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name in sorted(KNOWN_MARKERS | {"reshard"}):
+        config.addinivalue_line("markers", f"{name}: {_MARKER_HELP.get(name, 'ckpt-harness tier')}")
+
+
+def pytest_collect_file(parent: pytest.Collector, file_path: Path):
+    if file_path.suffix in (".yaml", ".yml") and file_path.parent.name == "matrices":
+        return MatrixFile.from_parent(parent, path=file_path)
+    return None
+
+
+class MatrixFile(pytest.File):
+    def collect(self):
+        try:
+            matrix = load_matrix(self.path)
+        except MatrixError as exc:
+            raise self.CollectError(str(exc)) from None
+        for spec in matrix.cases:
+            item = CaseItem.from_parent(self, name=spec.id, spec=spec)
+            for marker in ("reshard", *spec.markers):
+                item.add_marker(marker)
+            yield item
+
+
+class CaseItem(pytest.Item):
+    def __init__(self, *, spec: CaseSpec, **kwargs):
+        super().__init__(**kwargs)
+        self.spec = spec
+
+    def runtest(self) -> None:
+        from harness.runner import RunOptions, run_case
+
+        cfg = self.config
+        options = RunOptions(
+            dist_backend=cfg.getoption("--ckpt-dist-backend"),
+            workdir=cfg.getoption("--ckpt-workdir"),
+            keep=cfg.getoption("--ckpt-keep"),
+        )
+        result = run_case(self.spec, options)
+        self.user_properties.append(("ckpt_status", result.status))
+        report_dir = cfg.getoption("--ckpt-report")
+        if report_dir:
+            worker = getattr(cfg, "workerinput", {}).get("workerid", "main")
+            Path(report_dir).mkdir(parents=True, exist_ok=True)
+            with open(Path(report_dir) / f"results-{worker}.jsonl", "a") as f:
+                f.write(json.dumps(result.to_dict(), default=str) + "\n")
+        if result.status == "xfailed":
+            pytest.xfail(f"{result.xfail_reason}")
+        if result.status != "passed":
+            raise CaseFailure(result)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, CaseFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style=style)
+
+    def reportinfo(self):
+        return self.path, None, self.spec.id

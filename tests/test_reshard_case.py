@@ -1,0 +1,141 @@
+"""End to end: the reshard-weights case passes on a good backend and fails, naming the key and
+the topology pair, when one bit of one tensor goes wrong on the way."""
+
+import json
+
+import pytest
+import torch
+
+from harness.backends import register
+from harness.backends.mcore_dist import McoreDist
+from harness.cli import main
+from harness.matrix import CaseSpec
+from harness.runner import run_case
+from harness.topology import Topology
+
+
+def _flip_first_bit(model) -> str:
+    name, param = next(iter(model.named_parameters()))
+    with torch.no_grad():
+        param.data.view(-1).view(torch.int32)[0] ^= 1
+    return name
+
+
+class CorruptAfterLoad(McoreDist):
+    name = "test_corrupt_load"
+
+    def load(self, ctx, model, directory):
+        super().load(ctx, model, directory)
+        if ctx.rank == 0:
+            _flip_first_bit(model)
+
+
+class CorruptBeforeSave(McoreDist):
+    name = "test_corrupt_save"
+
+    def save(self, ctx, model, directory):
+        if ctx.rank == 0 and not directory.name.endswith("resaved"):
+            _flip_first_bit(model)
+        super().save(ctx, model, directory)
+
+
+class NoopLoad(McoreDist):
+    name = "test_noop_load"
+
+    def load(self, ctx, model, directory):
+        pass
+
+
+class RaisingLoad(McoreDist):
+    name = "test_raising_load"
+
+    def load(self, ctx, model, directory):
+        raise RuntimeError("simulated upstream defect")
+
+
+for b in (CorruptAfterLoad(), CorruptBeforeSave(), NoopLoad(), RaisingLoad()):
+    register(b)
+
+
+def _spec(backend="mcore_dist", src="tp2pp1", dst="tp1pp2", xfail=None, model="gpt-gqa"):
+    return CaseSpec("reshard-weights", model, backend, Topology.parse(src), Topology.parse(dst), xfail=xfail, timeout_s=120)
+
+
+def _checks(result):
+    return {c.name: c.status for c in result.checks}
+
+
+def test_good_backend_passes_every_check():
+    r = run_case(_spec())
+    assert r.status == "passed", r.failure_text()
+    assert _checks(r) == dict.fromkeys(
+        ["source-canonical", "checkpoint-canonical", "loaded-canonical", "resave-plain", "logits"], "passed"
+    )
+    assert r.check("logits").tolerance.startswith("atol=")  # TP changed: named tolerance
+    assert {"save", "load", "read", "compare", "total"} <= set(r.phases)
+
+
+def test_one_bit_flipped_after_load_fails_naming_key_and_pair():
+    r = run_case(_spec("test_corrupt_load"))
+    assert r.status == "failed"
+    assert _checks(r)["loaded-canonical"] == "failed"
+    assert _checks(r)["resave-plain"] == "failed"
+    (m,) = r.check("loaded-canonical").mismatches
+    assert m.key == "embedding.word_embeddings.weight" and m.kind == "value"
+    assert m.actual == "tp1pp2dp1cp1" and m.max_abs_diff > 0
+    assert "tp2pp1dp1cp1" in r.check("resave-plain").mismatches[0].expected
+    assert "embedding.word_embeddings.weight" in r.failure_text()
+
+
+def test_one_bit_flipped_before_save_fails_the_checkpoint_check():
+    r = run_case(_spec("test_corrupt_save", src="pp2", dst="tp2"))
+    assert r.status == "failed"
+    assert _checks(r)["checkpoint-canonical"] == "failed"
+    assert _checks(r)["loaded-canonical"] == "failed"
+
+
+def test_a_load_that_does_nothing_is_caught():
+    r = run_case(_spec("test_noop_load", src="tp1", dst="tp1"))
+    assert r.status == "failed"
+    assert _checks(r)["loaded-canonical"] == "failed" and _checks(r)["logits"] == "failed"
+
+
+def test_strict_xfail_semantics():
+    assert run_case(_spec("test_raising_load")).status == "error"
+    r = run_case(_spec("test_raising_load", xfail="upstream defect X"))
+    assert r.status == "xfailed" and "simulated upstream defect" in r.error
+    xpass = run_case(_spec("mcore_dist", src="tp1", dst="tp1", xfail="upstream defect X"))
+    assert xpass.status == "failed" and "XPASS(strict)" in xpass.error
+
+
+def test_cp_logits_are_reported_not_run_with_reason():
+    r = run_case(_spec(src="cp2", dst="tp2", model="gpt-tied"))
+    assert r.status == "passed", r.failure_text()
+    assert r.check("logits").status == "not-run" and "Transformer-Engine" in r.check("logits").detail
+
+
+def test_cli_writes_results_and_exit_codes(tmp_path, capsys):
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(
+        "name: t\nentries:\n"
+        "  - {case: reshard-weights, models: [gpt-gqa], backends: [mcore_dist, test_corrupt_load], pairs: ['tp2 -> tp1']}\n"
+    )
+    assert main(["run", str(matrix), "--report", str(tmp_path / "rep"), "-k", "[mcore_dist-"]) == 0
+    assert main(["run", str(matrix), "--report", str(tmp_path / "rep")]) == 1
+    doc = json.loads((tmp_path / "rep" / "results.json").read_text())
+    by_backend = {r["backend"]: r for r in doc["results"]}
+    bad = by_backend["test_corrupt_load"]
+    assert bad["status"] == "failed" and bad["source"] == "tp2pp1dp1cp1" and bad["target"] == "tp1pp1dp1cp1"
+    assert bad["mismatches"] and bad["mismatches"][0]["key"] and bad["mismatches"][0]["max_abs_diff"] > 0
+    assert by_backend["mcore_dist"]["status"] == "passed" and by_backend["mcore_dist"]["phases"]["save"] > 0
+    assert doc["summary"] == {"passed": 1, "failed": 1, "error": 0, "xfailed": 0}
+    assert doc["versions"]["megatron-core"] == "0.19.2"
+    out = capsys.readouterr().out
+    assert "1 passed" in out and "1 failed" in out
+
+
+def test_cli_reports_matrix_errors_and_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> pp3']}]")
+    assert main(["run", str(bad)]) == 2
+    assert "pp3" in capsys.readouterr().err

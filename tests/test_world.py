@@ -1,0 +1,104 @@
+"""The launcher: results in rank order, failures carry the rank's traceback, nothing left behind."""
+
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.world import WorldError, WorldTimeout, choose_backend, launch
+
+
+def _sum_ranks(ctx, scale):
+    t = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(t)
+    return {"rank": ctx.rank, "world": ctx.world_size, "sum": float(t) * scale, "device": str(ctx.device)}
+
+
+def _raise_on_rank1(ctx, _):
+    if ctx.rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()  # rank 0 would wait forever without the launcher tearing the world down
+
+
+def _sleep_forever(ctx, _):
+    time.sleep(3600)
+
+
+def _hang_on_rank1(ctx, _):
+    if ctx.rank == 1:
+        time.sleep(3600)
+    dist.barrier()
+
+
+def _grandchild_then_raise(ctx, _):
+    p = subprocess.Popen(["sleep", "600"])
+    (ctx.workdir / f"grandchild{ctx.rank}.pid").write_text(str(p.pid))
+    raise RuntimeError("rank left a child behind")
+
+
+def _no_children_left():
+    return psutil.Process().children(recursive=True) == []
+
+
+def _errorfiles():
+    return set(Path(tempfile.gettempdir()).glob("pytorch-errorfile-*"))
+
+
+def test_results_come_back_in_rank_order(tmp_path):
+    out = launch(_sum_ranks, 2.0, 3, tmp_path, timeout_s=60)
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    assert all(o["world"] == 3 and o["sum"] == 6.0 and o["device"] == "cpu" for o in out)
+    assert list(tmp_path.iterdir()) == []  # result files are consumed
+    assert _no_children_left()
+
+
+def test_a_rank_that_raises_fails_the_world_with_its_traceback(tmp_path):
+    before = _errorfiles()
+    start = time.monotonic()
+    with pytest.raises(WorldError) as exc:
+        launch(_raise_on_rank1, None, 2, tmp_path, timeout_s=60)
+    assert exc.value.rank == 1
+    assert "boom on rank 1" in str(exc.value) and "_raise_on_rank1" in exc.value.rank_traceback
+    assert time.monotonic() - start < 30
+    assert _no_children_left()
+    assert _errorfiles() <= before
+
+
+def test_a_hung_world_is_killed_at_the_timeout(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WorldTimeout, match="still running after 3s"):
+        launch(_sleep_forever, None, 2, tmp_path, timeout_s=3)
+    assert time.monotonic() - start < 15
+    assert _no_children_left()
+
+
+def test_one_hung_rank_ends_the_world_with_a_clear_error(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WorldError) as exc:
+        launch(_hang_on_rank1, None, 2, tmp_path, timeout_s=4)
+    # either rank 0's collective times out first, or the launcher's deadline does
+    assert "rank 0" in str(exc.value) or "still running" in str(exc.value)
+    assert time.monotonic() - start < 20
+    assert _no_children_left()
+
+
+def test_processes_started_by_a_rank_are_killed(tmp_path):
+    with pytest.raises(WorldError, match="rank left a child behind"):
+        launch(_grandchild_then_raise, None, 1, tmp_path, timeout_s=30)
+    pid = int((tmp_path / "grandchild0.pid").read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_backend_choice_on_this_machine():
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("GPU box: auto picks nccl here")
+    assert choose_backend(2) == "gloo"
+    with pytest.raises(WorldError, match="nccl requested for 2 ranks"):
+        choose_backend(2, "nccl")
+    with pytest.raises(ValueError):
+        choose_backend(2, "mpi")

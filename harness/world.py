@@ -128,6 +128,12 @@ def _mp_entry(local_rank: int, spec: _WorldSpec) -> None:
     _rank_body(spec, local_rank, local_rank)
 
 
+def _states(ctx) -> str:
+    return ", ".join(
+        f"rank {r}: " + ("running" if p.exitcode is None else f"exit {p.exitcode}") for r, p in enumerate(ctx.processes)
+    )
+
+
 def _descendants(pids: list[int]) -> set[psutil.Process]:
     found: set[psutil.Process] = set()
     for pid in pids:
@@ -189,8 +195,14 @@ def launch(
                 ) from None
             except tmp.ProcessExitedException as exc:
                 raise WorldError(f"rank {exc.error_index} of {world_size} died: {exc}", rank=exc.error_index) from None
+            early = [r for r, p in enumerate(ctx.processes) if p.exitcode == 0 and not _result_path(workdir, r).exists()]
+            if early:
+                # torch's _wrap turns SIGINT (its parent-death signal) into a silent exit 0.
+                raise WorldError(f"rank(s) {early} of {world_size} exited without a result ({_states(ctx)})", rank=early[0])
             if time.monotonic() > deadline:
-                raise WorldTimeout(f"world of {world_size} rank(s) still running after {timeout_s:.0f}s; killed")
+                raise WorldTimeout(
+                    f"world of {world_size} rank(s) still running after {timeout_s:.0f}s; killed ({_states(ctx)})"
+                )
     finally:
         seen |= _descendants(pids)
         for p in ctx.processes:

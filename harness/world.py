@@ -108,13 +108,12 @@ def _rank_body(spec: _WorldSpec, rank: int, local_rank: int) -> None:
         dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout)
     else:  # torchrun/srun: MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE
         dist.init_process_group(spec.backend, init_method="env://", rank=rank, world_size=spec.world_size, timeout=timeout)
-    try:
-        ctx = RankContext(rank, spec.world_size, local_rank, spec.backend, Path(spec.workdir), device)
-        result = spec.fn(ctx, spec.arg)
-        torch.save(result, _result_path(spec.workdir, rank))
-    finally:
-        compat.teardown_parallel_state()
-        dist.destroy_process_group()
+    ctx = RankContext(rank, spec.world_size, local_rank, spec.backend, Path(spec.workdir), device)
+    result = spec.fn(ctx, spec.arg)
+    torch.save(result, _result_path(spec.workdir, rank))
+    # Only on success: after an exception, teardown would block on peers; the process just exits.
+    compat.teardown_parallel_state()
+    dist.destroy_process_group()
 
 
 def _mp_entry(local_rank: int, spec: _WorldSpec) -> None:
@@ -126,6 +125,20 @@ def _mp_entry(local_rank: int, spec: _WorldSpec) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(spec.world_size))
     _rank_body(spec, local_rank, local_rank)
+
+
+def _first_failure(error_files: list[str], world_size: int) -> WorldError:
+    """The rank that failed first is the cause; peers then fail in their collectives."""
+    failed = []
+    for rank, f in enumerate(error_files):
+        path = Path(f)
+        if path.exists():
+            with open(path, "rb") as fh:
+                failed.append((path.stat().st_mtime_ns, rank, pickle.load(fh)))
+    failed.sort()
+    _, rank, tb = failed[0]
+    others = "".join(f"\n(then rank {r} failed: {t.strip().splitlines()[-1]})" for _, r, t in failed[1:])
+    return WorldError(f"rank {rank} of {world_size} raised:\n{tb}{others}", rank=rank, rank_traceback=tb)
 
 
 def _states(ctx) -> str:
@@ -186,13 +199,8 @@ def launch(
             try:
                 if ctx.join(timeout=0.25, grace_period=2.0):
                     break
-            except tmp.ProcessRaisedException as exc:
-                body = str(exc).split("terminated with the following error:\n", 1)[-1]
-                raise WorldError(
-                    f"rank {exc.error_index} of {world_size} raised:\n{body}",
-                    rank=exc.error_index,
-                    rank_traceback=body,
-                ) from None
+            except tmp.ProcessRaisedException:
+                raise _first_failure(ctx.error_files, world_size) from None
             except tmp.ProcessExitedException as exc:
                 raise WorldError(f"rank {exc.error_index} of {world_size} died: {exc}", rank=exc.error_index) from None
             early = [r for r, p in enumerate(ctx.processes) if p.exitcode == 0 and not _result_path(workdir, r).exists()]

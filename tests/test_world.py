@@ -10,7 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.models import preload
 from harness.world import WorldError, WorldTimeout, choose_backend, launch
+
+preload()  # as the runner does: ranks fork from a parent that already imported megatron-core
 
 
 def _sum_ranks(ctx, scale):

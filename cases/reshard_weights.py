@@ -24,6 +24,7 @@ from harness import models
 from harness.backends import get_backend
 from harness.case import Case, RunEnv, timed
 from harness.matrix import CaseSpec
+from harness.memory import track
 from harness.models import ModelSpec
 from harness.parity import Tolerance, assemble, compare_state, compare_tensors, max_abs_diff
 from harness.result import CaseResult, Check
@@ -58,18 +59,24 @@ def _rank_phase(ctx: RankContext, p: _Phase) -> dict[str, Any]:
     backend = get_backend(p.backend)
     models.init_parallel(p.topo)
     model = models.build_gpt(p.model, p.topo)
+    memory = {}
     if p.load_from is None:
         models.fill_canonical(model, p.model)
     else:
         models.fill_canonical(model, p.model.with_seed(p.model.seed + DECOY_SEED_OFFSET))
-        backend.load(ctx, model, Path(p.load_from))
+        with track("load") as memory["load"]:
+            backend.load(ctx, model, Path(p.load_from))
+    shards = models.local_shards(model)
     out = {
-        "shards": models.local_shards(model),
+        "shards": shards,
         "logits": models.forward_logits(model, p.model, ctx.device) if p.logits else None,
         "compat": compat.installed(),
+        "shard_bytes": sum(s.data.numel() * s.data.element_size() for s in shards),
     }
     if p.save_to is not None:
-        backend.save(ctx, model, Path(p.save_to))
+        with track("save") as memory["save"]:
+            backend.save(ctx, model, Path(p.save_to))
+    out["memory"] = {k: v.to_dict() for k, v in memory.items()}
     return out
 
 
@@ -85,6 +92,14 @@ def _logits_of(outs: list[dict[str, Any]]) -> tuple[torch.Tensor | None, bool]:
     if not found:
         return None, True
     return found[0], all(torch.equal(found[0].view(torch.uint8), f.view(torch.uint8)) for f in found[1:])
+
+
+def record_memory(result: CaseResult, world: str, outs: list[dict[str, Any]]) -> None:
+    """result.memory[phase][rank] for every tracked phase of this world ("save" world: save)."""
+    for rank, o in enumerate(outs):
+        for phase, m in o.get("memory", {}).items():
+            key = phase if world == phase else f"{world}:{phase}"
+            result.memory.setdefault(key, {})[str(rank)] = {**m, "shard_bytes": o.get("shard_bytes", 0)}
 
 
 def state_check(name: str, mismatches: list, detail_ok: str, tolerance: str = "bitwise") -> Check:
@@ -111,6 +126,8 @@ class ReshardWeights(Case):
         )
         plain = env.launch(result, "read", _rank_read, (spec.backend, [str(ckpt_a), str(ckpt_b)]), 1)[0]
         result.compat_shims = saved[0]["compat"]
+        record_memory(result, "save", saved)
+        record_memory(result, "load", loaded)
 
         with timed(result, "compare"):
             src_full, src_problems = assemble((s for o in saved for s in o["shards"]), src.id)

@@ -14,6 +14,7 @@ A matrix file:
         expect: pass | refuse
         xfail: "why (strict: an unexpected pass fails the case)"
         markers: [optimizer]
+        memory_budgets: [{phase: save, rank: 0, max_peak_delta_mib: 512}]  # or max_peak_delta_x_shard
 
 Every problem names the file, the entry and the key, and the whole file is checked before any
 case runs.
@@ -28,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from harness.memory import Budget
 from harness.topology import Topology, TopologyError
 
 KNOWN_MARKERS = frozenset(
@@ -35,7 +37,10 @@ KNOWN_MARKERS = frozenset(
 )
 _TOP_KEYS = {"name", "description", "defaults", "entries"}
 _DEFAULT_KEYS = {"backends", "timeout_s", "max_world_size", "markers"}
-_ENTRY_KEYS = {"case", "models", "backends", "pairs", "cross", "axes", "options", "expect", "xfail", "markers", "timeout_s", "id"}
+_ENTRY_KEYS = {
+    "case", "models", "backends", "pairs", "cross", "axes", "options", "expect", "xfail", "markers", "timeout_s",
+    "memory_budgets",
+}
 
 
 class MatrixError(ValueError):
@@ -55,6 +60,7 @@ class CaseSpec:
     xfail: str | None = None
     markers: tuple[str, ...] = ()
     timeout_s: float = 300.0
+    budgets: tuple[Budget, ...] = ()
     origin: str = ""  # file:entry, for messages
 
     @property
@@ -190,6 +196,13 @@ def load_matrix(path: str | Path) -> Matrix:
         for name, values in axes.items():
             if not isinstance(values, list) or not values:
                 raise MatrixError(f"{where}.axes.{name}: expected a non-empty list of values")
+        try:
+            budgets = tuple(
+                Budget.parse(b, f"{where}.memory_budgets[{j}]")
+                for j, b in enumerate(_as_list(entry.get("memory_budgets"), f"{where}.memory_budgets"))
+            )
+        except (TypeError, ValueError) as exc:
+            raise MatrixError(str(exc)) from None
         axis_names = tuple(axes)
         timeout_s = float(entry.get("timeout_s", defaults.get("timeout_s", 300)))
         for combo in itertools.product(*(axes[a] for a in axis_names)) if axis_names else [()]:
@@ -198,7 +211,7 @@ def load_matrix(path: str | Path) -> Matrix:
                 spec = CaseSpec(
                     case=entry["case"], model=model, backend=backend, source=src, target=dst,
                     options=tuple(sorted(opts.items())), axes=axis_names, expect=expect, xfail=xfail,
-                    markers=markers, timeout_s=timeout_s, origin=where,
+                    markers=markers, timeout_s=timeout_s, budgets=budgets, origin=where,
                 )
                 for topo in (src, dst):
                     try:

@@ -76,9 +76,12 @@ def table(results: list[CaseResult], title: str) -> Table:
     t.add_column("checks")
     t.add_column("logits |Δ|", justify="right")
     t.add_column("save/load/total s", justify="right")
+    t.add_column("rank0 save ΔRSS MiB", justify="right")
     for r in results:
         times = "/".join(f"{r.phases.get(p, 0):.1f}" for p in ("save", "load", "total"))
-        t.add_row(escape(r.id), f"[{_STYLE.get(r.status, '')}]{r.status}[/]", _checks_cell(r), _diff_cell(r), times)
+        save0 = r.memory.get("save", {}).get("0")
+        mem = f"{save0['peak_delta'] / 2**20:.1f}" if save0 else "-"
+        t.add_row(escape(r.id), f"[{_STYLE.get(r.status, '')}]{r.status}[/]", _checks_cell(r), _diff_cell(r), times, mem)
     return t
 
 

@@ -11,7 +11,8 @@ from typing import Callable, Iterable
 
 from harness.case import RunEnv
 from harness.matrix import CaseSpec
-from harness.result import CaseResult
+from harness.memory import MiB, PhaseMemory
+from harness.result import CaseResult, Check
 from harness.world import WorldError
 
 
@@ -24,6 +25,22 @@ class RunOptions:
 
 def _case_dirname(case_id: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in case_id)
+
+
+def budget_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
+    """One check per memory budget of the matrix entry, against what the case measured."""
+    checks = []
+    for b in spec.budgets:
+        m = result.memory.get(b.phase, {}).get(str(b.rank))
+        name = f"memory-budget:{b.phase}@rank{b.rank}"
+        if m is None:
+            checks.append(Check(name, "failed", f"the case measured no {b.phase!r} phase on rank {b.rank}"))
+            continue
+        fields = {k: v for k, v in m.items() if k in PhaseMemory.__dataclass_fields__}
+        violation = b.violation(PhaseMemory(**fields), m.get("shard_bytes", 0))
+        delta = m["peak_delta"] / MiB
+        checks.append(Check(name, "failed" if violation else "passed", violation or f"peak RSS delta {delta:.1f} MiB", tolerance="budget"))
+    return checks
 
 
 def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
@@ -44,6 +61,7 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     start = time.perf_counter()
     try:
         get_case(spec.case).run(spec, env, result)
+        result.checks.extend(budget_checks(spec, result))
         result.status = "failed" if result.failed_checks else "passed"
     except WorldError as exc:
         result.status = "error"

@@ -57,6 +57,8 @@ def test_pairs_and_cross_product_expand(tmp_path):
         ("entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2', 'tp1 -> tp2']}]", "already defined by"),
         ("defaults: {max_world_size: 2}\nentries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp4']}]", "exceeds the 2 ranks"),
         ("entries: [{case: reshard-weights\n", "not valid YAML"),
+        ("entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2'], memory_budgets: [{rank: 0}]}]", "memory_budgets[0]: a memory budget is"),
+        ("entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2'], memory_budgets: [{phase: save}]}]", "sets no limit"),
     ],
 )
 def test_bad_matrices_name_file_entry_and_key(tmp_path, body, message):

@@ -139,3 +139,18 @@ def test_cli_reports_matrix_errors_and_exit_2(tmp_path, capsys):
     bad.write_text("entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> pp3']}]")
     assert main(["run", str(bad)]) == 2
     assert "pp3" in capsys.readouterr().err
+
+
+def test_memory_is_recorded_per_phase_and_rank_and_budgets_fail_with_numbers():
+    from harness.memory import Budget
+
+    ok = run_case(_spec(src="tp2", dst="pp2"))
+    assert set(ok.memory) >= {"save", "load"} and set(ok.memory["save"]) == {"0", "1"}
+    assert ok.memory["save"]["0"]["shard_bytes"] > 0 and ok.memory["save"]["0"]["samples"] >= 1
+    import dataclasses
+
+    tight = dataclasses.replace(_spec(src="tp2", dst="pp2"), budgets=(Budget("save", 0, max_peak_delta_mib=-1.0),))
+    r = run_case(tight)
+    assert r.status == "failed"
+    (c,) = [c for c in r.checks if c.name.startswith("memory-budget")]
+    assert c.status == "failed" and "MiB > budget -1.0 MiB" in c.detail

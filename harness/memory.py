@@ -1,0 +1,136 @@
+"""Host memory per rank and per phase: what a save or load costs on top of what the rank holds.
+
+A background thread samples RSS (every `interval_s`) and USS (every 10th sample: it costs ~0.4 ms)
+with psutil. The kernel's own high-water mark (VmHWM, reset at phase start through
+/proc/self/clear_refs where Linux allows it) catches spikes between samples; the reported peak is
+the larger of the two, and both are kept so a report can show how well the sampler saw the phase.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+
+MiB = 1024 * 1024
+
+
+def _kernel_hwm() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_kernel_hwm() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class PhaseMemory:
+    phase: str
+    baseline_rss: int = 0
+    peak_rss: int = 0  # max(sampled, kernel HWM when it was reset at phase start)
+    sampled_peak_rss: int = 0
+    kernel_hwm: int | None = None  # None when VmHWM could not be reset for this phase
+    baseline_uss: int | None = None
+    peak_uss: int | None = None
+    samples: int = 0
+    seconds: float = 0.0
+
+    @property
+    def peak_delta(self) -> int:
+        """What the phase added on top of what the rank held when it started."""
+        return self.peak_rss - self.baseline_rss
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["peak_delta"] = self.peak_delta
+        return d
+
+
+@contextmanager
+def track(phase: str, interval_s: float = 0.005) -> Iterator[PhaseMemory]:
+    """Measure this process during the `with` block."""
+    proc = psutil.Process()
+    m = PhaseMemory(phase)
+    hwm_reset = _reset_kernel_hwm()
+    m.baseline_rss = proc.memory_info().rss
+    try:
+        m.baseline_uss = proc.memory_full_info().uss
+    except (psutil.AccessDenied, AttributeError):
+        m.baseline_uss = None
+    m.sampled_peak_rss, m.peak_uss = m.baseline_rss, m.baseline_uss
+    stop = threading.Event()
+
+    def sample() -> None:
+        n = 0
+        while not stop.is_set():
+            rss = proc.memory_info().rss
+            m.sampled_peak_rss = max(m.sampled_peak_rss, rss)
+            if m.peak_uss is not None and n % 10 == 0:
+                m.peak_uss = max(m.peak_uss, proc.memory_full_info().uss)
+            n += 1
+            m.samples = n
+            stop.wait(interval_s)
+
+    thread = threading.Thread(target=sample, name=f"mem-{phase}", daemon=True)
+    start = time.perf_counter()
+    thread.start()
+    try:
+        yield m
+    finally:
+        stop.set()
+        thread.join()
+        m.seconds = round(time.perf_counter() - start, 3)
+        m.sampled_peak_rss = max(m.sampled_peak_rss, proc.memory_info().rss)
+        m.kernel_hwm = _kernel_hwm() if hwm_reset else None
+        m.peak_rss = max(m.sampled_peak_rss, m.kernel_hwm or 0)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A limit on one phase of one rank: absolute MiB over baseline, or a multiple of shard bytes."""
+
+    phase: str
+    rank: int = 0
+    max_peak_delta_mib: float | None = None
+    max_peak_delta_x_shard: float | None = None
+
+    @classmethod
+    def parse(cls, raw: dict, where: str) -> "Budget":
+        allowed = {"phase", "rank", "max_peak_delta_mib", "max_peak_delta_x_shard"}
+        if not isinstance(raw, dict) or set(raw) - allowed or "phase" not in raw:
+            raise ValueError(f"{where}: a memory budget is {{phase, rank?, max_peak_delta_mib? | max_peak_delta_x_shard?}}, got {raw!r}")
+        b = cls(**raw)
+        if b.max_peak_delta_mib is None and b.max_peak_delta_x_shard is None:
+            raise ValueError(f"{where}: budget for phase {b.phase!r} sets no limit")
+        return b
+
+    def violation(self, m: PhaseMemory, shard_bytes: int) -> str | None:
+        delta_mib = m.peak_delta / MiB
+        if self.max_peak_delta_mib is not None and delta_mib > self.max_peak_delta_mib:
+            return (
+                f"rank {self.rank} {self.phase}: peak RSS delta {delta_mib:.1f} MiB > budget "
+                f"{self.max_peak_delta_mib:.1f} MiB (baseline {m.baseline_rss / MiB:.1f} MiB, peak {m.peak_rss / MiB:.1f} MiB)"
+            )
+        if self.max_peak_delta_x_shard is not None and shard_bytes > 0:
+            ratio = m.peak_delta / shard_bytes
+            if ratio > self.max_peak_delta_x_shard:
+                return (
+                    f"rank {self.rank} {self.phase}: peak RSS delta {delta_mib:.1f} MiB = {ratio:.2f} x its "
+                    f"shard ({shard_bytes / MiB:.1f} MiB) > budget {self.max_peak_delta_x_shard:g} x"
+                )
+        return None

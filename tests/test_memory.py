@@ -1,0 +1,30 @@
+"""The memory tracker sees an allocation it is shown, and budgets fail with the numbers."""
+
+import numpy as np
+
+from harness.memory import MiB, Budget, PhaseMemory, track
+
+
+def test_tracker_sees_a_200_mib_allocation():
+    with track("alloc") as m:
+        block = np.ones(200 * MiB, dtype=np.uint8)  # touched pages
+        del block
+    assert m.peak_delta >= 190 * MiB
+    assert m.samples >= 1
+    assert m.kernel_hwm is None or m.kernel_hwm >= m.baseline_rss
+
+
+def test_tracker_reports_little_for_no_work():
+    with track("idle") as m:
+        pass
+    assert m.peak_delta < 50 * MiB
+
+
+def test_budgets_fail_with_numbers():
+    m = PhaseMemory("save", baseline_rss=100 * MiB, peak_rss=400 * MiB)
+    v = Budget("save", 0, max_peak_delta_mib=200).violation(m, shard_bytes=0)
+    assert v and "300.0 MiB > budget 200.0 MiB" in v and "rank 0 save" in v
+    assert Budget("save", 0, max_peak_delta_mib=400).violation(m, 0) is None
+    v = Budget("save", 0, max_peak_delta_x_shard=2).violation(m, shard_bytes=100 * MiB)
+    assert v and "3.00 x its shard" in v
+    assert Budget("save", 0, max_peak_delta_x_shard=4).violation(m, 100 * MiB) is None

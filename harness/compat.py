@@ -55,6 +55,52 @@ def _enter_cuda_to_cpu_mode() -> None:
         _mode.__enter__()
 
 
+_orig_type = torch.Tensor.type
+
+
+def _cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and not kwargs:
+        name = _orig_type(self)
+        return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+    return _orig_type(self, dtype, non_blocking, **kwargs)
+
+
+class _CpuStream:
+    """Stands in for torch.cuda.Stream: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+
+class _NoStreamContext:
+    def __init__(self, stream=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _patch_streams() -> None:
+    torch.cuda.current_stream = lambda device=None: _CpuStream()
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.stream = _NoStreamContext
+
+
 def _patch_results_queue() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -83,6 +129,18 @@ SHIMS: tuple[Shim, ...] = (
         "hard-coded device='cuda' tensors (state_dict_saver, pipeline schedules, optimizer "
         "grad-norm buffers) and pin_memory=True in rope utils",
         _enter_cuda_to_cpu_mode,
+    ),
+    Shim(
+        "Tensor.type() names CUDA types",
+        "DistributedOptimizer._build_model_and_main_param_groups, Float16OptimizerWithFloat16Params "
+        "and clip_grads accept only 'torch.cuda.*Tensor' type strings",
+        lambda: setattr(torch.Tensor, "type", _cuda_named_type),
+    ),
+    Shim(
+        "cuda streams",
+        "param_and_grad_buffer and DistributedDataParallel order grad reduction with "
+        "torch.cuda.current_stream()/Stream/stream()",
+        _patch_streams,
     ),
     Shim(
         "in-process write-results queue",

@@ -180,12 +180,11 @@ def build_gpt(spec: ModelSpec, topo: Topology, **config_overrides: Any):
     )
 
 
-def _expanded_sharded_state_dict(model) -> tuple[dict, dict]:
+def _expand(sharded: dict) -> tuple[dict, dict]:
     """(sharded state dict with factories applied, the factories) as dist_checkpointing sees them."""
     from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory, apply_factories
 
-    sharded = model.sharded_state_dict()
     factories, _ = extract_matching_values(sharded, lambda x: isinstance(x, ShardedTensorFactory))
     apply_factories(sharded)
     return sharded, factories
@@ -210,7 +209,7 @@ def fill_canonical(model, spec: ModelSpec) -> None:
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
 
-    sharded, factories = _expanded_sharded_state_dict(model)
+    sharded, factories = _expand(model.sharded_state_dict())
     cache: dict[str, torch.Tensor] = {}
 
     def to_plain(x):
@@ -227,11 +226,13 @@ def fill_canonical(model, spec: ModelSpec) -> None:
     model.load_state_dict(state, strict=True)
 
 
-def local_shards(model) -> list[Shard]:
-    """This rank's view of every checkpointed tensor: key, where it sits globally, its data."""
-    sharded, _ = _expanded_sharded_state_dict(model)
+def shards_of(sharded_tree: Any, keep=lambda sh: True) -> list[Shard]:
+    """Every ShardedTensor of a sharded state dict (factories applied) as a plain Shard."""
+    sharded, _ = _expand(sharded_tree)
     out = []
     for sh in _sharded_tensors(sharded):
+        if not keep(sh):
+            continue
         out.append(
             Shard(
                 key=sh.key,
@@ -242,6 +243,11 @@ def local_shards(model) -> list[Shard]:
             )
         )
     return out
+
+
+def local_shards(model) -> list[Shard]:
+    """This rank's view of every checkpointed model tensor: key, where it sits globally, its data."""
+    return shards_of(model.sharded_state_dict())
 
 
 def fixed_batch(spec: ModelSpec) -> dict[str, torch.Tensor]:

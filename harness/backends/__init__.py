@@ -19,8 +19,8 @@ from harness.world import RankContext
 
 class Backend(ABC):
     name: ClassVar[str]
-    #: What a reload promises: "bitwise", or a reason for a tolerance.
-    promise: ClassVar[str] = "bitwise"
+    #: Whether save_state/load_state take arbitrary sharded state (model + optimizer).
+    supports_training_state: ClassVar[bool] = False
 
     @abstractmethod
     def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
@@ -29,6 +29,12 @@ class Backend(ABC):
     @abstractmethod
     def load(self, ctx: RankContext, model: Any, directory: Path) -> None:
         """Collective: fill `model` (built for this world's topology) from `directory`."""
+
+    def save_state(self, ctx: RankContext, sharded_state: dict, directory: Path) -> None:
+        raise NotImplementedError(f"backend {self.name} cannot save training state")
+
+    def load_state(self, ctx: RankContext, sharded_state: dict, directory: Path) -> dict:
+        raise NotImplementedError(f"backend {self.name} cannot load training state")
 
     @abstractmethod
     def read_full(self, ctx: RankContext, directory: Path) -> dict[str, torch.Tensor]:

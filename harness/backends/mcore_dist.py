@@ -1,4 +1,9 @@
-"""megatron-core dist_checkpointing, `torch_dist` format (what verl and Megatron-LM save)."""
+"""megatron-core dist_checkpointing, `torch_dist` format (what verl and Megatron-LM save).
+
+Saves and loads any sharded state dict (model weights, or model + optimizer for training
+checkpoints); `load` is strict (RAISE_ALL): a key the model expects but the checkpoint lacks, or
+the reverse, is an error, never a silently kept initial value.
+"""
 
 from __future__ import annotations
 
@@ -14,23 +19,27 @@ from harness.world import RankContext
 
 class McoreDist(Backend):
     name = "mcore_dist"
+    supports_training_state = True
 
-    def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
+    def save_state(self, ctx: RankContext, sharded_state: dict, directory: Path) -> None:
         from megatron.core import dist_checkpointing
 
         if ctx.is_rank0:
             directory.mkdir(parents=True, exist_ok=False)  # dist_checkpointing expects it to exist
         dist.barrier()
-        dist_checkpointing.save(model.sharded_state_dict(), str(directory))
+        dist_checkpointing.save(sharded_state, str(directory))
 
-    def load(self, ctx: RankContext, model: Any, directory: Path) -> None:
+    def load_state(self, ctx: RankContext, sharded_state: dict, directory: Path) -> dict:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
-        # RAISE_ALL: a key the model expects but the checkpoint lacks (or the reverse) is an error,
-        # not a silently kept initial value.
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(directory), strict=StrictHandling.RAISE_ALL)
-        model.load_state_dict(state, strict=True)
+        return dist_checkpointing.load(sharded_state, str(directory), strict=StrictHandling.RAISE_ALL)
+
+    def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
+        self.save_state(ctx, model.sharded_state_dict(), directory)
+
+    def load(self, ctx: RankContext, model: Any, directory: Path) -> None:
+        model.load_state_dict(self.load_state(ctx, model.sharded_state_dict(), directory), strict=True)
 
     def read_full(self, ctx: RankContext, directory: Path) -> dict[str, torch.Tensor]:
         from megatron.core import dist_checkpointing

@@ -1,0 +1,222 @@
+"""Training state for optimizer and resume cases: megatron DDP + megatron optimizer (Adam).
+
+Data is synthetic and topology-independent: step s uses a global batch of GLOBAL_BATCH sequences
+drawn from (model seed, s); each DP rank takes its contiguous slice, one sequence per micro-batch,
+so every topology trains on exactly the same samples and the same global-mean loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from harness.models import ModelSpec, build_gpt, fill_canonical
+from harness.parity import Shard
+from harness.topology import Topology
+
+GLOBAL_BATCH = 4  # sequences per step: divisible by every DP size the matrices use (1, 2, 4)
+SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What a case asks of DDP and the optimizer; `propagation()` checks the built objects agree."""
+
+    use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = False
+    grad_reduce_in_fp32: bool = False
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+
+    @classmethod
+    def from_options(cls, opts: dict[str, Any]) -> "TrainConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in opts.items() if k in names})
+
+    @staticmethod
+    def option_names() -> set[str]:
+        return {f.name for f in fields(TrainConfig)}
+
+
+def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offset: int = 0):
+    """(ddp-wrapped model, optimizer) at this rank, weights = canonical (of seed + seed_offset)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    weights = spec.with_seed(spec.seed + seed_offset) if seed_offset else spec
+    model = build_gpt(spec, topo)
+    fill_canonical(model, weights)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        overlap_grad_reduce=cfg.overlap_grad_reduce,
+        grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
+    )
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        bf16=False,
+        fp16=False,
+        params_dtype=torch.float32,
+        clip_grad=1.0,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    return ddp, optimizer
+
+
+def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
+    """Asked vs actually used, for every knob the case set (the class of verl PR #5775)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = _leaf_optimizers(optimizer)
+    actual = {
+        "use_distributed_optimizer": (
+            ddp.ddp_config.use_distributed_optimizer
+            and all(isinstance(o, DistributedOptimizer) for o in inner)
+            and all(o.config.use_distributed_optimizer for o in inner)
+        ),
+        "overlap_grad_reduce": ddp.ddp_config.overlap_grad_reduce,
+        "grad_reduce_in_fp32": ddp.ddp_config.grad_reduce_in_fp32
+        and all(b.grad_dtype == torch.float32 for b in ddp.buffers),
+        "lr": inner[0].param_groups[0]["lr"] if inner else None,
+    }
+    # The optimizer must also see DDP's setting (a mismatch reduce-scatters into an optimizer
+    # that expects all-reduced grads, or the reverse).
+    if ddp.ddp_config.use_distributed_optimizer != any(isinstance(o, DistributedOptimizer) for o in inner):
+        actual["use_distributed_optimizer"] = "ddp and optimizer disagree"
+    asked = {
+        "use_distributed_optimizer": cfg.use_distributed_optimizer,
+        "overlap_grad_reduce": cfg.overlap_grad_reduce,
+        "grad_reduce_in_fp32": cfg.grad_reduce_in_fp32,
+        "lr": cfg.lr,
+    }
+    return [{"knob": k, "asked": asked[k], "actual": actual[k], "ok": asked[k] == actual[k]} for k in asked]
+
+
+def _leaf_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _batch(spec: ModelSpec, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(spec.seed * 1000 + step)
+    tokens = torch.randint(0, spec.vocab_size, (GLOBAL_BATCH, spec.seq_length + 1), generator=g)
+    positions = torch.arange(spec.seq_length).unsqueeze(0).expand(GLOBAL_BATCH, -1).contiguous()
+    mask = torch.triu(torch.ones(spec.seq_length, spec.seq_length, dtype=torch.bool), diagonal=1)[None, None]
+    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "position_ids": positions, "mask": mask}
+
+
+def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int) -> list[float | None]:
+    """Run `steps` optimizer steps; return the global-mean loss per step (None off the last stage)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    per_rank = GLOBAL_BATCH // dp
+    forward_backward = get_forward_backward_func()
+    losses: list[float | None] = []
+    ddp.train()
+    for step in range(first_step, first_step + steps):
+        b = _batch(spec, step)
+        rows = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        micro = [{k: (v[i : i + 1] if k != "mask" else v) for k, v in b.items()} for i in rows]
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(mb["input_ids"], mb["position_ids"], mb["mask"], labels=mb["labels"])
+
+            def loss_func(per_token):
+                loss = per_token.float().mean()
+                return loss, {"loss": loss.detach()}
+
+            return out, loss_func
+
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro),
+            model=[ddp],
+            num_microbatches=len(micro),
+            seq_length=spec.seq_length,
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        ok, _, _ = optimizer.step()
+        if not ok:
+            raise RuntimeError(f"optimizer step {step} was skipped (found inf/nan)")
+        if parallel_state.is_pipeline_last_stage():
+            local = torch.stack([r["loss"] for r in reports]).mean()
+            dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
+            losses.append(float(local) / dp)
+        else:
+            losses.append(None)
+    return losses
+
+
+def prime_optimizer_state(optimizer) -> None:
+    """Give a fresh torch Adam its state (step 0, zero moments), as a first step would.
+
+    megatron-core 0.19.2 with plain torch.optim.Adam (no Apex/TE): loading into a never-stepped
+    optimizer hits `assert len(steps) == 1` in DistributedOptimizer; primed state avoids it.
+    """
+    for opt in _leaf_optimizers(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state.get(p):
+                    inner.state[p] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
+
+
+def sharded_state(ddp, optimizer, sharding: str | None, mem_efficient: bool, is_loading: bool) -> dict:
+    """What a training checkpoint holds: model and (if sharding is given) optimizer."""
+    model_sd = ddp.module.sharded_state_dict()
+    state = {"model": model_sd}
+    if sharding is not None:
+        metadata = {
+            "distrib_optim_sharding_type": sharding,
+            "distrib_optim_fully_reshardable_mem_efficient": mem_efficient,
+            "chained_optim_avoid_prefix": True,
+        }
+        state["optimizer"] = optimizer.sharded_state_dict(ddp.module.sharded_state_dict(), is_loading=is_loading, metadata=metadata)
+    return state
+
+
+def optimizer_view(ddp, optimizer) -> tuple[list[Shard], list[float]]:
+    """The optimizer state in a topology-independent form: per model tensor key, the fp32 main
+    param, exp_avg and exp_avg_sq as shards of the full tensor (megatron's canonical model-space
+    representation, the one fully_reshardable saves), and the distinct step values it holds."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from harness.models import shards_of
+
+    steps: set[float] = set()
+    for opt in _leaf_optimizers(optimizer):
+        for group in opt.optimizer.param_groups:
+            if "step" in group:
+                steps.add(float(group["step"]))
+        for p_state in opt.optimizer.state.values():
+            if "step" in p_state:
+                steps.add(float(p_state["step"]))
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+    sd = optimizer.sharded_state_dict(ddp.module.sharded_state_dict(), is_loading=False, metadata=metadata)
+    shards = shards_of(sd, lambda sh: isinstance(sh, ShardedTensor) and sh.key.startswith("optimizer.state."))
+    return shards, sorted(steps)
+
+
+def rank_state_bytes(ddp, optimizer) -> int:
+    """Bytes of training state this rank holds (model shard + its optimizer state)."""
+    total = sum(t.numel() * t.element_size() for t in ddp.module.state_dict().values() if isinstance(t, torch.Tensor))
+    for opt in _leaf_optimizers(optimizer):
+        for st in opt.optimizer.state.values():
+            total += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
+    return total

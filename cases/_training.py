@@ -33,7 +33,12 @@ WORKAROUNDS = {
     "destination torch Adam state keys, 'step' included, but load_parameter_state_from_fully_reshardable "
     "leaves 'step' out of the source: KeyError 'step'; the harness passes step=None so the copy skips it",
 }
-DEFAULT_WORKAROUNDS = ("prime_adam", "load_no_grad", "fully_reshardable_step")
+WORKAROUNDS["unshare_adam_step"] = (
+    "megatron-core 0.19.2 DistributedOptimizer.load_state_dict without Apex/TE puts ONE step tensor in every "
+    "param's torch Adam state; Adam increments it once per param per step (3 -> 30 after one step with 27 "
+    "params), corrupting bias correction after every resume; the harness gives each param its own copy"
+)
+DEFAULT_WORKAROUNDS = ("prime_adam", "load_no_grad", "fully_reshardable_step", "unshare_adam_step")
 
 
 def _apply_fully_reshardable_step_workaround() -> None:
@@ -87,6 +92,8 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> dict[str, Any]:
             state = backend.load_state(ctx, sharded, Path(p.load_from))
             ddp.module.load_state_dict(state["model"], strict=True)
             optimizer.load_state_dict(state["optimizer"])
+        if "unshare_adam_step" in p.workarounds:
+            training.unshare_adam_step(optimizer)
     out["losses_before_save"] = training.train_steps(ddp, optimizer, p.model, step, p.steps_before_save)
     step += p.steps_before_save
     if "optimizer" in p.views:

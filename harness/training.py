@@ -42,7 +42,7 @@ class TrainConfig:
 
 def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offset: int = 0):
     """(ddp-wrapped model, optimizer) at this rank, weights = canonical (of seed + seed_offset)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     weights = spec.with_seed(spec.seed + seed_offset) if seed_offset else spec
@@ -65,6 +65,11 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
         clip_grad=1.0,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
+    # What Megatron-LM's training loop wires up: without finalize_model_grads the schedule never
+    # reduces gradients across DP (nor tied-embedding grads across PP stages).
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = ddp.no_sync
+    model.config.grad_scale_func = optimizer.scale_loss
     return ddp, optimizer
 
 
@@ -120,6 +125,7 @@ def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int) ->
     per_rank = GLOBAL_BATCH // dp
     forward_backward = get_forward_backward_func()
     losses: list[float | None] = []
+    grad_norms: list[float | None] = []
     ddp.train()
     for step in range(first_step, first_step + steps):
         b = _batch(spec, step)
@@ -132,7 +138,7 @@ def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int) ->
 
             def loss_func(per_token):
                 loss = per_token.float().mean()
-                return loss, {"loss": loss.detach()}
+                return loss, {"loss": loss.detach().clone()}  # the schedule divides `loss` in place
 
             return out, loss_func
 
@@ -147,7 +153,8 @@ def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int) ->
             micro_batch_size=1,
             forward_only=False,
         )
-        ok, _, _ = optimizer.step()
+        ok, grad_norm, _ = optimizer.step()
+        grad_norms.append(float(grad_norm) if grad_norm is not None else None)
         if not ok:
             raise RuntimeError(f"optimizer step {step} was skipped (found inf/nan)")
         if parallel_state.is_pipeline_last_stage():
@@ -177,6 +184,14 @@ def prime_optimizer_state(optimizer) -> None:
                     }
 
 
+def unshare_adam_step(optimizer) -> None:
+    """Give every param's Adam state its own step tensor (see cases._training.WORKAROUNDS)."""
+    for opt in _leaf_optimizers(optimizer):
+        for st in opt.optimizer.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
+
+
 def sharded_state(ddp, optimizer, sharding: str | None, mem_efficient: bool, is_loading: bool) -> dict:
     """What a training checkpoint holds: model and (if sharding is given) optimizer."""
     model_sd = ddp.module.sharded_state_dict()
@@ -191,15 +206,17 @@ def sharded_state(ddp, optimizer, sharding: str | None, mem_efficient: bool, is_
     return state
 
 
-def optimizer_view(ddp, optimizer) -> tuple[list[Shard], list[float]]:
+def optimizer_view(ddp, optimizer) -> tuple[list[Shard], dict[str, Any]]:
     """The optimizer state in a topology-independent form: per model tensor key, the fp32 main
     param, exp_avg and exp_avg_sq as shards of the full tensor (megatron's canonical model-space
-    representation, the one fully_reshardable saves), and the distinct step values it holds."""
+    representation, the one fully_reshardable saves), the distinct step values it holds, and how
+    many per-param Adam step tensors are aliases of another (each param must own its step)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from harness.models import shards_of
 
     steps: set[float] = set()
+    step_tensors: list[torch.Tensor] = []
     for opt in _leaf_optimizers(optimizer):
         for group in opt.optimizer.param_groups:
             if "step" in group:
@@ -207,10 +224,13 @@ def optimizer_view(ddp, optimizer) -> tuple[list[Shard], list[float]]:
         for p_state in opt.optimizer.state.values():
             if "step" in p_state:
                 steps.add(float(p_state["step"]))
+                if isinstance(p_state["step"], torch.Tensor):
+                    step_tensors.append(p_state["step"])
+    shared = len(step_tensors) - len({id(t) for t in step_tensors})
     metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
     sd = optimizer.sharded_state_dict(ddp.module.sharded_state_dict(), is_loading=False, metadata=metadata)
     shards = shards_of(sd, lambda sh: isinstance(sh, ShardedTensor) and sh.key.startswith("optimizer.state."))
-    return shards, sorted(steps)
+    return shards, {"values": sorted(steps), "shared_step_tensors": shared}
 
 
 def rank_state_bytes(ddp, optimizer) -> int:

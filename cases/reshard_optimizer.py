@@ -23,7 +23,7 @@ from harness.matrix import CaseSpec
 from harness.parity import assemble, compare_state
 from harness.result import CaseResult, Check
 from harness.training import SHARDING_TYPES, TrainConfig
-from harness.world import WorldError
+from harness.world import WorldError, exception_of
 
 _OWN_OPTIONS = {"sharding", "mem_efficient", "steps", "workarounds", "refuse_with"}
 
@@ -70,15 +70,21 @@ def propagation_check(*outs_by_side: tuple[str, list[dict]]) -> Check:
 
 def refusal_check(exc: WorldError | None, allowed: list[str], spec: CaseSpec) -> Check:
     change = f"{spec.source.id} -> {spec.target.id}"
+    meaning = ""
+    if spec.opts.get("sharding", "dp_reshardable") == "dp_reshardable" and (
+        (spec.source.tp, spec.source.pp) != (spec.target.tp, spec.target.pp)
+    ):
+        meaning = " (meaning: a dp_reshardable optimizer checkpoint can change DP only; a TP/PP change needs fully_reshardable)"
     if exc is None:
-        return Check("refusal", "failed", f"the load across {change} was expected to refuse but completed")
-    last = (exc.rank_traceback or str(exc)).strip().splitlines()[-1]
-    exc_type = last.split(":", 1)[0].rsplit(".", 1)[-1]
+        return Check("refusal", "failed", f"the load across {change} was expected to refuse but completed{meaning}")
+    exc_type, message = exception_of(exc.rank_traceback or str(exc))
+    first = message.splitlines()[0][:240] if message else ""
     if exc_type in allowed:
-        return Check("refusal", "passed", f"refused across {change}: {last[:300]}", tolerance="-")
+        return Check("refusal", "passed", f"refused across {change}: {exc_type}: {first}{meaning}", tolerance="-")
     return Check(
         "refusal", "failed",
-        f"refused across {change}, but with {last[:300]!r}: not one of {allowed}, so a user sees no clear reason",
+        f"refused across {change}, but with {exc_type or 'an unrecognised error'}: {first!r}; not one of {allowed}, "
+        "so a user gets no clear reason",
         tolerance="-",
     )
 

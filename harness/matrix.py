@@ -11,8 +11,9 @@ A matrix file:
         cross: {sources: [tp2], targets: [pp2, dp2]}     # optional cross product
         axes: {sharding: [dp_reshardable, fully_reshardable]}  # optional, crossed into options
         options: {steps: 3}                              # fixed case options
+        tag: no-workaround                               # optional id suffix
         expect: pass | refuse
-        xfail: "why (strict: an unexpected pass fails the case)"
+        xfail: "why (strict: an unexpected pass fails the case)"  # or {reason: ..., match: REGEX}
         markers: [optimizer]
         memory_budgets: [{phase: save, rank: 0, max_peak_delta_mib: 512}]  # or max_peak_delta_x_shard
 
@@ -23,6 +24,7 @@ case runs.
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ _TOP_KEYS = {"name", "description", "defaults", "entries"}
 _DEFAULT_KEYS = {"backends", "timeout_s", "max_world_size", "markers"}
 _ENTRY_KEYS = {
     "case", "models", "backends", "pairs", "cross", "axes", "options", "expect", "xfail", "markers", "timeout_s",
-    "memory_budgets",
+    "memory_budgets", "tag",
 }
 
 
@@ -56,8 +58,10 @@ class CaseSpec:
     target: Topology
     options: tuple[tuple[str, Any], ...] = ()
     axes: tuple[str, ...] = ()  # option names that vary in this entry (shown in the id)
+    tag: str = ""  # an entry's own suffix, to tell apart entries that differ only in fixed options
     expect: str = "pass"
     xfail: str | None = None
+    xfail_match: str | None = None  # the failure must match this regex to count as the expected one
     markers: tuple[str, ...] = ()
     timeout_s: float = 300.0
     budgets: tuple[Budget, ...] = ()
@@ -69,8 +73,9 @@ class CaseSpec:
 
     @property
     def id(self) -> str:
-        axes = "".join(f"-{self.opts[a]}" for a in self.axes)
-        return f"{self.case}[{self.backend}-{self.model}-{self.source.id}->{self.target.id}{axes}]"
+        axes = "".join(f"-{self.opts[a]}" if isinstance(self.opts[a], str) else f"-{a}={self.opts[a]}" for a in self.axes)
+        tag = f"-{self.tag}" if self.tag else ""
+        return f"{self.case}[{self.backend}-{self.model}-{self.source.id}->{self.target.id}{axes}{tag}]"
 
 
 @dataclass
@@ -180,7 +185,15 @@ def load_matrix(path: str | Path) -> Matrix:
         expect = entry.get("expect", "pass")
         if expect not in ("pass", "refuse"):
             raise MatrixError(f"{where}.expect: must be 'pass' or 'refuse', got {expect!r}")
-        xfail = entry.get("xfail")
+        xfail, xfail_match = entry.get("xfail"), None
+        if isinstance(xfail, dict):
+            if set(xfail) - {"reason", "match"} or "reason" not in xfail:
+                raise MatrixError(f"{where}.xfail: expected a reason string or {{reason: ..., match: REGEX}}")
+            xfail, xfail_match = xfail["reason"], xfail.get("match")
+            try:
+                re.compile(xfail_match or "")
+            except re.error as exc:
+                raise MatrixError(f"{where}.xfail.match: bad regex: {exc}") from None
         if xfail is not None and (not isinstance(xfail, str) or not xfail.strip()):
             raise MatrixError(f"{where}.xfail: give the reason (the upstream defect) as a string")
         markers = tuple(_as_list(defaults.get("markers"), f"{path}: defaults.markers")) + tuple(
@@ -210,8 +223,8 @@ def load_matrix(path: str | Path) -> Matrix:
             for model, backend, (src, dst) in itertools.product(models, backends, pairs):
                 spec = CaseSpec(
                     case=entry["case"], model=model, backend=backend, source=src, target=dst,
-                    options=tuple(sorted(opts.items())), axes=axis_names, expect=expect, xfail=xfail,
-                    markers=markers, timeout_s=timeout_s, budgets=budgets, origin=where,
+                    options=tuple(sorted(opts.items())), axes=axis_names, expect=expect, xfail=xfail, xfail_match=xfail_match,
+                    markers=markers, timeout_s=timeout_s, budgets=budgets, tag=str(entry.get("tag", "")), origin=where,
                 )
                 for topo in (src, dst):
                     try:

@@ -64,6 +64,7 @@ class CaseResult:
         lines = [f"{self.id}: {self.status}"]
         if self.error:
             lines.append(self.error.rstrip())
+        lines.extend(n for n in self.notes if n.startswith("failed, but"))
         for c in self.failed_checks:
             lines.append(f"check {c.name} failed ({c.tolerance}): {c.detail}")
             lines.extend(f"  {m}" for m in c.mismatches[:10])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -125,6 +126,19 @@ def _mp_entry(local_rank: int, spec: _WorldSpec) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(spec.world_size))
     _rank_body(spec, local_rank, local_rank)
+
+
+_EXC_HEADER = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure)):?\s?(.*)$")
+
+
+def exception_of(rank_traceback: str) -> tuple[str, str]:
+    """(exception class name, message) of the last exception in a formatted traceback."""
+    lines = rank_traceback.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _EXC_HEADER.match(lines[i])
+        if m and not lines[i].startswith(" "):
+            return m.group(1), "\n".join([m.group(2), *lines[i + 1 :]]).strip()
+    return "", lines[-1] if lines else ""
 
 
 def _first_failure(error_files: list[str], world_size: int) -> WorldError:

@@ -105,3 +105,15 @@ def test_backend_choice_on_this_machine():
         choose_backend(2, "nccl")
     with pytest.raises(ValueError):
         choose_backend(2, "mpi")
+
+
+def test_exception_of_reads_multiline_messages():
+    from harness.world import exception_of
+
+    tb = (
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    raise E\n"
+        "megatron.core.dist_checkpointing.core.CheckpointingException: Some keys are missing.\nMissing keys: {'a'}\n"
+    )
+    assert exception_of(tb) == ("CheckpointingException", "Some keys are missing.\nMissing keys: {'a'}")
+    assert exception_of("Traceback...\nKeyError: 'step'\n") == ("KeyError", "'step'")
+    assert exception_of("Traceback...\nAssertionError\n") == ("AssertionError", "")

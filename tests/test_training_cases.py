@@ -1,0 +1,100 @@
+"""reshard-optimizer and resume can fail: corrupted optimizer state, a lost config knob,
+a load that should have refused, an expected failure that fails for another reason."""
+
+import dataclasses
+
+import torch
+
+from harness import training
+from harness.backends import register
+from harness.backends.mcore_dist import McoreDist
+from harness.matrix import CaseSpec
+from harness.runner import run_case
+from harness.topology import Topology
+
+
+def _spec(case="reshard-optimizer", src="dp2", dst="dp1", expect="pass", **opts):
+    opts.setdefault("sharding", "fully_reshardable")
+    return CaseSpec(case, "gpt-gqa", opts.pop("backend", "mcore_dist"), Topology.parse(src), Topology.parse(dst),
+                    options=tuple(sorted(opts.items())), expect=expect, timeout_s=120)
+
+
+def _checks(r):
+    return {c.name: c.status for c in r.checks}
+
+
+class CorruptOptimizerAfterLoad(McoreDist):
+    name = "test_corrupt_optimizer"
+
+    def load_state(self, ctx, sharded_state, directory):
+        state = super().load_state(ctx, sharded_state, directory)
+        if ctx.rank == 0:
+            stack = [state["optimizer"]]
+            while stack:
+                node = stack.pop()
+                if isinstance(node, dict):
+                    if torch.is_tensor(node.get("exp_avg")):
+                        node["exp_avg"].view(-1).view(torch.int32)[0] ^= 1
+                        break
+                    stack.extend(node.values())
+                elif isinstance(node, list):
+                    stack.extend(node)
+        return state
+
+
+register(CorruptOptimizerAfterLoad())
+
+
+def test_fully_reshardable_dp_change_passes_every_check():
+    r = run_case(_spec())
+    assert r.status == "passed", r.failure_text()
+    assert _checks(r) == dict.fromkeys(["propagation", "optimizer-state", "step", "model-weights"], "passed")
+    assert r.memory["save"]["0"]["shard_bytes"] > 0 and "load" in r.memory
+
+
+def test_one_bit_of_exp_avg_flipped_after_load_fails_optimizer_state():
+    r = run_case(_spec(backend="test_corrupt_optimizer"))
+    assert r.status == "failed"
+    assert _checks(r)["optimizer-state"] == "failed" and _checks(r)["model-weights"] == "passed"
+    (m,) = r.check("optimizer-state").mismatches
+    assert m.key.startswith("optimizer.state.exp_avg.") and m.actual == "tp1pp1dp1cp1"
+
+
+def test_a_config_knob_that_never_reaches_ddp_fails_propagation(monkeypatch):
+    real = training.build_training
+
+    def verl_5775_style(spec, topo, cfg, seed_offset=0):
+        # the knob is dropped on the way to DDP, as in verl PR #5775
+        return real(spec, topo, dataclasses.replace(cfg, use_distributed_optimizer=True), seed_offset)
+
+    monkeypatch.setattr(training, "build_training", verl_5775_style)  # forked ranks inherit it
+    r = run_case(_spec(use_distributed_optimizer=False))
+    assert _checks(r)["propagation"] == "failed"
+    assert "use_distributed_optimizer asked False, built True" in r.check("propagation").detail
+
+
+def test_a_load_expected_to_refuse_that_completes_fails():
+    r = run_case(_spec(expect="refuse"))
+    assert r.status == "failed" and "expected to refuse but completed" in r.check("refusal").detail
+
+
+def test_a_refusal_through_an_unlisted_exception_fails():
+    ok = run_case(_spec(src="tp2", dst="tp1", expect="refuse", sharding="dp_reshardable"))
+    assert ok.status == "passed" and "CheckpointingException" in ok.check("refusal").detail
+    assert "change DP only" in ok.check("refusal").detail
+    bad = run_case(_spec(src="tp2", dst="tp1", expect="refuse", sharding="dp_reshardable", refuse_with=["ValueError"]))
+    assert bad.status == "failed" and "not one of ['ValueError']" in bad.check("refusal").detail
+
+
+def test_xfail_must_fail_for_the_named_reason():
+    spec = dataclasses.replace(_spec(sharding="dp_reshardable"), xfail="step reset", xfail_match=r"check step failed")
+    assert run_case(spec).status == "xfailed"
+    wrong = dataclasses.replace(spec, xfail_match=r"KeyError: 'step'")
+    r = run_case(wrong)
+    assert r.status == "failed" and any("not as expected" in n for n in r.notes)
+
+
+def test_resume_same_topology_is_bitwise():
+    r = run_case(_spec("resume", src="dp2", dst="dp2"))
+    assert r.status == "passed", r.failure_text()
+    assert r.check("losses").tolerance == "bitwise" and r.check("losses").max_abs_diff == 0.0

@@ -62,6 +62,19 @@ ZOO: dict[str, ModelSpec] = {
             tied_embeddings=True,
             position_embedding="learned_absolute",
         ),
+        # Heavier models for memory budgets and the save-memory benchmark (not in the smoke matrix).
+        ModelSpec(
+            "gpt-25m",
+            "gpt-gqa shape at ~25M params: memory-tier cases",
+            num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=2048,
+            vocab_size=8192, seq_length=16,
+        ),
+        ModelSpec(
+            "gpt-150m",
+            "gpt-gqa shape at ~150M params: the save-memory benchmark",
+            num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=4096,
+            vocab_size=16384, seq_length=16,
+        ),
     )
 }
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from harness.memory import MiB, track
 from harness.topology import Topology
-from harness.world import RankContext, launch
+from harness.world import RankContext, WorldError, launch
 
 VARIANTS = (("dp_reshardable", False), ("fully_reshardable", False), ("fully_reshardable", True))
 
@@ -63,13 +63,17 @@ def run(model: str, dps: list[int], out: Path) -> list[dict]:
         for sharding, mem_eff in VARIANTS:
             name = f"{sharding}{'+mem_efficient' if mem_eff else ''}"
             scratch = Path(tempfile.mkdtemp(prefix="ckpt-harness-bench-"))
+            start = time.perf_counter()
             try:
-                start = time.perf_counter()
                 job = _Job(model, topo, sharding, mem_eff, str(scratch / "ckpt"))
                 results = launch(_save, job, topo.world_size, scratch / "world", timeout_s=1800)
-                wall = time.perf_counter() - start
+            except WorldError as exc:  # typically the kernel's OOM killer: that is the finding
+                rows.append({"model": model, "dp": dp, "variant": name, "error": str(exc).splitlines()[0][:200]})
+                print(f"dp={dp} {name:32s} FAILED: {rows[-1]['error']}", flush=True)
+                continue
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
+            wall = time.perf_counter() - start
             r0, m = results[0], results[0]["save"]
             rows.append({
                 "model": model, "dp": dp, "variant": name,
@@ -95,6 +99,9 @@ def _table(rows: list[dict], path: Path) -> None:
         "|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['dp']} | {r['variant']} | - | **{r['error']}** | - | - |")
+            continue
         lines.append(f"| {r['dp']} | {r['variant']} | {r['rank0_state_mib']} | {r['rank0_peak_delta_mib']} | {r['other_ranks_max_peak_delta_mib']} | {r['save_s']} |")
     path.write_text("\n".join(lines) + "\n")
 
@@ -107,9 +114,12 @@ def _plot(rows: list[dict], path: Path, model: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for variant in dict.fromkeys(r["variant"] for r in rows):
-        pts = [(r["dp"], r["rank0_peak_delta_mib"]) for r in rows if r["variant"] == variant]
+        pts = [(r["dp"], r["rank0_peak_delta_mib"]) for r in rows if r["variant"] == variant and "error" not in r]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
-    state = [(r["dp"], r["rank0_state_mib"]) for r in rows if r["variant"] == rows[0]["variant"]]
+    state = [(r["dp"], r["rank0_state_mib"]) for r in rows if r["variant"] == rows[0]["variant"] and "error" not in r]
+    for r in rows:
+        if "error" in r:
+            ax.annotate(f"{r['variant']}: killed", (r["dp"], 0), textcoords="offset points", xytext=(0, 10), color="red", fontsize=8)
     ax.plot([p[0] for p in state], [p[1] for p in state], linestyle="--", color="grey", label="rank-0 training state")
     ax.set_xlabel("data-parallel size")
     ax.set_xticks(sorted({r["dp"] for r in rows}))

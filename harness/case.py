@@ -21,13 +21,18 @@ class RunEnv:
     case_dir: Path
     dist_backend: str = "auto"
     timeout_s: float = 300.0
+    launcher: str = "mp"  # "mp" (torch.multiprocessing) or "torchrun"
+    torchrun_template: str | None = None
 
     def launch(self, result: CaseResult, phase: str, fn: world.RankFn, arg: Any, world_size: int) -> list[Any]:
         """One world for one phase, timed into result.phases[phase]."""
+        workdir = self.case_dir / f"world-{phase}"
         with timed(result, phase):
-            return world.launch(
-                fn, arg, world_size, self.case_dir / f"world-{phase}", backend=self.dist_backend, timeout_s=self.timeout_s
-            )
+            if self.launcher == "torchrun":
+                return world.launch_torchrun(
+                    fn, arg, world_size, workdir, backend=self.dist_backend, timeout_s=self.timeout_s, template=self.torchrun_template
+                )
+            return world.launch(fn, arg, world_size, workdir, backend=self.dist_backend, timeout_s=self.timeout_s)
 
 
 @contextmanager

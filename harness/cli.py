@@ -32,7 +32,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         console.print(f"[red]no case of {args.matrix} matches -k {args.k!r}[/]")
         return 4
     console.print(f"[bold]{matrix.name}[/]: {len(specs)} case(s) from {args.matrix}")
-    options = RunOptions(dist_backend=args.dist_backend, workdir=args.workdir, keep=args.keep)
+    options = RunOptions(
+        dist_backend=args.dist_backend, workdir=args.workdir, keep=args.keep,
+        launcher=args.launcher, torchrun_template=args.torchrun_template,
+    )
     done = 0
     start = time.perf_counter()
 
@@ -62,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default="auto")
     run.add_argument("--workdir", type=Path, default=None, help="parent of per-case scratch dirs (default: system temp)")
     run.add_argument("--keep", action="store_true", help="keep checkpoints and scratch dirs")
+    run.add_argument("--launcher", choices=("mp", "torchrun"), default="mp",
+                     help="start ranks with torch.multiprocessing (default) or torchrun")
+    run.add_argument("--torchrun-template", default=None,
+                     help="multi-node: e.g. 'srun -N2 torchrun --nnodes 2 --nproc-per-node {nproc_per_node} "
+                          "--rdzv-backend c10d --rdzv-endpoint HEAD:29500' (set CKPT_HARNESS_NODES; --workdir on a shared fs)")
     run.set_defaults(func=_cmd_run)
     ls = sub.add_parser("list", help="list the case ids of a matrix")
     ls.add_argument("matrix", type=Path)

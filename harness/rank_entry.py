@@ -7,9 +7,12 @@ WORKDIR like a locally launched world does, so the runner reads results the same
 import pickle
 import sys
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from harness.world import run_from_env
 
 
+@record  # torchrun then reports the failing rank's traceback as the root cause
 def main(argv: list[str]) -> None:
     if len(argv) != 2:
         raise SystemExit("usage: python -m harness.rank_entry SPEC.pkl WORKDIR")

@@ -22,6 +22,8 @@ class RunOptions:
     dist_backend: str = "auto"
     workdir: Path | None = None  # parent of the per-case scratch dirs; a fresh temp dir if None
     keep: bool = False  # keep checkpoints and scratch dirs for inspection
+    launcher: str = "mp"
+    torchrun_template: str | None = None
 
 
 def _case_dirname(case_id: str) -> str:
@@ -58,7 +60,10 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"{_case_dirname(spec.id)[:80]}-", dir=parent))
-    env = RunEnv(case_dir=scratch, dist_backend=options.dist_backend, timeout_s=spec.timeout_s)
+    env = RunEnv(
+        case_dir=scratch, dist_backend=options.dist_backend, timeout_s=spec.timeout_s,
+        launcher=options.launcher, torchrun_template=options.torchrun_template,
+    )
     start = time.perf_counter()
     try:
         get_case(spec.case).run(spec, env, result)

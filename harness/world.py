@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shlex
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -254,6 +256,8 @@ def run_from_env(fn: RankFn, arg: Any, workdir: str | Path, timeout_s: float = 1
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = os.environ.get("CKPT_HARNESS_DIST_BACKEND", "nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "gloo":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks run on CPU, as in `launch`
     spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), "", 0, timeout_s, int(os.environ.get("OMP_NUM_THREADS", "1")))
     Path(workdir).mkdir(parents=True, exist_ok=True)
     _rank_body(spec, rank, local_rank)
@@ -264,6 +268,63 @@ def dump_spec(path: Path, fn: RankFn, arg: Any) -> None:
     """What `python -m harness.rank_entry PATH` runs: fn and arg must be importable/picklable."""
     with open(path, "wb") as f:
         pickle.dump((fn, arg), f)
+
+
+def torchrun_prefix(world_size: int, template: str | None = None) -> list[str]:
+    """The command that starts the ranks: local torchrun by default; for multi-node, a template
+    such as "srun -N2 torchrun --nnodes 2 --nproc-per-node {nproc_per_node} --rdzv-backend c10d
+    --rdzv-endpoint HEAD:29500" ({world_size} and {nproc_per_node} are filled in; the workdir
+    must then be on a filesystem every node sees)."""
+    if template:
+        nodes = int(os.environ.get("CKPT_HARNESS_NODES", "1"))
+        return shlex.split(template.format(world_size=world_size, nproc_per_node=max(1, world_size // nodes)))
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
+
+
+def launch_torchrun(
+    fn: RankFn,
+    arg: Any,
+    world_size: int,
+    workdir: str | Path,
+    *,
+    backend: str = "auto",
+    timeout_s: float = 300.0,
+    template: str | None = None,
+) -> list[Any]:
+    """`launch`, but the ranks are started by torchrun (or srun + torchrun) running
+    `python -m harness.rank_entry`; same results, same errors, nothing left behind."""
+    import subprocess
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path = workdir / "spec.pkl"
+    dump_spec(spec_path, fn, arg)
+    env = {**os.environ, "CKPT_HARNESS_DIST_BACKEND": choose_backend(world_size, backend), "OMP_NUM_THREADS": "1"}
+    cmd = [*torchrun_prefix(world_size, template), "-m", "harness.rank_entry", str(spec_path), str(workdir)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise WorldTimeout(f"torchrun world of {world_size} rank(s) still running after {timeout_s:.0f}s; killed") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything the launcher left in its session
+        except ProcessLookupError:
+            pass
+        spec_path.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        tail = "\n".join(output.strip().splitlines()[-80:])
+        rank = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", output, re.S)
+        raise WorldError(f"torchrun world of {world_size} failed (exit {proc.returncode}):\n{tail}",
+                         rank=int(rank.group(1)) if rank else None, rank_traceback=tail)
+    results = []
+    for rank in range(world_size):
+        path = _result_path(workdir, rank)
+        results.append(torch.load(path, weights_only=False))
+        path.unlink()
+    return results
 
 
 __all__ = ["RankContext", "WorldError", "WorldTimeout", "launch", "choose_backend", "run_from_env", "dump_spec"]

@@ -117,3 +117,24 @@ def test_exception_of_reads_multiline_messages():
     assert exception_of(tb) == ("CheckpointingException", "Some keys are missing.\nMissing keys: {'a'}")
     assert exception_of("Traceback...\nKeyError: 'step'\n") == ("KeyError", "'step'")
     assert exception_of("Traceback...\nAssertionError\n") == ("AssertionError", "")
+
+
+@pytest.mark.slow  # torchrun starts fresh interpreters: ~60 s per world on 2 cores
+def test_the_same_rank_body_runs_under_torchrun(tmp_path):
+    from harness.world import launch_torchrun
+
+    from harness.probes import allreduce_ranks
+
+    out = launch_torchrun(allreduce_ranks, 3.0, 2, tmp_path, timeout_s=240)
+    assert [o["rank"] for o in out] == [0, 1] and all(o["sum"] == 3.0 and o["backend"] == "gloo" for o in out)
+
+
+@pytest.mark.slow
+def test_a_failing_rank_under_torchrun_is_reported(tmp_path):
+    from harness.world import launch_torchrun
+
+    from harness.probes import raise_on_rank
+
+    with pytest.raises(WorldError, match="boom on rank 1") as exc:
+        launch_torchrun(raise_on_rank, 1, 2, tmp_path, timeout_s=240)
+    assert exc.value.rank == 1

@@ -51,7 +51,7 @@ def _save(ctx: RankContext, job: _Job) -> dict:
     return {"state_bytes": training.rank_state_bytes(ddp, optimizer), "save": m.to_dict()}
 
 
-def run(model: str, dps: list[int], out: Path) -> list[dict]:
+def run(model: str, dps: list[int], out: Path, merge: bool = False) -> list[dict]:
     from harness.models import get_model, preload
 
     preload()
@@ -87,6 +87,10 @@ def run(model: str, dps: list[int], out: Path) -> list[dict]:
             print(f"dp={dp} {name:32s} rank0 peak delta {rows[-1]['rank0_peak_delta_mib']:8.1f} MiB "
                   f"(rank0 state {rows[-1]['rank0_state_mib']} MiB) save {m['seconds']:.1f}s", flush=True)
     out.mkdir(parents=True, exist_ok=True)
+    if merge and (out / "results.json").exists():
+        new = {(r["model"], r["dp"], r["variant"]) for r in rows}
+        old = [r for r in json.loads((out / "results.json").read_text()) if (r["model"], r["dp"], r["variant"]) not in new]
+        rows = sorted(old + rows, key=lambda r: (r["model"], r["dp"], [v[0] + ("+mem_efficient" if v[1] else "") for v in VARIANTS].index(r["variant"])))
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     _table(rows, out / "table.md")
     _plot(rows, out / "save_memory.png", model)
@@ -136,8 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="gpt-150m")
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--out", type=Path, default=Path("reports/bench-memory"))
+    p.add_argument("--merge", action="store_true", help="keep OUT/results.json rows of other DP sizes")
     a = p.parse_args(argv)
-    run(a.model, a.dp, a.out)
+    run(a.model, a.dp, a.out, a.merge)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ _OWN_OPTIONS = {"sharding", "mem_efficient", "steps", "workarounds", "refuse_wit
 
 
 def validate_training_options(case: Case, spec: CaseSpec) -> None:
+    case.check_model_kind(spec)
     opts = spec.opts
     unknown = set(opts) - _OWN_OPTIONS - TrainConfig.option_names()
     if unknown:

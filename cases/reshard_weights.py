@@ -69,7 +69,7 @@ def _rank_phase(ctx: RankContext, p: _Phase) -> dict[str, Any]:
     shards = models.local_shards(model)
     out = {
         "shards": shards,
-        "logits": models.forward_logits(model, p.model, ctx.device) if p.logits else None,
+        "logits": models.forward_logits(model, models.fixed_batch(p.model), p.model.hidden_size, ctx.device) if p.logits else None,
         "compat": compat.installed(),
         "shard_bytes": sum(s.data.numel() * s.data.element_size() for s in shards),
     }

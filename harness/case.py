@@ -48,10 +48,21 @@ class Case(ABC):
     name: ClassVar[str]
     description: ClassVar[str]
 
+    #: "gpt" (harness.models.ZOO) or "hf" (harness.hf_models.HF_ZOO)
+    model_kind: ClassVar[str] = "gpt"
+
     def validate(self, spec: CaseSpec) -> None:
         """Raise ValueError for options this case does not understand."""
+        self.check_model_kind(spec)
         if spec.options:
             raise ValueError(f"case {self.name} takes no options, got {sorted(spec.opts)}")
+
+    def check_model_kind(self, spec: CaseSpec) -> None:
+        from harness.hf_models import HF_ZOO
+
+        is_hf = spec.model in HF_ZOO
+        if is_hf != (self.model_kind == "hf"):
+            raise ValueError(f"case {self.name} takes {'an HF fixture' if self.model_kind == 'hf' else 'a GPT zoo'} model, got {spec.model!r}")
 
     @abstractmethod
     def run(self, spec: CaseSpec, env: RunEnv, result: CaseResult) -> None:

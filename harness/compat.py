@@ -153,6 +153,7 @@ SHIMS: tuple[Shim, ...] = (
 )
 
 _installed: list[str] = []
+_shims_applied = False
 
 
 def quiet_known_noise() -> None:
@@ -170,12 +171,18 @@ def quiet_known_noise() -> None:
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
     logging.getLogger("megatron").setLevel(logging.ERROR)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # fixtures are local; never reach for a hub
+    for name in ("transformers", "megatron.bridge", "modelopt"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def install(device: torch.device) -> list[str]:
     """Apply the shims this rank needs; return their names (recorded in results)."""
-    if _installed:
+    global _shims_applied
+    if _shims_applied:
         return list(_installed)
+    _shims_applied = True
     quiet_known_noise()
     on_cpu = device.type == "cpu"
     for shim in SHIMS:
@@ -206,3 +213,93 @@ def teardown_parallel_state() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+
+
+# ------------------------------------------------------------------ Megatron-Bridge without TE
+
+
+def _te_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _te_stub():
+    """Just what megatron.bridge.peft.lora_layers touches at import and in isinstance checks:
+    types nothing is an instance of. Nothing else resolves, so safe_import_from checks elsewhere
+    still see TE as absent."""
+    import types
+
+    def dummy(name: str) -> type:
+        return type(name, (), {"__module__": "transformer_engine.pytorch (ckpt-harness stub)"})
+
+    te = types.ModuleType("transformer_engine")
+    pt = types.ModuleType("transformer_engine.pytorch")
+    ops = types.ModuleType("transformer_engine.pytorch.ops")
+    for n in ("Sequential", "LayerNorm", "RMSNorm", "Quantize", "MakeExtraOutput", "Linear", "Dropout", "BasicLinear"):
+        setattr(ops, n, dummy(n))
+    pt.Linear, pt.LayerNormLinear, pt.ops = dummy("Linear"), dummy("LayerNormLinear"), ops
+    te.pytorch = pt
+    return {"transformer_engine": te, "transformer_engine.pytorch": pt, "transformer_engine.pytorch.ops": ops}
+
+
+class _TEStubFinder:
+    """Serves the stub only to megatron.bridge.peft.lora_layers' own import statement; every
+    other `import transformer_engine` (megatron-core's TE detection) still fails as it should."""
+
+    importer = "megatron.bridge.peft.lora_layers"
+
+    def __init__(self) -> None:
+        self.modules = _te_stub()
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.machinery
+        import sys
+
+        if name not in self.modules:
+            return None
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_globals.get("__name__") == self.importer:
+                return importlib.machinery.ModuleSpec(name, self, is_package=name != "transformer_engine.pytorch.ops")
+            frame = frame.f_back
+        return None
+
+    def create_module(self, spec):
+        return self.modules[spec.name]
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+def import_megatron_bridge():
+    """Import megatron.bridge where Transformer-Engine is absent (CPU, or a GPU install without TE).
+
+    megatron-bridge 0.6.2 peft/lora_layers.py imports transformer_engine.pytorch unguarded: a
+    stub answers that one import (and is dropped from sys.modules right after). Its peft HAVE_TE
+    flags come out True without TE because megatron-core leaves placeholder TE classes (then LoRA
+    fails with "isinstance() arg 2 must be a type"): forced False.
+    """
+    import sys
+
+    if "megatron.bridge" in sys.modules or _te_importable():
+        import megatron.bridge
+
+        return megatron.bridge
+    finder = _TEStubFinder()
+    sys.meta_path.insert(0, finder)
+    try:
+        import megatron.bridge
+        import megatron.bridge.peft.lora_layers  # noqa: F401  (the module that needs the stub)
+    finally:
+        sys.meta_path.remove(finder)
+        for name in finder.modules:
+            sys.modules.pop(name, None)
+    import megatron.bridge.peft.module_matcher as matcher
+    import megatron.bridge.peft.utils as peft_utils
+
+    peft_utils.HAVE_TE = False
+    for flag in ("HAVE_TE", "HAVE_TE_COL_LINEAR", "HAVE_TE_LN_COL_LINEAR", "HAVE_TE_ROW_LINEAR"):
+        setattr(matcher, flag, False)
+    _installed.extend(["transformer_engine stub for megatron.bridge.peft.lora_layers", "megatron.bridge peft HAVE_TE=False"])
+    return megatron.bridge

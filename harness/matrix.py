@@ -120,7 +120,7 @@ def _parse_pair(item: Any, where: str) -> tuple[Topology, Topology]:
 def load_matrix(path: str | Path) -> Matrix:
     from cases import get_case
     from harness.backends import available as available_backends
-    from harness.models import get_model
+    from harness.models import get_any_model as get_model
 
     path = Path(path)
     try:

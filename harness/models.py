@@ -86,6 +86,17 @@ def get_model(name: str) -> ModelSpec:
         raise KeyError(f"unknown model {name!r}; the zoo has {sorted(ZOO)}") from None
 
 
+def get_any_model(name: str):
+    """A GPT zoo model (ModelSpec) or an HF fixture (HFModelSpec), by name."""
+    from harness.hf_models import HF_ZOO
+
+    if name in ZOO:
+        return ZOO[name]
+    if name in HF_ZOO:
+        return HF_ZOO[name]
+    raise KeyError(f"unknown model {name!r}; the zoo has {sorted(ZOO)}, the HF zoo has {sorted(HF_ZOO)}")
+
+
 # --------------------------------------------------------------------------- canonical weights
 
 
@@ -111,11 +122,17 @@ def canonical_tensor(spec: ModelSpec, key: str, shape: tuple[int, ...], dtype: t
 # --------------------------------------------------------------------------- rank side
 
 
-def preload() -> None:
-    """Import megatron-core in the parent once, so forked ranks start in ~1 s instead of ~6 s."""
-    from harness.compat import quiet_known_noise
+def preload(bridge: bool = False) -> None:
+    """Import megatron-core (and Megatron-Bridge for HF cases) in the parent once, so forked
+    ranks start in ~1 s instead of ~6 s (~15 s with the Bridge)."""
+    from harness.compat import import_megatron_bridge, quiet_known_noise
 
     quiet_known_noise()
+    if bridge:
+        import_megatron_bridge()
+        import megatron.bridge.training.checkpointing  # noqa: F401
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
     import megatron.core.dist_checkpointing  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
@@ -273,8 +290,8 @@ def fixed_batch(spec: ModelSpec) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def forward_logits(model, spec: ModelSpec, device: torch.device) -> torch.Tensor | None:
-    """Full-vocabulary logits of `fixed_batch`, returned on every last-stage TP-rank-0 rank.
+def forward_logits(model, batch: dict[str, torch.Tensor], hidden_size: int, device: torch.device) -> torch.Tensor | None:
+    """Full-vocabulary logits of `batch`, returned on every last-stage TP-rank-0 rank.
 
     Pipeline stages hand activations on with plain send/recv so the forward pass does not
     depend on megatron's schedules (which have their own CUDA assumptions).
@@ -283,10 +300,10 @@ def forward_logits(model, spec: ModelSpec, device: torch.device) -> torch.Tensor
     from megatron.core import parallel_state, tensor_parallel
 
     model.eval()
-    batch = {k: v.to(device) for k, v in fixed_batch(spec).items()}
-    hidden_shape = (spec.seq_length, spec.micro_batch_size, spec.hidden_size)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    b, s = batch["input_ids"].shape
     if not parallel_state.is_pipeline_first_stage():
-        recv = torch.empty(hidden_shape, dtype=torch.float32, device=device)
+        recv = torch.empty((s, b, hidden_size), dtype=torch.float32, device=device)
         dist.recv(recv, src=parallel_state.get_pipeline_model_parallel_prev_rank())
         model.set_input_tensor(recv)
     out = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])

@@ -50,7 +50,9 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     from cases import get_case
     from harness.models import preload
 
-    preload()  # idempotent; ranks fork from a parent that already imported megatron-core
+    from harness.hf_models import HF_ZOO
+
+    preload(bridge=spec.model in HF_ZOO)  # idempotent; ranks fork from a parent that has the imports
     options = options or RunOptions()
     result = CaseResult(
         id=spec.id, case=spec.case, model=spec.model, backend=spec.backend,

@@ -1,0 +1,31 @@
+"""Megatron-Bridge HF export/import: `save_hf_pretrained` out, `load_hf_weights` in.
+
+The model is a harness.bridge.BridgeModel (the AutoBridge and the Megatron modules it built).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.backends import Backend
+from harness.hf_models import read_safetensors
+from harness.world import RankContext
+
+
+class BridgeHF(Backend):
+    name = "bridge_hf"
+
+    def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
+        model.bridge.save_hf_pretrained(model.modules, str(directory), show_progress=False)
+
+    def load(self, ctx: RankContext, model: Any, directory: Path) -> None:
+        model.bridge.load_hf_weights(model.modules, str(directory))
+
+    def read_full(self, ctx: RankContext | None, directory: Path) -> dict[str, torch.Tensor]:
+        return read_safetensors(directory)
+
+
+BACKEND = BridgeHF()

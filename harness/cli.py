@@ -55,6 +55,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0 if all(r.status in ("passed", "xfailed") for r in results) else 1
 
 
+def _cmd_show(args: argparse.Namespace) -> int:
+    import json
+
+    from harness import report
+
+    try:
+        doc = json.loads(args.results.read_text())
+        print(report.markdown(doc))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"ckpt-harness: {args.results} is not a readable results.json: {exc!r}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ckpt-harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("matrix", type=Path)
     ls.add_argument("-k", default=None)
     ls.set_defaults(func=_cmd_list)
+    show = sub.add_parser("show", help="print a results.json as a Markdown table")
+    show.add_argument("results", type=Path)
+    show.set_defaults(func=_cmd_show)
     args = parser.parse_args(argv)
     from harness.matrix import MatrixError
 

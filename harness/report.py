@@ -63,10 +63,14 @@ def _checks_cell(r: CaseResult) -> str:
 
 
 def _diff_cell(r: CaseResult) -> str:
-    c = r.check("logits")
-    if c is None or c.max_abs_diff is None:
+    """The largest difference a logits or toleranced (not bitwise/exact) check saw: how close the
+    case ran to its tolerance."""
+    diffs = [c.max_abs_diff for c in r.checks if c.max_abs_diff is not None
+             and ("logits" in c.name or c.tolerance not in (None, "", "bitwise", "exact"))]
+    if not diffs:
         return "-"
-    return "0" if c.max_abs_diff == 0 else f"{c.max_abs_diff:.1e}"
+    worst = max(diffs)
+    return "0" if worst == 0 else f"{worst:.1e}"
 
 
 def table(results: list[CaseResult], title: str) -> Table:
@@ -74,7 +78,7 @@ def table(results: list[CaseResult], title: str) -> Table:
     t.add_column("case")
     t.add_column("status")
     t.add_column("checks")
-    t.add_column("logits |Δ|", justify="right")
+    t.add_column("max |Δ| (tol.)", justify="right")
     t.add_column("save/load/total s", justify="right")
     t.add_column("rank0 save ΔRSS MiB", justify="right")
     for r in results:
@@ -102,3 +106,32 @@ def print_summary(results: list[CaseResult], title: str, wall_s: float, console:
             console.print(r.failure_text(), markup=False, highlight=False)
         elif r.status == "xfailed":
             console.print(f"[yellow]xfailed[/] {escape(r.id)}: {escape(r.xfail_reason or '')}", highlight=False)
+
+
+def _worst_toleranced(checks: list[dict]) -> tuple[float | None, str]:
+    """(largest diff, its check's tolerance) over logits/toleranced checks of one record."""
+    worst: tuple[float | None, str] = (None, "")
+    for c in checks:
+        d, tol = c.get("max_abs_diff"), c.get("tolerance") or ""
+        if d is None or ("logits" not in c["name"] and tol in ("", "bitwise", "exact")):
+            continue
+        if worst[0] is None or d > worst[0]:
+            worst = (d, tol.split(" (")[0])
+    return worst
+
+
+def markdown(doc: dict) -> str:
+    """results.json as Markdown (CI summaries, PR comments, docs): one row per case, then totals."""
+    rows = ["| case | status | checks | max abs diff (tolerance) | total s |", "|---|---|---|---|---:|"]
+    for r in doc["results"]:
+        checks = r.get("checks", [])
+        failed = [c["name"] for c in checks if c["status"] == "failed"]
+        ok = sum(c["status"] == "passed" for c in checks)
+        cell = f"{ok}/{len(checks)}" + (f" (failed: {', '.join(failed)})" if failed else "")
+        d, tol = _worst_toleranced(checks)
+        diff = "-" if d is None else ("0" if d == 0 else f"{d:.1e}") + (f" ({tol})" if tol else "")
+        rows.append(f"| `{r['id']}` | {r['status']} | {cell} | {diff} | {r.get('phases', {}).get('total', 0):.1f} |")
+    s = doc.get("summary", {})
+    total = ", ".join(f"{n} {k}" for k, n in s.items() if n)
+    rows.append(f"\n{len(doc['results'])} cases in {doc.get('wall_s', 0):.0f} s: {total}")
+    return "\n".join(rows)

@@ -8,8 +8,11 @@ Three ways in, one rank body (`_rank_body`):
     a forked child cannot initialise CUDA.
   * `run_from_env()`: the body run by `torchrun`/`srun` (multi-node), `python -m harness.rank_entry`.
 
-Rendezvous goes through a TCPStore the parent binds to port 0, so two worlds (pytest -n 2) never
-race for a port. Each rank's return value is written to the world's directory, never pickled
+Rendezvous goes through a FileStore in the world's own directory: no port to pick, so two worlds
+(pytest -n 2) never race for one, and no store-server thread in the parent. (With a TCPStore
+server in the parent, a rank forked while the server thread served its siblings could inherit a
+held lock and hang in its own TCPStore constructor: ~1 world in 20 of 4 ranks, measured.)
+Each rank's return value is written to the world's directory, never pickled
 through a pipe, so large results cost no extra copies.
 """
 
@@ -71,8 +74,7 @@ class _WorldSpec:
     world_size: int
     backend: str
     workdir: str
-    store_host: str
-    store_port: int
+    store_file: str  # FileStore rendezvous of our own launcher; "" under torchrun/srun
     timeout_s: float
     threads: int
     env: dict[str, str] = field(default_factory=dict)
@@ -106,8 +108,9 @@ def _rank_body(spec: _WorldSpec, rank: int, local_rank: int) -> None:
         device = torch.device("cpu")
     compat.install(device)
     timeout = timedelta(seconds=spec.timeout_s)
-    if spec.store_port:  # our own launcher: the parent holds the store
-        store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, False, timeout=timeout)
+    if spec.store_file:  # our own launcher: a file in the world's dir
+        store = dist.FileStore(spec.store_file, spec.world_size)
+        store.set_timeout(timeout)
         dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout)
     else:  # torchrun/srun: MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE
         dist.init_process_group(spec.backend, init_method="env://", rank=rank, world_size=spec.world_size, timeout=timeout)
@@ -119,9 +122,59 @@ def _rank_body(spec: _WorldSpec, rank: int, local_rank: int) -> None:
     dist.destroy_process_group()
 
 
+def _log_path(workdir: str | Path, rank: int) -> Path:
+    return Path(workdir) / f"rank{rank}.log"
+
+
+def _capture_output(workdir: str, rank: int) -> None:
+    """Rank output is for failures: the libraries print per-rank banners and progress bars on every
+    build and export. Both fds go to the world's dir (CKPT_HARNESS_VERBOSE=1 keeps them on the
+    terminal); a failure report quotes the tail. SIGUSR1 dumps every thread's stack there, which
+    is how the parent shows where a hung rank sits.
+
+    sys.stdout/sys.stderr are reopened either way: a forked child inherits the parent's stream
+    objects, and a lock some parent thread held at fork time would block the child's first write.
+    """
+    import faulthandler
+
+    if os.environ.get("CKPT_HARNESS_VERBOSE") != "1":
+        fd = os.open(_log_path(workdir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
+def _dump_stacks(ctx, workdir: str | Path) -> str:
+    """Where the ranks that are still running sit (faulthandler, via SIGUSR1)."""
+    alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+    for r in alive:
+        try:
+            os.kill(ctx.processes[r].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if not alive:
+        return ""
+    time.sleep(1.0)
+    return f"\nstill running: rank(s) {alive}; their stacks:" + _log_tail(workdir, alive, 40)
+
+
+def _log_tail(workdir: str | Path, ranks: list[int] | range, lines: int = 15) -> str:
+    out = []
+    for r in ranks:
+        path = _log_path(workdir, r)
+        text = path.read_text(errors="replace").strip() if path.exists() else ""
+        if text:
+            out.append(f"\n--- rank {r} output (last {lines} lines) ---\n" + "\n".join(text.splitlines()[-lines:]))
+    return "".join(out)
+
+
 def _mp_entry(local_rank: int, spec: _WorldSpec) -> None:
     # Own process group: whatever this rank starts can be killed with it, even once orphaned.
     os.setpgid(0, 0)
+    _capture_output(spec.workdir, local_rank)
     os.environ.update(spec.env)
     if spec.backend == "gloo":
         # gloo ranks run on CPU even on a GPU box; hide GPUs before anything initialises CUDA.
@@ -182,6 +235,27 @@ def _kill(procs: set[psutil.Process]) -> None:
     psutil.wait_procs(list(procs), timeout=5)
 
 
+def _wait(ctx, workdir: Path, world_size: int, timeout_s: float, pids: list[int], seen: set) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen |= _descendants(pids)
+        try:
+            if ctx.join(timeout=0.25, grace_period=2.0):
+                return
+        except tmp.ProcessRaisedException:
+            raise _first_failure(ctx.error_files, world_size) from None
+        except tmp.ProcessExitedException as exc:
+            raise WorldError(f"rank {exc.error_index} of {world_size} died: {exc}{_log_tail(workdir, [exc.error_index])}",
+                             rank=exc.error_index) from None
+        early = [r for r, p in enumerate(ctx.processes) if p.exitcode == 0 and not _result_path(workdir, r).exists()]
+        if early:
+            # torch's _wrap turns SIGINT (its parent-death signal) into a silent exit 0.
+            raise WorldError(f"rank(s) {early} of {world_size} exited without a result ({_states(ctx)})"
+                             f"{_log_tail(workdir, early)}", rank=early[0])
+        if time.monotonic() > deadline:
+            raise WorldTimeout(f"world of {world_size} rank(s) still running after {timeout_s:.0f}s; killed ({_states(ctx)})")
+
+
 def launch(
     fn: RankFn,
     arg: Any,
@@ -203,30 +277,19 @@ def launch(
     start_method = start_method or ("spawn" if backend == "nccl" else "fork")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), "127.0.0.1", store.port, timeout_s, threads)
+    store_file = workdir / f"rendezvous-{os.getpid()}-{time.monotonic_ns()}"
+    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), str(store_file), timeout_s, threads)
     ctx = tmp.start_processes(_mp_entry, args=(spec,), nprocs=world_size, join=False, start_method=start_method)
     pids = ctx.pids()
     seen: set[psutil.Process] = set()
-    deadline = time.monotonic() + timeout_s
     try:
-        while True:
-            seen |= _descendants(pids)
-            try:
-                if ctx.join(timeout=0.25, grace_period=2.0):
-                    break
-            except tmp.ProcessRaisedException:
-                raise _first_failure(ctx.error_files, world_size) from None
-            except tmp.ProcessExitedException as exc:
-                raise WorldError(f"rank {exc.error_index} of {world_size} died: {exc}", rank=exc.error_index) from None
-            early = [r for r, p in enumerate(ctx.processes) if p.exitcode == 0 and not _result_path(workdir, r).exists()]
-            if early:
-                # torch's _wrap turns SIGINT (its parent-death signal) into a silent exit 0.
-                raise WorldError(f"rank(s) {early} of {world_size} exited without a result ({_states(ctx)})", rank=early[0])
-            if time.monotonic() > deadline:
-                raise WorldTimeout(
-                    f"world of {world_size} rank(s) still running after {timeout_s:.0f}s; killed ({_states(ctx)})"
-                )
+        try:
+            _wait(ctx, workdir, world_size, timeout_s, pids, seen)
+        except WorldError as err:
+            stacks = _dump_stacks(ctx, workdir)
+            if stacks:
+                err.args = (str(err) + stacks,)
+            raise
     finally:
         seen |= _descendants(pids)
         for p in ctx.processes:
@@ -241,12 +304,13 @@ def launch(
         _kill({p for p in seen if p.is_running()})
         for f in ctx.error_files:
             Path(f).unlink(missing_ok=True)
-        del store
+        store_file.unlink(missing_ok=True)
     results = []
     for rank in range(world_size):
         path = _result_path(workdir, rank)
         results.append(torch.load(path, weights_only=False))
         path.unlink()
+        _log_path(workdir, rank).unlink(missing_ok=True)  # output of a good world is noise
     return results
 
 
@@ -258,7 +322,7 @@ def run_from_env(fn: RankFn, arg: Any, workdir: str | Path, timeout_s: float = 1
     backend = os.environ.get("CKPT_HARNESS_DIST_BACKEND", "nccl" if torch.cuda.is_available() else "gloo")
     if backend == "gloo":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks run on CPU, as in `launch`
-    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), "", 0, timeout_s, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), "", timeout_s, int(os.environ.get("OMP_NUM_THREADS", "1")))
     Path(workdir).mkdir(parents=True, exist_ok=True)
     _rank_body(spec, rank, local_rank)
     return torch.load(_result_path(workdir, rank), weights_only=False)

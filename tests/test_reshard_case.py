@@ -132,6 +132,10 @@ def test_cli_writes_results_and_exit_codes(tmp_path, capsys):
     assert doc["versions"]["megatron-core"] == "0.19.2"
     out = capsys.readouterr().out
     assert "1 passed" in out and "1 failed" in out
+    assert main(["show", str(tmp_path / "rep" / "results.json")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `reshard-weights[")]
+    assert sorted(r.split(" | ")[1] for r in rows) == ["failed", "passed"]
+    assert any("(failed: " in r and "loaded-canonical" in r for r in rows)
 
 
 def test_cli_reports_matrix_errors_and_exit_2(tmp_path, capsys):

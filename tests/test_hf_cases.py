@@ -15,11 +15,11 @@ from harness.runner import run_case
 from harness.topology import Topology
 
 
-def _flip_in_file(directory, key_part):
+def _flip_in_file(directory, key_part, bit=0):
     (f,) = sorted(directory.glob("*.safetensors"))
     state = load_file(str(f))
     key = sorted(k for k in state if key_part in k)[0]
-    state[key].view(-1).view(torch.int32)[0] ^= 1
+    state[key].view(-1).view(torch.int32)[0] ^= 1 << bit
     save_file(state, str(f), metadata={"format": "pt"})
     return key
 
@@ -28,7 +28,9 @@ class FlipExportedWeight(BridgeHF):
     def save(self, ctx, model, directory):
         super().save(ctx, model, directory)
         if ctx.rank == 0 and directory.name == "hf-export":
-            _flip_in_file(directory, "layers.1.self_attn.k_proj.weight")
+            # the top mantissa bit: a lowest-bit flip may round away in the logits, and the
+            # logits check must be seen to fail too (export-bitwise catches any bit)
+            _flip_in_file(directory, "layers.1.self_attn.k_proj.weight", bit=22)
 
 
 class FlipLoraB(BridgePeft):

@@ -114,10 +114,24 @@ def write_tokenizer(spec: HFModelSpec, directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
+def quiet_hf() -> None:
+    """transformers draws a progress bar for every load and save; in a table of 90 cases they
+    drown the results (CKPT_HARNESS_VERBOSE=1 keeps them)."""
+    import os
+
+    if os.environ.get("CKPT_HARNESS_VERBOSE") == "1":
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def write_fixture(spec: HFModelSpec, directory: Path) -> Path:
     """Write config.json, model.safetensors and tokenizer files for `spec` into `directory`."""
     from transformers import AutoModelForCausalLM
 
+    quiet_hf()
     directory.mkdir(parents=True, exist_ok=True)
     config = hf_config(spec)
     torch.manual_seed(spec.seed)
@@ -155,6 +169,7 @@ def hf_logits(directory: Path, input_ids: torch.Tensor, adapter: Path | None = N
     """Logits of transformers (optionally + a PEFT adapter) on CPU in fp32."""
     from transformers import AutoModelForCausalLM
 
+    quiet_hf()
     model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
     if adapter is not None:
         from peft import PeftModel

@@ -13,7 +13,8 @@ A matrix file:
         options: {steps: 3}                              # fixed case options
         tag: no-workaround                               # optional id suffix
         expect: pass | refuse
-        xfail: "why (strict: an unexpected pass fails the case)"  # or {reason: ..., match: REGEX}
+        xfail: "why (strict: an unexpected pass fails the case)"  # or {reason: ..., match: REGEX,
+                                                         #     checks: [step]}: only these may fail
         markers: [optimizer]
         memory_budgets: [{phase: save, rank: 0, max_peak_delta_mib: 512}]  # or max_peak_delta_x_shard
 
@@ -62,6 +63,7 @@ class CaseSpec:
     expect: str = "pass"
     xfail: str | None = None
     xfail_match: str | None = None  # the failure must match this regex to count as the expected one
+    xfail_checks: tuple[str, ...] = ()  # if given: the checks that must fail, and the only ones that may
     markers: tuple[str, ...] = ()
     timeout_s: float = 300.0
     budgets: tuple[Budget, ...] = ()
@@ -185,11 +187,14 @@ def load_matrix(path: str | Path) -> Matrix:
         expect = entry.get("expect", "pass")
         if expect not in ("pass", "refuse"):
             raise MatrixError(f"{where}.expect: must be 'pass' or 'refuse', got {expect!r}")
-        xfail, xfail_match = entry.get("xfail"), None
+        xfail, xfail_match, xfail_checks = entry.get("xfail"), None, ()
         if isinstance(xfail, dict):
-            if set(xfail) - {"reason", "match"} or "reason" not in xfail:
-                raise MatrixError(f"{where}.xfail: expected a reason string or {{reason: ..., match: REGEX}}")
-            xfail, xfail_match = xfail["reason"], xfail.get("match")
+            if set(xfail) - {"reason", "match", "checks"} or "reason" not in xfail:
+                raise MatrixError(f"{where}.xfail: expected a reason string or {{reason: ..., match: REGEX, checks: [NAME, ...]}}")
+            checks = xfail.get("checks", [])
+            if not isinstance(checks, list) or not all(isinstance(c, str) and c for c in checks):
+                raise MatrixError(f"{where}.xfail.checks: expected a list of check names, got {checks!r}")
+            xfail, xfail_match, xfail_checks = xfail["reason"], xfail.get("match"), tuple(checks)
             try:
                 re.compile(xfail_match or "")
             except re.error as exc:
@@ -224,6 +229,7 @@ def load_matrix(path: str | Path) -> Matrix:
                 spec = CaseSpec(
                     case=entry["case"], model=model, backend=backend, source=src, target=dst,
                     options=tuple(sorted(opts.items())), axes=axis_names, expect=expect, xfail=xfail, xfail_match=xfail_match,
+                    xfail_checks=xfail_checks,
                     markers=markers, timeout_s=timeout_s, budgets=budgets, tag=str(entry.get("tag", "")), origin=where,
                 )
                 for topo in (src, dst):

@@ -156,6 +156,13 @@ _installed: list[str] = []
 _shims_applied = False
 
 
+class _ErrorsOnly:
+    def filter(self, record) -> bool:
+        import logging
+
+        return record.levelno >= logging.ERROR
+
+
 def quiet_known_noise() -> None:
     """Rank output is for failures: silence warnings that fire on every save/load, unless
     CKPT_HARNESS_VERBOSE=1."""
@@ -166,7 +173,7 @@ def quiet_known_noise() -> None:
     if os.environ.get("CKPT_HARNESS_VERBOSE") == "1":
         return
     for category in (UserWarning, FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category, module=r"(torch\.distributed|megatron|harness\.compat)")
+        warnings.filterwarnings("ignore", category=category, module=r"(torch\.distributed|torch\.jit|megatron|harness\.compat)")
     warnings.filterwarnings("ignore", message=".*ShardedTensor.*")
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
     logging.getLogger("megatron").setLevel(logging.ERROR)
@@ -175,6 +182,12 @@ def quiet_known_noise() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # fixtures are local; never reach for a hub
     for name in ("transformers", "megatron.bridge", "modelopt"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # megatron-bridge 0.6.2 utils/import_utils.py sets its own logger to INFO and adds a handler at
+    # import, so every import without TE prints FP8GlobalStateManager tracebacks; a filter on the
+    # (pre-created) logger survives its setLevel.
+    bridge_imports = logging.getLogger("megatron.bridge.utils.import_utils")
+    if not any(isinstance(f, _ErrorsOnly) for f in bridge_imports.filters):
+        bridge_imports.addFilter(_ErrorsOnly())
 
 
 def install(device: torch.device) -> list[str]:

@@ -81,13 +81,23 @@ def _rank(ctx: RankContext, p: _Phase) -> dict[str, Any]:
 
 
 def _peft_load_problems(base_dir: Path, adapter_dir: Path) -> list[str]:
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    """Load as users do (PeftModel.from_pretrained, which only warns about missing keys and says
+    nothing of unexpected ones), then load the same files again through load_adapter, whose
+    result lists both."""
+    import warnings
+
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32), LoraConfig.from_pretrained(adapter_dir))
-    result = set_peft_model_state_dict(model, read_safetensors(adapter_dir))
-    missing = [k for k in result.missing_keys if "lora_" in k]
-    return [f"missing: {k}" for k in missing] + [f"unexpected: {k}" for k in result.unexpected_keys]
+    base = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(base, adapter_dir)
+    problems = [f"from_pretrained warned: {w.message}" for w in caught if "adapter keys" in str(w.message)]
+    result = model.load_adapter(adapter_dir, adapter_name="recheck")
+    problems += [f"missing: {k}" for k in result.missing_keys]
+    problems += [f"unexpected: {k}" for k in result.unexpected_keys]
+    return problems
 
 
 def _peft_merged(base_dir: Path, adapter_dir: Path) -> dict[str, torch.Tensor]:

@@ -40,6 +40,16 @@ class FlipLoraB(BridgePeft):
             _flip_in_file(directory, "layers.2.self_attn.v_proj.lora_B")
 
 
+class DropLoraA(BridgePeft):
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0:
+            (f,) = sorted(directory.glob("*.safetensors"))
+            state = load_file(str(f))
+            del state[sorted(k for k in state if "layers.0.mlp.down_proj.lora_A" in k)[0]]
+            save_file(state, str(f), metadata={"format": "pt"})
+
+
 class LoseAlpha(BridgePeft):
     def save(self, ctx, model, directory):
         super().save(ctx, model, directory)
@@ -108,3 +118,11 @@ def test_a_lost_lora_alpha_fails_config_and_logits(override):
     assert r.status == "failed"
     assert "lora_alpha: asked 8, exported 0" in r.check("adapter-config").detail
     assert _checks(r)["logits"] == "failed"
+
+
+def test_an_adapter_missing_a_tensor_fails_peft_load(override):
+    override("bridge_peft", DropLoraA)
+    r = run_case(_spec("peft-export", "bridge_peft", src="tp1", dst="tp1", adapter="lora"))
+    assert r.status == "failed"
+    assert "missing: base_model.model.model.layers.0.mlp.down_proj.lora_A" in r.check("peft-load").detail
+    assert _checks(r)["adapter-derivation"] == "failed"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cases.reshard_weights import state_check
 from harness import bridge as mb
 from harness.backends import get_backend
 from harness.case import Case, RunEnv, timed
@@ -109,11 +110,7 @@ class HFRoundtrip(Case):
             backend = get_backend("bridge_hf")
             source, exported = backend.read_full(None, hf_dir), backend.read_full(None, export)
             mism = compare_state(source, exported, "hf-source", f"export@{dst.id}")
-            result.checks.append(
-                Check("export-bitwise", "failed" if mism else "passed",
-                      f"{len(mism)} mismatch(es)" if mism else f"{len(exported)} tensors, keys and dtypes equal the source",
-                      0.0 if not mism else None, "bitwise", mism)
-            )
+            result.checks.append(state_check("export-bitwise", mism, f"{len(exported)} tensors, keys and dtypes equal the source"))
             ids = fixed_input_ids(model)
             ref = hf_logits(hf_dir, ids)
             got = hf_logits(export, ids)

@@ -5,7 +5,8 @@ apply_peft_adapter_filter_to_state_dict, as verl saves it) goes from S to D, and
 exported at D must equal the one exported directly at S.
 
 Checks:
-  peft-load          peft loads the adapter into the HF base with no missing or unexpected keys
+  peft-load          PeftModel.from_pretrained loads the adapter into the HF base without a
+                     missing-key warning; load_adapter reports no missing or unexpected keys
   adapter-derivation every exported tensor equals the harness's own derivation from the Megatron
                      adapter parameters (TP gather, QKV split per query group, fc1 gate/up halves)
   adapter-config     r, lora_alpha, target_modules and base_model_name_or_path are what was asked
@@ -18,12 +19,13 @@ Checks:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from cases.reshard_weights import state_check
 from harness import bridge as mb
 from harness import peft_mapping
 from harness.backends import get_backend
@@ -37,10 +39,9 @@ from harness.world import RankContext
 
 PEFT_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-5, why="Megatron+LoRA vs transformers+PEFT fp32 kernels")
 MIN_ADAPTER_EFFECT = 1e-3  # max |logits(lora) - logits(base)| below this means the adapter did nothing
-HF_TARGETS = {
-    "lora": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
-    "canonical_lora": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
-}
+ADAPTERS = {"lora": mb.LORA_TARGETS, "canonical_lora": mb.CANONICAL_TARGETS}  # kind -> Megatron targets
+# Both kinds export the same HF PEFT target modules.
+HF_TARGET_MODULES = sorted({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def _rank(ctx: RankContext, p: _Phase) -> dict[str, Any]:
     if p.fill:
         mb.fill_adapters(bm, p.spec, p.adapter)
     else:  # decoy adapter weights: the load below must replace every one of them
-        mb.fill_adapters(bm, p.spec, mb.AdapterSpec(p.adapter.kind, p.adapter.dim, p.adapter.alpha, p.adapter.targets, seed=p.adapter.seed + 1))
+        mb.fill_adapters(bm, p.spec, replace(p.adapter, seed=p.adapter.seed + 1))
     if p.adapter_load:
         state = peft_backend.load_state(ctx, peft_backend.adapter_state(bm), Path(p.adapter_load))
         mb.unwrapped(bm).load_state_dict(state["model"], strict=False)
@@ -119,18 +120,15 @@ class PeftExport(Case):
         unknown = set(spec.opts) - {"adapter", "dim", "alpha"}
         if unknown:
             raise ValueError(f"case {self.name}: unknown option(s) {sorted(unknown)}; known: adapter, dim, alpha")
-        if spec.opts.get("adapter", "lora") not in HF_TARGETS:
-            raise ValueError(f"adapter must be one of {sorted(HF_TARGETS)}")
+        if spec.opts.get("adapter", "lora") not in ADAPTERS:
+            raise ValueError(f"adapter must be one of {sorted(ADAPTERS)}")
         if spec.backend != "bridge_peft":
             raise ValueError(f"case {self.name} exports through bridge_peft, got backend {spec.backend}")
 
     def run(self, spec: CaseSpec, env: RunEnv, result: CaseResult) -> None:
         model = get_hf_model(spec.model)
         kind = spec.opts.get("adapter", "lora")
-        adapter = mb.AdapterSpec(
-            kind, int(spec.opts.get("dim", 4)), int(spec.opts.get("alpha", 8)),
-            mb.LORA_TARGETS if kind == "lora" else mb.CANONICAL_TARGETS,
-        )
+        adapter = mb.AdapterSpec(kind, int(spec.opts.get("dim", 4)), int(spec.opts.get("alpha", 8)), ADAPTERS[kind])
         src, dst = spec.source, spec.target
         hf_dir = env.case_dir / "hf-base"
         direct, merged = env.case_dir / "adapter@source", env.case_dir / "merged@source"
@@ -157,16 +155,11 @@ class PeftExport(Case):
                 a, b = read_safetensors(direct), read_safetensors(env.case_dir / "adapter@target")
                 mism = compare_state(a, b, f"adapter-export@{src.id}", f"adapter-export@{dst.id}")
                 result.checks.append(
-                    Check("resharded-export", "failed" if mism else "passed",
-                          f"{len(mism)} mismatch(es)" if mism else f"{len(b)} adapter tensors exported at {dst.id} equal the export at {src.id}",
-                          0.0 if not mism else None, "bitwise", mism)
+                    state_check("resharded-export", mism, f"{len(b)} adapter tensors exported at {dst.id} equal the export at {src.id}")
                 )
                 mism = compare_state(peft_mapping.gather([p for o in first for p in o["pieces"]]),
                                      peft_mapping.gather([p for o in again for p in o["pieces"]]), src.id, dst.id)
-                result.checks.append(
-                    Check("adapter-params", "failed" if mism else "passed",
-                          f"{len(mism)} mismatch(es)" if mism else "Megatron adapter parameters at D equal those at S", None, "bitwise", mism)
-                )
+                result.checks.append(state_check("adapter-params", mism, "Megatron adapter parameters at D equal those at S"))
 
     def _checks(self, result, model, adapter, hf_dir: Path, direct: Path, merged: Path, outs, src) -> None:
         problems = _peft_load_problems(hf_dir, direct)
@@ -176,13 +169,9 @@ class PeftExport(Case):
         exported = read_safetensors(direct)
         derived = peft_mapping.to_hf_peft(peft_mapping.gather([p for o in outs for p in o["pieces"]]), model)
         mism = compare_state(derived, exported, "harness-derivation", f"bridge-export@{src.id}")
-        result.checks.append(
-            Check("adapter-derivation", "failed" if mism else "passed",
-                  f"{len(mism)} mismatch(es)" if mism else f"{len(exported)} adapter tensors equal the independent derivation",
-                  0.0 if not mism else None, "bitwise", mism)
-        )
+        result.checks.append(state_check("adapter-derivation", mism, f"{len(exported)} adapter tensors equal the independent derivation"))
         cfg = json.loads((direct / "adapter_config.json").read_text())
-        asked = {"r": adapter.dim, "lora_alpha": adapter.alpha, "target_modules": sorted(HF_TARGETS[adapter.kind]), "base_model_name_or_path": str(hf_dir)}
+        asked = {"r": adapter.dim, "lora_alpha": adapter.alpha, "target_modules": HF_TARGET_MODULES, "base_model_name_or_path": str(hf_dir)}
         got = {"r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "target_modules": sorted(cfg.get("target_modules") or []),
                "base_model_name_or_path": cfg.get("base_model_name_or_path")}
         bad = [f"{k}: asked {asked[k]!r}, exported {got[k]!r}" for k in asked if asked[k] != got[k]]
@@ -192,10 +181,7 @@ class PeftExport(Case):
         if model.tied:  # the HF model's state dict lists the tied lm_head; safetensors stores it once
             peft_merged = {k: v for k, v in peft_merged.items() if k in bridge_merged or k != "lm_head.weight"}
         mism = compare_state(peft_merged, bridge_merged, "peft merge_and_unload", "bridge merged export")
-        result.checks.append(
-            Check("merge", "failed" if mism else "passed", f"{len(mism)} mismatch(es)" if mism else "merged weights equal peft merge_and_unload()",
-                  max((m.max_abs_diff or 0.0 for m in mism), default=0.0), "bitwise", mism)
-        )
+        result.checks.append(state_check("merge", mism, "merged weights equal peft merge_and_unload()"))
         ids = fixed_input_ids(model)
         hf_lora, hf_base = hf_logits(hf_dir, ids, adapter=direct), hf_logits(hf_dir, ids)
         meg = next(o["logits"] for o in outs if o["logits"] is not None)

@@ -62,11 +62,14 @@ def _checks_cell(r: CaseResult) -> str:
     return f"{passed}/{len(r.checks)} ✓ " + " ".join(parts)
 
 
+def _shows_diff(name: str, tolerance: str | None) -> bool:
+    """Checks whose largest difference the summaries show: logits, and any with a tolerance
+    (not bitwise/exact), i.e. how close a case ran to its tolerance."""
+    return "logits" in name or tolerance not in (None, "", "bitwise", "exact")
+
+
 def _diff_cell(r: CaseResult) -> str:
-    """The largest difference a logits or toleranced (not bitwise/exact) check saw: how close the
-    case ran to its tolerance."""
-    diffs = [c.max_abs_diff for c in r.checks if c.max_abs_diff is not None
-             and ("logits" in c.name or c.tolerance not in (None, "", "bitwise", "exact"))]
+    diffs = [c.max_abs_diff for c in r.checks if c.max_abs_diff is not None and _shows_diff(c.name, c.tolerance)]
     if not diffs:
         return "-"
     worst = max(diffs)
@@ -113,7 +116,7 @@ def _worst_toleranced(checks: list[dict]) -> tuple[float | None, str]:
     worst: tuple[float | None, str] = (None, "")
     for c in checks:
         d, tol = c.get("max_abs_diff"), c.get("tolerance") or ""
-        if d is None or ("logits" not in c["name"] and tol in ("", "bitwise", "exact")):
+        if d is None or not _shows_diff(c["name"], tol):
             continue
         if worst[0] is None or d > worst[0]:
             worst = (d, tol.split(" (")[0])

@@ -1,5 +1,5 @@
 """The HF and PEFT cases fail when an export is wrong: one flipped bit in the HF weights,
-one flipped bit in a lora_B, a lost lora_alpha (verl #1821), an adapter that was never trained."""
+one flipped bit in a lora_B, an adapter file missing a tensor, a lost lora_alpha (verl #1821)."""
 
 import json
 
@@ -15,13 +15,20 @@ from harness.runner import run_case
 from harness.topology import Topology
 
 
-def _flip_in_file(directory, key_part, bit=0):
+def _edit_in_file(directory, key_part, edit):
+    """Apply edit(state, key) to the first tensor whose key contains key_part, in place on disk."""
     (f,) = sorted(directory.glob("*.safetensors"))
     state = load_file(str(f))
     key = sorted(k for k in state if key_part in k)[0]
-    state[key].view(-1).view(torch.int32)[0] ^= 1 << bit
+    edit(state, key)
     save_file(state, str(f), metadata={"format": "pt"})
-    return key
+
+
+def _flip_in_file(directory, key_part, bit=0):
+    def flip(state, key):
+        state[key].view(-1).view(torch.int32)[0] ^= 1 << bit
+
+    _edit_in_file(directory, key_part, flip)
 
 
 class FlipExportedWeight(BridgeHF):
@@ -44,10 +51,7 @@ class DropLoraA(BridgePeft):
     def save(self, ctx, model, directory):
         super().save(ctx, model, directory)
         if ctx.rank == 0:
-            (f,) = sorted(directory.glob("*.safetensors"))
-            state = load_file(str(f))
-            del state[sorted(k for k in state if "layers.0.mlp.down_proj.lora_A" in k)[0]]
-            save_file(state, str(f), metadata={"format": "pt"})
+            _edit_in_file(directory, "layers.0.mlp.down_proj.lora_A", lambda state, key: state.pop(key))
 
 
 class LoseAlpha(BridgePeft):
@@ -104,25 +108,26 @@ def test_peft_export_passes_every_check():
     assert set(_checks(r)) == {"peft-load", "adapter-derivation", "adapter-config", "merge", "logits"}
 
 
-def test_one_flipped_bit_in_a_lora_b_fails_the_derivation(override):
-    override("bridge_peft", FlipLoraB)
+def _failed_peft_export(override, double):
+    override("bridge_peft", double)
     r = run_case(_spec("peft-export", "bridge_peft", src="tp1", dst="tp1", adapter="lora"))
     assert r.status == "failed"
+    return r
+
+
+def test_one_flipped_bit_in_a_lora_b_fails_the_derivation(override):
+    r = _failed_peft_export(override, FlipLoraB)
     (m,) = r.check("adapter-derivation").mismatches
     assert m.key == "base_model.model.model.layers.2.self_attn.v_proj.lora_B.weight"
 
 
 def test_a_lost_lora_alpha_fails_config_and_logits(override):
-    override("bridge_peft", LoseAlpha)
-    r = run_case(_spec("peft-export", "bridge_peft", src="tp1", dst="tp1", adapter="lora"))
-    assert r.status == "failed"
+    r = _failed_peft_export(override, LoseAlpha)
     assert "lora_alpha: asked 8, exported 0" in r.check("adapter-config").detail
     assert _checks(r)["logits"] == "failed"
 
 
 def test_an_adapter_missing_a_tensor_fails_peft_load(override):
-    override("bridge_peft", DropLoraA)
-    r = run_case(_spec("peft-export", "bridge_peft", src="tp1", dst="tp1", adapter="lora"))
-    assert r.status == "failed"
+    r = _failed_peft_export(override, DropLoraA)
     assert "missing: base_model.model.model.layers.0.mlp.down_proj.lora_A" in r.check("peft-load").detail
     assert _checks(r)["adapter-derivation"] == "failed"

@@ -40,8 +40,9 @@ def _save(ctx: RankContext, job: _Job) -> dict:
     """One variant per fresh world: freed-but-kept heap from an earlier save cannot hide a peak."""
     from harness import models, training
     from harness.backends import get_backend
+    from harness.zoo import get_model
 
-    spec = models.get_model(job.model)
+    spec = get_model(job.model, "gpt")
     models.init_parallel(job.topo)
     ddp, optimizer = training.build_training(spec, job.topo, training.TrainConfig())
     training.train_steps(ddp, optimizer, spec, 0, 1)  # real, non-zero optimizer state
@@ -52,10 +53,11 @@ def _save(ctx: RankContext, job: _Job) -> dict:
 
 
 def run(model: str, dps: list[int], out: Path, merge: bool = False) -> list[dict]:
-    from harness.models import get_model, preload
+    from harness.preload import warm
+    from harness.zoo import get_model
 
-    preload()
-    spec = get_model(model)
+    warm()
+    spec = get_model(model, "gpt")
     rows = []
     for dp in dps:
         topo = Topology(dp=dp)

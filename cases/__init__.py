@@ -1,11 +1,19 @@
-"""Cases: what a scenario checks. One module per case, exposing `CASE`; found by name."""
+"""Cases: what a scenario checks. One module per case, exposing `CASE`; found by name.
+
+Cases from outside this package: an entry point in the group `ckpt_harness.cases`
+(`name = "package.module:CASE"`). A case runs in the parent process (its rank functions travel
+by value), so no start method needs the registry.
+"""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from importlib import metadata
 
 from harness.case import Case
+
+ENTRY_POINT_GROUP = "ckpt_harness.cases"
 
 
 def all_cases() -> dict[str, Case]:
@@ -13,6 +21,10 @@ def all_cases() -> dict[str, Case]:
     for m in pkgutil.iter_modules(__path__):
         module = importlib.import_module(f"{__name__}.{m.name}")
         case = getattr(module, "CASE", None)
+        if isinstance(case, Case):
+            found[case.name] = case
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        case = ep.load()
         if isinstance(case, Case):
             found[case.name] = case
     return found

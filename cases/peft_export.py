@@ -1,8 +1,8 @@
 """peft-export: LoRA / CanonicalLoRA on a Bridge model, exported as an HF PEFT adapter.
 
-S == D: export at S. S != D: the adapter-only dist checkpoint (filtered with the Bridge's
-apply_peft_adapter_filter_to_state_dict, as verl saves it) goes from S to D, and the adapter
-exported at D must equal the one exported directly at S.
+S == D: export at S. S != D: the adapter-only dist checkpoint (the state harness.bridge.adapter_state
+selects, as verl saves it) goes from S to D through mcore_dist, and the adapter exported at D must
+equal the one exported directly at S.
 
 Checks:
   peft-load          PeftModel.from_pretrained loads the adapter into the HF base without a
@@ -14,6 +14,7 @@ Checks:
   logits             Megatron+LoRA logits equal transformers+PEFT logits (PEFT_TOLERANCE) and
                      differ from the base model's (the adapter is not a no-op)
   resharded-export   (S != D) the adapter exported at D equals the direct export at S, bitwise
+  adapter-params     (S != D) the Megatron adapter parameters at D, gathered, equal those at S
 """
 
 from __future__ import annotations
@@ -21,21 +22,22 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from cases.reshard_weights import state_check
 from harness import bridge as mb
-from harness import peft_mapping
-from harness.backends import get_backend
+from harness import peft_mapping, truth
+from harness.backends import get_backend, resolve
 from harness.case import Case, RunEnv, timed
-from harness.hf_models import HFModelSpec, fixed_input_ids, get_hf_model, hf_logits, read_safetensors, write_fixture
-from harness.matrix import CaseSpec
-from harness.parity import Tolerance, compare_state, compare_tensors, max_abs_diff
+from harness.checks import state_check
+from harness.hf_models import hf_logits, write_fixture
+from harness.parity import Tolerance, compare_tensors, max_abs_diff
 from harness.result import CaseResult, Check
+from harness.spec import CaseSpec
 from harness.topology import Topology
 from harness.world import RankContext
+from harness.zoo import HFModelSpec, get_model
 
 PEFT_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-5, why="Megatron+LoRA vs transformers+PEFT fp32 kernels")
 MIN_ADAPTER_EFFECT = 1e-3  # max |logits(lora) - logits(base)| below this means the adapter did nothing
@@ -45,39 +47,52 @@ HF_TARGET_MODULES = sorted({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
 
 
 @dataclass(frozen=True)
+class PeftOptions:
+    adapter: Literal["lora", "canonical_lora"] = "lora"
+    dim: int = 4
+    alpha: int = 8
+
+    def spec(self) -> mb.AdapterSpec:
+        return mb.AdapterSpec(self.adapter, self.dim, self.alpha, ADAPTERS[self.adapter])
+
+
+@dataclass(frozen=True)
 class _Phase:
     spec: HFModelSpec
     hf_dir: str
     topo: Topology
     adapter: mb.AdapterSpec
     fill: bool
+    export_backend: str  # import path
+    dist_backend: str  # import path: the adapter-only dist checkpoint
+    merge_backend: str  # import path: the merged HF export (save_hf_pretrained merges adapters)
     adapter_load: str | None = None
     adapter_save: str | None = None
     export_to: str | None = None
     merged_to: str | None = None
 
 
-def _rank(ctx: RankContext, p: _Phase) -> dict[str, Any]:
-    from harness import compat, models
+@dataclass
+class PeftOut:
+    pieces: list[dict]
+    logits: torch.Tensor | None
 
-    models.init_parallel(p.topo)
+
+def _rank(ctx: RankContext, p: _Phase) -> PeftOut:
     bm = mb.build(p.hf_dir, p.spec, p.topo, adapter=p.adapter)
-    peft_backend = get_backend("bridge_peft")
-    if p.fill:
-        mb.fill_adapters(bm, p.spec, p.adapter)
-    else:  # decoy adapter weights: the load below must replace every one of them
-        mb.fill_adapters(bm, p.spec, replace(p.adapter, seed=p.adapter.seed + 1))
+    # decoy adapter weights on the load side: the load below must replace every one of them
+    mb.fill_adapters(bm, p.spec, p.adapter if p.fill else replace(p.adapter, seed=p.adapter.seed + 1))
+    dist = get_backend(p.dist_backend)
     if p.adapter_load:
-        state = peft_backend.load_state(ctx, peft_backend.adapter_state(bm), Path(p.adapter_load))
+        state = dist.load_state(ctx, mb.adapter_state(bm), Path(p.adapter_load))
         mb.unwrapped(bm).load_state_dict(state["model"], strict=False)
-    out = {"pieces": mb.adapter_pieces(bm, p.spec), "logits": mb.megatron_logits(bm, p.spec, ctx.device)}
+    out = PeftOut(mb.adapter_pieces(bm, p.spec), mb.megatron_logits(bm, p.spec, ctx.device))
     if p.adapter_save:
-        peft_backend.save_state(ctx, peft_backend.adapter_state(bm), Path(p.adapter_save))
+        dist.save_state(ctx, mb.adapter_state(bm), Path(p.adapter_save))
     if p.export_to:
-        peft_backend.save(ctx, bm, Path(p.export_to))
+        get_backend(p.export_backend).save(ctx, bm, Path(p.export_to))
     if p.merged_to:
-        get_backend("bridge_hf").save(ctx, bm, Path(p.merged_to))  # save_hf_pretrained merges adapters
-    out["compat"] = compat.installed()
+        get_backend(p.merge_backend).save(ctx, bm, Path(p.merged_to))
     return out
 
 
@@ -110,88 +125,103 @@ def _peft_merged(base_dir: Path, adapter_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in merged.state_dict().items()}
 
 
+def config_check(cfg: dict[str, Any], asked: dict[str, Any]) -> Check:
+    got = {k: sorted(cfg.get(k) or []) if k == "target_modules" else cfg.get(k) for k in asked}
+    bad = [f"{k}: asked {asked[k]!r}, exported {got[k]!r}" for k in asked if asked[k] != got[k]]
+    return Check("adapter-config", "failed" if bad else "passed",
+                 "; ".join(bad) or f"r={got.get('r')} lora_alpha={got.get('lora_alpha')}", tolerance="exact")
+
+
+def logits_check(hf_lora: torch.Tensor, hf_base: torch.Tensor, megatron: torch.Tensor, src: str) -> Check:
+    m = compare_tensors("logits", hf_lora, megatron, "transformers+peft", f"megatron+lora@{src}", PEFT_TOLERANCE)
+    effect = max_abs_diff(hf_lora, hf_base)
+    if m is None and effect < MIN_ADAPTER_EFFECT:
+        detail, status = f"adapter changes logits by only {effect:.2e} (< {MIN_ADAPTER_EFFECT}): a no-op adapter", "failed"
+    else:
+        detail, status = (str(m), "failed") if m else (f"match; adapter moves logits by {effect:.3f} vs base", "passed")
+    return Check("logits", status, detail, max_abs_diff(hf_lora, megatron), str(PEFT_TOLERANCE), [m] if m else [])
+
+
+@dataclass
+class Exported:
+    """What the parent reads back from the artefacts of the source world (files and HF/peft runs)."""
+
+    peft_problems: list[str]
+    adapter: dict[str, torch.Tensor]
+    config: dict[str, Any]
+    peft_merged: dict[str, torch.Tensor]
+    bridge_merged: dict[str, torch.Tensor]
+    hf_lora_logits: torch.Tensor
+    hf_base_logits: torch.Tensor
+
+
+def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOut], ex: Exported) -> list[Check]:
+    """The export checks at the source topology."""
+    problems = ex.peft_problems
+    derived = peft_mapping.to_hf_peft(peft_mapping.gather([p for o in outs for p in o.pieces]), model)
+    peft_merged = ex.peft_merged
+    if model.tied:  # the HF model's state dict lists the tied lm_head; safetensors stores it once
+        peft_merged = {k: v for k, v in peft_merged.items() if k in ex.bridge_merged or k != "lm_head.weight"}
+    meg = next((o.logits for o in outs if o.logits is not None), None)
+    return [
+        Check("peft-load", "failed" if problems else "passed", "; ".join(problems[:8]) or "no missing or unexpected keys", tolerance="exact"),
+        state_check("adapter-derivation", derived, ex.adapter, "harness-derivation", f"bridge-export@{src}",
+                    f"{len(ex.adapter)} adapter tensors equal the independent derivation"),
+        config_check(ex.config, asked),
+        state_check("merge", peft_merged, ex.bridge_merged, "peft merge_and_unload", "bridge merged export",
+                    "merged weights equal peft merge_and_unload()"),
+        logits_check(ex.hf_lora_logits, ex.hf_base_logits, meg, src) if meg is not None
+        else Check("logits", "failed", "no rank returned Megatron logits"),
+    ]
+
+
+def judge_resharded(src: str, dst: str, first: list[PeftOut], again: list[PeftOut],
+                    at_source: dict[str, torch.Tensor], at_target: dict[str, torch.Tensor]) -> list[Check]:
+    return [
+        state_check("resharded-export", at_source, at_target, f"adapter-export@{src}", f"adapter-export@{dst}",
+                    f"{len(at_target)} adapter tensors exported at {dst} equal the export at {src}"),
+        state_check("adapter-params", peft_mapping.gather([p for o in first for p in o.pieces]),
+                    peft_mapping.gather([p for o in again for p in o.pieces]), src, dst,
+                    "Megatron adapter parameters at D equal those at S"),
+    ]
+
+
 class PeftExport(Case):
     name = "peft-export"
     description = "Megatron-Bridge LoRA/CanonicalLoRA -> HF PEFT adapter, checked against peft and an independent derivation"
     model_kind = "hf"
+    Options = PeftOptions
+    needs = frozenset({"adapter_export", "read_plain"})
+    checks = ("peft-load", "adapter-derivation", "adapter-config", "merge", "logits", "resharded-export", "adapter-params")
 
-    def validate(self, spec: CaseSpec) -> None:
-        self.check_model_kind(spec)
-        unknown = set(spec.opts) - {"adapter", "dim", "alpha"}
-        if unknown:
-            raise ValueError(f"case {self.name}: unknown option(s) {sorted(unknown)}; known: adapter, dim, alpha")
-        if spec.opts.get("adapter", "lora") not in ADAPTERS:
-            raise ValueError(f"adapter must be one of {sorted(ADAPTERS)}")
-        if spec.backend != "bridge_peft":
-            raise ValueError(f"case {self.name} exports through bridge_peft, got backend {spec.backend}")
-
-    def run(self, spec: CaseSpec, env: RunEnv, result: CaseResult) -> None:
-        model = get_hf_model(spec.model)
-        kind = spec.opts.get("adapter", "lora")
-        adapter = mb.AdapterSpec(kind, int(spec.opts.get("dim", 4)), int(spec.opts.get("alpha", 8)), ADAPTERS[kind])
+    def run(self, spec: CaseSpec, opts: PeftOptions, env: RunEnv, result: CaseResult) -> None:
+        model = get_model(spec.model, "hf")
+        adapter = opts.spec()
         src, dst = spec.source, spec.target
-        hf_dir = env.case_dir / "hf-base"
-        direct, merged = env.case_dir / "adapter@source", env.case_dir / "merged@source"
+        d = env.case_dir
+        hf_dir, direct, merged, ckpt = d / "hf-base", d / "adapter@source", d / "merged@source", d / "adapter-dist-ckpt"
+        paths = dict(export_backend=resolve(spec.backend), dist_backend=resolve("mcore_dist"), merge_backend=resolve("bridge_hf"))
         with timed(result, "fixture"):
             write_fixture(model, hf_dir)
         resharded = src != dst
-        ckpt = env.case_dir / "adapter-dist-ckpt"
-        first = env.launch(
-            result, "save", _rank,
-            _Phase(model, str(hf_dir), src, adapter, True, adapter_save=str(ckpt) if resharded else None,
-                   export_to=str(direct), merged_to=str(merged)),
-            src.world_size,
-        )
-        result.compat_shims = first[0]["compat"]
+        first = env.launch(result, "save", _rank, _Phase(
+            model, str(hf_dir), src, adapter, True, adapter_save=str(ckpt) if resharded else None,
+            export_to=str(direct), merged_to=str(merged), **paths), src)
         if resharded:
-            again = env.launch(
-                result, "load", _rank,
-                _Phase(model, str(hf_dir), dst, adapter, False, adapter_load=str(ckpt), export_to=str(env.case_dir / "adapter@target")),
-                dst.world_size,
-            )
+            again = env.launch(result, "load", _rank, _Phase(
+                model, str(hf_dir), dst, adapter, False, adapter_load=str(ckpt), export_to=str(d / "adapter@target"), **paths), dst)
         with timed(result, "compare"):
-            self._checks(result, model, adapter, hf_dir, direct, merged, first, src)
+            export = get_backend(spec.backend)
+            ids = truth.fixed_input_ids(model)
+            ex = Exported(
+                _peft_load_problems(hf_dir, direct), export.read_full(None, direct), json.loads((direct / "adapter_config.json").read_text()),
+                _peft_merged(hf_dir, direct), get_backend("bridge_hf").read_full(None, merged),
+                hf_logits(hf_dir, ids, adapter=direct), hf_logits(hf_dir, ids),
+            )
+            asked = {"r": opts.dim, "lora_alpha": opts.alpha, "target_modules": HF_TARGET_MODULES, "base_model_name_or_path": str(hf_dir)}
+            result.checks.extend(judge(model, asked, src.id, first, ex))
             if resharded:
-                a, b = read_safetensors(direct), read_safetensors(env.case_dir / "adapter@target")
-                mism = compare_state(a, b, f"adapter-export@{src.id}", f"adapter-export@{dst.id}")
-                result.checks.append(
-                    state_check("resharded-export", mism, f"{len(b)} adapter tensors exported at {dst.id} equal the export at {src.id}")
-                )
-                mism = compare_state(peft_mapping.gather([p for o in first for p in o["pieces"]]),
-                                     peft_mapping.gather([p for o in again for p in o["pieces"]]), src.id, dst.id)
-                result.checks.append(state_check("adapter-params", mism, "Megatron adapter parameters at D equal those at S"))
-
-    def _checks(self, result, model, adapter, hf_dir: Path, direct: Path, merged: Path, outs, src) -> None:
-        problems = _peft_load_problems(hf_dir, direct)
-        result.checks.append(
-            Check("peft-load", "failed" if problems else "passed", "; ".join(problems[:8]) or "no missing or unexpected keys", tolerance="exact")
-        )
-        exported = read_safetensors(direct)
-        derived = peft_mapping.to_hf_peft(peft_mapping.gather([p for o in outs for p in o["pieces"]]), model)
-        mism = compare_state(derived, exported, "harness-derivation", f"bridge-export@{src.id}")
-        result.checks.append(state_check("adapter-derivation", mism, f"{len(exported)} adapter tensors equal the independent derivation"))
-        cfg = json.loads((direct / "adapter_config.json").read_text())
-        asked = {"r": adapter.dim, "lora_alpha": adapter.alpha, "target_modules": HF_TARGET_MODULES, "base_model_name_or_path": str(hf_dir)}
-        got = {"r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "target_modules": sorted(cfg.get("target_modules") or []),
-               "base_model_name_or_path": cfg.get("base_model_name_or_path")}
-        bad = [f"{k}: asked {asked[k]!r}, exported {got[k]!r}" for k in asked if asked[k] != got[k]]
-        result.checks.append(Check("adapter-config", "failed" if bad else "passed", "; ".join(bad) or f"r={got['r']} lora_alpha={got['lora_alpha']}", tolerance="exact"))
-        peft_merged = _peft_merged(hf_dir, direct)
-        bridge_merged = read_safetensors(merged)
-        if model.tied:  # the HF model's state dict lists the tied lm_head; safetensors stores it once
-            peft_merged = {k: v for k, v in peft_merged.items() if k in bridge_merged or k != "lm_head.weight"}
-        mism = compare_state(peft_merged, bridge_merged, "peft merge_and_unload", "bridge merged export")
-        result.checks.append(state_check("merge", mism, "merged weights equal peft merge_and_unload()"))
-        ids = fixed_input_ids(model)
-        hf_lora, hf_base = hf_logits(hf_dir, ids, adapter=direct), hf_logits(hf_dir, ids)
-        meg = next(o["logits"] for o in outs if o["logits"] is not None)
-        m = compare_tensors("logits", hf_lora, meg, "transformers+peft", f"megatron+lora@{src.id}", PEFT_TOLERANCE)
-        effect = max_abs_diff(hf_lora, hf_base)
-        if m is None and effect < MIN_ADAPTER_EFFECT:
-            detail, status = f"adapter changes logits by only {effect:.2e} (< {MIN_ADAPTER_EFFECT}): a no-op adapter", "failed"
-        else:
-            detail, status = (str(m), "failed") if m else (f"match; adapter moves logits by {effect:.3f} vs base", "passed")
-        result.checks.append(Check("logits", status, detail, max_abs_diff(hf_lora, meg), str(PEFT_TOLERANCE), [m] if m else []))
+                result.checks.extend(judge_resharded(src.id, dst.id, first, again, ex.adapter, export.read_full(None, d / "adapter@target")))
 
 
 CASE = PeftExport()

@@ -4,20 +4,17 @@ LoRA adapters known weights, and hand out raw adapter shards for an independent 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from harness.hf_models import HFModelSpec
+from harness import truth
+from harness.models import FUSIONS
 from harness.topology import Topology
+from harness.zoo import HFModelSpec
 
-_FUSIONS = (
-    "gradient_accumulation_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
-    "apply_rope_fusion", "persist_layer_norm", "cross_entropy_loss_fusion",
-)
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 CANONICAL_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate", "linear_fc2")
 
@@ -71,7 +68,7 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     provider.tensor_model_parallel_size = topo.tp
     provider.pipeline_model_parallel_size = topo.pp
     provider.transformer_layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    for name in _FUSIONS:
+    for name in FUSIONS:
         setattr(provider, name, False)
     provider.params_dtype = torch.float32
     provider.pipeline_dtype = torch.float32
@@ -106,21 +103,15 @@ def global_name(local: str, offset: int) -> str:
     return ".".join(parts)
 
 
-def _adapter_seed(seed: int, name: str, tp_rank: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}:{tp_rank}".encode()).digest()[:8], "little") & (2**63 - 1)
-
-
 @torch.no_grad()
 def fill_adapters(bm: BridgeModel, spec: HFModelSpec, adapter: AdapterSpec) -> int:
-    """Non-zero adapter weights (lora_B is zero at init, which would hide every B-side bug),
-    a function of (seed, global name, TP rank) so any topology can rebuild the same values."""
+    """Give every adapter parameter its truth.adapter_tensor values (non-zero, per TP rank)."""
     from megatron.core import parallel_state
 
     offset, tp_rank, n = _layer_offset(spec), parallel_state.get_tensor_model_parallel_rank(), 0
     for name, p in unwrapped(bm).named_parameters():
         if ".adapter." in name:
-            g = torch.Generator().manual_seed(_adapter_seed(adapter.seed, global_name(name, offset), tp_rank))
-            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            p.copy_(truth.adapter_tensor(adapter.seed, global_name(name, offset), tp_rank, tuple(p.shape)))
             n += 1
     return n
 
@@ -147,16 +138,15 @@ def ddp_propagation(bm: BridgeModel, asked: dict[str, Any]) -> list[dict[str, An
     ]
 
 
-def hf_batch(spec: HFModelSpec) -> dict[str, torch.Tensor]:
-    from harness.hf_models import fixed_input_ids
-
-    ids = fixed_input_ids(spec)
-    positions = torch.arange(spec.seq_length).unsqueeze(0).expand_as(ids).contiguous()
-    mask = torch.triu(torch.ones(spec.seq_length, spec.seq_length, dtype=torch.bool), diagonal=1)[None, None]
-    return {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
-
-
 def megatron_logits(bm: BridgeModel, spec: HFModelSpec, device) -> torch.Tensor | None:
     from harness.models import forward_logits
 
-    return forward_logits(unwrapped(bm), hf_batch(spec), spec.hidden_size, device)
+    return forward_logits(unwrapped(bm), truth.hf_batch(spec), spec.hidden_size, device)
+
+
+def adapter_state(bm: BridgeModel) -> dict:
+    """The adapter-only sharded state dict, filtered with the Bridge's own
+    apply_peft_adapter_filter_to_state_dict, as verl saves PEFT checkpoints."""
+    from megatron.bridge.training.checkpointing import apply_peft_adapter_filter_to_state_dict
+
+    return apply_peft_adapter_filter_to_state_dict({"model": unwrapped(bm).sharded_state_dict()}, bm.peft)

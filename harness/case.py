@@ -1,38 +1,101 @@
-"""The interface between the runner and a case (what a scenario checks, in cases/)."""
+"""The contract between the matrix, the runner and a case (what a scenario checks, in cases/).
+
+A case *declares* what it accepts, and the matrix loader checks all of it before anything runs:
+  Options     a frozen dataclass: every option with its type and default; unknown keys and
+              wrong types are errors naming the option
+  needs       the backend capabilities it uses (harness.backends.CAPABILITIES)
+  model_kind  "gpt" or "hf" (harness.zoo)
+  checks      the names of the checks it can record (what `xfail.checks` may name)
+  refusable   whether `expect: refuse` means something for it
+A case then splits into the worlds it launches (`run`) and a pure judge of their outputs, so the
+judging is tested in-process (tests/test_judges.py).
+
+`RunEnv.launch` is the one rank envelope: every world of every case gets parallel_state for its
+topology, the CPU shims, per-phase memory records and the list of active shims the same way.
+"""
 
 from __future__ import annotations
 
 import time
+import typing
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator, Literal
 
 from harness import world
-from harness.matrix import CaseSpec
 from harness.result import CaseResult
+from harness.spec import CaseSpec, check_base
+from harness.topology import Topology
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A case without options."""
+
+
+@dataclass(frozen=True)
+class RankOut:
+    """What the envelope returns for one rank: the rank function's value plus what every world records."""
+
+    value: Any
+    memory: dict[str, dict]
+    compat: list[str]
+
+
+def _envelope(ctx: world.RankContext, call: tuple[world.RankFn, Any, Topology | None]) -> RankOut:
+    from harness import compat, memory
+
+    fn, arg, topo = call
+    if topo is not None:
+        from harness.models import init_parallel
+
+        init_parallel(topo)
+    memory.start_recording()
+    try:
+        value = fn(ctx, arg)
+    finally:
+        phases = memory.stop_recording()
+    return RankOut(value, {name: m.to_dict() for name, m in phases.items()}, compat.installed())
 
 
 @dataclass
 class RunEnv:
-    """Where and how a case runs: its own scratch directory, the dist backend, the timeout."""
+    """Where and how a case runs: its scratch directory, the dist backend, launcher and timeout."""
 
     case_dir: Path
     dist_backend: str = "auto"
     timeout_s: float = 300.0
     launcher: str = "mp"  # "mp" (torch.multiprocessing) or "torchrun"
     torchrun_template: str | None = None
+    start_method: str | None = None  # None/auto: fork for gloo, spawn for NCCL
+    hooks: tuple[str, ...] = ()  # rank hooks ("module:function"), run in every rank before the case's function
 
-    def launch(self, result: CaseResult, phase: str, fn: world.RankFn, arg: Any, world_size: int) -> list[Any]:
-        """One world for one phase, timed into result.phases[phase]."""
+    def launch(self, result: CaseResult, phase: str, fn: world.RankFn, arg: Any, topo: Topology | None) -> list[Any]:
+        """One world for `topo` (one rank without parallel_state when None), timed into
+        result.phases[phase]; its memory records and shims go into `result`. Returns each rank's value."""
+        size = topo.world_size if topo is not None else 1
         workdir = self.case_dir / f"world-{phase}"
+        call = (fn, arg, topo)
         with timed(result, phase):
             if self.launcher == "torchrun":
-                return world.launch_torchrun(
-                    fn, arg, world_size, workdir, backend=self.dist_backend, timeout_s=self.timeout_s, template=self.torchrun_template
+                outs = world.launch_torchrun(
+                    _envelope, call, size, workdir, backend=self.dist_backend, timeout_s=self.timeout_s,
+                    template=self.torchrun_template, hooks=self.hooks,
                 )
-            return world.launch(fn, arg, world_size, workdir, backend=self.dist_backend, timeout_s=self.timeout_s)
+            else:
+                outs = world.launch(
+                    _envelope, call, size, workdir, backend=self.dist_backend, timeout_s=self.timeout_s,
+                    start_method=self.start_method, hooks=self.hooks,
+                )
+        for rank, out in enumerate(outs):
+            for name, m in out.memory.items():
+                key = name if name == phase else f"{phase}:{name}"
+                result.memory.setdefault(key, {})[str(rank)] = {**m, "shard_bytes": getattr(out.value, "shard_bytes", 0)}
+        if not result.compat_shims and outs:
+            result.compat_shims = list(outs[0].compat)
+        return [o.value for o in outs]
 
 
 @contextmanager
@@ -44,26 +107,118 @@ def timed(result: CaseResult, phase: str) -> Iterator[None]:
         result.phases[phase] = round(result.phases.get(phase, 0.0) + time.perf_counter() - start, 3)
 
 
+# --------------------------------------------------------------------------- typed options
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is tuple:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """`value` as type `tp`, or ValueError naming the option; YAML lists become tuples, and a
+    float option takes an int or a numeric string (PyYAML reads `1e-3` as a string)."""
+    origin = typing.get_origin(tp)
+    ok = True
+    if origin is Literal:
+        ok = value in typing.get_args(tp)
+    elif origin is tuple:
+        if isinstance(value, (list, tuple)):
+            return tuple(_coerce(name, v, typing.get_args(tp)[0]) for v in value)
+        ok = False
+    elif tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                ok = False
+        else:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            value = float(value) if ok else value
+    elif tp is str:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ValueError(f"option {name!r}: expected {_describe(tp)}, got {value!r}")
+    return value
+
+
+def parse_options(cls: type, raw: dict[str, Any], owner: str) -> Any:
+    """An instance of the frozen dataclass `cls` from raw matrix options."""
+    assert is_dataclass(cls), cls
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        takes = f"takes {', '.join(names)}" if names else "takes no options"
+        raise ValueError(f"{owner} {takes}; unknown option(s) {unknown}")
+    hints = typing.get_type_hints(cls)
+    try:
+        return cls(**{k: _coerce(k, v, hints[k]) for k, v in raw.items()})
+    except TypeError as exc:  # a required field without a default
+        raise ValueError(f"{owner}: {exc}") from None
+
+
+def option_defaults(cls: type) -> dict[str, Any]:
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
+# --------------------------------------------------------------------------- the contract
+
+
 class Case(ABC):
     name: ClassVar[str]
     description: ClassVar[str]
-
-    #: "gpt" (harness.models.ZOO) or "hf" (harness.hf_models.HF_ZOO)
     model_kind: ClassVar[str] = "gpt"
+    Options: ClassVar[type] = NoOptions
+    needs: ClassVar[frozenset[str]] = frozenset()
+    checks: ClassVar[tuple[str, ...]] = ()
+    refusable: ClassVar[bool] = False
 
-    def validate(self, spec: CaseSpec) -> None:
-        """Raise ValueError for options this case does not understand."""
-        self.check_model_kind(spec)
-        if spec.options:
-            raise ValueError(f"case {self.name} takes no options, got {sorted(spec.opts)}")
+    def options(self, spec: CaseSpec) -> Any:
+        return parse_options(self.Options, spec.opts, f"case {self.name}")
 
-    def check_model_kind(self, spec: CaseSpec) -> None:
-        from harness.hf_models import HF_ZOO
+    def validate(self, spec: CaseSpec) -> Any:
+        """Everything the case accepts, checked before anything runs; returns the typed options.
+        Raises ValueError naming what is wrong."""
+        from harness.backends import get_backend
+        from harness.zoo import get_model
 
-        is_hf = spec.model in HF_ZOO
-        if is_hf != (self.model_kind == "hf"):
-            raise ValueError(f"case {self.name} takes {'an HF fixture' if self.model_kind == 'hf' else 'a GPT zoo'} model, got {spec.model!r}")
+        opts = self.options(spec)
+        model = get_model(spec.model)
+        if model.kind != self.model_kind:
+            raise ValueError(f"case {self.name} takes a{'n HF fixture' if self.model_kind == 'hf' else ' GPT zoo'} model, got {spec.model!r}")
+        try:
+            backend = get_backend(spec.backend)
+        except KeyError as exc:
+            raise ValueError(exc.args[0]) from None
+        missing = sorted(self.needs - backend.capabilities)
+        if missing:
+            raise ValueError(
+                f"case {self.name} needs a backend that can {', '.join(missing)}; backend {spec.backend!r} "
+                f"can {', '.join(sorted(backend.capabilities)) or 'nothing'}"
+            )
+        if spec.expect == "refuse" and not self.refusable:
+            raise ValueError(f"case {self.name} cannot be expected to refuse (expect: refuse is for cases that judge a refusal)")
+        if spec.xfail is not None:
+            budgets = {f"memory-budget:{b.phase}@rank{b.rank}" for b in spec.budgets}
+            unknown = [c for c in spec.xfail.checks if check_base(c) not in self.checks and c not in budgets]
+            if unknown:
+                raise ValueError(
+                    f"xfail.checks names {unknown}, which case {self.name} never records; its checks: {list(self.checks)}"
+                    + (f", budgets: {sorted(budgets)}" if budgets else "")
+                )
+        self.validate_options(spec, opts)
+        return opts
+
+    def validate_options(self, spec: CaseSpec, opts: Any) -> None:
+        """Rules across options, topology and expectation (a case overrides it where it has some)."""
 
     @abstractmethod
-    def run(self, spec: CaseSpec, env: RunEnv, result: CaseResult) -> None:
-        """Run the scenario; record every check (passed, failed or not-run with why) on result."""
+    def run(self, spec: CaseSpec, opts: Any, env: RunEnv, result: CaseResult) -> None:
+        """Launch the worlds, then record every check (passed, failed or not-run with why) on result."""

@@ -1,63 +1,18 @@
-"""Tiny HF checkpoints made locally (no hub): config, safetensors weights and a tokenizer.
+"""Tiny HF checkpoints made locally (no hub): config, safetensors weights and a tokenizer, and
+transformers' logits of such a checkpoint.
 
-Weights are a pure function of (seed, HF parameter name): norms are 1 + noise and biases are
-non-zero, so a mapping that drops or swaps a norm or a bias shows up. Sizes divide every TP/PP
-the matrices use (layers 4, heads 8, kv heads 4, hidden 64, intermediate 128, vocab 128).
+Weights are harness.truth.canonical_hf_state (norms 1 + noise, non-zero biases, so a mapping that
+drops or swaps a norm or a bias shows up); the models are harness.zoo's HF entries.
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-
-@dataclass(frozen=True)
-class HFModelSpec:
-    name: str
-    description: str
-    arch: str  # "llama" | "qwen2"
-    tied: bool = False
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    intermediate_size: int = 128
-    vocab_size: int = 128
-    seq_length: int = 16
-    seed: int = 4321
-
-    # what Topology.validate reads
-    @property
-    def num_query_groups(self) -> int:
-        return self.num_key_value_heads
-
-    @property
-    def ffn_hidden_size(self) -> int:
-        return self.intermediate_size
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-
-HF_ZOO: dict[str, HFModelSpec] = {
-    m.name: m
-    for m in (
-        HFModelSpec("hf-llama", "Llama: GQA (8 heads, 4 kv heads), SwiGLU, RMSNorm, untied", "llama"),
-        HFModelSpec("hf-qwen2", "Qwen2: GQA with q/k/v biases, untied", "qwen2"),
-        HFModelSpec("hf-llama-tied", "Llama with tied input/output embeddings", "llama", tied=True),
-    )
-}
-
-
-def get_hf_model(name: str) -> HFModelSpec:
-    try:
-        return HF_ZOO[name]
-    except KeyError:
-        raise KeyError(f"unknown HF model {name!r}; the HF zoo has {sorted(HF_ZOO)}") from None
+from harness.truth import canonical_hf_state
+from harness.zoo import HFModelSpec
 
 
 def hf_config(spec: HFModelSpec):
@@ -82,23 +37,6 @@ def hf_config(spec: HFModelSpec):
     if spec.arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
     raise ValueError(f"unknown arch {spec.arch!r}")
-
-
-def _param_seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
-
-
-def canonical_hf_state(spec: HFModelSpec, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, shape in shapes.items():
-        noise = torch.randn(shape, generator=torch.Generator().manual_seed(_param_seed(spec.seed, name)))
-        if "norm" in name:
-            out[name] = 1.0 + 0.1 * noise
-        elif name.endswith(".bias"):
-            out[name] = 0.05 * noise
-        else:
-            out[name] = 0.05 * noise
-    return out
 
 
 def write_tokenizer(spec: HFModelSpec, directory: Path) -> None:
@@ -144,24 +82,6 @@ def write_fixture(spec: HFModelSpec, directory: Path) -> Path:
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer(spec, directory)
     return directory
-
-
-def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors file in `directory`, by HF key."""
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(directory).glob("*.safetensors")):
-        for k, v in load_file(str(f)).items():
-            if k in out:
-                raise ValueError(f"{directory}: key {k} appears in two safetensors files")
-            out[k] = v
-    return out
-
-
-def fixed_input_ids(spec: HFModelSpec, batch: int = 2) -> torch.Tensor:
-    g = torch.Generator().manual_seed(spec.seed + 11)
-    return torch.randint(4, spec.vocab_size, (batch, spec.seq_length), generator=g)
 
 
 @torch.no_grad()

@@ -61,11 +61,29 @@ class PhaseMemory:
         return d
 
 
+_recording: dict[str, PhaseMemory] | None = None
+
+
+def start_recording() -> None:
+    """From now on every `track` of this process is kept for `stop_recording` (the rank envelope,
+    harness.case, collects a rank's phases this way, so rank functions only say `with track(...)`)."""
+    global _recording
+    _recording = {}
+
+
+def stop_recording() -> dict[str, PhaseMemory]:
+    global _recording
+    out, _recording = _recording or {}, None
+    return out
+
+
 @contextmanager
 def track(phase: str, interval_s: float = 0.005) -> Iterator[PhaseMemory]:
     """Measure this process during the `with` block."""
     proc = psutil.Process()
     m = PhaseMemory(phase)
+    if _recording is not None:
+        _recording[phase] = m
     hwm_reset = _reset_kernel_hwm()
     m.baseline_rss = proc.memory_info().rss
     try:
@@ -115,6 +133,11 @@ class Budget:
         if not isinstance(raw, dict) or set(raw) - allowed or "phase" not in raw:
             raise ValueError(f"{where}: a memory budget is {{phase, rank?, max_peak_delta_mib? | max_peak_delta_x_shard?}}, got {raw!r}")
         b = cls(**raw)
+        if not isinstance(b.phase, str) or isinstance(b.rank, bool) or not isinstance(b.rank, int) or b.rank < 0:
+            raise ValueError(f"{where}: phase must be a name and rank a rank number, got {raw!r}")
+        for limit in (b.max_peak_delta_mib, b.max_peak_delta_x_shard):
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))):
+                raise ValueError(f"{where}: a limit must be a number, got {limit!r}")
         if b.max_peak_delta_mib is None and b.max_peak_delta_x_shard is None:
             raise ValueError(f"{where}: budget for phase {b.phase!r} sets no limit")
         return b

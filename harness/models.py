@@ -1,143 +1,26 @@
-"""The tiny model zoo, and the one definition of "the same model" across topologies.
+"""The Megatron side of a GPT zoo model: build it at a topology, fill it with the canonical
+weights through its own sharding metadata, read back every rank's shards, run a forward pass.
 
-Canonical weights are a pure function of (model seed, checkpoint key, global shape): every rank
-of every topology derives its shard of a tensor from the same full tensor, so a model built at
-tp2pp1 and one built at tp1pp2 hold the same weights, and the truth a loaded checkpoint is judged
-against never comes from the backend under test.
-
-Sizes are chosen so that every topology the matrices use (tp, pp, 2*cp in {1, 2, 4}) divides them.
+What the weights should be is harness.truth; which models exist is harness.zoo.
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import torch
 
 from harness.parity import Shard
 from harness.topology import Topology
+from harness.truth import canonical_tensor
+from harness.zoo import ModelSpec
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    description: str
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_attention_heads: int = 8
-    num_query_groups: int = 4
-    ffn_hidden_size: int = 128
-    vocab_size: int = 128
-    seq_length: int = 16
-    micro_batch_size: int = 2
-    swiglu: bool = True
-    normalization: str = "RMSNorm"
-    add_bias_linear: bool = False
-    add_qkv_bias: bool = False
-    tied_embeddings: bool = False
-    position_embedding: str = "rope"
-    seed: int = 1234
-
-    def with_seed(self, seed: int) -> "ModelSpec":
-        return replace(self, seed=seed)
-
-
-ZOO: dict[str, ModelSpec] = {
-    m.name: m
-    for m in (
-        ModelSpec(
-            "gpt-gqa",
-            "GQA (8 heads, 4 query groups) + SwiGLU + RoPE + RMSNorm, untied embeddings",
-        ),
-        ModelSpec(
-            "gpt-tied",
-            "MHA + GeLU + LayerNorm + linear biases + learned positions, tied embeddings",
-            num_query_groups=8,
-            swiglu=False,
-            normalization="LayerNorm",
-            add_bias_linear=True,
-            add_qkv_bias=True,
-            tied_embeddings=True,
-            position_embedding="learned_absolute",
-        ),
-        # Heavier models for memory budgets and the save-memory benchmark (not in the smoke matrix).
-        ModelSpec(
-            "gpt-25m",
-            "gpt-gqa shape at ~25M params: memory-tier cases",
-            num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=2048,
-            vocab_size=8192, seq_length=16,
-        ),
-        ModelSpec(
-            "gpt-150m",
-            "gpt-gqa shape at ~150M params: the save-memory benchmark",
-            num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=4096,
-            vocab_size=16384, seq_length=16,
-        ),
-    )
-}
-
-
-def get_model(name: str) -> ModelSpec:
-    try:
-        return ZOO[name]
-    except KeyError:
-        raise KeyError(f"unknown model {name!r}; the zoo has {sorted(ZOO)}") from None
-
-
-def get_any_model(name: str):
-    """A GPT zoo model (ModelSpec) or an HF fixture (HFModelSpec), by name."""
-    from harness.hf_models import HF_ZOO
-
-    if name in ZOO:
-        return ZOO[name]
-    if name in HF_ZOO:
-        return HF_ZOO[name]
-    raise KeyError(f"unknown model {name!r}; the zoo has {sorted(ZOO)}, the HF zoo has {sorted(HF_ZOO)}")
-
-
-# --------------------------------------------------------------------------- canonical weights
-
-
-def _key_seed(seed: int, key: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def canonical_tensor(spec: ModelSpec, key: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The full tensor a checkpoint key holds in this model: scaled so that logits stay sane."""
-    g = torch.Generator().manual_seed(_key_seed(spec.seed, key))
-    noise = torch.randn(shape, generator=g, dtype=torch.float32)
-    leaf = key.rsplit(".", 1)[-1]
-    if "norm" in key and leaf in ("weight", "layer_norm_weight"):
-        t = 1.0 + 0.1 * noise
-    elif leaf in ("bias", "layer_norm_bias"):
-        t = 0.02 * noise
-    else:
-        t = 0.05 * noise
-    return t.to(dtype)
-
-
-# --------------------------------------------------------------------------- rank side
-
-
-def preload(bridge: bool = False) -> None:
-    """Import megatron-core (and Megatron-Bridge for HF cases) in the parent once, so forked
-    ranks start in ~1 s instead of ~6 s (~15 s with the Bridge)."""
-    from harness.compat import import_megatron_bridge, quiet_known_noise
-
-    quiet_known_noise()
-    if bridge:
-        import_megatron_bridge()
-        import megatron.bridge.training.checkpointing  # noqa: F401
-        import peft  # noqa: F401
-        import transformers  # noqa: F401
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.core.parallel_state  # noqa: F401
-    import megatron.core.tensor_parallel  # noqa: F401
+#: Fused kernels that need CUDA (or Apex/TE): all off for a CPU build, GPT and Bridge models alike.
+FUSIONS = (
+    "gradient_accumulation_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+    "apply_rope_fusion", "persist_layer_norm", "cross_entropy_loss_fusion",
+)
 
 
 def init_parallel(topo: Topology) -> None:
@@ -176,13 +59,7 @@ def transformer_config(spec: ModelSpec, topo: Topology, **overrides: Any):
         pipeline_dtype=torch.float32,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        cross_entropy_loss_fusion=False,
+        **dict.fromkeys(FUSIONS, False),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -278,15 +155,6 @@ def shards_of(sharded_tree: Any, keep=lambda sh: True) -> list[Shard]:
 def local_shards(model) -> list[Shard]:
     """This rank's view of every checkpointed model tensor: key, where it sits globally, its data."""
     return shards_of(model.sharded_state_dict())
-
-
-def fixed_batch(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Tokens from the model seed; an explicit causal mask (the default one is built on CUDA)."""
-    g = torch.Generator().manual_seed(spec.seed + 7)
-    tokens = torch.randint(0, spec.vocab_size, (spec.micro_batch_size, spec.seq_length), generator=g)
-    positions = torch.arange(spec.seq_length).unsqueeze(0).expand_as(tokens).contiguous()
-    mask = torch.triu(torch.ones(spec.seq_length, spec.seq_length, dtype=torch.bool), diagonal=1)
-    return {"input_ids": tokens, "position_ids": positions, "attention_mask": mask[None, None]}
 
 
 @torch.no_grad()

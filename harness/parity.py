@@ -144,7 +144,9 @@ def assemble(shards: Iterable[Shard], label: str) -> tuple[dict[str, torch.Tenso
                         f"replica {s.replica_id} at {s.index} differs from the copy already held",
                     )
                 )
-        region.copy_(data)
+        # Only elements no rank held yet: after a replica mismatch the main copy stays, so the
+        # assembled tensor (compared against the truth next) is the main replica's, not the diverging one's.
+        region[~seen] = data[~seen]
         covered[s.key][s.slices()] = True
     for key, mask in covered.items():
         if not bool(mask.all()):
@@ -158,10 +160,3 @@ def _is_replica(replica_id: int | tuple) -> bool:
     if isinstance(replica_id, int):
         return replica_id != 0
     return any(r != 0 for r in replica_id)
-
-
-def summarize(mismatches: list[Mismatch], limit: int = 10) -> str:
-    lines = [str(m) for m in mismatches[:limit]]
-    if len(mismatches) > limit:
-        lines.append(f"... and {len(mismatches) - limit} more")
-    return "\n".join(lines)

@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import torch
 
-from harness.hf_models import HFModelSpec
+from harness.zoo import HFModelSpec
 
 # Megatron base module -> is it column-parallel (output split across TP)?
 _COLUMN = {"linear_qkv": True, "linear_fc1": True, "linear_proj": False, "linear_fc2": False}

@@ -21,3 +21,20 @@ def raise_on_rank(ctx: RankContext, rank: int) -> None:
     if ctx.rank == rank:
         raise ValueError(f"boom on rank {rank}")
     dist.barrier()
+
+
+def backend_and_hook(ctx: RankContext, backend_path: str) -> dict:
+    """What a rank sees of the extension points: the backend its phase names by import path, and
+    whether the rank hooks ran (harness.doubles hooks mark themselves in the environment)."""
+    import os
+
+    from harness.backends import get_backend
+
+    return {"backend": type(get_backend(backend_path)).__name__, "hook": os.environ.get("CKPT_HARNESS_PROBE_HOOK", "")}
+
+
+def mark_hook() -> None:
+    """A rank hook for the probes: leaves a mark the rank can report."""
+    import os
+
+    os.environ["CKPT_HARNESS_PROBE_HOOK"] = "ran"

@@ -4,7 +4,8 @@
     pytest -m "reshard and smoke" -n 2
     pytest matrices/smoke.yaml -k "tp2pp1dp1cp1->tp1pp2"
 
-xdist-safe: each item runs its own worlds (ports bound by the OS, its own scratch dir).
+xdist-safe: each item runs its own worlds with their own scratch dir; rendezvous goes through a
+FileStore in that dir, so two workers never race for a port.
 """
 
 from __future__ import annotations
@@ -14,20 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.matrix import KNOWN_MARKERS, CaseSpec, MatrixError, load_matrix
+from harness.matrix import MatrixError, load_matrix
 from harness.result import CaseResult
-
-_MARKER_HELP = {
-    "reshard": "a ckpt-harness matrix case (save -> reshard -> reload)",
-    "smoke": "in the CPU smoke matrix",
-    "optimizer": "checks optimizer state",
-    "resume": "checks training resume",
-    "refusal": "a load that must refuse cleanly",
-    "hf": "Megatron-Bridge HF export/import",
-    "peft": "Megatron-Bridge HF PEFT adapters",
-    "cp": "uses context parallelism",
-    "tied": "tied embeddings",
-}
+from harness.spec import MARKERS, CaseSpec
 
 
 class CaseFailure(Exception):
@@ -42,11 +32,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--ckpt-workdir", default=None, help="parent of per-case scratch dirs")
     group.addoption("--ckpt-keep", action="store_true", help="keep checkpoints of each case")
     group.addoption("--ckpt-report", default=None, help="write case results as JSON lines to DIR")
+    group.addoption("--ckpt-start-method", default="auto", choices=("auto", "fork", "spawn", "forkserver"),
+                    help="how ranks start (auto: fork for gloo, spawn for NCCL)")
+    group.addoption("--ckpt-rank-hook", action="append", default=[], metavar="MODULE:FUNCTION",
+                    help="run this function in every rank before the case (repeatable)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for name in sorted(KNOWN_MARKERS | {"reshard"}):
-        config.addinivalue_line("markers", f"{name}: {_MARKER_HELP.get(name, 'ckpt-harness tier')}")
+    for name, help_text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {help_text}")
 
 
 def pytest_collect_file(parent: pytest.Collector, file_path: Path):
@@ -81,6 +75,8 @@ class CaseItem(pytest.Item):
             dist_backend=cfg.getoption("--ckpt-dist-backend"),
             workdir=cfg.getoption("--ckpt-workdir"),
             keep=cfg.getoption("--ckpt-keep"),
+            start_method=cfg.getoption("--ckpt-start-method"),
+            rank_hooks=tuple(cfg.getoption("--ckpt-rank-hook")),
         )
         result = run_case(self.spec, options)
         self.user_properties.append(("ckpt_status", result.status))

@@ -1,6 +1,6 @@
 """`torchrun ... -m harness.rank_entry SPEC WORKDIR`: one phase of a case on a torchrun/srun world.
 
-SPEC is a pickle of (fn, arg) written by `harness.world.dump_spec`; the rank writes its result to
+SPEC is a pickle of {fn, arg, timeout_s, hooks} written by `harness.world.dump_spec`; the rank writes its result to
 WORKDIR like a locally launched world does, so the runner reads results the same way.
 """
 
@@ -17,8 +17,8 @@ def main(argv: list[str]) -> None:
     if len(argv) != 2:
         raise SystemExit("usage: python -m harness.rank_entry SPEC.pkl WORKDIR")
     with open(argv[0], "rb") as f:
-        fn, arg = pickle.load(f)
-    run_from_env(fn, arg, argv[1])
+        spec = pickle.load(f)
+    run_from_env(spec["fn"], spec["arg"], argv[1], timeout_s=spec["timeout_s"], hooks=spec["hooks"])
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from harness.result import CaseResult
+from harness.result import STATUSES, CaseResult
 
 _STYLE = {"passed": "green", "failed": "bold red", "error": "bold magenta", "xfailed": "yellow"}
 _VERSIONED = ("torch", "megatron-core", "megatron-bridge", "transformers", "peft")
@@ -32,7 +32,7 @@ def versions() -> dict[str, str | None]:
 
 def counts(results: Iterable[CaseResult]) -> dict[str, int]:
     c = Counter(r.status for r in results)
-    return {s: c.get(s, 0) for s in ("passed", "failed", "error", "xfailed")}
+    return {s: c.get(s, 0) for s in STATUSES}
 
 
 def write_json(results: list[CaseResult], path: Path, matrix: str, wall_s: float) -> Path:

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 from harness.case import RunEnv
-from harness.matrix import CaseSpec
 from harness.memory import MiB, PhaseMemory
 from harness.result import CaseResult, Check
+from harness.spec import CaseSpec
 from harness.world import WorldError
 
 
@@ -24,6 +24,8 @@ class RunOptions:
     keep: bool = False  # keep checkpoints and scratch dirs for inspection
     launcher: str = "mp"
     torchrun_template: str | None = None
+    start_method: str | None = None  # None/"auto": fork for gloo, spawn for NCCL (harness.world.choose_start_method)
+    rank_hooks: tuple[str, ...] = ()  # "module:function" run in every rank (fault injection, plugins)
 
 
 def _case_dirname(case_id: str) -> str:
@@ -46,60 +48,56 @@ def budget_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
     return checks
 
 
-def _check_base(name: str) -> str:
-    return name.split("@")[0]
-
-
-def _unexpected_failure(spec: CaseSpec, result: CaseResult) -> str:
-    """Why a failure is not the one an xfail names ("" when it is): the text must match
-    `xfail.match`; with `xfail.checks`, those checks (by name, `@topology` suffix ignored) must fail
-    and no other may, so a known defect cannot hide a new one in the same case."""
-    if spec.xfail_match and not re.search(spec.xfail_match, result.failure_text()):
-        return f"no match for {spec.xfail_match!r}"
-    if spec.xfail_checks:
-        if result.status == "error":
-            return f"the case errored instead of failing checks {list(spec.xfail_checks)}"
-        failed = {c.name for c in result.checks if c.status == "failed"}
-        allowed = set(spec.xfail_checks)
-        extra = sorted(n for n in failed if n not in allowed and _check_base(n) not in allowed)
-        if extra:
-            return f"check(s) {extra} failed too, beyond the expected {list(spec.xfail_checks)}"
-        if not any(n in allowed or _check_base(n) in allowed for n in failed):
-            return f"none of the expected checks {list(spec.xfail_checks)} failed"
-    return ""
+def apply_xfail(spec: CaseSpec, result: CaseResult) -> None:
+    """Strict expected failure: the named failure becomes `xfailed`, another failure stays
+    `failed` (with why), and a pass becomes `failed` as XPASS(strict)."""
+    if spec.xfail is None:
+        return
+    if result.status in ("failed", "error"):
+        unexpected = spec.xfail.explains(result)
+        if unexpected:
+            result.notes.append(f"failed, but not as expected: {unexpected} ({spec.xfail.reason})")
+            result.status = "failed"
+        else:
+            result.status = "xfailed"
+        return
+    result.status = "failed"
+    result.error = (
+        f"XPASS(strict): expected to fail ({spec.xfail.reason}) but passed; "
+        "if upstream fixed it, remove the xfail from the matrix"
+    )
 
 
 def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     from cases import get_case
-    from harness.models import preload
+    from harness.preload import warm
+    from harness.zoo import get_model
 
-    from harness.hf_models import HF_ZOO
-
-    preload(bridge=spec.model in HF_ZOO)  # idempotent; ranks fork from a parent that has the imports
     options = options or RunOptions()
     result = CaseResult(
         id=spec.id, case=spec.case, model=spec.model, backend=spec.backend,
-        source=spec.source.id, target=spec.target.id, options=spec.opts, xfail_reason=spec.xfail,
+        source=spec.source.id, target=spec.target.id, options=spec.opts, xfail_reason=spec.xfail.reason if spec.xfail else None,
     )
     parent = Path(options.workdir) if options.workdir else None
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"{_case_dirname(spec.id)[:80]}-", dir=parent))
     env = RunEnv(
-        case_dir=scratch, dist_backend=options.dist_backend, timeout_s=spec.timeout_s,
-        launcher=options.launcher, torchrun_template=options.torchrun_template,
+        case_dir=scratch, dist_backend=options.dist_backend, timeout_s=spec.timeout_s, launcher=options.launcher,
+        torchrun_template=options.torchrun_template, start_method=options.start_method, hooks=tuple(options.rank_hooks),
     )
     start = time.perf_counter()
     try:
-        get_case(spec.case).run(spec, env, result)
+        case = get_case(spec.case)
+        opts = case.validate(spec)  # a spec built in code (not from a matrix) gets the same checks
+        warm(bridge=get_model(spec.model).kind == "hf")  # idempotent; forked ranks inherit the imports
+        case.run(spec, opts, env, result)
         result.checks.extend(budget_checks(spec, result))
         result.status = "failed" if result.failed_checks else "passed"
     except WorldError as exc:
         result.status = "error"
         result.error = str(exc)
     except Exception as exc:  # a harness-side error is reported, not raised: the matrix goes on
-        import traceback
-
         result.status = "error"
         result.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     finally:
@@ -108,19 +106,7 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
             result.notes.append(f"scratch kept at {scratch}")
         else:
             shutil.rmtree(scratch, ignore_errors=True)  # our own mkdtemp, nothing else
-    if spec.xfail:
-        unexpected = _unexpected_failure(spec, result)
-        if result.status in ("failed", "error") and unexpected:
-            result.notes.append(f"failed, but not as expected: {unexpected} ({spec.xfail})")
-            result.status = "failed"
-        elif result.status in ("failed", "error"):
-            result.status = "xfailed"
-        else:
-            result.status = "failed"
-            result.error = (
-                f"XPASS(strict): expected to fail ({spec.xfail}) but passed; "
-                "if upstream fixed it, remove the xfail from the matrix"
-            )
+    apply_xfail(spec, result)
     return result
 
 

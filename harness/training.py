@@ -1,20 +1,27 @@
-"""Training state for optimizer and resume cases: megatron DDP + megatron optimizer (Adam).
+"""Training jobs for the optimizer and resume cases: megatron DDP + megatron optimizer (Adam),
+and the rank side of one phase of such a job (`train_phase`).
 
 Data is synthetic and topology-independent: step s uses a global batch of GLOBAL_BATCH sequences
-drawn from (model seed, s); each DP rank takes its contiguous slice, one sequence per micro-batch,
-so every topology trains on exactly the same samples and the same global-mean loss.
+(harness.truth.train_batch); each DP rank takes its contiguous slice, one sequence per
+micro-batch, so every topology trains on exactly the same samples and the same global-mean loss.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from contextlib import nullcontext
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
-from harness.models import ModelSpec, build_gpt, fill_canonical
+from harness import compat, truth
+from harness.memory import track
+from harness.models import build_gpt, fill_canonical, local_shards, shards_of
 from harness.parity import Shard
 from harness.topology import Topology
+from harness.world import RankContext
+from harness.zoo import ModelSpec
 
 GLOBAL_BATCH = 4  # sequences per step: divisible by every DP size the matrices use (1, 2, 4)
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
@@ -30,14 +37,26 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.01
 
-    @classmethod
-    def from_options(cls, opts: dict[str, Any]) -> "TrainConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in opts.items() if k in names})
 
-    @staticmethod
-    def option_names() -> set[str]:
-        return {f.name for f in fields(TrainConfig)}
+@dataclass(frozen=True)
+class TrainOptions(TrainConfig):
+    """The options of every training case (matrix `options`/`axes`)."""
+
+    sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    mem_efficient: bool = False
+    steps: int = 2
+    workarounds: tuple[str, ...] = compat.DEFAULT_WORKAROUNDS
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.workarounds) - set(compat.WORKAROUNDS))
+        if bad:
+            raise ValueError(f"unknown workaround(s) {bad}; known: {sorted(compat.WORKAROUNDS)}")
+        if self.steps < 1:
+            raise ValueError(f"option 'steps' must be >= 1, got {self.steps}")
+
+    @property
+    def config(self) -> TrainConfig:
+        return TrainConfig(**{f.name: getattr(self, f.name) for f in fields(TrainConfig)})
 
 
 def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offset: int = 0):
@@ -106,14 +125,6 @@ def _leaf_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _batch(spec: ModelSpec, step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(spec.seed * 1000 + step)
-    tokens = torch.randint(0, spec.vocab_size, (GLOBAL_BATCH, spec.seq_length + 1), generator=g)
-    positions = torch.arange(spec.seq_length).unsqueeze(0).expand(GLOBAL_BATCH, -1).contiguous()
-    mask = torch.triu(torch.ones(spec.seq_length, spec.seq_length, dtype=torch.bool), diagonal=1)[None, None]
-    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "position_ids": positions, "mask": mask}
-
-
 def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int) -> list[float | None]:
     """Run `steps` optimizer steps; return the global-mean loss per step (None off the last stage)."""
     import torch.distributed as dist
@@ -125,10 +136,9 @@ def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int) ->
     per_rank = GLOBAL_BATCH // dp
     forward_backward = get_forward_backward_func()
     losses: list[float | None] = []
-    grad_norms: list[float | None] = []
     ddp.train()
     for step in range(first_step, first_step + steps):
-        b = _batch(spec, step)
+        b = truth.train_batch(spec, step, GLOBAL_BATCH)
         rows = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         micro = [{k: (v[i : i + 1] if k != "mask" else v) for k, v in b.items()} for i in rows]
 
@@ -153,8 +163,7 @@ def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int) ->
             micro_batch_size=1,
             forward_only=False,
         )
-        ok, grad_norm, _ = optimizer.step()
-        grad_norms.append(float(grad_norm) if grad_norm is not None else None)
+        ok, _, _ = optimizer.step()
         if not ok:
             raise RuntimeError(f"optimizer step {step} was skipped (found inf/nan)")
         if parallel_state.is_pipeline_last_stage():
@@ -185,7 +194,7 @@ def prime_optimizer_state(optimizer) -> None:
 
 
 def unshare_adam_step(optimizer) -> None:
-    """Give every param's Adam state its own step tensor (see cases._training.WORKAROUNDS)."""
+    """Give every param's Adam state its own step tensor (compat.WORKAROUNDS['unshare_adam_step'])."""
     for opt in _leaf_optimizers(optimizer):
         for st in opt.optimizer.state.values():
             if isinstance(st.get("step"), torch.Tensor):
@@ -213,8 +222,6 @@ def optimizer_view(ddp, optimizer) -> tuple[list[Shard], dict[str, Any]]:
     many per-param Adam step tensors are aliases of another (each param must own its step)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from harness.models import shards_of
-
     steps: set[float] = set()
     step_tensors: list[torch.Tensor] = []
     for opt in _leaf_optimizers(optimizer):
@@ -240,3 +247,87 @@ def rank_state_bytes(ddp, optimizer) -> int:
         for st in opt.optimizer.state.values():
             total += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
     return total
+
+
+# --------------------------------------------------------------------------- one phase of a job
+
+
+@dataclass(frozen=True)
+class TrainPhase:
+    """One job at one topology: build, optionally load a training checkpoint, train, record the
+    optimizer view, save, train on. `backend` is the import path harness.backends.resolve gave."""
+
+    model: ModelSpec
+    topo: Topology
+    cfg: TrainConfig
+    backend: str
+    sharding: str
+    mem_efficient: bool
+    workarounds: tuple[str, ...]
+    load_from: str | None = None
+    save_to: str | None = None
+    steps_before_save: int = 0
+    steps_after: int = 0
+    first_step: int = 0
+    views: tuple[str, ...] = field(default=("optimizer",))
+
+
+def phase_of(model: ModelSpec, opts: TrainOptions, backend: str, **kw: Any) -> TrainPhase:
+    """A TrainPhase with the model, DDP/optimizer knobs, format and workarounds of `opts`."""
+    return TrainPhase(model=model, cfg=opts.config, backend=backend, sharding=opts.sharding, mem_efficient=opts.mem_efficient,
+                      workarounds=opts.workarounds, **kw)
+
+
+def workaround_notes(opts: TrainOptions) -> list[str]:
+    """The result notes that say which defects this run stepped around, and why."""
+    return [f"workaround applied: {w}: {compat.WORKAROUNDS[w]}" for w in opts.workarounds]
+
+
+@dataclass
+class TrainOut:
+    """One rank's record of a training phase (shard lists are None when the view was not asked)."""
+
+    propagation: list[dict[str, Any]]
+    losses_before_save: list[float | None]
+    losses_after: list[float | None]
+    optimizer_shards: list[Shard] | None = None
+    steps: dict[str, Any] | None = None
+    model_shards: list[Shard] | None = None
+    final_shards: list[Shard] | None = None
+    shard_bytes: int = 0
+
+
+def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
+    from harness.backends import get_backend
+
+    backend = get_backend(p.backend)
+    ddp, optimizer = build_training(p.model, p.topo, p.cfg, truth.DECOY_SEED_OFFSET if p.load_from else 0)
+    propagated = propagation(ddp, optimizer, p.cfg)
+    step = p.first_step
+    if p.load_from is not None:
+        if "fully_reshardable_step" in p.workarounds:
+            compat.apply_workaround("fully_reshardable_step")
+        if "prime_adam" in p.workarounds:
+            prime_optimizer_state(optimizer)
+        guard = torch.no_grad() if "load_no_grad" in p.workarounds else nullcontext()
+        with track("load"), guard:
+            sharded = sharded_state(ddp, optimizer, p.sharding, p.mem_efficient, is_loading=True)
+            state = backend.load_state(ctx, sharded, Path(p.load_from))
+            ddp.module.load_state_dict(state["model"], strict=True)
+            optimizer.load_state_dict(state["optimizer"])
+        if "unshare_adam_step" in p.workarounds:
+            unshare_adam_step(optimizer)
+    before = train_steps(ddp, optimizer, p.model, step, p.steps_before_save)
+    step += p.steps_before_save
+    out = TrainOut(propagated, before, [])
+    if "optimizer" in p.views:
+        out.optimizer_shards, out.steps = optimizer_view(ddp, optimizer)
+        out.model_shards = local_shards(ddp.module)
+    if p.save_to is not None:
+        out.shard_bytes = rank_state_bytes(ddp, optimizer)
+        with track("save"):
+            backend.save_state(ctx, sharded_state(ddp, optimizer, p.sharding, p.mem_efficient, is_loading=False), Path(p.save_to))
+    out.losses_after = train_steps(ddp, optimizer, p.model, step, p.steps_after)
+    if "final" in p.views:
+        out.final_shards = local_shards(ddp.module)
+    return out

@@ -3,10 +3,15 @@
 Three ways in, one rank body (`_rank_body`):
   * `launch(..., start_method="fork")`: torch.multiprocessing from a parent that has already
     imported torch and megatron-core (a world starts in ~1 s on 2 cores instead of ~20 s);
-    used for gloo/CPU worlds.
-  * `launch(..., start_method="spawn")`: the same with fresh interpreters; used for NCCL, because
-    a forked child cannot initialise CUDA.
+    the default for gloo/CPU worlds.
+  * `launch(..., start_method="spawn" | "forkserver")`: fresh interpreters (spawn, the NCCL
+    default, because a forked child cannot initialise CUDA), or children of a server that
+    preloaded megatron-core (harness._forkserver_preload) and never ran the parent's threads.
   * `run_from_env()`: the body run by `torchrun`/`srun` (multi-node), `python -m harness.rank_entry`.
+
+Everything a rank needs travels by value in the pickled `_WorldSpec` (the function, its argument,
+the rank hooks as import paths), never through state the parent set up before forking, so every
+start method and torchrun run the same thing.
 
 Rendezvous goes through a FileStore in the world's own directory: no port to pick, so two worlds
 (pytest -n 2) never race for one, and no store-server thread in the parent. (With a TCPStore
@@ -25,7 +30,7 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -76,8 +81,8 @@ class _WorldSpec:
     workdir: str
     store_file: str  # FileStore rendezvous of our own launcher; "" under torchrun/srun
     timeout_s: float
-    threads: int
-    env: dict[str, str] = field(default_factory=dict)
+    threads: int = 1
+    hooks: tuple[str, ...] = ()  # "module:function" run in every rank before `fn` (fault injection, plugins)
 
 
 def choose_backend(world_size: int, requested: str = "auto") -> str:
@@ -91,6 +96,31 @@ def choose_backend(world_size: int, requested: str = "auto") -> str:
             )
         return requested
     return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+
+
+START_METHODS = ("fork", "spawn", "forkserver")
+
+
+def _import_path(path: str) -> Any:
+    import importlib
+
+    module, _, attr = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def choose_start_method(backend: str, requested: str | None = None) -> str:
+    """fork for gloo (measured fastest on 2 cores: the parent's imports are inherited), spawn for
+    NCCL (CUDA cannot be initialised in a forked child); any of START_METHODS when asked."""
+    if requested in (None, "auto"):
+        return "spawn" if backend == "nccl" else "fork"
+    if requested not in START_METHODS:
+        raise ValueError(f"start method must be auto or one of {START_METHODS}, got {requested!r}")
+    if requested == "fork" and backend == "nccl":
+        raise WorldError("start method fork cannot run NCCL ranks (CUDA cannot be initialised in a forked child)")
+    return requested
 
 
 def _result_path(workdir: str | Path, rank: int) -> Path:
@@ -107,6 +137,8 @@ def _rank_body(spec: _WorldSpec, rank: int, local_rank: int) -> None:
     else:
         device = torch.device("cpu")
     compat.install(device)
+    for hook in spec.hooks:
+        _import_path(hook)()
     timeout = timedelta(seconds=spec.timeout_s)
     if spec.store_file:  # our own launcher: a file in the world's dir
         store = dist.FileStore(spec.store_file, spec.world_size)
@@ -175,7 +207,6 @@ def _mp_entry(local_rank: int, spec: _WorldSpec) -> None:
     # Own process group: whatever this rank starts can be killed with it, even once orphaned.
     os.setpgid(0, 0)
     _capture_output(spec.workdir, local_rank)
-    os.environ.update(spec.env)
     if spec.backend == "gloo":
         # gloo ranks run on CPU even on a GPU box; hide GPUs before anything initialises CUDA.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -265,7 +296,7 @@ def launch(
     backend: str = "auto",
     timeout_s: float = 300.0,
     start_method: str | None = None,
-    threads: int = 1,
+    hooks: tuple[str, ...] = (),
 ) -> list[Any]:
     """Run `fn(ctx, arg)` on `world_size` ranks; return each rank's return value, rank order.
 
@@ -274,11 +305,15 @@ def launch(
     is gone when this returns or raises.
     """
     backend = choose_backend(world_size, backend)
-    start_method = start_method or ("spawn" if backend == "nccl" else "fork")
+    start_method = choose_start_method(backend, start_method)
+    if start_method == "forkserver":
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(["harness._forkserver_preload"])
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     store_file = workdir / f"rendezvous-{os.getpid()}-{time.monotonic_ns()}"
-    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), str(store_file), timeout_s, threads)
+    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), str(store_file), timeout_s, hooks=hooks)
     ctx = tmp.start_processes(_mp_entry, args=(spec,), nprocs=world_size, join=False, start_method=start_method)
     pids = ctx.pids()
     seen: set[psutil.Process] = set()
@@ -314,24 +349,25 @@ def launch(
     return results
 
 
-def run_from_env(fn: RankFn, arg: Any, workdir: str | Path, timeout_s: float = 1800.0) -> Any:
-    """The rank body under torchrun/srun: rendezvous from the standard env variables."""
+def run_from_env(fn: RankFn, arg: Any, workdir: str | Path, timeout_s: float, hooks: tuple[str, ...] = ()) -> Any:
+    """The rank body under torchrun/srun: rendezvous from the standard env variables; the
+    process-group timeout is the case's, as in `launch`."""
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = os.environ.get("CKPT_HARNESS_DIST_BACKEND", "nccl" if torch.cuda.is_available() else "gloo")
     if backend == "gloo":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks run on CPU, as in `launch`
-    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), "", timeout_s, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), "", timeout_s, int(os.environ.get("OMP_NUM_THREADS", "1")), hooks)
     Path(workdir).mkdir(parents=True, exist_ok=True)
     _rank_body(spec, rank, local_rank)
     return torch.load(_result_path(workdir, rank), weights_only=False)
 
 
-def dump_spec(path: Path, fn: RankFn, arg: Any) -> None:
+def dump_spec(path: Path, fn: RankFn, arg: Any, timeout_s: float, hooks: tuple[str, ...] = ()) -> None:
     """What `python -m harness.rank_entry PATH` runs: fn and arg must be importable/picklable."""
     with open(path, "wb") as f:
-        pickle.dump((fn, arg), f)
+        pickle.dump({"fn": fn, "arg": arg, "timeout_s": timeout_s, "hooks": hooks}, f)
 
 
 def torchrun_prefix(world_size: int, template: str | None = None) -> list[str]:
@@ -354,6 +390,7 @@ def launch_torchrun(
     backend: str = "auto",
     timeout_s: float = 300.0,
     template: str | None = None,
+    hooks: tuple[str, ...] = (),
 ) -> list[Any]:
     """`launch`, but the ranks are started by torchrun (or srun + torchrun) running
     `python -m harness.rank_entry`; same results, same errors, nothing left behind."""
@@ -362,7 +399,7 @@ def launch_torchrun(
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.pkl"
-    dump_spec(spec_path, fn, arg)
+    dump_spec(spec_path, fn, arg, timeout_s, hooks)
     env = {**os.environ, "CKPT_HARNESS_DIST_BACKEND": choose_backend(world_size, backend), "OMP_NUM_THREADS": "1"}
     cmd = [*torchrun_prefix(world_size, template), "-m", "harness.rank_entry", str(spec_path), str(workdir)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

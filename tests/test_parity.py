@@ -94,8 +94,19 @@ def test_assemble_reports_diverged_replicas():
     bad = shards[1].data.clone()
     bad[0, 0] += 1.0
     shards.append(Shard("w", (4, 2), shards[1].index, (0, 0, 1), bad))
-    _, problems = assemble(shards, "dp2")
+    out, problems = assemble(shards, "dp2")
     assert [(p.key, p.kind) for p in problems] == [("w", "replica")]
+    # the main replica's values stay: the tensor judged against the truth next is the main copy
+    assert torch.equal(out["w"], full)
+
+
+def test_assemble_keeps_the_main_copy_whichever_order_replicas_arrive():
+    full = torch.randn(4)
+    main = Shard("w", (4,), ((0, 4),), 0, full.clone())
+    diverged = Shard("w", (4,), ((0, 4),), 1, full + 1.0)
+    for order in ([main, diverged], [diverged, main]):
+        out, problems = assemble(order, "dp2")
+        assert torch.equal(out["w"], full) and [p.kind for p in problems] == ["replica"]
 
 
 def test_assemble_reports_disagreeing_global_shapes():

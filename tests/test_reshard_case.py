@@ -3,58 +3,16 @@ the topology pair, when one bit of one tensor goes wrong on the way."""
 
 import json
 
-import pytest
-import torch
-
 from harness.backends import register
-from harness.backends.mcore_dist import McoreDist
 from harness.cli import main
-from harness.matrix import CaseSpec
 from harness.runner import run_case
+from harness.spec import CaseSpec, XFail
 from harness.topology import Topology
 
-
-def _flip_first_bit(model) -> str:
-    name, param = next(iter(model.named_parameters()))
-    with torch.no_grad():
-        param.data.view(-1).view(torch.int32)[0] ^= 1
-    return name
-
-
-class CorruptAfterLoad(McoreDist):
-    name = "test_corrupt_load"
-
-    def load(self, ctx, model, directory):
-        super().load(ctx, model, directory)
-        if ctx.rank == 0:
-            _flip_first_bit(model)
-
-
-class CorruptBeforeSave(McoreDist):
-    name = "test_corrupt_save"
-
-    def save(self, ctx, model, directory):
-        if ctx.rank == 0 and not directory.name.endswith("resaved"):
-            _flip_first_bit(model)
-        super().save(ctx, model, directory)
-
-
-class NoopLoad(McoreDist):
-    name = "test_noop_load"
-
-    def load(self, ctx, model, directory):
-        pass
-
-
-class RaisingLoad(McoreDist):
-    name = "test_raising_load"
-
-    def load(self, ctx, model, directory):
-        raise RuntimeError("simulated upstream defect")
-
-
-for b in (CorruptAfterLoad(), CorruptBeforeSave(), NoopLoad(), RaisingLoad()):
-    register(b)
+# Doubles travel to the ranks by import path, so they work under any start method.
+for name, cls in (("test_corrupt_load", "CorruptAfterLoad"), ("test_corrupt_save", "CorruptBeforeSave"),
+                  ("test_noop_load", "NoopLoad"), ("test_raising_load", "RaisingLoad")):
+    register(name, f"harness.doubles:{cls}")
 
 
 def _spec(backend="mcore_dist", src="tp2pp1", dst="tp1pp2", xfail=None, model="gpt-gqa"):
@@ -102,9 +60,12 @@ def test_a_load_that_does_nothing_is_caught():
 
 def test_strict_xfail_semantics():
     assert run_case(_spec("test_raising_load")).status == "error"
-    r = run_case(_spec("test_raising_load", xfail="upstream defect X"))
+    r = run_case(_spec("test_raising_load", xfail=XFail("upstream defect X", match="simulated upstream defect")))
     assert r.status == "xfailed" and "simulated upstream defect" in r.error
-    xpass = run_case(_spec("mcore_dist", src="tp1", dst="tp1", xfail="upstream defect X"))
+    # the short form accepts failed checks only: an error (a crash, a harness bug) is not the defect
+    r = run_case(_spec("test_raising_load", xfail=XFail("upstream defect X")))
+    assert r.status == "failed" and any("errored" in n for n in r.notes)
+    xpass = run_case(_spec("mcore_dist", src="tp1", dst="tp1", xfail=XFail("upstream defect X")))
     assert xpass.status == "failed" and "XPASS(strict)" in xpass.error
 
 
@@ -126,7 +87,9 @@ def test_cli_writes_results_and_exit_codes(tmp_path, capsys):
     by_backend = {r["backend"]: r for r in doc["results"]}
     bad = by_backend["test_corrupt_load"]
     assert bad["status"] == "failed" and bad["source"] == "tp2pp1dp1cp1" and bad["target"] == "tp1pp1dp1cp1"
-    assert bad["mismatches"] and bad["mismatches"][0]["key"] and bad["mismatches"][0]["max_abs_diff"] > 0
+    (loaded,) = [c for c in bad["checks"] if c["name"] == "loaded-canonical"]
+    assert loaded["mismatches"] and loaded["mismatches"][0]["key"] and loaded["mismatches"][0]["max_abs_diff"] > 0
+    assert "mismatches" not in bad  # written once, under the check that found them
     assert by_backend["mcore_dist"]["status"] == "passed" and by_backend["mcore_dist"]["phases"]["save"] > 0
     assert doc["summary"] == {"passed": 1, "failed": 1, "error": 0, "xfailed": 0}
     assert doc["versions"]["megatron-core"] == "0.19.2"

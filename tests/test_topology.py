@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.models import ZOO, get_model
+from harness.zoo import ZOO, get_model
 from harness.topology import Topology, TopologyError
 
 dims = st.integers(min_value=1, max_value=16)

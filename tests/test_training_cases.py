@@ -3,13 +3,9 @@ a load that should have refused, an expected failure that fails for another reas
 
 import dataclasses
 
-import torch
-
-from harness import training
 from harness.backends import register
-from harness.backends.mcore_dist import McoreDist
-from harness.matrix import CaseSpec
-from harness.runner import run_case
+from harness.runner import RunOptions, run_case
+from harness.spec import CaseSpec, XFail
 from harness.topology import Topology
 
 
@@ -23,26 +19,7 @@ def _checks(r):
     return {c.name: c.status for c in r.checks}
 
 
-class CorruptOptimizerAfterLoad(McoreDist):
-    name = "test_corrupt_optimizer"
-
-    def load_state(self, ctx, sharded_state, directory):
-        state = super().load_state(ctx, sharded_state, directory)
-        if ctx.rank == 0:
-            stack = [state["optimizer"]]
-            while stack:
-                node = stack.pop()
-                if isinstance(node, dict):
-                    if torch.is_tensor(node.get("exp_avg")):
-                        node["exp_avg"].view(-1).view(torch.int32)[0] ^= 1
-                        break
-                    stack.extend(node.values())
-                elif isinstance(node, list):
-                    stack.extend(node)
-        return state
-
-
-register(CorruptOptimizerAfterLoad())
+register("test_corrupt_optimizer", "harness.doubles:CorruptOptimizerAfterLoad")
 
 
 def test_fully_reshardable_dp_change_passes_every_check():
@@ -60,15 +37,9 @@ def test_one_bit_of_exp_avg_flipped_after_load_fails_optimizer_state():
     assert m.key.startswith("optimizer.state.exp_avg.") and m.actual == "tp1pp1dp1cp1"
 
 
-def test_a_config_knob_that_never_reaches_ddp_fails_propagation(monkeypatch):
-    real = training.build_training
-
-    def verl_5775_style(spec, topo, cfg, seed_offset=0):
-        # the knob is dropped on the way to DDP, as in verl PR #5775
-        return real(spec, topo, dataclasses.replace(cfg, use_distributed_optimizer=True), seed_offset)
-
-    monkeypatch.setattr(training, "build_training", verl_5775_style)  # forked ranks inherit it
-    r = run_case(_spec(use_distributed_optimizer=False))
+def test_a_config_knob_that_never_reaches_ddp_fails_propagation():
+    # the knob is dropped on the way to DDP, as in verl PR #5775: a rank hook (by import path) breaks the build
+    r = run_case(_spec(use_distributed_optimizer=False), RunOptions(rank_hooks=("harness.doubles:drop_distributed_optimizer_knob",)))
     assert _checks(r)["propagation"] == "failed"
     assert "use_distributed_optimizer asked False, built True" in r.check("propagation").detail
 
@@ -87,9 +58,9 @@ def test_a_refusal_through_an_unlisted_exception_fails():
 
 
 def test_xfail_must_fail_for_the_named_reason():
-    spec = dataclasses.replace(_spec(sharding="dp_reshardable"), xfail="step reset", xfail_match=r"check step failed")
+    spec = dataclasses.replace(_spec(sharding="dp_reshardable"), xfail=XFail("step reset", match=r"check step failed"))
     assert run_case(spec).status == "xfailed"
-    wrong = dataclasses.replace(spec, xfail_match=r"KeyError: 'step'")
+    wrong = dataclasses.replace(spec, xfail=XFail("step reset", match=r"KeyError: 'step'"))
     r = run_case(wrong)
     assert r.status == "failed" and any("not as expected" in n for n in r.notes)
 

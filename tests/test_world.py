@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.models import preload
+from harness.preload import warm
 from harness.world import WorldError, WorldTimeout, choose_backend, launch
 
-preload()  # as the runner does: ranks fork from a parent that already imported megatron-core
+warm()  # as the runner does: ranks fork from a parent that already imported megatron-core
 
 
 def _sum_ranks(ctx, scale):
@@ -168,3 +168,15 @@ def test_a_failing_rank_under_torchrun_is_reported(tmp_path):
     with pytest.raises(WorldError, match="boom on rank 1") as exc:
         launch_torchrun(raise_on_rank, 1, 2, tmp_path, timeout_s=240)
     assert exc.value.rank == 1
+
+
+def test_torchrun_ranks_get_the_case_timeout_and_hooks(tmp_path):
+    """rank_entry used to run with run_from_env's default 1800 s whatever the case asked."""
+    import pickle
+
+    from harness.probes import allreduce_ranks
+    from harness.world import dump_spec
+
+    dump_spec(tmp_path / "spec.pkl", allreduce_ranks, 1.0, 42.0, ("harness.probes:mark_hook",))
+    spec = pickle.loads((tmp_path / "spec.pkl").read_bytes())
+    assert spec["timeout_s"] == 42.0 and spec["hooks"] == ("harness.probes:mark_hook",) and spec["fn"] is allreduce_ranks

@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 from harness.backends import Backend
-from harness.hf_models import read_safetensors
+from harness.backends._safetensors import read_safetensors
 from harness.world import RankContext
 
 
 class BridgeHF(Backend):
     name = "bridge_hf"
+    capabilities = frozenset({"hf_export", "hf_import", "read_plain"})
 
     def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
         model.bridge.save_hf_pretrained(model.modules, str(directory), show_progress=False)

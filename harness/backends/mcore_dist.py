@@ -1,8 +1,8 @@
 """megatron-core dist_checkpointing, `torch_dist` format (what verl and Megatron-LM save).
 
 Saves and loads any sharded state dict (model weights, or model + optimizer for training
-checkpoints); `load` is strict (RAISE_ALL): a key the model expects but the checkpoint lacks, or
-the reverse, is an error, never a silently kept initial value.
+checkpoints, or adapters only); loads are strict (RAISE_ALL): a key the state expects but the
+checkpoint lacks, or the reverse, is an error, never a silently kept initial value.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from harness.world import RankContext
 
 class McoreDist(Backend):
     name = "mcore_dist"
-    supports_training_state = True
+    capabilities = frozenset({"weights", "training_state", "read_plain"})
 
     def save_state(self, ctx: RankContext, sharded_state: dict, directory: Path) -> None:
         from megatron.core import dist_checkpointing
@@ -41,7 +41,7 @@ class McoreDist(Backend):
     def load(self, ctx: RankContext, model: Any, directory: Path) -> None:
         model.load_state_dict(self.load_state(ctx, model.sharded_state_dict(), directory), strict=True)
 
-    def read_full(self, ctx: RankContext, directory: Path) -> dict[str, torch.Tensor]:
+    def read_full(self, ctx: RankContext | None, directory: Path) -> dict[str, torch.Tensor]:
         from megatron.core import dist_checkpointing
 
         plain = dist_checkpointing.load_plain_tensors(str(directory))

@@ -1,0 +1,150 @@
+"""Fault-injecting doubles: prove that each check can go red.
+
+Backends that damage what they save or load, and rank hooks that break a build, the way real
+defects do. They are not in the backend registry: a test (or a user checking their own harness
+setup) names one by import path, `backends.register("name", "harness.doubles:CorruptAfterLoad")`
+or `RunOptions(rank_hooks=("harness.doubles:drop_distributed_optimizer_knob",))`. The path travels
+to the ranks inside the phase, so the fault reaches them under fork, spawn, forkserver and torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from harness.backends.bridge_hf import BridgeHF
+from harness.backends.bridge_peft import BridgePeft
+from harness.backends.mcore_dist import McoreDist
+
+
+def flip_first_bit(model) -> str:
+    name, param = next(iter(model.named_parameters()))
+    with torch.no_grad():
+        param.data.view(-1).view(torch.int32)[0] ^= 1
+    return name
+
+
+def edit_safetensors(directory: Path, key_part: str, edit) -> None:
+    """Apply edit(state, key) to the first tensor whose key contains key_part, in place on disk."""
+    from safetensors.torch import load_file, save_file
+
+    (f,) = sorted(Path(directory).glob("*.safetensors"))
+    state = load_file(str(f))
+    key = sorted(k for k in state if key_part in k)[0]
+    edit(state, key)
+    save_file(state, str(f), metadata={"format": "pt"})
+
+
+def flip_in_safetensors(directory: Path, key_part: str, bit: int = 0) -> None:
+    def flip(state, key):
+        state[key].view(-1).view(torch.int32)[0] ^= 1 << bit
+
+    edit_safetensors(directory, key_part, flip)
+
+
+# ------------------------------------------------------------------ dist checkpoints
+
+
+class CorruptAfterLoad(McoreDist):
+    """One bit of the first parameter flipped on rank 0 after a correct load."""
+
+    def load(self, ctx, model, directory):
+        super().load(ctx, model, directory)
+        if ctx.rank == 0:
+            flip_first_bit(model)
+
+
+class CorruptBeforeSave(McoreDist):
+    """One bit flipped before the first save (not the re-save): the checkpoint itself is wrong."""
+
+    def save(self, ctx, model, directory):
+        if ctx.rank == 0 and not directory.name.endswith("resaved"):
+            flip_first_bit(model)
+        super().save(ctx, model, directory)
+
+
+class NoopLoad(McoreDist):
+    """A load that returns without loading anything."""
+
+    def load(self, ctx, model, directory):
+        pass
+
+
+class RaisingLoad(McoreDist):
+    def load(self, ctx, model, directory):
+        raise RuntimeError("simulated upstream defect")
+
+
+class CorruptOptimizerAfterLoad(McoreDist):
+    """One bit of the first exp_avg flipped on rank 0 after a training-state load."""
+
+    def load_state(self, ctx, sharded_state, directory):
+        state = super().load_state(ctx, sharded_state, directory)
+        if ctx.rank == 0:
+            stack = [state["optimizer"]]
+            while stack:
+                node = stack.pop()
+                if isinstance(node, dict):
+                    if torch.is_tensor(node.get("exp_avg")):
+                        node["exp_avg"].view(-1).view(torch.int32)[0] ^= 1
+                        break
+                    stack.extend(node.values())
+                elif isinstance(node, list):
+                    stack.extend(node)
+        return state
+
+
+# ------------------------------------------------------------------ HF and PEFT exports
+
+
+class FlipExportedWeight(BridgeHF):
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0 and directory.name == "hf-export":
+            # the top mantissa bit: a lowest-bit flip may round away in the logits, and the
+            # logits check must be seen to fail too (export-bitwise catches any bit)
+            flip_in_safetensors(directory, "layers.1.self_attn.k_proj.weight", bit=22)
+
+
+class FlipLoraB(BridgePeft):
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0:
+            flip_in_safetensors(directory, "layers.2.self_attn.v_proj.lora_B")
+
+
+class DropLoraA(BridgePeft):
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0:
+            edit_safetensors(directory, "layers.0.mlp.down_proj.lora_A", lambda state, key: state.pop(key))
+
+
+class LoseAlpha(BridgePeft):
+    """verl #1821: the exported adapter_config.json lost lora_alpha."""
+
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0:
+            cfg = json.loads((directory / "adapter_config.json").read_text())
+            cfg["lora_alpha"] = 0
+            (directory / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+# ------------------------------------------------------------------ rank hooks
+
+
+def drop_distributed_optimizer_knob() -> None:
+    """verl PR #5775: use_distributed_optimizer is dropped on the way to DDP (always True there)."""
+    import dataclasses
+
+    from harness import training
+
+    real = training.build_training
+
+    def build(spec, topo, cfg, seed_offset=0):
+        return real(spec, topo, dataclasses.replace(cfg, use_distributed_optimizer=True), seed_offset)
+
+    training.build_training = build

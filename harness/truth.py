@@ -1,0 +1,96 @@
+"""The canonical truth: what every tensor, adapter and input should be, as pure functions of seeds.
+
+A loaded checkpoint is judged against these values, never against what the backend under test
+wrote, so this module imports nothing from the harness (tests/test_truth.py enforces it): only
+torch and hashlib. Every topology derives its shard of a tensor from the same full tensor, so a
+model built at tp2pp1 and one built at tp1pp2 hold the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+#: The load side of a case starts from other weights (seed + this), so a load that does nothing fails.
+DECOY_SEED_OFFSET = 9973
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from the parts (`seed:key[:tp_rank]`): stable across processes and versions."""
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _noise(shape: tuple[int, ...], *parts: Any) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(derive_seed(*parts)), dtype=torch.float32)
+
+
+def canonical_tensor(model: Any, key: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The full tensor a megatron checkpoint key holds in a GPT zoo model (scaled so logits stay sane)."""
+    noise = _noise(shape, model.seed, key)
+    leaf = key.rsplit(".", 1)[-1]
+    if "norm" in key and leaf in ("weight", "layer_norm_weight"):
+        t = 1.0 + 0.1 * noise
+    elif leaf in ("bias", "layer_norm_bias"):
+        t = 0.02 * noise
+    else:
+        t = 0.05 * noise
+    return t.to(dtype)
+
+
+def canonical_hf_state(model: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """An HF fixture's weights by HF parameter name: norms 1 + noise, everything else (biases
+    included, so a dropped bias shows) small noise."""
+    return {
+        name: (1.0 + 0.1 * _noise(shape, model.seed, name)) if "norm" in name else 0.05 * _noise(shape, model.seed, name)
+        for name, shape in shapes.items()
+    }
+
+
+def adapter_tensor(seed: int, global_name: str, tp_rank: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A LoRA adapter parameter's values on one TP rank: non-zero (lora_B is zero at init, which
+    would hide every B-side bug), a function of (seed, global name, TP rank) so any topology can
+    rebuild them."""
+    return 0.1 * _noise(shape, seed, global_name, tp_rank)
+
+
+def causal_mask(seq_length: int) -> torch.Tensor:
+    """An explicit boolean causal mask [1, 1, s, s] (megatron builds its default one on CUDA)."""
+    return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def positions(batch: int, seq_length: int) -> torch.Tensor:
+    return torch.arange(seq_length).unsqueeze(0).expand(batch, -1).contiguous()
+
+
+def fixed_batch(model: Any) -> dict[str, torch.Tensor]:
+    """The logits batch of a GPT zoo model: tokens from the model seed."""
+    g = torch.Generator().manual_seed(model.seed + 7)
+    tokens = torch.randint(0, model.vocab_size, (model.micro_batch_size, model.seq_length), generator=g)
+    return {"input_ids": tokens, "position_ids": positions(*tokens.shape), "attention_mask": causal_mask(model.seq_length)}
+
+
+def fixed_input_ids(model: Any, batch: int = 2) -> torch.Tensor:
+    """The logits input of an HF fixture (ids above the special tokens)."""
+    g = torch.Generator().manual_seed(model.seed + 11)
+    return torch.randint(4, model.vocab_size, (batch, model.seq_length), generator=g)
+
+
+def hf_batch(model: Any) -> dict[str, torch.Tensor]:
+    """`fixed_input_ids` with the positions and mask a Megatron forward needs."""
+    ids = fixed_input_ids(model)
+    return {"input_ids": ids, "position_ids": positions(*ids.shape), "attention_mask": causal_mask(model.seq_length)}
+
+
+def train_batch(model: Any, step: int, global_batch: int) -> dict[str, torch.Tensor]:
+    """Step `step`'s global batch of a training case: the same samples at every topology."""
+    g = torch.Generator().manual_seed(model.seed * 1000 + step)
+    tokens = torch.randint(0, model.vocab_size, (global_batch, model.seq_length + 1), generator=g)
+    return {
+        "input_ids": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "position_ids": positions(global_batch, model.seq_length),
+        "mask": causal_mask(model.seq_length),
+    }

@@ -1,0 +1,109 @@
+"""The model zoo: every model a matrix can name, GPT (built by megatron-core) or HF (a fixture the
+Megatron-Bridge cases import), in one table with one lookup.
+
+Sizes are chosen so that every topology the matrices use (tp, pp, 2*cp in {1, 2, 4}) divides them.
+Values only: building a model is harness.models (GPT) or harness.bridge (HF); the weights a model
+should hold are harness.truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar, Union
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A megatron-core GPTModel configuration (local layer spec)."""
+
+    kind: ClassVar[str] = "gpt"
+    name: str
+    description: str
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 8
+    num_query_groups: int = 4
+    ffn_hidden_size: int = 128
+    vocab_size: int = 128
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    swiglu: bool = True
+    normalization: str = "RMSNorm"
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    tied_embeddings: bool = False
+    position_embedding: str = "rope"
+    seed: int = 1234
+
+    def with_seed(self, seed: int) -> "ModelSpec":
+        return replace(self, seed=seed)
+
+
+@dataclass(frozen=True)
+class HFModelSpec:
+    """A tiny HF checkpoint written locally (harness.hf_models.write_fixture), no hub."""
+
+    kind: ClassVar[str] = "hf"
+    name: str
+    description: str
+    arch: str  # "llama" | "qwen2"
+    tied: bool = False
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    intermediate_size: int = 128
+    vocab_size: int = 128
+    seq_length: int = 16
+    seed: int = 4321
+
+    # what Topology.validate reads
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        return self.intermediate_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+AnyModel = Union[ModelSpec, HFModelSpec]
+
+ZOO: dict[str, AnyModel] = {
+    m.name: m
+    for m in (
+        ModelSpec("gpt-gqa", "GQA (8 heads, 4 query groups) + SwiGLU + RoPE + RMSNorm, untied embeddings"),
+        ModelSpec(
+            "gpt-tied",
+            "MHA + GeLU + LayerNorm + linear biases + learned positions, tied embeddings",
+            num_query_groups=8, swiglu=False, normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True,
+            tied_embeddings=True, position_embedding="learned_absolute",
+        ),
+        # Heavier models for memory budgets and the save-memory benchmark (not in the smoke matrix).
+        ModelSpec(
+            "gpt-25m", "gpt-gqa shape at ~25M params: memory-tier cases",
+            num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=2048, vocab_size=8192,
+        ),
+        ModelSpec(
+            "gpt-150m", "gpt-gqa shape at ~150M params: the save-memory benchmark",
+            num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=4096, vocab_size=16384,
+        ),
+        HFModelSpec("hf-llama", "Llama: GQA (8 heads, 4 kv heads), SwiGLU, RMSNorm, untied", "llama"),
+        HFModelSpec("hf-qwen2", "Qwen2: GQA with q/k/v biases, untied", "qwen2"),
+        HFModelSpec("hf-llama-tied", "Llama with tied input/output embeddings", "llama", tied=True),
+    )
+}
+
+
+def get_model(name: str, kind: str | None = None) -> AnyModel:
+    """The zoo model `name`; with `kind`, it must be of that kind ("gpt" or "hf")."""
+    if name not in ZOO:
+        raise KeyError(f"unknown model {name!r}; the zoo has {sorted(ZOO)}")
+    model = ZOO[name]
+    if kind is not None and model.kind != kind:
+        raise KeyError(f"model {name!r} is a{'n' if model.kind == 'hf' else ''} {model.kind} model, not {kind}")
+    return model

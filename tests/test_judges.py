@@ -1,0 +1,204 @@
+"""Case judges on synthetic outputs, in-process: every check passes on good outputs and goes red,
+naming the key and the side, on one planted fault. No world, no megatron: seconds, not minutes.
+(The end-to-end fault proofs through real worlds are in test_reshard_case/test_training_cases/test_hf_cases.)"""
+
+import pytest
+import torch
+
+from cases import hf_roundtrip, peft_export, reshard_optimizer, resume, reshard_weights
+from harness import truth
+from harness.checks import knob_check, refusal_check
+from harness.parity import Shard
+from harness.topology import Topology
+from harness.training import TrainOut
+from harness.zoo import get_model
+
+GQA = get_model("gpt-gqa")
+KEYS = {"embedding.word_embeddings.weight": (128, 64), "decoder.layers.self_attention.linear_qkv.weight": (4, 128, 64)}
+
+
+def _canonical(model=GQA):
+    return {k: truth.canonical_tensor(model, k, s) for k, s in KEYS.items()}
+
+
+def _split(full: dict, parts: int, dim: int = 0, replica: int = 0) -> list[list[Shard]]:
+    """Per-rank shard lists of `full`, each tensor split in `parts` along `dim`."""
+    ranks = [[] for _ in range(parts)]
+    for key, t in full.items():
+        step = t.shape[dim] // parts
+        for r in range(parts):
+            index = tuple((r * step, (r + 1) * step) if d == dim else (0, n) for d, n in enumerate(t.shape))
+            ranks[r].append(Shard(key, tuple(t.shape), index, replica, t.narrow(dim, r * step, step).clone()))
+    return ranks
+
+
+def _flip(t: torch.Tensor) -> None:
+    t.view(-1).view(torch.int32)[0] ^= 1
+
+
+def _statuses(checks):
+    return {c.name: c.status for c in checks}
+
+
+# --------------------------------------------------------------------------- reshard-weights
+
+
+def _weights_outs(full, parts, logits):
+    return [reshard_weights.WeightsOut(s, logits if r == parts - 1 else None, 0) for r, s in enumerate(_split(full, parts))]
+
+
+def _weights_judge(saved=None, loaded=None, checkpoint=None, resaved=None, src="tp2", dst="tp1pp2"):
+    full = _canonical()
+    logits = torch.randn(2, 16, 128)
+    saved = saved or _weights_outs(full, 2, logits)
+    loaded = loaded or _weights_outs(full, 2, logits.clone())
+    return reshard_weights.judge(GQA, Topology.parse(src), Topology.parse(dst), saved, loaded,
+                                 checkpoint or dict(full), resaved or {k: v.clone() for k, v in full.items()})
+
+
+def test_weights_judge_passes_on_good_outputs():
+    assert set(_statuses(_weights_judge()).values()) == {"passed"}
+
+
+def test_weights_judge_one_bit_after_load_names_key_and_side():
+    full = _canonical()
+    loaded = _weights_outs(full, 2, torch.zeros(1))
+    _flip(loaded[1].shards[0].data)
+    checks = _weights_judge(loaded=loaded)
+    assert _statuses(checks)["loaded-canonical"] == "failed" and _statuses(checks)["source-canonical"] == "passed"
+    (m,) = next(c for c in checks if c.name == "loaded-canonical").mismatches
+    assert m.key == "embedding.word_embeddings.weight"
+    assert m.kind == "value" and m.actual == "tp1pp2dp1cp1" and m.max_abs_diff > 0
+
+
+def test_weights_judge_uncovered_elements_and_extra_keys():
+    full = _canonical()
+    loaded = _weights_outs(full, 2, torch.zeros(1))
+    loaded[0].shards.pop(0)  # a rank lost its half of one tensor
+    checkpoint = {**full, "stray": torch.zeros(1)}
+    s = _statuses(_weights_judge(loaded=loaded, checkpoint=checkpoint))
+    assert s["loaded-canonical"] == "failed" and s["checkpoint-canonical"] == "failed" and s["resave-plain"] == "failed"
+
+
+def test_weights_judge_resave_and_logits():
+    full = _canonical()
+    resaved = {k: v.clone() for k, v in full.items()}
+    _flip(resaved["embedding.word_embeddings.weight"])
+    assert _statuses(_weights_judge(resaved=resaved))["resave-plain"] == "failed"
+    logits = torch.randn(2, 16, 128)
+    near = _weights_outs(full, 2, logits + 1e-7)
+    far = _weights_outs(full, 2, logits + 1e-2)
+    saved = _weights_outs(full, 2, logits)
+    assert _statuses(_weights_judge(saved=saved, loaded=near))["logits"] == "passed"  # TP changed: tolerance
+    assert _statuses(_weights_judge(saved=saved, loaded=near, dst="tp2"))["logits"] == "failed"  # same TP: bitwise
+    assert _statuses(_weights_judge(saved=saved, loaded=far))["logits"] == "failed"
+    assert _statuses(_weights_judge(src="cp2"))["logits"] == "not-run"
+    diverged = _weights_outs(full, 2, logits)
+    diverged[0].logits = logits + 1.0  # two DP replicas computed different logits
+    assert _statuses(_weights_judge(saved=saved, loaded=diverged))["logits"] == "failed"
+
+
+# --------------------------------------------------------------------------- training cases
+
+
+def _knobs(ok=True):
+    return [{"knob": "use_distributed_optimizer", "asked": False, "actual": False if ok else True, "ok": ok}]
+
+
+def _train_outs(parts=2, step=2.0, shared=0, flip=False, losses=None, knobs_ok=True):
+    opt = {f"optimizer.state.exp_avg.{k}": v * 0.1 for k, v in _canonical().items()}
+    model = _canonical()
+    o_split, m_split = _split(opt, parts), _split(model, parts)
+    if flip:
+        _flip(o_split[0][0].data)
+    return [
+        TrainOut(_knobs(knobs_ok), [], losses if r == parts - 1 else [None] * len(losses or []),
+                 optimizer_shards=o_split[r], steps={"values": [step], "shared_step_tensors": shared},
+                 model_shards=m_split[r], final_shards=m_split[r])
+        for r in range(parts)
+    ]
+
+
+def test_optimizer_judge():
+    good = reshard_optimizer.judge("dp2", "dp1", _train_outs(), _train_outs(parts=1))
+    assert set(_statuses(good).values()) == {"passed"}
+    bad = _statuses(reshard_optimizer.judge("dp2", "dp1", _train_outs(), _train_outs(parts=1, flip=True)))
+    assert bad["optimizer-state"] == "failed" and bad["model-weights"] == "passed"
+    assert _statuses(reshard_optimizer.judge("dp2", "dp1", _train_outs(), _train_outs(step=0.0)))["step"] == "failed"
+    shared = reshard_optimizer.judge("dp2", "dp1", _train_outs(), _train_outs(shared=26))
+    assert _statuses(shared)["step"] == "failed" and "share another param's Adam step" in shared[2].detail
+    knobs = reshard_optimizer.judge("dp2", "dp1", _train_outs(), _train_outs(knobs_ok=False))
+    assert _statuses(knobs)["propagation"] == "failed" and "asked False, built True" in knobs[0].detail
+
+
+def test_refusal_check():
+    assert refusal_check(None, "", ["CheckpointingException"], "tp2 -> tp1").status == "failed"
+    ok = refusal_check("CheckpointingException", "Global shape mismatch\nmore", ["CheckpointingException"], "tp2 -> tp1", "why")
+    assert ok.status == "passed" and "Global shape mismatch" in ok.detail and "meaning: why" in ok.detail
+    assert "no clear reason" in refusal_check("KeyError", "'x'", ["CheckpointingException"], "a -> b").detail
+
+
+def test_resume_judge_tolerance_by_topology():
+    base = [2.0, 1.9, 1.8]
+    same = resume.judge(3, "dp2", "dp2", _train_outs(losses=base), _train_outs(losses=list(base)))
+    assert set(_statuses(same).values()) == {"passed"} and same[1].tolerance == "bitwise" and same[1].max_abs_diff == 0
+    nudged = [x + 1e-7 for x in base]
+    assert _statuses(resume.judge(3, "dp2", "dp2", _train_outs(losses=base), _train_outs(losses=nudged)))["losses"] == "failed"
+    assert _statuses(resume.judge(3, "dp2", "dp1", _train_outs(losses=base), _train_outs(parts=1, losses=nudged)))["losses"] == "passed"
+    drift = [x + 3e-3 for x in base]  # what a reset Adam step does in 3 steps
+    assert _statuses(resume.judge(3, "dp2", "dp1", _train_outs(losses=base), _train_outs(parts=1, losses=drift)))["losses"] == "failed"
+    assert _statuses(resume.judge(3, "dp2", "dp1", _train_outs(losses=base), _train_outs(parts=1, losses=base[:2])))["losses"] == "failed"
+    moved = _train_outs(parts=1, losses=base)
+    _flip(moved[0].final_shards[1].data)
+    assert _statuses(resume.judge(3, "dp2", "dp2", _train_outs(losses=base), moved))["final-weights"] == "failed"
+
+
+def test_knob_check_names_side_and_rank():
+    c = knob_check("propagation", [("tp2", [_knobs(), _knobs(ok=False)])], "ok")
+    assert c.status == "failed" and c.detail.startswith("tp2 rank 1: use_distributed_optimizer")
+
+
+# --------------------------------------------------------------------------- HF and PEFT
+
+
+def test_hf_roundtrip_judge():
+    state = {"model.embed_tokens.weight": torch.randn(128, 64)}
+    logits = torch.randn(2, 16, 128)
+    outs = [hf_roundtrip.BridgeOut([{"knob": "overlap_grad_reduce", "asked": False, "actual": False, "ok": True}], logits + 1e-7)]
+    src, dst = Topology.parse("tp2"), Topology.parse("pp2")
+    good = hf_roundtrip.judge(src, dst, [("a", outs), ("b", outs)], state, dict(state), logits, logits.clone())
+    assert set(_statuses(good).values()) == {"passed"} and {"megatron-logits@a", "megatron-logits@b"} <= set(_statuses(good))
+    flipped = {k: v.clone() for k, v in state.items()}
+    _flip(flipped["model.embed_tokens.weight"])
+    bad = _statuses(hf_roundtrip.judge(src, dst, [("a", outs)], state, flipped, logits, logits + 1e-3))
+    assert bad["export-bitwise"] == "failed" and bad["hf-logits"] == "failed"
+    far = [hf_roundtrip.BridgeOut(outs[0].propagation, logits + 1e-2)]
+    assert _statuses(hf_roundtrip.judge(src, dst, [("a", far)], state, state, logits, logits))["megatron-logits@a"] == "failed"
+
+
+def test_peft_config_logits_and_reshard_judges():
+    asked = {"r": 4, "lora_alpha": 8, "target_modules": ["k_proj", "q_proj"], "base_model_name_or_path": "/x"}
+    assert peft_export.config_check({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj"],
+                                     "base_model_name_or_path": "/x"}, asked).status == "passed"
+    lost = peft_export.config_check({"r": 4, "lora_alpha": 0, "target_modules": ["q_proj", "k_proj"], "base_model_name_or_path": "/x"}, asked)
+    assert lost.status == "failed" and "lora_alpha: asked 8, exported 0" in lost.detail  # verl #1821
+    base, lora = torch.zeros(2, 4), torch.ones(2, 4)
+    assert peft_export.logits_check(lora, base, lora.clone(), "tp1").status == "passed"
+    assert "no-op adapter" in peft_export.logits_check(base, base, base.clone(), "tp1").detail
+    assert peft_export.logits_check(lora, base, lora + 1e-3, "tp1").status == "failed"
+    a = {"base_model.model.layers.0.q_proj.lora_A.weight": torch.randn(4, 64)}
+    b = {k: v.clone() for k, v in a.items()}
+    _flip(next(iter(b.values())))
+    piece = {"name": "decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight", "tp_rank": 0, "tp": 1, "data": torch.randn(4, 64)}
+    outs = [peft_export.PeftOut([piece], None)]
+    s = _statuses(peft_export.judge_resharded("tp2", "pp2", outs, outs, a, b))
+    assert s == {"resharded-export": "failed", "adapter-params": "passed"}
+
+
+@pytest.mark.parametrize("name", ["hf-llama", "hf-qwen2"])
+def test_truth_is_a_pure_function_of_seeds(name):
+    model = get_model(name)
+    assert torch.equal(truth.fixed_input_ids(model), truth.fixed_input_ids(model))
+    shapes = {"model.norm.weight": (64,), "model.layers.0.self_attn.q_proj.bias": (64,)}
+    a, b = truth.canonical_hf_state(model, shapes), truth.canonical_hf_state(model, shapes)
+    assert all(torch.equal(a[k], b[k]) for k in shapes) and float(a["model.norm.weight"].mean()) > 0.5

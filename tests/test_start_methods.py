@@ -1,0 +1,37 @@
+"""Faults and plugins reach the ranks by value under every start method, not by fork inheritance."""
+
+import pytest
+
+from harness import backends
+from harness.probes import backend_and_hook
+from harness.runner import RunOptions, run_case
+from harness.spec import CaseSpec
+from harness.topology import Topology
+from harness.world import WorldError, choose_start_method, launch
+
+backends.register("test_noop_load_sm", "harness.doubles:NoopLoad")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_registered_double_and_a_rank_hook_reach_the_rank(tmp_path, method):
+    path = backends.resolve("test_noop_load_sm")  # the parent resolves; the path travels in the phase
+    (out,) = launch(backend_and_hook, path, 1, tmp_path, backend="gloo", start_method=method,
+                    hooks=("harness.probes:mark_hook",), timeout_s=120)
+    assert out == {"backend": "NoopLoad", "hook": "ran"}
+
+
+def test_start_method_choice():
+    assert choose_start_method("gloo") == "fork" and choose_start_method("nccl", "auto") == "spawn"
+    assert choose_start_method("gloo", "forkserver") == "forkserver"
+    with pytest.raises(ValueError, match="start method"):
+        choose_start_method("gloo", "thread")
+    with pytest.raises(WorldError, match="fork cannot run NCCL"):
+        choose_start_method("nccl", "fork")
+
+
+@pytest.mark.slow  # fresh interpreters import megatron-core per rank: ~1 min a case on 2 cores
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_fault_double_fails_the_case_under(method):
+    spec = CaseSpec("reshard-weights", "gpt-gqa", "test_noop_load_sm", Topology.parse("tp1"), Topology.parse("tp2"), timeout_s=300)
+    r = run_case(spec, RunOptions(start_method=method))
+    assert r.status == "failed" and {c.name: c.status for c in r.checks}["loaded-canonical"] == "failed", r.failure_text()

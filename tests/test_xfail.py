@@ -1,0 +1,64 @@
+"""The strict expected-failure policy (harness.spec.XFail), judged in-process on synthetic results."""
+
+import pytest
+
+from harness.result import CaseResult, Check
+from harness.runner import apply_xfail
+from harness.spec import CaseSpec, XFail
+from harness.topology import Topology
+
+
+def _result(failed=(), status="failed", error=None):
+    r = CaseResult("x", "c", "m", "b", "s", "t", status=status, error=error)
+    r.checks = [Check(n, "failed" if n in failed else "passed", f"{n} detail") for n in
+                ("step", "optimizer-state", "memory-budget:save@rank0", "megatron-logits@tp2pp1dp1cp1")]
+    return r
+
+
+@pytest.mark.parametrize(
+    "failed, status, why",
+    [
+        ({"step"}, "failed", ""),
+        ({"step", "memory-budget:save@rank0"}, "failed", "failed too, beyond the expected"),
+        ({"optimizer-state"}, "failed", "failed too"),
+        (set(), "error", "errored instead"),
+    ],
+)
+def test_checks_accept_only_the_named_failure(failed, status, why):
+    """A known defect in one check must not hide a new failure in another check of the same case."""
+    got = XFail("known", checks=("step",)).explains(_result(failed, status))
+    assert (why in got and got) if why else got == ""
+
+
+def test_a_check_recorded_per_topology_is_named_by_its_base():
+    assert XFail("k", checks=("megatron-logits",)).explains(_result({"megatron-logits@tp2pp1dp1cp1"})) == ""
+
+
+def test_the_short_form_accepts_failed_checks_but_never_an_error():
+    short = XFail("upstream defect X")
+    assert short.explains(_result({"step"})) == ""
+    assert "errored" in short.explains(_result(status="error", error="WorldTimeout: world still running after 180s"))
+    assert "errored" in short.explains(_result(status="error", error="AttributeError: harness bug"))
+
+
+def test_match_must_match_the_failure_text():
+    by_match = XFail("keyerror", match=r"KeyError: 'step'")
+    assert by_match.explains(_result(status="error", error="KeyError: 'step'")) == ""
+    assert "no match" in by_match.explains(_result(status="error", error="KeyError: 'exp_avg'"))
+    assert "no match" in by_match.explains(_result({"step"}))
+
+
+def _spec(xfail):
+    return CaseSpec("reshard-weights", "gpt-gqa", "mcore_dist", Topology(), Topology(), xfail=xfail)
+
+
+def test_apply_xfail_statuses():
+    r = _result({"step"})
+    apply_xfail(_spec(XFail("known", checks=("step",))), r)
+    assert r.status == "xfailed"
+    r = _result(status="error", error="boom")
+    apply_xfail(_spec(XFail("known")), r)
+    assert r.status == "failed" and any("not as expected" in n for n in r.notes)
+    r = _result(status="passed")
+    apply_xfail(_spec(XFail("known")), r)
+    assert r.status == "failed" and "XPASS(strict)" in r.error

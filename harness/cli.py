@@ -75,6 +75,19 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from harness import compare
+
+    t = compare.Thresholds(memory_pct=args.memory_pct, memory_mib=args.memory_mib, diff_factor=args.diff_factor)
+    try:
+        code, md = compare.run(args.base, args.candidate, args.out, t)
+    except compare.CompareInputError as exc:
+        print(f"ckpt-harness compare: {exc}", file=sys.stderr)
+        return 2
+    print(md)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ckpt-harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     show = sub.add_parser("show", help="print a results.json as a Markdown table")
     show.add_argument("results", type=Path)
     show.set_defaults(func=_cmd_show)
+    cmp = sub.add_parser("compare", help="baseline vs candidate results: exit 1 on any regression")
+    cmp.add_argument("base", type=Path, help="baseline results.json or report dir")
+    cmp.add_argument("candidate", type=Path, help="candidate results.json or report dir")
+    cmp.add_argument("--out", type=Path, default=None, help="write DIR/compare.json and DIR/compare.md")
+    cmp.add_argument("--memory-pct", type=float, default=10.0, help="memory growth must exceed this %% ...")
+    cmp.add_argument("--memory-mib", type=float, default=32.0, help="... and this many MiB to fail")
+    cmp.add_argument("--diff-factor", type=float, default=10.0, help="toleranced diff growth factor that fails")
+    cmp.set_defaults(func=_cmd_compare)
     args = parser.parse_args(argv)
     from harness.matrix import MatrixError
 

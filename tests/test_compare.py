@@ -1,0 +1,224 @@
+"""`ckpt-harness compare` on hand-made results.json documents: every finding class, the exit codes,
+the thresholds as flags, and unreadable inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import compare as cmp
+from harness.cli import main
+
+MiB = 2**20
+TOL = "atol=1e-05 rtol=1e-05 (TP change reorders fp32 reductions)"
+
+
+def check(name: str, status: str = "passed", diff: float | None = None, tol: str = "bitwise", detail: str = "") -> dict[str, Any]:
+    return {"name": name, "status": status, "detail": detail, "max_abs_diff": diff, "tolerance": tol, "mismatches": []}
+
+
+def case(cid: str, status: str = "passed", checks: list[dict] | None = None, error: str | None = None,
+         memory: dict | None = None, total: float = 1.0, xfail_reason: str | None = None, notes: list[str] | None = None) -> dict[str, Any]:
+    return {"id": cid, "case": cid.split("/")[0], "status": status, "checks": checks if checks is not None else [check("loaded-canonical")],
+            "error": error, "memory": memory or {}, "phases": {"total": total}, "xfail_reason": xfail_reason, "notes": notes or []}
+
+
+def doc(*cases: dict[str, Any], bridge: str = "0.6.2") -> dict[str, Any]:
+    return {"matrix": "matrices/smoke.yaml", "wall_s": 10.0,
+            "versions": {"python": "3.12.1", "torch": "2.14.1", "megatron-core": "0.19.2", "megatron-bridge": bridge},
+            "summary": {}, "results": list(cases)}
+
+
+def mem(**phase_rank_mib: float) -> dict[str, Any]:
+    """mem(save_0=100) -> {"save": {"0": {"peak_delta": 100 MiB}}}"""
+    out: dict[str, Any] = {}
+    for key, mib in phase_rank_mib.items():
+        phase, rank = key.rsplit("_", 1)
+        out.setdefault(phase, {})[rank] = {"peak_delta": int(mib * MiB), "baseline_rss": 0}
+    return out
+
+
+def kinds(findings: list[cmp.Finding], case_id: str | None = None) -> list[str]:
+    return [f.kind for f in findings if case_id is None or f.case == case_id]
+
+
+def test_identical_runs_have_no_finding_and_are_safe():
+    d = doc(case("a", checks=[check("logits", diff=3e-7, tol=TOL)], memory=mem(save_0=100)), case("b", "xfailed"))
+    findings = cmp.compare(d, d)
+    assert findings == [] and cmp.exit_code(findings) == 0
+    assert cmp.verdict(findings).startswith("**SAFE**")
+
+
+def test_regression_passed_to_failed_names_the_checks():
+    base = doc(case("a", checks=[check("logits"), check("step")]))
+    cand = doc(case("a", "failed", checks=[check("logits"), check("step", "failed", detail="3 mismatch(es): value")]))
+    [f] = cmp.compare(base, cand)
+    assert (f.kind, f.base, f.candidate, f.failing) == ("regression", "passed", "failed", True)
+    assert "step" in f.detail and "logits" not in f.detail.split("now fail:")[1]
+
+
+def test_regression_xfailed_to_error_and_a_new_failing_check_inside_a_failed_case():
+    base = doc(case("x", "xfailed", checks=[check("step", "failed")]),
+               case("f", "failed", checks=[check("step", "failed"), check("losses")]))
+    cand = doc(case("x", "error", checks=[], error="world timed out after 180 s"),
+               case("f", "failed", checks=[check("step", "failed"), check("losses", "failed")]))
+    findings = cmp.compare(base, cand)
+    [x] = [f for f in findings if f.case == "x"]
+    assert x.kind == "regression" and "xfailed -> error: world timed out" in x.detail
+    [f] = [f for f in findings if f.case == "f"]
+    assert f.kind == "regression" and "losses" in f.detail and cmp.exit_code(findings) == 1
+
+
+def test_xfail_that_now_fails_another_check_is_a_regression():
+    """A known defect must not hide a new failure in the same case (xfail without `checks:`)."""
+    base = doc(case("x", "xfailed", checks=[check("step", "failed"), check("model-weights")]))
+    cand = doc(case("x", "xfailed", checks=[check("step", "failed"), check("model-weights", "failed")]))
+    [f] = cmp.compare(base, cand)
+    assert f.kind == "regression" and "model-weights" in f.detail
+
+
+def test_new_refusal_names_the_exception_and_fails_the_gate():
+    base = doc(case("load", checks=[check("optimizer-state")]))
+    cand = doc(case("load", "error", checks=[], error="rank 1 raised:\nTraceback (most recent call last):\n  ...\n"
+                    "megatron.core.dist_checkpointing.core.CheckpointingException: Global shape mismatch"))
+    [f] = cmp.compare(base, cand)
+    assert f.kind == "new-refusal" and f.failing and "CheckpointingException: Global shape mismatch" in f.detail
+    assert cmp.exit_code([f]) == 1
+
+
+def test_new_refusal_through_a_failed_refusal_check_detail():
+    base = doc(case("r", checks=[check("refusal", tol="-")]))
+    cand = doc(case("r", "failed", checks=[check("refusal", "failed", tol="-", detail="refused through an unlisted exception: KeyError: 'step'")]))
+    [f] = cmp.compare(base, cand)
+    assert f.kind == "new-refusal" and "KeyError" in f.detail and "refusal" in f.detail
+
+
+def test_fixed_upstream_says_drop_the_xfail_and_does_not_fail():
+    base = doc(case("k", "xfailed", checks=[check("step", "failed")], xfail_reason="KeyError 'step'"))
+    cand = doc(case("k", "failed", checks=[check("step")], error="XPASS(strict): expected to fail (KeyError 'step') but passed; "
+                    "if upstream fixed it, remove the xfail from the matrix"))
+    findings = cmp.compare(base, cand)
+    assert kinds(findings) == ["fixed-upstream"] and cmp.exit_code(findings) == 0
+    assert "drop the xfail" in findings[0].detail and "not a regression" in findings[0].detail
+
+
+def test_appeared_and_disappeared_cases_and_lost_checks_warn_without_failing():
+    base = doc(case("gone"), case("kept", checks=[check("logits", diff=0.0, tol=TOL), check("resave-plain")]))
+    cand = doc(case("new"), case("kept", checks=[check("logits", "not-run", tol="-")]))
+    findings = cmp.compare(base, cand)
+    assert sorted((f.case, f.kind) for f in findings) == [
+        ("gone", "disappeared"), ("kept", "disappeared"), ("kept", "disappeared"), ("new", "appeared")]
+    assert cmp.exit_code(findings) == 0 and "3 warning(s)" in cmp.verdict(findings)
+    details = " ".join(f.detail for f in findings if f.case == "kept")
+    assert "check logits passed on base, not run" in details and "check resave-plain passed on base, absent" in details
+
+
+def test_fixed_case_is_reported_not_failing():
+    findings = cmp.compare(doc(case("a", "error", checks=[], error="boom")), doc(case("a")))
+    assert kinds(findings) == ["fixed"] and cmp.exit_code(findings) == 0
+
+
+@pytest.mark.parametrize(
+    ("base_diff", "cand_diff", "why"),
+    [(1e-6, 2e-5, "exceeds atol=1e-05"), (1e-8, 2e-7, "grew 20.0x"), (0.0, 1e-9, "was 0 on base"), (None, 3e-5, "exceeds atol")],
+)
+def test_diff_growth_on_toleranced_checks(base_diff, cand_diff, why):
+    base = doc(case("t", checks=[check("logits", diff=base_diff, tol=TOL)]))
+    cand = doc(case("t", checks=[check("logits", diff=cand_diff, tol=TOL)]))
+    [f] = cmp.compare(base, cand)
+    assert f.kind == "diff-growth" and f.failing and why in f.detail and (f.base, f.candidate) == (base_diff, cand_diff)
+
+
+@pytest.mark.parametrize(("base_diff", "cand_diff"), [(1e-7, 5e-7), (2e-5, 2e-5), (3e-6, 1e-6), (0.0, 0.0)])
+def test_no_diff_growth_within_factor_or_when_shrinking(base_diff, cand_diff):
+    base = doc(case("t", checks=[check("losses", diff=base_diff, tol="atol=2e-05 rtol=0.0001 (why)")]))
+    cand = doc(case("t", checks=[check("losses", diff=cand_diff, tol="atol=2e-05 rtol=0.0001 (why)")]))
+    assert cmp.compare(base, cand) == []
+
+
+def test_bitwise_checks_are_not_diff_growth():
+    """A bitwise check with a diff is a failed check already; only its status change counts."""
+    base = doc(case("b", checks=[check("logits", diff=0.0), check("export-bitwise", diff=0.0)]))
+    cand = doc(case("b", checks=[check("logits", diff=1e-3), check("export-bitwise", diff=1.0, tol="exact")]))
+    assert cmp.compare(base, cand) == []
+
+
+def test_memory_growth_needs_both_percent_and_mib():
+    base = doc(case("m1", memory=mem(save_0=100, load_1=100)), case("m2", memory=mem(save_0=1000)), case("m3", memory=mem(save_0=10)))
+    cand = doc(case("m1", memory=mem(save_0=150, load_1=105)), case("m2", memory=mem(save_0=1040)), case("m3", memory=mem(save_0=40)))
+    findings = cmp.compare(base, cand)
+    [f] = findings
+    assert (f.case, f.kind) == ("m1", "memory-growth") and "save@rank0" in f.detail and "+50%" in f.detail
+    assert (f.base, f.candidate) == (100 * MiB, 150 * MiB)
+    looser = cmp.compare(base, cand, cmp.Thresholds(memory_pct=3, memory_mib=16))
+    assert sorted(f.case for f in looser) == ["m1", "m2", "m3"]
+
+
+def test_time_growth_is_reported_never_failing():
+    base = doc(case("slow", total=10.0), case("tiny", total=2.0))
+    cand = doc(case("slow", total=20.0), case("tiny", total=6.0))
+    findings = cmp.compare(base, cand)
+    assert [(f.case, f.kind) for f in findings] == [("slow", "time-growth")] and cmp.exit_code(findings) == 0
+
+
+def test_markdown_lists_versions_then_regressions_then_fixed_then_the_rest_then_verdict():
+    base = doc(case("a"), case("k", "xfailed"), case("gone"), case("slow", total=10.0))
+    cand = doc(case("a", "failed", checks=[check("loaded-canonical", "failed")]),
+               case("k", "failed", error="XPASS(strict): expected to fail"), case("slow", total=30.0), bridge="0.7.0rc1")
+    md = cmp.markdown(base, cand, cmp.compare(base, cand))
+    assert md.index("| megatron-bridge | 0.6.2 | 0.7.0rc1 **(changed)** |") < md.index("### Regressions")
+    assert "| megatron-core | 0.19.2 | 0.19.2 |" in md
+    assert md.index("### Regressions") < md.index("### Fixed upstream") < md.index("### Other findings")
+    assert md.index("`a`") < md.index("`k`") < md.index("`gone`")
+    assert md.splitlines()[-1].startswith("**NOT SAFE**: 1 regression finding(s) in 1 case(s), 1 fixed upstream")
+
+
+def write(path: Path, d: dict[str, Any]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "results.json").write_text(json.dumps(d))
+    return path
+
+
+def test_cli_exit_codes_and_outputs(tmp_path, capsys):
+    base = write(tmp_path / "base", doc(case("a"), case("m", memory=mem(save_0=10))))
+    same = write(tmp_path / "same", doc(case("a"), case("m", memory=mem(save_0=10))))
+    assert main(["compare", str(base), str(same / "results.json")]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("**SAFE**: no regression.")
+
+    worse = write(tmp_path / "worse", doc(case("a", "error", checks=[], error="KeyError: 'step'"), case("m", memory=mem(save_0=40))))
+    out = tmp_path / "out"
+    assert main(["compare", str(base), str(worse), "--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "new-refusal" in printed and (out / "compare.md").read_text().strip() == printed.strip()
+    j = json.loads((out / "compare.json").read_text())
+    assert j["exit_code"] == 1 and j["candidate"]["versions"]["megatron-bridge"] == "0.6.2"
+    assert j["findings"] == [{"case": "a", "class": "new-refusal", "failing": True,
+                              "detail": j["findings"][0]["detail"], "base": "passed", "candidate": "error"}]
+    # The thresholds are flags: 30 MiB of growth fails once --memory-mib is below it.
+    assert main(["compare", str(base), str(worse), "--memory-mib", "16", "--out", str(out)]) == 1
+    j = json.loads((out / "compare.json").read_text())
+    assert [f["class"] for f in j["findings"]] == ["new-refusal", "memory-growth"] and j["thresholds"]["memory_mib"] == 16
+
+
+def test_cli_diff_factor_flag(tmp_path, capsys):
+    base = write(tmp_path / "b", doc(case("t", checks=[check("logits", diff=1e-8, tol=TOL)])))
+    cand = write(tmp_path / "c", doc(case("t", checks=[check("logits", diff=2e-7, tol=TOL)])))
+    assert main(["compare", str(base), str(cand)]) == 1
+    assert main(["compare", str(base), str(cand), "--diff-factor", "100"]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"results": "nope"}', '{"results": [{"id": 1}]}',
+                                     '{"results": [{"id": "a", "status": "passed"}, {"id": "a", "status": "failed"}]}'])
+def test_cli_unreadable_input_exits_2_naming_the_file(tmp_path, capsys, content):
+    good = write(tmp_path / "good", doc(case("a")))
+    bad = tmp_path / "bad" / "results.json"
+    if content is not None:
+        bad.parent.mkdir()
+        bad.write_text(content)
+    assert main(["compare", str(good), str(bad if content is None else bad.parent)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "Traceback" not in err

@@ -45,9 +45,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     done = 0
     start = time.perf_counter()
 
+    finished = []
+    report_path = Path(args.report) / "results.json" if args.report else None
+
     def progress(r) -> None:
         nonlocal done
         done += 1
+        finished.append(r)
+        if report_path:  # after every case: a run killed half-way keeps what it finished
+            report.write_json(finished, report_path, str(args.matrix), time.perf_counter() - start, complete=False)
         style = {"passed": "green", "xfailed": "yellow"}.get(r.status, "bold red")
         console.print(f"[{done}/{len(specs)}] [{style}]{r.status.upper():8}[/] {escape(r.id)}  {r.phases.get('total', 0):.1f}s", highlight=False)
 
@@ -55,10 +61,46 @@ def _cmd_run(args: argparse.Namespace) -> int:
     results = run_cases(specs, options, on_result=progress)
     wall = time.perf_counter() - start
     report.print_summary(results, f"{matrix.name} ({args.matrix})", wall, console)
-    if args.report:
-        path = report.write_json(results, Path(args.report) / "results.json", str(args.matrix), wall)
+    if report_path:
+        path = report.write_json(results, report_path, str(args.matrix), wall)
         console.print(f"results: {path}")
     return 0 if all(r.status in GREEN for r in results) else 1
+
+
+def _golden_summary(results, title: str, wall: float, report_dir: Path | None, label: str) -> int:
+    from harness import report
+    from harness.result import GREEN
+
+    report.print_summary(results, title, wall, Console(width=None if sys.stdout.isatty() else 200))
+    if report_dir:
+        print(f"results: {report.write_json(results, report_dir / 'results.json', label, wall)}")
+    return 0 if all(r.status in GREEN for r in results) else 1
+
+
+def _cmd_golden(args: argparse.Namespace) -> int:
+    from harness import golden
+    from harness.runner import RunOptions
+
+    start = time.perf_counter()
+    try:
+        if args.action == "make":
+            results = golden.make(args.dir, RunOptions(dist_backend=args.dist_backend), args.k)
+            return _golden_summary(results, f"golden make -> {args.dir}", time.perf_counter() - start, args.report, f"golden make {args.dir}")
+        results = golden.check(args.dir, RunOptions(dist_backend=args.dist_backend), args.k, args.allow_refusal, args.direction)
+        return _golden_summary(results, f"golden check {args.dir}", time.perf_counter() - start, args.report, f"golden check {args.dir}")
+    except golden.CorpusError as exc:
+        print(f"ckpt-harness: {exc}", file=sys.stderr)
+        return 2
+
+
+def _cmd_gate(args: argparse.Namespace) -> int:
+    from harness import compare, envspec
+    from harness.gate import run_gate
+
+    thresholds = compare.Thresholds(args.memory_pct, args.memory_mib, args.diff_factor)
+    cache = args.cache or envspec._default_cache()
+    return run_gate(args.candidate, args.baseline, args.matrix, args.k, args.out, cache, thresholds, cross=not args.skip_cross,
+                    corpus=args.corpus)
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
@@ -112,6 +154,31 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("matrix", type=Path)
     ls.add_argument("-k", default=None)
     ls.set_defaults(func=_cmd_list)
+    gate = sub.add_parser("gate", help="run a candidate Megatron-Bridge/-Core against the pinned baseline: one verdict")
+    gate.add_argument("matrix", type=Path, nargs="?", default=Path("matrices/smoke.yaml"))
+    gate.add_argument("--candidate", action="append", default=[], metavar="SPEC",
+                      help="an override of the pins: 'megatron-core==0.19.0', 'megatron-bridge @ git+URL@SHA', a source tree, a wheel")
+    gate.add_argument("--baseline", action="append", default=[], metavar="SPEC", help="overrides for the baseline (default: the pins)")
+    gate.add_argument("-k", default=None, help="only matrix cases whose id contains every word of this")
+    gate.add_argument("--out", type=Path, required=True, help="a new directory: baseline/, candidate/, cross/, verdict.md, gate.json")
+    gate.add_argument("--cache", type=Path, default=None, help="where venvs live (default: $CKPT_HARNESS_HOME or ~/.cache/ckpt-harness)")
+    gate.add_argument("--corpus", type=Path, default=None,
+                      help="also have the candidate check this golden corpus (one the previous pins wrote; CI caches it)")
+    gate.add_argument("--skip-cross", action="store_true", help="no cross-version corpus (matrix comparison only)")
+    gate.add_argument("--memory-pct", type=float, default=10.0)
+    gate.add_argument("--memory-mib", type=float, default=32.0)
+    gate.add_argument("--diff-factor", type=float, default=10.0)
+    gate.set_defaults(func=_cmd_gate)
+    gold = sub.add_parser("golden", help="write (make) or load and check (check) the golden corpus of on-disk artefacts")
+    gold.add_argument("action", choices=("make", "check"))
+    gold.add_argument("dir", type=Path, help="make: a new directory to write; check: a corpus made earlier")
+    gold.add_argument("-k", default=None, help="only artefacts whose id contains every word of this")
+    gold.add_argument("--report", type=Path, default=None, help="write DIR/results.json")
+    gold.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default="auto")
+    gold.add_argument("--allow-refusal", action="store_true",
+                      help="check: a load that raises a named exception passes as a clean refusal (a rollback)")
+    gold.add_argument("--direction", default="", help="check: a suffix for the case ids (the gate names its directions)")
+    gold.set_defaults(func=_cmd_golden)
     show = sub.add_parser("show", help="print a results.json as a Markdown table")
     show.add_argument("results", type=Path)
     show.set_defaults(func=_cmd_show)

@@ -148,3 +148,18 @@ def drop_distributed_optimizer_knob() -> None:
         return real(spec, topo, dataclasses.replace(cfg, use_distributed_optimizer=True), seed_offset)
 
     training.build_training = build
+
+
+def corrupt_mcore_loads() -> None:
+    """Every mcore_dist model load on rank 0 flips one bit after loading: for checks that resolve
+    the backend by name themselves (the golden corpus), where no double can be named."""
+    from harness.backends.mcore_dist import McoreDist
+
+    real = McoreDist.load
+
+    def load(self, ctx, model, directory):
+        real(self, ctx, model, directory)
+        if ctx.rank == 0:
+            flip_first_bit(model)
+
+    McoreDist.load = load

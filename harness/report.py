@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+import sys
 from collections import Counter
 from datetime import datetime, timezone
 from importlib import metadata
@@ -30,23 +32,39 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+def environment() -> dict | None:
+    """The record harness/envspec.py left in this venv (specs, overrides with commits, pip freeze),
+    so every results.json says exactly what it ran against; None outside such a venv."""
+    path = Path(sys.prefix) / "ckpt-env.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def counts(results: Iterable[CaseResult]) -> dict[str, int]:
     c = Counter(r.status for r in results)
     return {s: c.get(s, 0) for s in STATUSES}
 
 
-def write_json(results: list[CaseResult], path: Path, matrix: str, wall_s: float) -> Path:
+def write_json(results: list[CaseResult], path: Path, matrix: str, wall_s: float, complete: bool = True) -> Path:
+    """results.json, replaced atomically: the CLI rewrites it after every case (complete=False),
+    so a run that dies half-way still leaves every finished result readable."""
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "matrix": matrix,
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "complete": complete,
         "wall_s": round(wall_s, 2),
         "platform": {"machine": platform.machine(), "system": platform.system()},
         "versions": versions(),
+        "environment": environment(),
         "summary": counts(results),
         "results": [r.to_dict() for r in results],
     }
-    path.write_text(json.dumps(doc, indent=2, default=str))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=str))
+    tmp.replace(path)
     return path
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import time
@@ -14,7 +15,7 @@ from harness.case import RunEnv
 from harness.memory import MiB, PhaseMemory
 from harness.result import CaseResult, Check
 from harness.spec import CaseSpec
-from harness.world import WorldError
+from harness.world import WorldError, exception_of
 
 
 @dataclass
@@ -68,6 +69,35 @@ def apply_xfail(spec: CaseSpec, result: CaseResult) -> None:
     )
 
 
+# Top-level module path -> the distribution a user would bump.
+_UPSTREAM = (("megatron.bridge", "megatron-bridge"), ("megatron.core", "megatron-core"), ("transformers", "transformers"),
+             ("peft", "peft"), ("torch", "torch"))
+_API_ERRORS = ("ImportError", "ModuleNotFoundError", "AttributeError")
+_NAMED_MODULE = re.compile(r"No module named '([\w.]+)'|cannot import name '\w+' from '([\w.]+)'|module '([\w.]+)' has no attribute")
+_FRAME = re.compile(r'File ".*?site-packages/([\w/]+)\.py"')
+
+
+def api_unavailable(exc_type: str, message: str, traceback_text: str) -> str | None:
+    """'API not available in <package> <version>: <what>' when an import or attribute lookup in an
+    upstream package failed (a candidate moved or removed an API the harness calls), else None.
+    The package is the module the message names, else the last upstream frame of the traceback."""
+    from importlib import metadata
+
+    if exc_type not in _API_ERRORS:
+        return None
+    named = _NAMED_MODULE.search(message)
+    frames = _FRAME.findall(traceback_text)
+    module = next((g for g in named.groups() if g), "") if named else (frames[-1].replace("/", ".") if frames else "")
+    dist = next((d for prefix, d in _UPSTREAM if module == prefix or module.startswith(prefix + ".")), None)
+    if dist is None:
+        return None
+    try:
+        version = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        version = "(not installed)"
+    return f"API not available in {dist} {version}: {exc_type}: {message.splitlines()[0] if message else ''}"
+
+
 def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     from cases import get_case
     from harness.preload import warm
@@ -97,9 +127,14 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     except WorldError as exc:
         result.status = "error"
         result.error = str(exc)
+        api = api_unavailable(*exception_of(exc.rank_traceback or ""), exc.rank_traceback or "")
+        if api:
+            result.error = f"{api}\n{result.error}"
     except Exception as exc:  # a harness-side error is reported, not raised: the matrix goes on
         result.status = "error"
-        result.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        tb = traceback.format_exc()
+        api = api_unavailable(type(exc).__name__, str(exc), tb)
+        result.error = f"{api + chr(10) if api else ''}{type(exc).__name__}: {exc}\n{tb}"
     finally:
         result.phases["total"] = round(time.perf_counter() - start, 3)
         if options.keep:

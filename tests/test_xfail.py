@@ -62,3 +62,27 @@ def test_apply_xfail_statuses():
     r = _result(status="passed")
     apply_xfail(_spec(XFail("known")), r)
     assert r.status == "failed" and "XPASS(strict)" in r.error
+
+
+@pytest.mark.parametrize(
+    "exc_type, message, tb, package",
+    [
+        ("ImportError", "cannot import name 'StrictHandling' from 'megatron.core.dist_checkpointing.validation'", "", "megatron-core"),
+        ("ModuleNotFoundError", "No module named 'megatron.bridge.peft.lora_layers'", "", "megatron-bridge"),
+        ("AttributeError", "'AutoBridge' object has no attribute 'save_hf_adapter'",
+         'File "/v/lib/python3.12/site-packages/megatron/bridge/models/conversion/auto_bridge.py", line 3', "megatron-bridge"),
+        ("AttributeError", "module 'transformers' has no attribute 'LlamaConfig'", "", "transformers"),
+    ],
+)
+def test_a_moved_upstream_api_is_named_with_package_and_version(exc_type, message, tb, package):
+    from harness.runner import api_unavailable
+
+    got = api_unavailable(exc_type, message, tb)
+    assert got.startswith(f"API not available in {package} ") and message.split("'")[1] in got
+
+
+def test_other_errors_are_not_called_api_changes():
+    from harness.runner import api_unavailable
+
+    assert api_unavailable("KeyError", "'step'", "") is None
+    assert api_unavailable("AttributeError", "'Foo' object has no attribute 'x'", 'File "/work/harness/case.py", line 1') is None

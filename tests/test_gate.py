@@ -1,0 +1,126 @@
+"""The bump gate and the golden corpus: verdicts from hand-made results, refusals before any build,
+a corrupted corpus file and a corrupted load going red."""
+
+import json
+
+import pytest
+
+from harness import golden
+from harness.compare import Finding
+from harness.gate import Side, cross_findings, run_gate, verdict_markdown
+from harness.runner import RunOptions
+
+
+def _doc(*results):
+    return {"versions": {"megatron-core": "0.19.2"}, "results": list(results)}
+
+
+def _r(cid, status, checks=(), error=None):
+    return {"id": cid, "status": status, "error": error, "checks": [{"name": n, "status": s, "detail": d} for n, s, d in checks]}
+
+
+def test_cross_version_findings():
+    forward = _doc(_r("golden[model-dist@a->b-baseline->candidate]", "passed"),
+                   _r("golden[optim@a->b-baseline->candidate]", "failed", [("optimizer-state", "failed", "1 mismatch")]),
+                   _r("golden[hf@a->b-baseline->candidate]", "error", error="API not available in megatron-core 0.18.2: ImportError: x\nmore"))
+    found = cross_findings(forward, rollback=False)
+    assert [f.case for f in found] == ["golden[optim@a->b-baseline->candidate]", "golden[hf@a->b-baseline->candidate]"]
+    assert all(f.failing for f in found) and "checks optimizer-state" in found[0].detail
+    assert "API not available in megatron-core 0.18.2" in found[1].detail
+    rollback = _doc(_r("golden[model-dist@a->b-candidate->baseline]", "passed", [("refusal", "passed", "refused cleanly")]),
+                    _r("golden[peft@a->b-candidate->baseline]", "failed", [("adapter-params", "failed", "values differ")]))
+    (f,) = cross_findings(rollback, rollback=True)
+    assert f.case.startswith("golden[peft") and f.detail.startswith("rollback")
+
+
+def test_verdict_lists_regressions_first_and_says_what_was_compared():
+    sides = [Side("baseline", []), Side("candidate", ["megatron-core==0.18.2"])]
+    bad = [Finding("reshard-weights[x]", "regression", "passed -> error"), Finding("y", "time-growth", "slower")]
+    base, cand = _doc(_r("reshard-weights[x]", "passed")), _doc(_r("reshard-weights[x]", "error"))
+    md = verdict_markdown(sides, bad, base, cand, [], {"total": 1.0}, None)
+    assert md.startswith("# Bump gate: NOT SAFE, 1 regression finding(s) (exit 1)")
+    assert md.index("## Regressions") < md.index("## Matrix") and "`megatron-core==0.18.2`" in md
+    assert verdict_markdown(sides, [], base, base, [], {}, None).startswith("# Bump gate: SAFE TO BUMP (exit 0)")
+    assert verdict_markdown(sides, [], None, None, [], {}, "pip failed").startswith("# Bump gate: COULD NOT RUN (exit 2)")
+
+
+def test_a_bad_candidate_ends_the_gate_before_any_build(tmp_path, capsys):
+    out = tmp_path / "gate"
+    assert run_gate(["megatron-bridge>>1"], [], tmp_path / "m.yaml", None, out, tmp_path / "cache") == 2
+    verdict = (out / "verdict.md").read_text()
+    assert "COULD NOT RUN" in verdict and "megatron-bridge>>1" in verdict
+    assert json.loads((out / "gate.json").read_text())["exit_code"] == 2
+    assert not (tmp_path / "cache").exists()  # nothing was built
+    assert run_gate([], [], tmp_path / "m.yaml", None, tmp_path / "g2", tmp_path / "cache") == 2
+
+
+def test_the_gate_never_writes_into_a_used_directory(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert run_gate(["megatron-core==0.19.0"], [], tmp_path / "m.yaml", None, tmp_path, tmp_path / "cache") == 2
+    assert (tmp_path / "keep.txt").read_text() == "mine" and not (tmp_path / "verdict.md").exists()
+
+
+def test_golden_corpus_integrity_and_a_corrupted_load(tmp_path):
+    corpus = tmp_path / "corpus"
+    (made,) = golden.make(corpus, k="model-dist")
+    assert made.status == "passed", made.error
+    manifest = golden.read_manifest(corpus)
+    assert set(manifest["artefacts"]) == {"model-dist"} and manifest["versions"]["megatron-core"]
+    (good,) = golden.check(corpus, k="model-dist")
+    assert good.status == "passed" and {c.name for c in good.checks} == {"checkpoint-canonical", "loaded-canonical"}
+    (bad,) = golden.check(corpus, RunOptions(rank_hooks=("harness.doubles:corrupt_mcore_loads",)), k="model-dist")
+    assert bad.status == "failed" and {c.name: c.status for c in bad.checks}["loaded-canonical"] == "failed"
+    shard = sorted((corpus / "model-dist" / "ckpt").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))
+    (tampered,) = golden.check(corpus, k="model-dist")
+    assert tampered.status == "failed" and tampered.checks[0].name == "corpus-integrity" and shard.name in tampered.checks[0].detail
+
+
+def test_not_a_corpus(tmp_path):
+    with pytest.raises(golden.CorpusError, match="not a golden corpus"):
+        golden.check(tmp_path)
+    (tmp_path / "x").mkdir()
+    with pytest.raises(golden.CorpusError, match="written once"):
+        golden.make(tmp_path / "x")
+
+
+def _planted_bridge(tmp_path):
+    """A buildable copy of the installed Megatron-Bridge with one planted change: the exported
+    adapter_config.json says lora_alpha 32 whatever alpha was asked (the verl #1821 class)."""
+    import shutil
+    from importlib import util
+    from pathlib import Path
+
+    src = Path(util.find_spec("megatron.bridge").origin).parent
+    tree = tmp_path / "megatron-bridge-planted"
+    shutil.copytree(src, tree / "megatron" / "bridge", ignore=shutil.ignore_patterns("__pycache__"))
+    target = tree / "megatron" / "bridge" / "models" / "conversion" / "peft_bridge.py"
+    text = target.read_text()
+    assert text.count('"lora_alpha": getattr(peft_config, "alpha", 32)') == 1
+    target.write_text(text.replace('"lora_alpha": getattr(peft_config, "alpha", 32)', '"lora_alpha": 32'))
+    (tree / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "megatron-bridge"\nversion = "0.6.2+planted"\nrequires-python = ">=3.12"\n'
+        '[tool.setuptools.packages.find]\nnamespaces = true\ninclude = ["megatron.bridge*"]\n'
+        '[tool.setuptools.package-data]\n"*" = ["*"]\n'
+    )
+    return tree
+
+
+
+@pytest.mark.slow  # builds a candidate venv (~3-5 min on 2 cores, pip cache warm) and runs both sides
+def test_the_gate_catches_a_planted_bridge_defect(tmp_path):
+    from pathlib import Path
+
+    from harness.envspec import _default_cache
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gate"
+    case = "peft-export[bridge_peft-hf-llama-tp1pp1dp1cp1->tp1pp1dp1cp1-lora]"
+    code = run_gate([str(_planted_bridge(tmp_path))], [], root / "matrices" / "smoke.yaml", case, out, _default_cache())
+    verdict = (out / "verdict.md").read_text()
+    assert code == 1, verdict
+    regressions = verdict.split("## Regressions")[1].split("\n## ")[0]
+    assert case in regressions and "adapter-config" in regressions
+    cand = json.loads((out / "candidate" / "results.json").read_text())
+    assert cand["versions"]["megatron-bridge"] == "0.6.2+planted" and cand["environment"]["overrides"][0]["kind"] == "tree"

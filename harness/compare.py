@@ -125,6 +125,9 @@ def _status_findings(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Fin
     if bs == "xfailed" and cs == "failed" and "XPASS(strict)" in (c.get("error") or ""):
         return [Finding(cid, "fixed-upstream", "known defect no longer reproduces: drop the xfail from the matrix "
                         f"(was: {b.get('xfail_reason') or 'xfail'}); not a regression", bs, cs)]
+    api = next((ln.strip() for ln in (c.get("error") or "").splitlines() if ln.startswith("API not available in ")), None)
+    if bs in OK and cs in BAD and api:  # not a refusal: the candidate removed or moved an API the stack calls
+        return [Finding(cid, "regression", f"{bs} -> {cs}{named}: {_first_line(api, 200)}", bs, cs)]
     if bs == "passed" and cs in BAD and (raised := _raised(c)):
         return [Finding(cid, "new-refusal", f"candidate raises {raised[0]} where base passed{named}: {raised[1]}", bs, cs)]
     if (bs in OK and cs in BAD) or newly_failed:

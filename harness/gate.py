@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import compare, envspec
+from harness.golden import NOT_WRITTEN
 from harness.result import GREEN
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,6 +107,11 @@ def cross_findings(doc: dict[str, Any], rollback: bool) -> list[compare.Finding]
     out = []
     for r in doc["results"]:
         if r["status"] in GREEN:
+            continue
+        if (r.get("error") or "").startswith(NOT_WRITTEN):
+            # the writer's failure; when the writer is the candidate, its matrix run already shows it
+            kind = "disappeared" if rollback else "regression"
+            out.append(compare.Finding(r["id"], kind, f"{what}: {r['error'].splitlines()[0]}", "written", "not written"))
             continue
         failed = [c["name"] for c in r.get("checks", []) if c["status"] == "failed"]
         detail = f"{what}: {r['status']}" + (f" (checks {', '.join(failed)})" if failed else "") + (

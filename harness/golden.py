@@ -38,6 +38,7 @@ from harness.world import WorldError, WorldTimeout, exception_of
 
 MANIFEST = "manifest.json"
 REFERENCE = "reference.safetensors"
+NOT_WRITTEN = "not written: the writer could not make this artefact"
 FORMAT = 1
 
 
@@ -277,11 +278,11 @@ def make(out: Path, options: RunOptions | None = None, k: str | None = None) -> 
     results = []
     for a in _selected(k):
         result = CaseResult(a.case_id("make"), "golden-make", a.model, a.name, a.source.id, a.target.id)
-        warm(bridge=a.model.startswith("hf-"))
         d = out / a.name
         d.mkdir()
         with tempfile.TemporaryDirectory(prefix="ckpt-harness-golden-") as scratch:
             try:
+                warm(bridge=a.model.startswith("hf-"))
                 extra = a.make(a, _env(Path(scratch), options), result, d)
                 files = _files(d)
                 manifest["artefacts"][a.name] = {"model": a.model, "source": a.source.id, "target": a.target.id,
@@ -290,6 +291,8 @@ def make(out: Path, options: RunOptions | None = None, k: str | None = None) -> 
                 result.status = "passed"
             except Exception as exc:  # one artefact failing to write must not lose the others
                 result.status, result.error = "error", _error_text(exc)
+                manifest["artefacts"][a.name] = {"model": a.model, "source": a.source.id, "target": a.target.id,
+                                                 "description": a.description, "files": {}, "error": result.error}
         results.append(result)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return results
@@ -333,15 +336,20 @@ def check(corpus: Path, options: RunOptions | None = None, k: str | None = None,
             result.status, result.error = "error", f"{corpus}: the corpus has no {a.name!r} artefact (made with -k?)"
             results.append(result)
             continue
+        if "error" in entry:
+            result.status = "error"
+            result.error = f"{NOT_WRITTEN}: {entry['error'].strip().splitlines()[0]}"
+            results.append(result)
+            continue
         changed = sorted(f for f, sha in entry["files"].items() if not (corpus / a.name / f).is_file() or _sha256(corpus / a.name / f) != sha)
         if changed:
             result.checks.append(Check("corpus-integrity", "failed", f"{len(changed)} file(s) differ from the manifest: {changed[:5]}"))
             result.status = "failed"
             results.append(result)
             continue
-        warm(bridge=a.model.startswith("hf-"))
         with tempfile.TemporaryDirectory(prefix="ckpt-harness-golden-") as scratch:
             try:
+                warm(bridge=a.model.startswith("hf-"))
                 a.check(a, _env(Path(scratch), options), result, corpus / a.name, entry)
                 result.status = "failed" if result.failed_checks else "passed"
             except WorldError as exc:

@@ -23,6 +23,12 @@ FUSIONS = (
 )
 
 
+def rank_device() -> torch.device:
+    """The device of this rank's model: its GPU on an NCCL rank (the launcher set it), else CPU
+    (gloo ranks hide GPUs before CUDA initialises)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def init_parallel(topo: Topology) -> None:
     """parallel_state for `topo`; CP>1 lives only here (see `build_gpt`)."""
     from megatron.core import parallel_state
@@ -75,7 +81,7 @@ def build_gpt(spec: ModelSpec, topo: Topology, **config_overrides: Any):
 
     seed_model_parallel(spec.seed)
     config = transformer_config(spec, topo, **config_overrides)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization),
         vocab_size=spec.vocab_size,
@@ -85,6 +91,7 @@ def build_gpt(spec: ModelSpec, topo: Topology, **config_overrides: Any):
         share_embeddings_and_output_weights=spec.tied_embeddings,
         position_embedding_type=spec.position_embedding,
     )
+    return model.to(rank_device())  # built on CPU (use_cpu_initialization), used where the rank runs
 
 
 def _expand(sharded: dict) -> tuple[dict, dict]:

@@ -70,8 +70,8 @@ def apply_xfail(spec: CaseSpec, result: CaseResult) -> None:
 
 
 # Top-level module path -> the distribution a user would bump.
-_UPSTREAM = (("megatron.bridge", "megatron-bridge"), ("megatron.core", "megatron-core"), ("transformers", "transformers"),
-             ("peft", "peft"), ("torch", "torch"))
+_UPSTREAM = (("megatron.bridge", "megatron-bridge"), ("megatron", "megatron-core"),  # megatron.core, megatron.training
+             ("transformers", "transformers"), ("peft", "peft"), ("torch", "torch"))
 _API_ERRORS = ("ImportError", "ModuleNotFoundError", "AttributeError")
 _NAMED_MODULE = re.compile(r"No module named '([\w.]+)'|cannot import name '\w+' from '([\w.]+)'|module '([\w.]+)' has no attribute")
 _FRAME = re.compile(r'File ".*?site-packages/([\w/]+)\.py"')

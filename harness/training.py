@@ -17,7 +17,7 @@ import torch
 
 from harness import compat, truth
 from harness.memory import track
-from harness.models import build_gpt, fill_canonical, local_shards, shards_of
+from harness.models import build_gpt, fill_canonical, local_shards, rank_device, shards_of
 from harness.parity import Shard
 from harness.topology import Topology
 from harness.world import RankContext
@@ -140,7 +140,8 @@ def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int) ->
     for step in range(first_step, first_step + steps):
         b = truth.train_batch(spec, step, GLOBAL_BATCH)
         rows = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-        micro = [{k: (v[i : i + 1] if k != "mask" else v) for k, v in b.items()} for i in rows]
+        device = rank_device()
+        micro = [{k: (v[i : i + 1] if k != "mask" else v).to(device) for k, v in b.items()} for i in rows]
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)

@@ -222,3 +222,13 @@ def test_cli_unreadable_input_exits_2_naming_the_file(tmp_path, capsys, content)
     assert main(["compare", str(good), str(bad if content is None else bad.parent)]) == 2
     err = capsys.readouterr().err
     assert str(bad) in err and "Traceback" not in err
+
+
+def test_a_moved_api_is_a_regression_not_a_refusal():
+    from harness.compare import compare
+
+    base = {"versions": {}, "results": [{"id": "c", "status": "passed", "checks": []}]}
+    cand = {"versions": {}, "results": [{"id": "c", "status": "error", "checks": [], "error":
+            "API not available in megatron-core 0.18.2: ModuleNotFoundError: No module named 'megatron.training.models.gpt'\nTraceback"}]}
+    (f,) = compare(base, cand)
+    assert f.kind == "regression" and f.failing and "API not available in megatron-core 0.18.2" in f.detail

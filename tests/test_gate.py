@@ -124,3 +124,12 @@ def test_the_gate_catches_a_planted_bridge_defect(tmp_path):
     assert case in regressions and "adapter-config" in regressions
     cand = json.loads((out / "candidate" / "results.json").read_text())
     assert cand["versions"]["megatron-bridge"] == "0.6.2+planted" and cand["environment"]["overrides"][0]["kind"] == "tree"
+
+
+def test_an_artefact_the_writer_could_not_make_is_named_not_lost():
+    doc = _doc(_r("golden[hf-export@a->b-candidate->baseline]", "error",
+                  error="not written: the writer could not make this artefact: API not available in megatron-core 0.18.2: x"))
+    (f,) = cross_findings(doc, rollback=True)
+    assert f.kind == "disappeared" and not f.failing and "not written" in f.detail
+    (f,) = cross_findings(doc, rollback=False)
+    assert f.failing

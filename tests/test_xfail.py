@@ -86,3 +86,10 @@ def test_other_errors_are_not_called_api_changes():
 
     assert api_unavailable("KeyError", "'step'", "") is None
     assert api_unavailable("AttributeError", "'Foo' object has no attribute 'x'", 'File "/work/harness/case.py", line 1') is None
+
+
+def test_megatron_training_belongs_to_megatron_core():
+    from harness.runner import api_unavailable
+
+    got = api_unavailable("ModuleNotFoundError", "No module named 'megatron.training.models.gpt'", "")
+    assert got.startswith("API not available in megatron-core ")

@@ -115,9 +115,23 @@ def cross_findings(doc: dict[str, Any], rollback: bool) -> list[compare.Finding]
             continue
         failed = [c["name"] for c in r.get("checks", []) if c["status"] == "failed"]
         detail = f"{what}: {r['status']}" + (f" (checks {', '.join(failed)})" if failed else "") + (
-            f": {(r.get('error') or '').strip().splitlines()[0]}" if r.get("error") else "")
+            f": {reason(r.get('error'))}" if r.get("error") else "")
         out.append(compare.Finding(r["id"], "regression", detail, "loads", r["status"]))
     return out
+
+
+def reason(error: str | None) -> str:
+    """The line of an error a reader needs: the 'API not available' line, else the exception a
+    rank raised (not the 'rank N of M raised:' header), else the first line."""
+    from harness.world import exception_of
+
+    lines = (error or "").strip().splitlines()
+    if not lines:
+        return ""
+    if lines[0].startswith("API not available in ") or lines[0].startswith(NOT_WRITTEN):
+        return lines[0]
+    exc_type, message = exception_of(error or "")
+    return f"{exc_type}: {message.splitlines()[0] if message else ''}" if exc_type else lines[0]
 
 
 def _side_table(sides: list[Side]) -> list[str]:
@@ -134,7 +148,7 @@ def _results_rows(doc: dict[str, Any]) -> list[str]:
     for r in doc["results"]:
         checks = r.get("checks", [])
         bad = [c["name"] for c in checks if c["status"] != "passed"]
-        note = (r.get("error") or "").strip().splitlines()[0][:160] if r.get("error") else "; ".join(
+        note = reason(r.get("error"))[:200] if r.get("error") else "; ".join(
             c["detail"][:160] for c in checks if c["name"] == "refusal")
         rows.append(f"| `{r['id']}` | {r['status']} | {sum(c['status'] == 'passed' for c in checks)}/{len(checks)}"
                     f"{' (' + ', '.join(bad) + ')' if bad else ''} | {note.replace('|', '/')} |")

@@ -133,3 +133,13 @@ def test_an_artefact_the_writer_could_not_make_is_named_not_lost():
     assert f.kind == "disappeared" and not f.failing and "not written" in f.detail
     (f,) = cross_findings(doc, rollback=False)
     assert f.failing
+
+
+def test_the_verdict_quotes_the_exception_a_rank_raised():
+    from harness.gate import reason
+
+    tb = ("rank 1 of 2 raised:\nTraceback (most recent call last):\n  File \"x.py\", line 1, in f\n    raise CheckpointingException(m)\n"
+          "megatron.core.dist_checkpointing.core.CheckpointingException: Common file /c/common.pt does not exist\n\n"
+          "(then rank 0 failed: megatron.core.dist_checkpointing.core.CheckpointingException: Common file)")
+    assert reason(tb) == "CheckpointingException: Common file /c/common.pt does not exist"
+    assert reason("API not available in megatron-core 0.18.2: x\nTraceback") == "API not available in megatron-core 0.18.2: x"

@@ -42,20 +42,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         launcher=args.launcher, torchrun_template=args.torchrun_template, start_method=args.start_method,
         rank_hooks=tuple(args.rank_hook),
     )
-    done = 0
     start = time.perf_counter()
-
     finished = []
     report_path = Path(args.report) / "results.json" if args.report else None
 
     def progress(r) -> None:
-        nonlocal done
-        done += 1
         finished.append(r)
         if report_path:  # after every case: a run killed half-way keeps what it finished
             report.write_json(finished, report_path, str(args.matrix), time.perf_counter() - start, complete=False)
         style = {"passed": "green", "xfailed": "yellow"}.get(r.status, "bold red")
-        console.print(f"[{done}/{len(specs)}] [{style}]{r.status.upper():8}[/] {escape(r.id)}  {r.phases.get('total', 0):.1f}s", highlight=False)
+        console.print(f"[{len(finished)}/{len(specs)}] [{style}]{r.status.upper():8}[/] {escape(r.id)}  {r.phases.get('total', 0):.1f}s", highlight=False)
 
     # Plain lines, no live display: a refresh thread in the parent is unsafe when ranks fork.
     results = run_cases(specs, options, on_result=progress)

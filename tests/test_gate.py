@@ -143,3 +143,26 @@ def test_the_verdict_quotes_the_exception_a_rank_raised():
           "(then rank 0 failed: megatron.core.dist_checkpointing.core.CheckpointingException: Common file)")
     assert reason(tb) == "CheckpointingException: Common file /c/common.pt does not exist"
     assert reason("API not available in megatron-core 0.18.2: x\nTraceback") == "API not available in megatron-core 0.18.2: x"
+
+
+def test_results_are_written_as_they_come(tmp_path, monkeypatch):
+    """A run that dies on its second case still leaves the first result in results.json."""
+    from harness import runner
+    from harness.cli import main
+    from harness.result import CaseResult
+
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text("name: t\nentries:\n  - {case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2', 'tp2 -> tp1']}\n")
+    calls = []
+
+    def fake(spec, options=None):
+        calls.append(spec.id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the job is killed mid-run
+        return CaseResult(spec.id, spec.case, spec.model, spec.backend, spec.source.id, spec.target.id, status="passed")
+
+    monkeypatch.setattr(runner, "run_case", fake)
+    with pytest.raises(KeyboardInterrupt):
+        main(["run", str(matrix), "--report", str(tmp_path / "rep")])
+    doc = json.loads((tmp_path / "rep" / "results.json").read_text())
+    assert doc["complete"] is False and [r["id"] for r in doc["results"]] == calls[:1]

@@ -84,15 +84,21 @@ def test_not_a_corpus(tmp_path):
         golden.make(tmp_path / "x")
 
 
-def _planted_bridge(tmp_path):
+def _planted_bridge():
     """A buildable copy of the installed Megatron-Bridge with one planted change: the exported
-    adapter_config.json says lora_alpha 32 whatever alpha was asked (the verl #1821 class)."""
+    adapter_config.json says lora_alpha 32 whatever alpha was asked (the verl #1821 class).
+
+    It lives at a fixed place in the harness's own cache, so the same content keys the same
+    candidate venv run after run (a tmp path would key, and keep, a new ~6 GB venv each time)."""
     import shutil
     from importlib import util
     from pathlib import Path
 
+    from harness.envspec import _default_cache
+
     src = Path(util.find_spec("megatron.bridge").origin).parent
-    tree = tmp_path / "megatron-bridge-planted"
+    tree = _default_cache() / "test-trees" / "megatron-bridge-planted"
+    shutil.rmtree(tree, ignore_errors=True)  # our own scratch tree under the cache, nothing else
     shutil.copytree(src, tree / "megatron" / "bridge", ignore=shutil.ignore_patterns("__pycache__"))
     target = tree / "megatron" / "bridge" / "models" / "conversion" / "peft_bridge.py"
     text = target.read_text()
@@ -117,7 +123,7 @@ def test_the_gate_catches_a_planted_bridge_defect(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gate"
     case = "peft-export[bridge_peft-hf-llama-tp1pp1dp1cp1->tp1pp1dp1cp1-lora]"
-    code = run_gate([str(_planted_bridge(tmp_path))], [], root / "matrices" / "smoke.yaml", case, out, _default_cache())
+    code = run_gate([str(_planted_bridge())], [], root / "matrices" / "smoke.yaml", case, out, _default_cache())
     verdict = (out / "verdict.md").read_text()
     assert code == 1, verdict
     regressions = verdict.split("## Regressions")[1].split("\n## ")[0]

@@ -192,10 +192,11 @@ def judge(
         detail = (f"silent: the load of a damaged or foreign checkpoint returned and {len(keys)} tensor(s) differ from canonical "
                   f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}): data corruption{warned} [damage: {what}]")
         return [Check("outcome", "failed", detail, tolerance="-"), loaded_check]
-    unread = ", ".join(dmg.files) or "nothing"
+    unread = (f"the damaged {', '.join(dmg.files)} {'was' if len(dmg.files) == 1 else 'were'} never read" if dmg.files
+              else "nothing the foreign checkpoint changes was read")
     return [
         Check("outcome", "passed", f"silent-but-intact: the load returned everything bitwise canonical; "
-                                   f"the damaged {unread} was never read [damage: {what}]", tolerance="-"),
+                                   f"{unread} [damage: {what}]", tolerance="-"),
         loaded_check,
     ]
 
@@ -261,7 +262,7 @@ class CorruptLoad(Case):
             other = damage.other_model(get_model(spec.model, "gpt"), kind)
             try:
                 spec.source.validate(other)
-            except Exception as exc:
+            except ValueError as exc:  # TopologyError
                 raise ValueError(f"damage {kind!r}: the other model does not fit the source topology: {exc}") from None
 
     def run(self, spec: CaseSpec, opts: CorruptOptions, env: RunEnv, result: CaseResult) -> None:

@@ -5,6 +5,7 @@ A case *declares* what it accepts, and the matrix loader checks all of it before
               wrong types are errors naming the option
   needs       the backend capabilities it uses (harness.backends.CAPABILITIES)
   model_kind  "gpt" or "hf" (harness.zoo)
+              (`requirements(opts)` returns model kind and needs when an option decides them)
   checks      the names of the checks it can record (what `xfail.checks` may name)
   refusable   whether `expect: refuse` means something for it
 A case then splits into the worlds it launches (`run`) and a pure judge of their outputs, so the
@@ -190,17 +191,18 @@ class Case(ABC):
         from harness.zoo import get_model
 
         opts = self.options(spec)
+        kind, needs, why = self.requirements(opts)
         model = get_model(spec.model)
-        if model.kind != self.model_kind:
-            raise ValueError(f"case {self.name} takes a{'n HF fixture' if self.model_kind == 'hf' else ' GPT zoo'} model, got {spec.model!r}")
+        if model.kind != kind:
+            raise ValueError(f"case {self.name}{why} takes a{'n HF fixture' if kind == 'hf' else ' GPT zoo'} model, got {spec.model!r}")
         try:
             backend = get_backend(spec.backend)
         except KeyError as exc:
             raise ValueError(exc.args[0]) from None
-        missing = sorted(self.needs - backend.capabilities)
+        missing = sorted(needs - backend.capabilities)
         if missing:
             raise ValueError(
-                f"case {self.name} needs a backend that can {', '.join(missing)}; backend {spec.backend!r} "
+                f"case {self.name}{why} needs a backend that can {', '.join(missing)}; backend {spec.backend!r} "
                 f"can {', '.join(sorted(backend.capabilities)) or 'nothing'}"
             )
         if spec.expect == "refuse" and not self.refusable:
@@ -215,6 +217,13 @@ class Case(ABC):
                 )
         self.validate_options(spec, opts)
         return opts
+
+    def requirements(self, opts: Any) -> tuple[str, frozenset[str], str]:
+        """(model kind, backend capabilities, why) for these options: the class's `model_kind` and
+        `needs`, unless an option decides them (corrupt-load: a damage kind belongs to one artefact,
+        a dist checkpoint of a GPT model or an HF export/adapter of an HF fixture). `why` qualifies
+        the error message, e.g. " with damage 'flip-byte'"."""
+        return self.model_kind, self.needs, ""
 
     def validate_options(self, spec: CaseSpec, opts: Any) -> None:
         """Rules across options, topology and expectation (a case overrides it where it has some)."""

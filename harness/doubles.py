@@ -77,6 +77,18 @@ class RaisingLoad(McoreDist):
         raise RuntimeError("simulated upstream defect")
 
 
+class SwallowLoadErrors(McoreDist):
+    """A load that catches every error and returns, keeping whatever the model held: the resume
+    code that 'tolerates' a bad checkpoint (corrupt-load must call it a silent load and go red)."""
+
+    def load(self, ctx, model, directory):
+        try:
+            super().load(ctx, model, directory)
+        except BaseException as exc:  # torch DCP's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+
+
 class CorruptOptimizerAfterLoad(McoreDist):
     """One bit of the first exp_avg flipped on rank 0 after a training-state load."""
 
@@ -163,3 +175,4 @@ def corrupt_mcore_loads() -> None:
             flip_first_bit(model)
 
     McoreDist.load = load
+

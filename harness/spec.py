@@ -23,6 +23,7 @@ MARKERS: dict[str, str] = {
     "optimizer": "checks optimizer state",
     "resume": "checks training resume",
     "refusal": "a load that must refuse cleanly",
+    "faults": "a damaged or foreign checkpoint: the load must refuse, never load it silently (matrices/faults.yaml)",
     "hf": "Megatron-Bridge HF export/import",
     "peft": "Megatron-Bridge HF PEFT adapters",
     "cp": "uses context parallelism",

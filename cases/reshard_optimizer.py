@@ -8,6 +8,10 @@ Checks:
   step             the optimizer step at D equals the step at S (a reset to 0 is a defect), and
                    no two params share one Adam step tensor
   model-weights    the trained weights loaded at D equal those saved at S, bitwise
+  weights-match-main-params
+                   (dtype bf16) every bf16 model weight equals its fp32 main param cast to bf16,
+                   bitwise, at S before the save and at D after the load: a load that restores
+                   one copy and not the other is a classic silent bug; not-run for fp32 (no split)
   refusal          (expect: refuse) the load raised one of `refuse_with`, with its message;
                    a silent load fails, and so does a refusal through an obscure exception
 """
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 
 from harness.backends import resolve
 from harness.case import Case, RunEnv, timed
-from harness.checks import assembled, knob_check, refusal_check, state_check
+from harness.checks import WEIGHTS_MATCH_MAIN_PARAMS, assembled, knob_check, refusal_check, state_check, weights_match_main_params
 from harness.result import CaseResult, Check
 from harness.spec import CaseSpec
 from harness.training import TrainOptions, TrainOut, phase_of, train_phase, workaround_notes
@@ -49,18 +53,22 @@ def step_check(saved: list[TrainOut], loaded: list[TrainOut], src: str, dst: str
     return Check("step", "passed" if ok else "failed", detail, tolerance="exact")
 
 
-def judge(src: str, dst: str, saved: list[TrainOut], loaded: list[TrainOut]) -> list[Check]:
+def judge(src: str, dst: str, saved: list[TrainOut], loaded: list[TrainOut], dtype: str = "fp32") -> list[Check]:
+    """The checks from both jobs' optimizer views. bf16: the optimizer state holds the fp32 main
+    params (`optimizer.state.fp32_param.*`), compared bitwise like the moments, and the model
+    weights compare as bf16 bytes."""
     opt_s, p_s = assembled(saved, "optimizer_shards", src)
     opt_d, p_d = assembled(loaded, "optimizer_shards", dst)
     w_s, q_s = assembled(saved, "model_shards", src)
     w_d, q_d = assembled(loaded, "model_shards", dst)
     return [
         knob_check("propagation", [(src, [o.propagation for o in saved]), (dst, [o.propagation for o in loaded])],
-                   "use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_fp32, lr reach DDP config and optimizer"),
+                   "use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_fp32, lr, dtype reach DDP config and optimizer"),
         state_check("optimizer-state", opt_s, opt_d, src, dst, f"{len(opt_d)} optimizer tensors (param, exp_avg, exp_avg_sq) equal",
                     problems=p_s + p_d),
         step_check(saved, loaded, src, dst),
         state_check("model-weights", w_s, w_d, src, dst, f"{len(w_d)} trained weights equal", problems=q_s + q_d),
+        weights_match_main_params([(src, w_s, opt_s), (dst, w_d, opt_d)], dtype),
     ]
 
 
@@ -69,7 +77,7 @@ class ReshardOptimizer(Case):
     description = "model + optimizer checkpoint saved at S, loaded at D: optimizer state bitwise, step kept"
     Options = Options
     needs = frozenset({"training_state"})
-    checks = ("propagation", "optimizer-state", "step", "model-weights", "refusal")
+    checks = ("propagation", "optimizer-state", "step", "model-weights", WEIGHTS_MATCH_MAIN_PARAMS, "refusal")
     refusable = True
 
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
@@ -97,7 +105,7 @@ class ReshardOptimizer(Case):
         elif error is not None:
             raise error
         with timed(result, "compare"):
-            result.checks.extend(judge(src, dst, saved, loaded))
+            result.checks.extend(judge(src, dst, saved, loaded, opts.dtype))
 
 
 CASE = ReshardOptimizer()

@@ -108,3 +108,52 @@ def refusal_check(exc_type: str | None, message: str, allowed: Sequence[str], ch
         "so a user gets no clear reason",
         tolerance="-",
     )
+
+
+#: Where megatron's optimizer sharded state dict (model-space form, the one harness.training's
+#: optimizer view asks for) puts the main param of a model tensor, megatron-core 0.19.2: the
+#: distributed optimizer's fully_reshardable form names it `param`, the non-distributed
+#: Float16OptimizerWithFloat16Params (and the distributed optimizer's fully_sharded_model_space
+#: form) `fp32_param`. Under bf16 both hold the fp32 main params.
+MAIN_PARAM_PREFIXES = ("optimizer.state.param.", "optimizer.state.fp32_param.")
+WEIGHTS_MATCH_MAIN_PARAMS = "weights-match-main-params"
+
+
+def weights_match_main_params(
+    sides: Sequence[tuple[str, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]], dtype: str,
+) -> Check:
+    """Mixed precision keeps two copies of every weight: the bf16 model param and the optimizer's
+    fp32 main param, which the optimizer steps and copies down (round to nearest even) after every
+    step. A load that restores one and not the other (the model section from one checkpoint, the
+    optimizer from another, or a load path that skips the copy) trains on silently from weights
+    the optimizer does not hold. So: every bf16 model weight equals its fp32 main param cast to
+    bf16, bitwise, on every side; a weight without a main param, or the reverse, fails too.
+
+    `sides` is [(label, full model tensors by key, full optimizer tensors by
+    `optimizer.state.<kind>.<key>`)], as harness.checks.assembled gives them. fp32 training has no
+    such split (the optimizer steps the model params themselves): recorded not-run, with why."""
+    name = WEIGHTS_MATCH_MAIN_PARAMS
+    if dtype != "bf16":
+        return Check(name, "not-run", f"dtype {dtype}: the optimizer steps the model params themselves, there is no "
+                     "separate fp32 main copy to match", tolerance="-")
+    mismatches: list[Mismatch] = []
+    total = 0
+    for label, weights, optimizer in sides:
+        expected_label, actual_label = f"fp32 main params@{label} cast to bf16", f"bf16 weights@{label}"
+        mains: dict[str, torch.Tensor] = {}
+        for k, v in optimizer.items():
+            prefix = next((p for p in MAIN_PARAM_PREFIXES if k.startswith(p)), None)
+            if prefix is None:
+                continue
+            if v.dtype != torch.float32:  # a "main" param that is not fp32 is no main copy at all
+                mismatches.append(Mismatch(k, "dtype", expected_label, actual_label, detail=f"main param is {v.dtype}, expected torch.float32"))
+            mains[k[len(prefix):]] = v.to(torch.bfloat16)
+        total += len(weights)
+        mismatches += compare_state(mains, weights, expected_label, actual_label)
+    if mismatches:
+        worst = max((m.max_abs_diff for m in mismatches if m.max_abs_diff is not None), default=None)
+        kinds = sorted({m.kind for m in mismatches})
+        return Check(name, "failed", f"{len(mismatches)} mismatch(es): {', '.join(kinds)}; first: {mismatches[0]}", worst,
+                     "bitwise", mismatches)
+    labels = ", ".join(label for label, _, _ in sides)
+    return Check(name, "passed", f"{total} bf16 weights equal their fp32 main params cast to bf16 (at {labels})", 0.0, "bitwise")

@@ -108,6 +108,25 @@ class CorruptOptimizerAfterLoad(McoreDist):
         return state
 
 
+class ModelWeightOffMainParam(McoreDist):
+    """A training-state load whose model section comes back with one weight one ulp off on rank 0
+    (the lowest bit of the first floating tensor, by key), while the optimizer section, fp32 main
+    params included, loads correctly: the mixed-precision bug of a load that takes the bf16 weights
+    from another source than the main params (megatron's optimizer load never copies main params
+    down into the model, so nothing repairs it before the next step). Only the bf16 checks of
+    weights-match-main-params see it directly."""
+
+    def load_state(self, ctx, sharded_state, directory):
+        state = super().load_state(ctx, sharded_state, directory)
+        if ctx.rank == 0:
+            model = state["model"]
+            key = next(k for k in sorted(model) if torch.is_tensor(model[k]) and model[k].is_floating_point())
+            t = model[key]
+            ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+            t.view(-1).view(ints)[0] ^= 1
+        return state
+
+
 # ------------------------------------------------------------------ HF and PEFT exports
 
 

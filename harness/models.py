@@ -6,7 +6,7 @@ What the weights should be is harness.truth; which models exist is harness.zoo.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import torch
 
@@ -21,6 +21,12 @@ FUSIONS = (
     "gradient_accumulation_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
     "apply_rope_fusion", "persist_layer_norm", "cross_entropy_loss_fusion",
 )
+
+
+#: The precision a GPT zoo model is built in (the `dtype` option of the GPT-zoo cases).
+DType = Literal["fp32", "bf16"]
+#: Each DType's parameter (and pipeline activation) dtype.
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def rank_device() -> torch.device:
@@ -40,7 +46,10 @@ def init_parallel(topo: Topology) -> None:
     )
 
 
-def transformer_config(spec: ModelSpec, topo: Topology, **overrides: Any):
+def transformer_config(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", **overrides: Any):
+    """The TransformerConfig of a zoo model at `topo`. bf16 sets what Megatron-LM's `--bf16` sets
+    (bf16=True, params_dtype and pipeline_dtype bfloat16): params are created in bf16 and the
+    pipeline sends bf16 activations between stages."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -61,8 +70,9 @@ def transformer_config(spec: ModelSpec, topo: Topology, **overrides: Any):
         # exercised through parallel_state only, which is what decides shard and replica ids.
         context_parallel_size=1,
         use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        bf16=dtype == "bf16",
+        params_dtype=TORCH_DTYPES[dtype],
+        pipeline_dtype=TORCH_DTYPES[dtype],
         hidden_dropout=0.0,
         attention_dropout=0.0,
         **dict.fromkeys(FUSIONS, False),
@@ -71,8 +81,18 @@ def transformer_config(spec: ModelSpec, topo: Topology, **overrides: Any):
     return TransformerConfig(**kwargs)
 
 
-def build_gpt(spec: ModelSpec, topo: Topology, **config_overrides: Any):
-    """A megatron-core GPTModel (local layer spec, fp32) for this rank's pipeline stage."""
+def build_gpt(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", **config_overrides: Any):
+    """A megatron-core GPTModel (local layer spec) for this rank's pipeline stage.
+
+    fp32: the bare GPTModel. bf16: the GPTModel in bf16 wrapped in megatron-core's
+    `Float16Module`, as Megatron-LM's `get_model` does under `--bf16` (and as verl's engine does):
+    the wrapper casts float inputs to bf16 on the first stage and logits back to fp32 on the last,
+    and megatron's optimizer pairs each bf16 param with an fp32 main param only through it (a bare
+    bf16 GPTModel under DDP leaves optimizer and model shapes disagreeing). Float16Module's
+    `sharded_state_dict`/`state_dict` delegate to the wrapped module without a prefix, so the
+    checkpoint keys are the same as fp32's and as Megatron-LM's (`embedding.word_embeddings.weight`,
+    not `module.embedding...`).
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -80,7 +100,7 @@ def build_gpt(spec: ModelSpec, topo: Topology, **config_overrides: Any):
     from harness.compat import seed_model_parallel
 
     seed_model_parallel(spec.seed)
-    config = transformer_config(spec, topo, **config_overrides)
+    config = transformer_config(spec, topo, dtype, **config_overrides)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization),
@@ -91,7 +111,12 @@ def build_gpt(spec: ModelSpec, topo: Topology, **config_overrides: Any):
         share_embeddings_and_output_weights=spec.tied_embeddings,
         position_embedding_type=spec.position_embedding,
     )
-    return model.to(rank_device())  # built on CPU (use_cpu_initialization), used where the rank runs
+    model = model.to(rank_device())  # built on CPU (use_cpu_initialization), used where the rank runs
+    if dtype == "bf16":
+        from megatron.core.transformer.module import Float16Module
+
+        return Float16Module(config, model)
+    return model
 
 
 def _expand(sharded: dict) -> tuple[dict, dict]:
@@ -119,7 +144,11 @@ def _sharded_tensors(tree: Any) -> Iterator[Any]:
 
 def fill_canonical(model, spec: ModelSpec) -> None:
     """Set every parameter to its slice of the canonical tensors, through the model's own
-    sharding metadata (the same mapping dist_checkpointing uses, not its storage)."""
+    sharding metadata (the same mapping dist_checkpointing uses, not its storage).
+
+    Each tensor is asked of harness.truth in the dtype the model holds it in: for a bf16 model that
+    is the canonical fp32 tensor cast to bf16 (round to nearest even) inside `truth.canonical_tensor`,
+    so the truth stays one function and a bf16 judge asks it the same way."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
 
@@ -169,7 +198,9 @@ def forward_logits(model, batch: dict[str, torch.Tensor], hidden_size: int, devi
     """Full-vocabulary logits of `batch`, returned on every last-stage TP-rank-0 rank.
 
     Pipeline stages hand activations on with plain send/recv so the forward pass does not
-    depend on megatron's schedules (which have their own CUDA assumptions).
+    depend on megatron's schedules (which have their own CUDA assumptions); the activations
+    travel in the config's pipeline_dtype (bf16 for a bf16 model, as megatron's schedules send
+    them). Logits come back in fp32 either way (Float16Module upcasts on the last stage).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
@@ -178,7 +209,8 @@ def forward_logits(model, batch: dict[str, torch.Tensor], hidden_size: int, devi
     batch = {k: v.to(device) for k, v in batch.items()}
     b, s = batch["input_ids"].shape
     if not parallel_state.is_pipeline_first_stage():
-        recv = torch.empty((s, b, hidden_size), dtype=torch.float32, device=device)
+        pipeline_dtype = getattr(model.config, "pipeline_dtype", None) or torch.float32
+        recv = torch.empty((s, b, hidden_size), dtype=pipeline_dtype, device=device)
         dist.recv(recv, src=parallel_state.get_pipeline_model_parallel_prev_rank())
         model.set_input_tensor(recv)
     out = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])

@@ -28,6 +28,7 @@ MARKERS: dict[str, str] = {
     "peft": "Megatron-Bridge HF PEFT adapters",
     "cp": "uses context parallelism",
     "tied": "tied embeddings",
+    "bf16": "bf16 mixed precision (dtype bf16: Float16Module, fp32 main params)",
     "slow": "heavier cases, not in the default suite",
     "memory": "host-memory cases and budgets (heavier)",
     "gpu": "needs CUDA devices",

@@ -17,7 +17,7 @@ import torch
 
 from harness import compat, truth
 from harness.memory import track
-from harness.models import build_gpt, fill_canonical, local_shards, rank_device, shards_of
+from harness.models import DType, build_gpt, fill_canonical, local_shards, rank_device, shards_of
 from harness.parity import Shard
 from harness.topology import Topology
 from harness.world import RankContext
@@ -29,13 +29,17 @@ SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """What a case asks of DDP and the optimizer; `propagation()` checks the built objects agree."""
+    """What a case asks of DDP and the optimizer; `propagation()` checks the built objects agree.
+
+    `dtype` bf16 is Megatron-LM's `--bf16` mixed precision: bf16 params in a Float16Module, fp32
+    main params (and Adam moments) in the optimizer, grads in bf16 unless grad_reduce_in_fp32."""
 
     use_distributed_optimizer: bool = True
     overlap_grad_reduce: bool = False
     grad_reduce_in_fp32: bool = False
     lr: float = 1e-3
     weight_decay: float = 0.01
+    dtype: DType = "fp32"
 
 
 @dataclass(frozen=True)
@@ -60,12 +64,18 @@ class TrainOptions(TrainConfig):
 
 
 def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offset: int = 0):
-    """(ddp-wrapped model, optimizer) at this rank, weights = canonical (of seed + seed_offset)."""
+    """(ddp-wrapped model, optimizer) at this rank, weights = canonical (of seed + seed_offset).
+
+    bf16 is built the way Megatron-LM's training setup builds it: DDP over Float16Module(GPTModel
+    in bf16), and an OptimizerConfig with bf16=True and params_dtype bf16, so megatron's optimizer
+    keeps fp32 main params (main_params_dtype's default) that it steps and copies down into the
+    bf16 model params after each step. The main params start as the bf16 canonical weights upcast
+    (what megatron does at optimizer build)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     weights = spec.with_seed(spec.seed + seed_offset) if seed_offset else spec
-    model = build_gpt(spec, topo)
+    model = build_gpt(spec, topo, cfg.dtype)
     fill_canonical(model, weights)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=cfg.use_distributed_optimizer,
@@ -78,9 +88,9 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
-        bf16=False,
+        bf16=cfg.dtype == "bf16",
         fp16=False,
-        params_dtype=torch.float32,
+        params_dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32,
         clip_grad=1.0,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
@@ -90,6 +100,27 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
     model.config.no_sync_func = ddp.no_sync
     model.config.grad_scale_func = optimizer.scale_loss
     return ddp, optimizer
+
+
+def built_dtype(ddp, optimizer) -> str:
+    """The precision the built job really trains in: "bf16" when the model is a Float16Module
+    holding only bf16 params and every optimizer has bf16 on and steps fp32 main params, "fp32"
+    when model params, optimizer params and config are all fp32, else what was found (a mix is a
+    knob that did not reach one of them)."""
+    from megatron.core.transformer.module import Float16Module
+
+    model_dtypes = {p.dtype for p in ddp.module.parameters()}
+    inner = _leaf_optimizers(optimizer)
+    main_dtypes = {p.dtype for o in inner for g in o.optimizer.param_groups for p in g["params"]}
+    flags = {bool(o.config.bf16) for o in inner}
+    wrapped = isinstance(ddp.module, Float16Module)
+    if wrapped and model_dtypes == {torch.bfloat16} and main_dtypes <= {torch.float32} and flags == {True}:
+        return "bf16"
+    if not wrapped and model_dtypes == {torch.float32} and main_dtypes <= {torch.float32} and flags <= {False}:
+        return "fp32"
+    names = lambda ds: "/".join(sorted(str(d).removeprefix("torch.") for d in ds))  # noqa: E731
+    return (f"model {type(ddp.module).__name__} params {names(model_dtypes)}, optimizer params {names(main_dtypes)}, "
+            f"optimizer bf16={sorted(flags)}")
 
 
 def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -107,6 +138,7 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
         "grad_reduce_in_fp32": ddp.ddp_config.grad_reduce_in_fp32
         and all(b.grad_dtype == torch.float32 for b in ddp.buffers),
         "lr": inner[0].param_groups[0]["lr"] if inner else None,
+        "dtype": built_dtype(ddp, optimizer),
     }
     # The optimizer must also see DDP's setting (a mismatch reduce-scatters into an optimizer
     # that expects all-reduced grads, or the reverse).
@@ -117,6 +149,7 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
         "overlap_grad_reduce": cfg.overlap_grad_reduce,
         "grad_reduce_in_fp32": cfg.grad_reduce_in_fp32,
         "lr": cfg.lr,
+        "dtype": cfg.dtype,
     }
     return [{"knob": k, "asked": asked[k], "actual": actual[k], "ok": asked[k] == actual[k]} for k in asked]
 

@@ -7,7 +7,7 @@ import torch
 
 from cases import hf_roundtrip, peft_export, reshard_optimizer, resume, reshard_weights
 from harness import truth
-from harness.checks import knob_check, refusal_check
+from harness.checks import knob_check, refusal_check, weights_match_main_params
 from harness.parity import Shard
 from harness.topology import Topology
 from harness.training import TrainOut
@@ -121,7 +121,7 @@ def _train_outs(parts=2, step=2.0, shared=0, flip=False, losses=None, knobs_ok=T
 
 def test_optimizer_judge():
     good = reshard_optimizer.judge("dp2", "dp1", _train_outs(), _train_outs(parts=1))
-    assert set(_statuses(good).values()) == {"passed"}
+    assert {n: st for n, st in _statuses(good).items() if st != "passed"} == {"weights-match-main-params": "not-run"}  # fp32
     bad = _statuses(reshard_optimizer.judge("dp2", "dp1", _train_outs(), _train_outs(parts=1, flip=True)))
     assert bad["optimizer-state"] == "failed" and bad["model-weights"] == "passed"
     assert _statuses(reshard_optimizer.judge("dp2", "dp1", _train_outs(), _train_outs(step=0.0)))["step"] == "failed"
@@ -141,7 +141,8 @@ def test_refusal_check():
 def test_resume_judge_tolerance_by_topology():
     base = [2.0, 1.9, 1.8]
     same = resume.judge(3, "dp2", "dp2", _train_outs(losses=base), _train_outs(losses=list(base)))
-    assert set(_statuses(same).values()) == {"passed"} and same[1].tolerance == "bitwise" and same[1].max_abs_diff == 0
+    assert {n: st for n, st in _statuses(same).items() if st != "passed"} == {"weights-match-main-params": "not-run"}  # fp32
+    assert same[1].tolerance == "bitwise" and same[1].max_abs_diff == 0
     nudged = [x + 1e-7 for x in base]
     assert _statuses(resume.judge(3, "dp2", "dp2", _train_outs(losses=base), _train_outs(losses=nudged)))["losses"] == "failed"
     assert _statuses(resume.judge(3, "dp2", "dp1", _train_outs(losses=base), _train_outs(parts=1, losses=nudged)))["losses"] == "passed"
@@ -151,6 +152,117 @@ def test_resume_judge_tolerance_by_topology():
     moved = _train_outs(parts=1, losses=base)
     _flip(moved[0].final_shards[1].data)
     assert _statuses(resume.judge(3, "dp2", "dp2", _train_outs(losses=base), moved))["final-weights"] == "failed"
+
+
+# --------------------------------------------------------------------------- bf16 mixed precision
+
+
+def _bf16_outs(parts=2, step=2.0, losses=None, weights_delta=None):
+    """Training outputs of a bf16 job: fp32 main params (the distributed optimizer's `param`
+    entries), fp32 moments, and bf16 model weights that are the main params cast down."""
+    main = {k: v + 1e-4 for k, v in _canonical().items()}  # not bf16-representable: the cast rounds
+    opt = {**{f"optimizer.state.param.{k}": v for k, v in main.items()},
+           **{f"optimizer.state.exp_avg.{k}": v * 0.1 for k, v in main.items()}}
+    weights = {k: v.to(torch.bfloat16) for k, v in main.items()}
+    final = {k: v + (weights_delta or 0.0) for k, v in weights.items()}
+    o_split, m_split, f_split = _split(opt, parts), _split(weights, parts), _split(final, parts)
+    return [
+        TrainOut(_knobs(), [], losses if r == parts - 1 else [None] * len(losses or []),
+                 optimizer_shards=o_split[r], steps={"values": [step], "shared_step_tensors": 0},
+                 model_shards=m_split[r], final_shards=f_split[r])
+        for r in range(parts)
+    ]
+
+
+def _find(outs, key_part):
+    """The first shard whose key contains key_part (rank order)."""
+    return next(s for o in outs for s in o.optimizer_shards + o.model_shards if key_part in s.key)
+
+
+def test_weights_match_main_params_judge():
+    good = reshard_optimizer.judge("dp2", "tp2", _bf16_outs(), _bf16_outs(), "bf16")
+    assert set(_statuses(good).values()) == {"passed"}
+    assert "weights-match-main-params" in _statuses(good) and good[-1].tolerance == "bitwise"
+    # a bf16 weight that disagrees with its main param (one ulp, main param untouched): only this check
+    # and model-weights (the weight also differs from S) go red; the optimizer state is fine
+    loaded = _bf16_outs()
+    w = next(s for s in loaded[1].model_shards if s.key == "decoder.layers.self_attention.linear_qkv.weight")
+    w.data.view(-1).view(torch.int16)[0] ^= 1
+    checks = reshard_optimizer.judge("dp2", "tp2", _bf16_outs(), loaded, "bf16")
+    s = _statuses(checks)
+    assert s["weights-match-main-params"] == "failed" and s["optimizer-state"] == "passed"
+    (m,) = checks[-1].mismatches
+    assert m.key == "decoder.layers.self_attention.linear_qkv.weight" and m.kind == "value"
+    assert m.actual == "bf16 weights@tp2" and m.expected == "fp32 main params@tp2 cast to bf16" and m.max_abs_diff > 0
+    # fp32 training: no main/model split, recorded as not run, with why
+    fp32 = reshard_optimizer.judge("dp2", "dp1", _train_outs(), _train_outs(parts=1))
+    assert fp32[-1].status == "not-run" and "no separate fp32 main copy" in fp32[-1].detail
+
+
+def test_weights_match_main_params_missing_and_wrong_dtype_mains():
+    full = {k: v.to(torch.bfloat16) for k, v in _canonical().items()}
+    mains = {f"optimizer.state.fp32_param.{k}": v.float() for k, v in full.items()}  # the non-distributed optimizer's name
+    assert weights_match_main_params([("tp1", full, mains)], "bf16").status == "passed"
+    lost = dict(mains)
+    lost.pop("optimizer.state.fp32_param.embedding.word_embeddings.weight")
+    c = weights_match_main_params([("tp1", full, lost)], "bf16")
+    assert c.status == "failed" and {m.kind for m in c.mismatches} == {"extra"}  # a weight without its main param
+    half = {k: v.to(torch.bfloat16) for k, v in mains.items()}  # "main" params that are bf16 are no fp32 copy
+    c = weights_match_main_params([("tp1", full, half)], "bf16")
+    assert c.status == "failed" and {m.kind for m in c.mismatches} == {"dtype"}
+
+
+def test_corrupted_main_param_fails_optimizer_state_in_bf16():
+    # the lowest bit of an fp32 main param: its bf16 cast usually hides it, the bitwise optimizer-state does not
+    loaded = _bf16_outs()
+    _find(loaded, "optimizer.state.param.embedding").data.view(-1).view(torch.int32)[0] ^= 1
+    s = _statuses(reshard_optimizer.judge("dp2", "tp2", _bf16_outs(), loaded, "bf16"))
+    assert s["optimizer-state"] == "failed" and s["model-weights"] == "passed"
+    # a main param off by far more than a bf16 ulp fails the model/main agreement as well
+    far = _bf16_outs()
+    _find(far, "optimizer.state.param.embedding").data.add_(0.5)
+    s = _statuses(reshard_optimizer.judge("dp2", "tp2", _bf16_outs(), far, "bf16"))
+    assert s["optimizer-state"] == "failed" and s["weights-match-main-params"] == "failed"
+
+
+def test_resume_bf16_tolerances_are_measured_bounds():
+    base = [4.9, 4.91, 5.0]
+    ref = _bf16_outs(losses=base)
+    measured = [x + 7.6e-4 for x in base]  # the measured bf16 max across a topology change
+    ok = resume.judge(3, "dp2", "dp1", ref, _bf16_outs(parts=1, losses=measured, weights_delta=2.9e-3), "bf16")
+    s = _statuses(ok)
+    assert s == {"propagation": "passed", "losses": "passed", "final-weights": "passed", "weights-match-main-params": "passed"}
+    assert ok[1].tolerance.startswith("atol=0.002") and ok[2].tolerance.startswith("atol=0.005")
+    reset = [x + 3.7e-3 for x in base]  # what a reset Adam step does in bf16 (dp_reshardable, measured)
+    s = _statuses(resume.judge(3, "dp2", "dp1", ref, _bf16_outs(parts=1, losses=reset, weights_delta=7.8e-3), "bf16"))
+    assert s["losses"] == "failed" and s["final-weights"] == "failed"
+    # same topology: bitwise in bf16 too; fp32 keeps RESUME_TOLERANCE and records the new check not-run
+    assert _statuses(resume.judge(3, "dp2", "dp2", ref, _bf16_outs(losses=measured), "bf16"))["losses"] == "failed"
+    fp32 = resume.judge(3, "dp2", "dp1", _train_outs(losses=base), _train_outs(parts=1, losses=base))
+    assert fp32[1].tolerance == str(resume.RESUME_TOLERANCE) and _statuses(fp32)["weights-match-main-params"] == "not-run"
+
+
+def test_reshard_weights_bf16_judge():
+    full = {k: v.to(torch.bfloat16) for k, v in _canonical().items()}
+    logits = torch.randn(2, 16, 128)
+
+    def run(loaded_full=None, loaded_logits=None, dst="tp1pp2", checkpoint=None):
+        saved = _weights_outs(full, 2, logits)
+        loaded = _weights_outs(loaded_full or full, 2, logits if loaded_logits is None else loaded_logits)
+        return _statuses(reshard_weights.judge(GQA, Topology.parse("tp2"), Topology.parse(dst), saved, loaded,
+                                               checkpoint or dict(full), {k: v.clone() for k, v in full.items()}, "bf16"))
+
+    assert set(run().values()) == {"passed"}
+    # the truth is the canonical fp32 tensor cast to bf16: an fp32 load (or checkpoint) fails on dtype
+    assert run(loaded_full={k: v.float() for k, v in full.items()})["loaded-canonical"] == "failed"
+    assert run(checkpoint={k: v.float() for k, v in full.items()})["checkpoint-canonical"] == "failed"
+    # an fp32 case judging the bf16 model fails source-canonical: the dtype is the case's, not the model's
+    fp32 = reshard_weights.judge(GQA, Topology.parse("tp2"), Topology.parse("tp2"), _weights_outs(full, 2, logits),
+                                 _weights_outs(full, 2, logits), dict(full), dict(full))
+    assert _statuses(fp32)["source-canonical"] == "failed"
+    assert run(loaded_logits=logits + 1.76e-2)["logits"] == "passed"  # measured bf16 max across a TP change
+    assert run(loaded_logits=logits + 1.76e-2, dst="tp2")["logits"] == "failed"  # same TP: bitwise
+    assert run(loaded_logits=logits + 0.5)["logits"] == "failed"
 
 
 def test_knob_check_names_side_and_rank():

@@ -17,7 +17,7 @@ import torch
 
 from harness import compat, truth
 from harness.memory import track
-from harness.models import DType, build_gpt, fill_canonical, local_shards, rank_device, shards_of
+from harness.models import TORCH_DTYPES, DType, build_gpt, fill_canonical, local_shards, rank_device, shards_of
 from harness.parity import Shard
 from harness.topology import Topology
 from harness.world import RankContext
@@ -90,7 +90,7 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         bf16=cfg.dtype == "bf16",
         fp16=False,
-        params_dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32,
+        params_dtype=TORCH_DTYPES[cfg.dtype],
         clip_grad=1.0,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])

@@ -84,6 +84,9 @@ def run(model: str, dps: list[int], out: Path, merge: bool = False) -> list[dict
                 "rank0_sampled_peak_delta_mib": round((m["sampled_peak_rss"] - m["baseline_rss"]) / MiB, 1),
                 "rank0_baseline_mib": round(m["baseline_rss"] / MiB, 1),
                 "other_ranks_max_peak_delta_mib": round(max((r["save"]["peak_delta"] for r in results[1:]), default=0) / MiB, 1),
+                # every rank's peak RSS added up: an upper bound of the job's host footprint during
+                # the save (the ranks need not peak at once), what the kernel's OOM killer weighs
+                "all_ranks_peak_rss_sum_mib": round(sum(r["save"]["peak_rss"] for r in results) / MiB, 1),
                 "save_s": m["seconds"], "world_wall_s": round(wall, 1),
             })
             print(f"dp={dp} {name:32s} rank0 peak delta {rows[-1]['rank0_peak_delta_mib']:8.1f} MiB "
@@ -113,26 +116,43 @@ def _table(rows: list[dict], path: Path) -> None:
 
 
 def _plot(rows: list[dict], path: Path, model: str) -> None:
+    """Rank-0 peak delta per format vs DP. Series are dodged sideways and drawn with their own
+    marker and line style, so formats with equal values (fully_reshardable with and without
+    mem_efficient on rank 0) stay visible; a world the kernel killed is a red x at the top; the
+    job's host total (every rank's peak RSS added up) is drawn where the run recorded it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for variant in dict.fromkeys(r["variant"] for r in rows):
-        pts = [(r["dp"], r["rank0_peak_delta_mib"]) for r in rows if r["variant"] == variant and "error" not in r]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
-    state = [(r["dp"], r["rank0_state_mib"]) for r in rows if r["variant"] == rows[0]["variant"] and "error" not in r]
-    for r in rows:
-        if "error" in r:
-            ax.annotate(f"{r['variant']}: killed", (r["dp"], 0), textcoords="offset points", xytext=(0, 10), color="red", fontsize=8)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    styles = [("o", "-"), ("s", "--"), ("^", ":")]
+    top = max((r.get("all_ranks_peak_rss_sum_mib", 0) or r["rank0_peak_delta_mib"] for r in rows if "error" not in r), default=1) * 1.15
+    for i, variant in enumerate(variants):
+        marker, line = styles[i % len(styles)]
+        dodge = (i - (len(variants) - 1) / 2) * 0.06
+        pts = [(r["dp"] + dodge, r["rank0_peak_delta_mib"]) for r in rows if r["variant"] == variant and "error" not in r]
+        drawn = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, linestyle=line, label=f"{variant}: rank 0")
+        host = [(r["dp"] + dodge, r["all_ranks_peak_rss_sum_mib"]) for r in rows
+                if r["variant"] == variant and "error" not in r and "all_ranks_peak_rss_sum_mib" in r]
+        if host:
+            ax.plot([p[0] for p in host], [p[1] for p in host], marker=marker, linestyle=line, alpha=0.45,
+                    color=drawn[0].get_color(), label=f"{variant}: all ranks' peak RSS summed")
+        for r in rows:
+            if r["variant"] == variant and "error" in r:
+                ax.plot([r["dp"] + dodge], [top], marker="x", color="red", markersize=10, mew=2)
+                ax.annotate(f"{variant} at DP={r['dp']}: killed (host OOM)", (r["dp"] + dodge, top), textcoords="offset points",
+                            xytext=(-150, -14), color="red", fontsize=8)
+    state = [(r["dp"], r["rank0_state_mib"]) for r in rows if r["variant"] == variants[0] and "error" not in r]
     ax.plot([p[0] for p in state], [p[1] for p in state], linestyle="--", color="grey", label="rank-0 training state")
+    ax.set_ylim(0, top * 1.08)
     ax.set_xlabel("data-parallel size")
     ax.set_xticks(sorted({r["dp"] for r in rows}))
-    ax.set_ylabel("rank-0 peak RSS over baseline during save (MiB)")
+    ax.set_ylabel("peak RSS over baseline during save (MiB)")
     ax.set_title(f"Host memory of an optimizer checkpoint save ({model}, CPU/gloo)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -143,7 +163,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--out", type=Path, default=Path("reports/bench-memory"))
     p.add_argument("--merge", action="store_true", help="keep OUT/results.json rows of other DP sizes")
+    p.add_argument("--replot", action="store_true", help="redraw OUT/table.md and OUT/save_memory.png from OUT/results.json, run nothing")
     a = p.parse_args(argv)
+    if a.replot:
+        rows = json.loads((a.out / "results.json").read_text())
+        _table(rows, a.out / "table.md")
+        _plot(rows, a.out / "save_memory.png", a.model)
+        return
     run(a.model, a.dp, a.out, a.merge)
 
 

@@ -60,6 +60,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if report_path:
         path = report.write_json(results, report_path, str(args.matrix), wall)
         console.print(f"results: {path}")
+    if args.junit:
+        console.print(f"junit: {report.write_junit(results, args.junit, f'{matrix.name} ({args.matrix})', wall)}")
     return 0 if all(r.status in GREEN for r in results) else 1
 
 
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--torchrun-template", default=None,
                      help="multi-node: e.g. 'srun -N2 torchrun --nnodes 2 --nproc-per-node {nproc_per_node} "
                           "--rdzv-backend c10d --rdzv-endpoint HEAD:29500' (set CKPT_HARNESS_NODES; --workdir on a shared fs)")
+    run.add_argument("--junit", type=Path, default=None, help="also write JUnit XML to this file (CI test views)")
     run.add_argument("--start-method", choices=("auto", "fork", "spawn", "forkserver"), default="auto",
                      help="how mp ranks start (auto: fork for gloo, measured fastest; spawn for NCCL)")
     run.add_argument("--rank-hook", action="append", default=[], metavar="MODULE:FUNCTION",

@@ -172,3 +172,22 @@ def test_results_are_written_as_they_come(tmp_path, monkeypatch):
         main(["run", str(matrix), "--report", str(tmp_path / "rep")])
     doc = json.loads((tmp_path / "rep" / "results.json").read_text())
     assert doc["complete"] is False and [r["id"] for r in doc["results"]] == calls[:1]
+
+
+def test_junit_xml_has_one_testcase_per_case_with_its_outcome(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from harness.report import write_junit
+    from harness.result import CaseResult, Check
+
+    ok = CaseResult("a[x]", "reshard-weights", "m", "b", "s", "t", status="passed", phases={"total": 1.5})
+    bad = CaseResult("b[x]", "reshard-weights", "m", "b", "s", "t", status="failed", checks=[Check("logits", "failed", "off by 1e-2")])
+    err = CaseResult("c[x]", "resume", "m", "b", "s", "t", status="error", error="rank 1 of 2 raised:\nKeyError: 'step'")
+    xf = CaseResult("d[x]", "resume", "m", "b", "s", "t", status="xfailed", xfail_reason="megatron-core defect")
+    root = ET.parse(write_junit([ok, bad, err, xf], tmp_path / "j.xml", "smoke", 9.0)).getroot()
+    assert (root.get("tests"), root.get("failures"), root.get("errors"), root.get("skipped")) == ("4", "1", "1", "1")
+    cases = {tc.get("name"): tc for tc in root.iter("testcase")}
+    assert list(cases["a[x]"]) == [] and cases["a[x]"].get("time") == "1.500"
+    assert "check logits failed" in cases["b[x]"].find("failure").text
+    assert cases["c[x]"].find("error").get("message") == "rank 1 of 2 raised:" and "KeyError" in cases["c[x]"].find("error").text
+    assert "megatron-core defect" in cases["d[x]"].find("skipped").get("message")

@@ -60,6 +60,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if report_path:
         path = report.write_json(results, report_path, str(args.matrix), wall)
         console.print(f"results: {path}")
+    if args.html:
+        from harness import html_report
+
+        doc = report.document(results, str(args.matrix), wall)
+        console.print(f"html: {html_report.write(doc, args.html, f'{matrix.name} ({args.matrix})')}")
     if args.junit:
         console.print(f"junit: {report.write_junit(results, args.junit, f'{matrix.name} ({args.matrix})', wall)}")
     return 0 if all(r.status in GREEN for r in results) else 1
@@ -108,6 +113,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     try:
         doc = json.loads(args.results.read_text())
+        if args.html:
+            from harness import html_report
+
+            title = f"ckpt-harness: {doc.get('matrix') or args.results}"
+            print(f"html: {html_report.write(doc, args.html, title)}")
+            return 0
         print(report.markdown(doc))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"ckpt-harness: {args.results} is not a readable results.json: {exc!r}", file=sys.stderr)
@@ -143,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--torchrun-template", default=None,
                      help="multi-node: e.g. 'srun -N2 torchrun --nnodes 2 --nproc-per-node {nproc_per_node} "
                           "--rdzv-backend c10d --rdzv-endpoint HEAD:29500' (set CKPT_HARNESS_NODES; --workdir on a shared fs)")
+    run.add_argument("--html", type=Path, default=None, help="also write one self-contained HTML report to this file")
     run.add_argument("--junit", type=Path, default=None, help="also write JUnit XML to this file (CI test views)")
     run.add_argument("--start-method", choices=("auto", "fork", "spawn", "forkserver"), default="auto",
                      help="how mp ranks start (auto: fork for gloo, measured fastest; spawn for NCCL)")
@@ -180,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     gold.set_defaults(func=_cmd_golden)
     show = sub.add_parser("show", help="print a results.json as a Markdown table")
     show.add_argument("results", type=Path)
+    show.add_argument("--html", type=Path, default=None, help="write the results as one self-contained HTML report instead")
     show.set_defaults(func=_cmd_show)
     cmp = sub.add_parser("compare", help="baseline vs candidate results: exit 1 on any regression")
     cmp.add_argument("base", type=Path, help="baseline results.json or report dir")

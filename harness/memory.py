@@ -11,13 +11,14 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import psutil
 
 MiB = 1024 * 1024
+TIMELINE_POINTS = 48  # per phase and rank in results.json: enough to draw, small for 100 cases x 4 ranks
 
 
 def _kernel_hwm() -> int | None:
@@ -49,6 +50,8 @@ class PhaseMemory:
     peak_uss: int | None = None
     samples: int = 0
     seconds: float = 0.0
+    #: (seconds since the phase began, RSS bytes), decimated to at most TIMELINE_POINTS (the peak kept)
+    timeline: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def peak_delta(self) -> int:
@@ -93,10 +96,13 @@ def track(phase: str, interval_s: float = 0.005) -> Iterator[PhaseMemory]:
     m.sampled_peak_rss, m.peak_uss = m.baseline_rss, m.baseline_uss
     stop = threading.Event()
 
+    points: list[tuple[float, int]] = [(0.0, m.baseline_rss)]
+
     def sample() -> None:
         n = 0
         while not stop.is_set():
             rss = proc.memory_info().rss
+            points.append((time.perf_counter() - start, rss))
             m.sampled_peak_rss = max(m.sampled_peak_rss, rss)
             if m.peak_uss is not None and n % 10 == 0:
                 m.peak_uss = max(m.peak_uss, proc.memory_full_info().uss)
@@ -116,6 +122,19 @@ def track(phase: str, interval_s: float = 0.005) -> Iterator[PhaseMemory]:
         m.sampled_peak_rss = max(m.sampled_peak_rss, proc.memory_info().rss)
         m.kernel_hwm = _kernel_hwm() if hwm_reset else None
         m.peak_rss = max(m.sampled_peak_rss, m.kernel_hwm or 0)
+        points.append((time.perf_counter() - start, proc.memory_info().rss))
+        m.timeline = decimate(points, TIMELINE_POINTS)
+
+
+def decimate(points: list[tuple[float, int]], limit: int) -> list[tuple[float, int]]:
+    """At most `limit` evenly spread points (limit >= 3), always keeping the first, the last and the peak."""
+    n = len(points)
+    if n <= limit:
+        keep = set(range(n))
+    else:
+        keep = {round(i * (n - 1) / (limit - 2)) for i in range(limit - 1)}  # limit-1 points, first and last included
+        keep.add(max(range(n), key=lambda i: points[i][1]))
+    return [(round(points[i][0], 4), points[i][1]) for i in sorted(keep)]
 
 
 @dataclass(frozen=True)

@@ -47,11 +47,9 @@ def counts(results: Iterable[CaseResult]) -> dict[str, int]:
     return {s: c.get(s, 0) for s in STATUSES}
 
 
-def write_json(results: list[CaseResult], path: Path, matrix: str, wall_s: float, complete: bool = True) -> Path:
-    """results.json, replaced atomically: the CLI rewrites it after every case (complete=False),
-    so a run that dies half-way still leaves every finished result readable."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {
+def document(results: list[CaseResult], matrix: str, wall_s: float, complete: bool = True) -> dict:
+    """What results.json holds (and what the HTML report is drawn from)."""
+    return {
         "matrix": matrix,
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "complete": complete,
@@ -62,6 +60,13 @@ def write_json(results: list[CaseResult], path: Path, matrix: str, wall_s: float
         "summary": counts(results),
         "results": [r.to_dict() for r in results],
     }
+
+
+def write_json(results: list[CaseResult], path: Path, matrix: str, wall_s: float, complete: bool = True) -> Path:
+    """results.json, replaced atomically: the CLI rewrites it after every case (complete=False),
+    so a run that dies half-way still leaves every finished result readable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = document(results, matrix, wall_s, complete)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc, indent=2, default=str))
     tmp.replace(path)

@@ -28,3 +28,21 @@ def test_budgets_fail_with_numbers():
     v = Budget("save", 0, max_peak_delta_x_shard=2).violation(m, shard_bytes=100 * MiB)
     assert v and "3.00 x its shard" in v
     assert Budget("save", 0, max_peak_delta_x_shard=4).violation(m, 100 * MiB) is None
+
+
+def test_the_timeline_is_decimated_but_keeps_first_last_and_peak():
+    from harness.memory import decimate
+
+    points = [(i * 0.01, 100 + (5000 if i == 777 else i % 7)) for i in range(2000)]
+    got = decimate(points, 48)
+    assert len(got) <= 48 and got[0] == (0.0, 100) and got[-1][0] == round(1999 * 0.01, 4)
+    assert max(v for _, v in got) == 5100 and [t for t, _ in got] == sorted(t for t, _ in got)
+    assert decimate(points[:5], 48) == [(round(t, 4), v) for t, v in points[:5]]
+
+
+def test_a_tracked_phase_records_its_timeline():
+    with track("x", interval_s=0.001) as m:
+        blob = np.ones(8 * MiB // 8)  # 8 MiB
+        del blob
+    assert 2 <= len(m.timeline) <= 48 and m.timeline[0] == (0.0, m.baseline_rss)
+    assert max(v for _, v in m.timeline) <= m.peak_rss

@@ -21,7 +21,7 @@ import hashlib
 import json
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -55,6 +55,7 @@ class Artefact:
     description: str
     make: Callable[["Artefact", RunEnv, CaseResult, Path], dict]
     check: Callable[["Artefact", RunEnv, CaseResult, Path, dict], None]
+    options: dict = field(default_factory=dict)  # the case options the artefact is written with
 
     def case_id(self, direction: str = "") -> str:
         return f"golden[{self.name}@{self.source.id}->{self.target.id}{'-' + direction if direction else ''}]"
@@ -110,7 +111,7 @@ def _model_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: d
 def _optim_opts(a: Artefact):
     from harness.training import TrainOptions
 
-    return TrainOptions(sharding=a.name.split("-", 1)[1])
+    return TrainOptions(**a.options)
 
 
 def _optim_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
@@ -156,11 +157,12 @@ def _optim_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: d
 # --------------------------------------------------------------------------- Bridge: HF export and PEFT adapter
 
 
-def _hf_phase(a: Artefact, d: Path, topo: Topology, **kw):
+def _hf_phase(a: Artefact, d: Path, topo: Topology, load_weights: bool, **kw):
+    """The writer builds from the HF fixture; the reader builds without weights and loads the dist checkpoint."""
     from cases.hf_roundtrip import DdpKnobs, _Phase
     from harness.zoo import get_model
 
-    return _Phase(get_model(a.model, "hf"), str(d / "hf-source"), topo, "dist_load" not in kw, DdpKnobs(),
+    return _Phase(get_model(a.model, "hf"), str(d / "hf-source"), topo, load_weights, DdpKnobs(),
                   export_backend=resolve("bridge_hf"), dist_backend=resolve("mcore_dist"), **kw)
 
 
@@ -170,7 +172,7 @@ def _hf_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
     from harness.zoo import get_model
 
     write_fixture(get_model(a.model, "hf"), d / "hf-source")
-    env.launch(result, "save", _rank, _hf_phase(a, d, a.source, dist_save=str(d / "ckpt"), export_to=str(d / "hf-export")), a.source)
+    env.launch(result, "save", _rank, _hf_phase(a, d, a.source, True, dist_save=str(d / "ckpt"), export_to=str(d / "hf-export")), a.source)
     return {}
 
 
@@ -178,7 +180,7 @@ def _hf_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: dict
     from cases.hf_roundtrip import _rank
 
     mine = env.case_dir / "hf-export"
-    env.launch(result, "load", _rank, _hf_phase(a, d, a.target, dist_load=str(d / "ckpt"), export_to=str(mine)), a.target)
+    env.launch(result, "load", _rank, _hf_phase(a, d, a.target, False, dist_load=str(d / "ckpt"), export_to=str(mine)), a.target)
     hf = get_backend("bridge_hf")
     exported = hf.read_full(None, mine)
     result.checks += [
@@ -231,9 +233,9 @@ def _peft_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: di
 ARTEFACTS: tuple[Artefact, ...] = (
     Artefact("model-dist", "gpt-gqa", Topology(tp=2), Topology(pp=2), "model-only torch_dist checkpoint", _model_make, _model_check),
     Artefact("optim-dp_reshardable", "gpt-gqa", Topology(dp=2), Topology(), "model + distributed optimizer, dp_reshardable",
-             _optim_make, _optim_check),
+             _optim_make, _optim_check, {"sharding": "dp_reshardable"}),
     Artefact("optim-fully_reshardable", "gpt-gqa", Topology(dp=2), Topology(tp=2), "model + distributed optimizer, fully_reshardable",
-             _optim_make, _optim_check),
+             _optim_make, _optim_check, {"sharding": "fully_reshardable"}),
     Artefact("hf-export", "hf-llama", Topology(tp=2), Topology(pp=2), "Bridge model dist checkpoint + its HF export", _hf_make, _hf_check),
     Artefact("peft-adapter", "hf-llama", Topology(tp=2), Topology(pp=2), "adapter-only dist checkpoint + its HF PEFT adapter (LoRA)",
              _peft_make, _peft_check),

@@ -40,6 +40,11 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.01
     dtype: DType = "fp32"
+    #: Max params per DDP bucket; 0 = megatron-core's default (max(40M, 1M x DP): ONE bucket for
+    #: the tiny zoo models). Real models have many buckets per rank, and the distributed optimizer
+    #: shards each bucket across DP: a small size gives these models several (bucket-boundary bugs).
+    #: megatron-core uses buckets only with overlap_grad_reduce, and only on the first PP stage.
+    bucket_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,12 @@ class TrainOptions(TrainConfig):
             raise ValueError(f"unknown workaround(s) {bad}; known: {sorted(compat.WORKAROUNDS)}")
         if self.steps < 1:
             raise ValueError(f"option 'steps' must be >= 1, got {self.steps}")
+        if self.bucket_size < 0:
+            raise ValueError(f"option 'bucket_size' must be >= 0, got {self.bucket_size}")
+        if self.bucket_size and not self.overlap_grad_reduce:
+            # megatron-core's DDP sets bucket_size to None without overlap: the entry would not test buckets
+            raise ValueError("option 'bucket_size' takes effect only with overlap_grad_reduce: true "
+                             "(megatron-core's DDP drops it otherwise)")
 
     @property
     def config(self) -> TrainConfig:
@@ -80,6 +91,7 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         overlap_grad_reduce=cfg.overlap_grad_reduce,
+        bucket_size=cfg.bucket_size or None,
         grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
     )
     ddp = DistributedDataParallel(model.config, ddp_config, model)
@@ -151,7 +163,21 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
         "lr": cfg.lr,
         "dtype": cfg.dtype,
     }
-    return [{"knob": k, "asked": asked[k], "actual": actual[k], "ok": asked[k] == actual[k]} for k in asked]
+    rows = [{"knob": k, "asked": asked[k], "actual": actual[k], "ok": asked[k] == actual[k]} for k in asked]
+    # Buckets: what the DDP module really built on this rank. megatron-core turns bucketing off on
+    # every PP stage but the first, so a small bucket_size must give several buckets there only.
+    from megatron.core import parallel_state
+
+    first_stage = parallel_state.get_pipeline_model_parallel_rank() == 0
+    buckets = sum(len(b.buckets) for b in ddp.buffers)
+    if not cfg.bucket_size:
+        rows.append({"knob": "bucket_size", "asked": "megatron default", "actual": ddp.bucket_size, "ok": True})
+    elif first_stage:
+        rows.append({"knob": "bucket_size", "asked": cfg.bucket_size, "actual": ddp.bucket_size, "ok": ddp.bucket_size == cfg.bucket_size})
+        rows.append({"knob": "buckets", "asked": "several", "actual": buckets, "ok": buckets > 1})
+    else:
+        rows.append({"knob": "bucket_size", "asked": "none (PP stage > 0)", "actual": ddp.bucket_size, "ok": ddp.bucket_size is None})
+    return rows
 
 
 def _leaf_optimizers(optimizer) -> list:

@@ -98,6 +98,8 @@ def test_pairs_and_cross_product_expand(tmp_path):
          "option 'use_distributed_optimizer': expected bool, got 1"),
         ("entries: [{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], options: {workarounds: [prime]}}]",
          "unknown workaround(s) ['prime']"),
+        ("entries: [{case: resume, models: [gpt-gqa], pairs: ['dp2 -> dp1'], options: {bucket_size: 4000}}]",
+         "'bucket_size' takes effect only with overlap_grad_reduce: true"),
         ("entries: [{case: resume, models: [gpt-gqa], pairs: ['dp2 -> dp1'], options: {refuse_with: [KeyError]}}]",
          "unknown option(s) ['refuse_with']"),
         ("entries: [{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], options: {refuse_with: [KeyError]}}]",

@@ -227,3 +227,23 @@ def kill_last_rank_before_save_finalize() -> None:
         return real(*args, **kwargs)
 
     state_dict_saver.save_state_dict_async_finalize = finalize
+
+
+def mark_checkpoint_complete_first() -> None:
+    """Rank 0 writes megatron-core's `metadata.json` before every dist_checkpointing.save writes a
+    byte: the ordering bug of a checkpoint manager that marks a directory complete first, so any
+    interruption leaves a directory megatron-core's own rule (check_is_distributed_checkpoint)
+    calls a checkpoint. interrupted-save must go red on it (recognised-incomplete)."""
+    import os
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    real = dist_checkpointing.save
+
+    def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        if int(os.environ["RANK"]) == 0:
+            save_config(CheckpointingConfig("torch_dist", 1), str(checkpoint_dir))
+        return real(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+
+    dist_checkpointing.save = save

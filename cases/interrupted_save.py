@@ -200,10 +200,13 @@ def shard_files(files: Sequence[str], rank: int | None = None) -> list[str]:
 
 def judge_interruption(
     kind: str, victim: int, error: str | None, timed_out: bool, files: Sequence[str], directory: str,
+    error_rank: int | None = None,
 ) -> Check:
     """Was step 2 interrupted the way `kind` asks? `error`: the save world's error text (None when
     it completed), `timed_out`: it ended by the harness' timeout, `files`: what step 2's directory
-    holds, `directory`: its path (write-error's report must name it or the rank's shard file)."""
+    holds, `directory`: its path (write-error's report must name it or the rank's shard file),
+    `error_rank`: the rank the launcher blames (WorldError.rank; the text's wording differs between
+    torch multiprocessing and torchrun, so either names the rank)."""
     left = f"left {sorted(files)}"
     if timed_out:
         return Check("interruption", "failed", f"{kind}: the save world hung until the timeout: {(error or '')[:300]}", tolerance="-")
@@ -219,7 +222,7 @@ def judge_interruption(
     head = error.splitlines()[0][:200] if error else ""
     if kind == "kill-after-shard":
         problems = []
-        if f"rank {victim} " not in error or "SIGKILL" not in error:
+        if (error_rank != victim and f"rank {victim} " not in error) or "SIGKILL" not in error:
             problems.append(f"the report does not say rank {victim} was SIGKILLed ({head!r})")
         if not shard_files(files, victim):
             problems.append(f"rank {victim} had written no shard file")
@@ -232,7 +235,7 @@ def judge_interruption(
     missing = []
     if not any(s in error for s in ("EFBIG", "File too large", "Errno 27")):
         missing.append("EFBIG (File too large)")
-    if f"rank {victim}" not in error and f"ranks:dict_keys([{victim}])" not in error:
+    if error_rank != victim and f"rank {victim}" not in error and f"ranks:dict_keys([{victim}])" not in error:
         missing.append(f"rank {victim}")
     if directory not in error and not any(f"__{victim}_" in line for line in error.splitlines()):
         missing.append(f"the path ({directory} or rank {victim}'s .distcp)")
@@ -307,11 +310,11 @@ class InterruptedSave(Case):
         root = env.case_dir / "checkpoints"
         target = step_dir(root, INTERRUPTED_STEP)
         save_env = replace(env, hooks=env.hooks + (KILL_HOOK,)) if kind == "kill-after-shard" else env
-        error, timed_out = None, False
+        error, timed_out, error_rank = None, False, None
         try:
             save_env.launch(result, "save", _rank_save, _SavePhase(model, src, backend, str(root), kind, str(env.case_dir)), src)
         except WorldError as exc:
-            error, timed_out = str(exc), isinstance(exc, WorldTimeout)
+            error, timed_out, error_rank = str(exc), isinstance(exc, WorldTimeout), exc.rank
             (env.case_dir / "save-error.txt").write_text(error)  # the whole report, for --keep
         with timed(result, "inspect"):
             from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
@@ -322,7 +325,7 @@ class InterruptedSave(Case):
                        for ln in writes_path(workdir, r).read_text().splitlines() if ln]
             tracker = (root / TRACKER).read_text() if (root / TRACKER).exists() else None
             result.checks += [
-                judge_interruption(kind, src.world_size - 1, error, timed_out, files, str(target)),
+                judge_interruption(kind, src.world_size - 1, error, timed_out, files, str(target), error_rank),
                 judge_recognised(check_is_distributed_checkpoint(str(target)), files),
                 judge_tracker(tracker),
                 judge_scope(written, str(env.case_dir)),

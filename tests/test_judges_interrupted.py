@@ -32,6 +32,12 @@ def test_kill_after_shard_fails_when_the_kill_was_not_the_one_asked(error, files
     assert c.status == "failed" and why in c.detail
 
 
+def test_the_killed_rank_may_be_named_by_the_launcher_instead_of_the_text():
+    torchrun = "torchrun world of 2 failed (exit 1):\n  rank      : 1 (local_rank: 1)\n  traceback : Signal 9 (SIGKILL) received"
+    assert ints.judge_interruption("kill-after-shard", 1, torchrun, False, SHARDS, DIR, error_rank=1).status == "passed"
+    assert ints.judge_interruption("kill-after-shard", 1, torchrun, False, SHARDS, DIR, error_rank=0).status == "failed"
+
+
 def test_a_hang_fails_every_kind():
     for kind in ("kill-after-shard", "async-not-finalized", "write-error"):
         c = ints.judge_interruption(kind, 1, "world of 2 rank(s) still running after 90s; killed", True, SHARDS, DIR)

@@ -57,8 +57,8 @@ Interruption = Literal["kill-after-shard", "async-not-finalized", "write-error"]
 #: verl's tracker file (verl/utils/checkpoint/checkpoint_manager.py), in the checkpoints root.
 TRACKER = "latest_checkpointed_iteration.txt"
 GOOD_STEP, INTERRUPTED_STEP = 1, 2
-#: RLIMIT_FSIZE of the write-error rank: far below one tiny-model shard (~200 KiB per rank for
-#: gpt-gqa at tp2), above the rank's own log and record files.
+#: RLIMIT_FSIZE of the write-error rank: far below one tiny-model shard (400 KB per rank for
+#: gpt-gqa at tp2, measured), above the rank's own log and record files.
 FSIZE_LIMIT = 64 * 1024
 KILL_HOOK = "harness.doubles:kill_last_rank_before_save_finalize"
 
@@ -79,7 +79,6 @@ class _SavePhase:
     backend: str  # import path
     root: str  # the checkpoints root (verl layout)
     interruption: str
-    scope_root: str  # where every write must land (the case dir)
 
 
 def _record_writes(path: Path) -> list[bool]:
@@ -312,7 +311,7 @@ class InterruptedSave(Case):
         save_env = replace(env, hooks=env.hooks + (KILL_HOOK,)) if kind == "kill-after-shard" else env
         error, timed_out, error_rank = None, False, None
         try:
-            save_env.launch(result, "save", _rank_save, _SavePhase(model, src, backend, str(root), kind, str(env.case_dir)), src)
+            save_env.launch(result, "save", _rank_save, _SavePhase(model, src, backend, str(root), kind), src)
         except WorldError as exc:
             error, timed_out, error_rank = str(exc), isinstance(exc, WorldTimeout), exc.rank
             (env.case_dir / "save-error.txt").write_text(error)  # the whole report, for --keep

@@ -281,12 +281,12 @@ def optimizer_view(ddp, optimizer) -> tuple[list[Shard], dict[str, Any]]:
     representation, the one fully_reshardable saves), the distinct step values it holds, and how
     many per-param Adam step tensors are aliases of another (each param must own its step).
 
-    Known limit: the view is megatron's own sharded_param_state_fully_reshardable, which with
-    several DDP buckets reads params at offsets shifted by the inter-bucket padding (the defect the
-    smoke `buckets` entries show). Both sides of a comparison are shifted the same way, so equal
-    state still compares equal, but with several buckets this view is not an independent truth;
-    `model-weights` and `step` do not depend on it. An independent view is the follow-up."""
+    For the distributed optimizer the view is built here (`_distributed_model_space`), from each
+    rank's param-local ranges, not by megatron's sharded_param_state_fully_reshardable: with
+    several DDP buckets that function reads params at offsets shifted by the inter-bucket padding
+    (the defect the smoke `buckets` entries show), and the view is what the checks trust."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     steps: set[float] = set()
     step_tensors: list[torch.Tensor] = []
@@ -300,10 +300,63 @@ def optimizer_view(ddp, optimizer) -> tuple[list[Shard], dict[str, Any]]:
                 if isinstance(p_state["step"], torch.Tensor):
                     step_tensors.append(p_state["step"])
     shared = len(step_tensors) - len({id(t) for t in step_tensors})
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
-    sd = optimizer.sharded_state_dict(ddp.module.sharded_state_dict(), is_loading=False, metadata=metadata)
+    leaves = _leaf_optimizers(optimizer)
+    if leaves and all(isinstance(o, DistributedOptimizer) for o in leaves):
+        sd = {i: _distributed_model_space(ddp, o) for i, o in enumerate(leaves)}
+    else:  # no buckets to shard across DP: megatron's per-param state dict is the state itself
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+        sd = optimizer.sharded_state_dict(ddp.module.sharded_state_dict(), is_loading=False, metadata=metadata)
     shards = shards_of(sd, lambda sh: isinstance(sh, ShardedTensor) and sh.key.startswith("optimizer.state."))
     return shards, {"values": sorted(steps), "shared_step_tensors": shared}
+
+
+def _distributed_model_space(ddp, opt) -> dict:
+    """A DistributedOptimizer's state in model space, independently of its own checkpoint code:
+    every DP rank's (param-local range, main param and moments) gathered, each model param's full
+    state rebuilt from those ranges, and wrapped in the param's own sharded metadata (factories
+    included) under megatron's keys, `optimizer.state.<param|exp_avg|exp_avg_sq>.<key>`."""
+    from dataclasses import replace
+
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    model_sd, _ = extract_sharded_tensors_and_factories(ddp.module.sharded_state_dict())
+    metadata = {sh.data: sh for sh in nested_values(model_sd)}
+    keys = ("param", *opt.optimizer_state_keys)
+    order = [p for buffer in opt.buffers for p in buffer.param_index_map]  # the same on every DP rank
+    position = {id(p): i for i, p in enumerate(order)}  # by identity: tensors compare elementwise
+    local: dict[int, tuple[int, int, dict]] = {}
+    for gbuf_range_maps in opt.gbuf_ranges:
+        for buckets in gbuf_range_maps.values():
+            for bucket in buckets:
+                for model_param, ranges in bucket["param_map"].items():
+                    state = opt._get_main_param_and_optimizer_states(model_param)
+                    r = ranges["param"]
+                    local[position[id(model_param)]] = (r.start, r.end, {k: state[k].detach().float().cpu().flatten() for k in keys})
+    gathered: list = [None] * dist.get_world_size(opt.data_parallel_group)
+    dist.all_gather_object(gathered, local, group=opt.data_parallel_group)
+    out = {}
+    for idx, model_param in enumerate(order):
+        full = {k: torch.zeros(model_param.numel(), dtype=torch.float32) for k in keys}
+        covered = torch.zeros(model_param.numel(), dtype=torch.bool)
+        for pieces in gathered:
+            if idx in pieces:
+                start, end, tensors = pieces[idx]
+                covered[start:end] = True
+                for k in keys:
+                    full[k][start:end] = tensors[k]
+        if not bool(covered.all()):
+            raise RuntimeError(f"optimizer view: {int((~covered).sum())} elements of a param are held by no DP rank")
+        sh = metadata[model_param]
+        for k in keys:
+            ten = full[k].reshape(sh.data.shape)
+            kw = dict(key=f"optimizer.state.{k}.{sh.key}", data=ten, dtype=ten.dtype, replica_id=sh.replica_id)
+            if isinstance(sh, ShardedTensorFactory):
+                kw.pop("dtype")
+            out[f"{k}.{idx}"] = replace(sh, **kw)  # one entry per param: layers share a stacked key
+    return out
 
 
 def rank_state_bytes(ddp, optimizer) -> int:

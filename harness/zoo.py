@@ -34,6 +34,18 @@ class ModelSpec:
     tied_embeddings: bool = False
     position_embedding: str = "rope"
     seed: int = 1234
+    #: Megatron-LM's `--make-vocab-size-divisible-by`: None (every zoo model) builds the vocab as is;
+    #: a value pads it to `padded_vocab_size(tp)`, which changes with TP (harness.explore draws it).
+    make_vocab_size_divisible_by: int | None = None
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """The embedding/output rows a model built at TP `tp` holds: Megatron-LM's
+        `_vocab_size_with_padding` (ceil(vocab / (divisible_by * tp)) * divisible_by * tp), so the
+        checkpoint key's global shape depends on the TP it was saved at; `vocab_size` unpadded."""
+        if self.make_vocab_size_divisible_by is None:
+            return self.vocab_size
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
 
     def with_seed(self, seed: int) -> "ModelSpec":
         return replace(self, seed=seed)

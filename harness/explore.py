@@ -9,7 +9,9 @@ reshard-weights worlds and judge (cases.reshard_weights.run_weights, the same co
 runs) and fails when any check fails; hypothesis then shrinks the failure to the smallest triple
 and keeps it in its example database under the report dir, so the next run replays it first.
 
-Only GPT (megatron-core) shapes are explored; the Bridge HF export/import of such shapes is not.
+`kind="hf"` (`--kind hf`) draws HF fixtures instead and runs hf-roundtrip through Megatron-Bridge
+(import at S, dist checkpoint, load at D, HF export), where the Bridge's own vocab padding changes
+with TP and the export must equal the source bitwise (no padded row may leak into it).
 A drawn model is not in the zoo, so a failure is printed as the ModelSpec to add to harness/zoo.py
 plus the matrix entry that then reproduces it (matrices name zoo models only).
 """
@@ -22,25 +24,25 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 from harness.topology import Topology, TopologyError
-from harness.zoo import ModelSpec
+from harness.zoo import AnyModel, HFModelSpec, ModelSpec
 
 #: A triple: the model, the topology it is saved at (S) and the one it is loaded at (D).
-Triple = tuple[ModelSpec, Topology, Topology]
+Triple = tuple[AnyModel, Topology, Topology]
+#: What each kind of drawn model runs through: (case, backend of the matrix entry, markers).
+CASE_OF = {"gpt": ("reshard-weights", "mcore_dist", ""), "hf": ("hf-roundtrip", "bridge_hf", "hf")}
 
-BACKEND = "mcore_dist"
 #: Every drawn model's sequence length (the zoo's): context parallel needs 2*cp | 16, so cp3 is never drawn.
 SEQ_LENGTH = 16
-_DEFAULTS = ModelSpec("defaults", "")
 
 
 def all_topologies(max_world: int) -> list[Topology]:
@@ -106,6 +108,27 @@ def models(draw: st.DrawFn, tp: int = 1, pp: int = 1) -> ModelSpec:
     return ModelSpec(model_name(values), "drawn by harness.explore", **values)
 
 
+@st.composite
+def hf_models(draw: st.DrawFn, tp: int = 1, pp: int = 1) -> HFModelSpec:
+    """An HF fixture (Llama or Qwen2, tied or not) with the same non-power-of-two sizes as `models`.
+    The HF side has no padding: the vocab is a multiple of tp (Topology.validate's rule, and the
+    fixture tokenizer's), but Megatron-Bridge's provider pads it to its own
+    make_vocab_size_divisible_by times tp inside Megatron, so the padded size changes with TP
+    there and export-bitwise proves the padded rows do not leak into the exported HF files."""
+    heads = tp * draw(st.sampled_from([1, 2, 3, 4, 6]))
+    values: dict[str, Any] = dict(
+        arch=draw(st.sampled_from(["llama", "qwen2"])),
+        tied=draw(st.booleans()),
+        num_layers=pp * draw(st.integers(1, 3)),
+        hidden_size=heads * draw(st.sampled_from([8, 12, 16])),
+        num_attention_heads=heads,
+        num_key_value_heads=draw(st.sampled_from([g for g in range(tp, heads + 1, tp) if heads % g == 0])),
+        intermediate_size=tp * draw(st.integers(2, 24)),
+        vocab_size=tp * draw(st.integers(8, 100)),
+    )
+    return HFModelSpec(model_name(values), "drawn by harness.explore", **values)
+
+
 def _fits(triple: Triple, max_world: int) -> bool:
     """Topology.validate's verdict on both topologies (a guard: `triples` builds only valid ones)."""
     model, src, dst = triple
@@ -118,37 +141,51 @@ def _fits(triple: Triple, max_world: int) -> bool:
 
 
 @st.composite
-def _raw_triples(draw: st.DrawFn, max_world: int) -> Triple:
-    topos = [t for t in all_topologies(max_world) if SEQ_LENGTH % (2 * t.cp) == 0]
+def _raw_triples(draw: st.DrawFn, max_world: int, kind: str) -> Triple:
+    # hf: no CP (hf-roundtrip's Megatron forward has no CP path, and no matrix names one)
+    topos = [t for t in all_topologies(max_world) if SEQ_LENGTH % (2 * t.cp) == 0 and (kind == "gpt" or t.cp == 1)]
     src = draw(st.sampled_from(topos))
     dst = draw(st.sampled_from([t for t in topos if t != src]))
-    model = draw(models(_lcm(src.tp, dst.tp), _lcm(src.pp, dst.pp)))
+    strategy = models if kind == "gpt" else hf_models
+    model = draw(strategy(_lcm(src.tp, dst.tp), _lcm(src.pp, dst.pp)))
     return model, src, dst
 
 
-def triples(max_world: int = 4) -> st.SearchStrategy[Triple]:
+def triples(max_world: int = 4, kind: str = "gpt") -> st.SearchStrategy[Triple]:
     """Two different topologies of <= `max_world` ranks (drawn first from a fixed list, smallest world
-    first, so they shrink independently of the model), then a model both hold, filtered through
-    Topology.validate."""
-    return _raw_triples(max_world).filter(lambda t: _fits(t, max_world))
+    first, so they shrink independently of the model), then a model both hold (`kind` "gpt": a
+    megatron-core GPT for reshard-weights; "hf": an HF fixture for hf-roundtrip through
+    Megatron-Bridge), filtered through Topology.validate."""
+    return _raw_triples(max_world, kind).filter(lambda t: _fits(t, max_world))
 
 
 # --------------------------------------------------------------------------- running one triple
 
 
-def run_triple(model: ModelSpec, src: Topology, dst: Topology, workdir: Path, timeout_s: float = 240.0):
-    """One reshard-weights run of the triple: a CaseResult with status passed, failed or error."""
-    from cases.reshard_weights import run_weights
+def run_triple(model: AnyModel, src: Topology, dst: Topology, workdir: Path, timeout_s: float = 240.0):
+    """One run of the triple (reshard-weights for a GPT model, hf-roundtrip for an HF fixture): a
+    CaseResult with status passed, failed or error."""
     from harness.backends import resolve
     from harness.case import RunEnv
     from harness.result import CaseResult
 
-    result = CaseResult(f"explore[{model.name}-{src.id}->{dst.id}]", "reshard-weights", model.name, BACKEND, src.id, dst.id)
+    case, backend, _ = CASE_OF[model.kind]
+    result = CaseResult(f"explore[{model.name}-{src.id}->{dst.id}]", case, model.name, backend, src.id, dst.id)
     case_dir = Path(tempfile.mkdtemp(prefix="explore-", dir=workdir))
     start = time.perf_counter()
     try:
-        run_weights(model, src, dst, resolve(BACKEND), "fp32", RunEnv(case_dir, timeout_s=timeout_s), result)
+        env = RunEnv(case_dir, timeout_s=timeout_s)
+        if isinstance(model, HFModelSpec):
+            from cases.hf_roundtrip import DdpKnobs, run_roundtrip
+
+            run_roundtrip(model, src, dst, resolve(backend), DdpKnobs(), env, result)
+        else:
+            from cases.reshard_weights import run_weights
+
+            run_weights(model, src, dst, resolve(backend), "fp32", env, result)
         result.status = "failed" if result.failed_checks else "passed"
+        if not result.checks:  # a run that judged nothing must not count as a pass
+            result.status, result.error = "error", "no check was recorded"
     except Exception as exc:  # a world that raised or died: the triple fails, with the reason
         result.status = "error"
         result.error = f"{type(exc).__name__}: {exc}"
@@ -158,21 +195,24 @@ def run_triple(model: ModelSpec, src: Topology, dst: Topology, workdir: Path, ti
     return result
 
 
-def zoo_entry(model: ModelSpec) -> str:
-    """The ModelSpec line to add to harness/zoo.py's ZOO: only the fields that differ from the default."""
+def zoo_entry(model: AnyModel) -> str:
+    """The ModelSpec/HFModelSpec line to add to harness/zoo.py's ZOO: the fields that differ from
+    their defaults (and every required one)."""
     args = [f'"{model.name}"', '"found by ckpt-harness explore"']
-    for f in fields(ModelSpec):
+    for f in fields(type(model)):
         if f.name in ("name", "description"):
             continue
         value = getattr(model, f.name)
-        if value != getattr(_DEFAULTS, f.name):
+        if f.default is MISSING or value != f.default:
             args.append(f"{f.name}={value!r}")
-    return f"ModelSpec({', '.join(args)}),"
+    return f"{type(model).__name__}({', '.join(args)}),"
 
 
-def matrix_entry(model: ModelSpec, src: Topology, dst: Topology) -> str:
+def matrix_entry(model: AnyModel, src: Topology, dst: Topology) -> str:
     """The matrices/*.yaml entry that reproduces the triple once `zoo_entry(model)` is in the zoo."""
-    return (f"  - case: reshard-weights\n    models: [{model.name}]\n    backends: [{BACKEND}]\n"
+    case, backend, marker = CASE_OF[model.kind]
+    markers = f"\n    markers: [{marker}]" if marker else ""
+    return (f"  - case: {case}\n    models: [{model.name}]\n    backends: [{backend}]{markers}\n"
             f"    pairs: [\"{src.id} -> {dst.id}\"]")
 
 
@@ -192,6 +232,7 @@ class Example:
     status: str
     seconds: float
     failure: str = ""
+    checks: list[str] = field(default_factory=list)  # name:status of each check recorded
 
 
 @dataclass
@@ -225,6 +266,7 @@ def explore(
     derandomize: bool = False,
     shrink_budget_s: float | None = None,
     on_example: Any = None,
+    kind: str = "gpt",
 ) -> ExploreReport:
     """Draw triples until `budget_s` of wall time is used (or `max_examples` ran), shrink a failure.
 
@@ -237,7 +279,7 @@ def explore(
     rule for @seed, the database is neither read nor written (explore.json still records it all)."""
     from harness.preload import warm
 
-    warm()  # megatron-core imported once here, so each forked rank starts in ~1 s, not ~6 s
+    warm(bridge=kind == "hf")  # megatron-core (and the Bridge) imported once here, so each forked rank starts in ~1 s, not ~6 s
     report_dir = Path(report_dir or tempfile.mkdtemp(prefix="ckpt-explore-"))
     report_dir.mkdir(parents=True, exist_ok=True)
     workdir = report_dir / "scratch"
@@ -254,9 +296,10 @@ def explore(
         suppress_health_check=list(HealthCheck),
         phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
         print_blob=False,
+        verbosity=Verbosity.quiet,  # explore prints its own report (hypothesis would call a spent budget a failure)
         report_multiple_bugs=False,
     )
-    @given(triples(max_world))
+    @given(triples(max_world, kind))
     def prop(triple: Triple) -> None:
         now = time.perf_counter() - start
         if not shrink_until and now >= budget_s:
@@ -265,8 +308,9 @@ def explore(
             raise BudgetSpent()
         model, src, dst = triple
         result = run_triple(model, src, dst, workdir)
-        ex = Example({f.name: getattr(model, f.name) for f in fields(ModelSpec)}, src.id, dst.id, result.status,
-                     result.phases.get("total", 0.0), "" if result.status == "passed" else result.failure_text())
+        ex = Example({f.name: getattr(model, f.name) for f in fields(type(model))}, src.id, dst.id, result.status,
+                     result.phases.get("total", 0.0), "" if result.status == "passed" else result.failure_text(),
+                     [f"{c.name}:{c.status}" for c in result.checks])
         report.examples.append(ex)
         if on_example is not None:
             on_example(len(report.examples), ex)

@@ -111,10 +111,10 @@ def models(draw: st.DrawFn, tp: int = 1, pp: int = 1) -> ModelSpec:
 @st.composite
 def hf_models(draw: st.DrawFn, tp: int = 1, pp: int = 1) -> HFModelSpec:
     """An HF fixture (Llama or Qwen2, tied or not) with the same non-power-of-two sizes as `models`.
-    The HF side has no padding: the vocab is a multiple of tp (Topology.validate's rule, and the
-    fixture tokenizer's), but Megatron-Bridge's provider pads it to its own
-    make_vocab_size_divisible_by times tp inside Megatron, so the padded size changes with TP
-    there and export-bitwise proves the padded rows do not leak into the exported HF files."""
+    The HF vocab is a multiple of tp (Topology.validate's rule); with `pad_vocab` drawn True the
+    Bridge provider pads it inside Megatron (should_pad_vocab: to a multiple of the largest power
+    of two <= 128 dividing the vocab, times tp), so the padded size changes with TP there and
+    export-bitwise proves the padded rows do not leak into the exported HF files."""
     heads = tp * draw(st.sampled_from([1, 2, 3, 4, 6]))
     values: dict[str, Any] = dict(
         arch=draw(st.sampled_from(["llama", "qwen2"])),
@@ -125,6 +125,7 @@ def hf_models(draw: st.DrawFn, tp: int = 1, pp: int = 1) -> HFModelSpec:
         num_key_value_heads=draw(st.sampled_from([g for g in range(tp, heads + 1, tp) if heads % g == 0])),
         intermediate_size=tp * draw(st.integers(2, 24)),
         vocab_size=tp * draw(st.integers(8, 100)),
+        pad_vocab=draw(st.booleans()),
     )
     return HFModelSpec(model_name(values), "drawn by harness.explore", **values)
 

@@ -68,6 +68,10 @@ class HFModelSpec:
     vocab_size: int = 128
     seq_length: int = 16
     seed: int = 4321
+    #: Megatron-Bridge's `provider.should_pad_vocab` (False, its default, for every zoo fixture):
+    #: True pads the Megatron vocab to a multiple of the Bridge's divisor times TP, so the padded
+    #: size changes with TP and the HF export must drop the padded rows (harness.explore draws it).
+    pad_vocab: bool = False
 
     # what Topology.validate reads
     @property

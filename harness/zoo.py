@@ -111,6 +111,10 @@ ZOO: dict[str, AnyModel] = {
         HFModelSpec("hf-llama", "Llama: GQA (8 heads, 4 kv heads), SwiGLU, RMSNorm, untied", "llama"),
         HFModelSpec("hf-qwen2", "Qwen2: GQA with q/k/v biases, untied", "qwen2"),
         HFModelSpec("hf-llama-tied", "Llama with tied input/output embeddings", "llama", tied=True),
+        # Found by `ckpt-harness explore --kind hf` (docs/measurements.md): the Bridge provider's
+        # vocab padding (should_pad_vocab) pads 96 rows to 96 at tp1 and 128 at tp2.
+        HFModelSpec("hf-llama-padvocab", "Llama, vocab 96 padded by the Bridge provider (should_pad_vocab)", "llama",
+                    vocab_size=96, pad_vocab=True),
     )
 }
 

@@ -109,12 +109,14 @@ def models(draw: st.DrawFn, tp: int = 1, pp: int = 1) -> ModelSpec:
 
 
 @st.composite
-def hf_models(draw: st.DrawFn, tp: int = 1, pp: int = 1) -> HFModelSpec:
+def hf_models(draw: st.DrawFn, tp: int = 1, pp: int = 1, pad_vocab: bool = True) -> HFModelSpec:
     """An HF fixture (Llama or Qwen2, tied or not) with the same non-power-of-two sizes as `models`.
     The HF vocab is a multiple of tp (Topology.validate's rule); with `pad_vocab` drawn True the
     Bridge provider pads it inside Megatron (should_pad_vocab: to a multiple of the largest power
     of two <= 128 dividing the vocab, times tp), so the padded size changes with TP there and
-    export-bitwise proves the padded rows do not leak into the exported HF files."""
+    export-bitwise proves the padded rows do not leak into the exported HF files. `pad_vocab=False`
+    keeps the Bridge's default (no padding): Megatron-Bridge 0.6.2 does leak them (README, the
+    `padvocab` xfails), and a search that should look past that known defect turns it off."""
     heads = tp * draw(st.sampled_from([1, 2, 3, 4, 6]))
     values: dict[str, Any] = dict(
         arch=draw(st.sampled_from(["llama", "qwen2"])),
@@ -125,7 +127,7 @@ def hf_models(draw: st.DrawFn, tp: int = 1, pp: int = 1) -> HFModelSpec:
         num_key_value_heads=draw(st.sampled_from([g for g in range(tp, heads + 1, tp) if heads % g == 0])),
         intermediate_size=tp * draw(st.integers(2, 24)),
         vocab_size=tp * draw(st.integers(8, 100)),
-        pad_vocab=draw(st.booleans()),
+        pad_vocab=draw(st.booleans()) if pad_vocab else False,
     )
     return HFModelSpec(model_name(values), "drawn by harness.explore", **values)
 
@@ -142,22 +144,22 @@ def _fits(triple: Triple, max_world: int) -> bool:
 
 
 @st.composite
-def _raw_triples(draw: st.DrawFn, max_world: int, kind: str) -> Triple:
+def _raw_triples(draw: st.DrawFn, max_world: int, kind: str, hf_pad_vocab: bool = True) -> Triple:
     # hf: no CP (hf-roundtrip's Megatron forward has no CP path, and no matrix names one)
     topos = [t for t in all_topologies(max_world) if SEQ_LENGTH % (2 * t.cp) == 0 and (kind == "gpt" or t.cp == 1)]
     src = draw(st.sampled_from(topos))
     dst = draw(st.sampled_from([t for t in topos if t != src]))
-    strategy = models if kind == "gpt" else hf_models
-    model = draw(strategy(_lcm(src.tp, dst.tp), _lcm(src.pp, dst.pp)))
+    tp, pp = _lcm(src.tp, dst.tp), _lcm(src.pp, dst.pp)
+    model = draw(models(tp, pp) if kind == "gpt" else hf_models(tp, pp, hf_pad_vocab))
     return model, src, dst
 
 
-def triples(max_world: int = 4, kind: str = "gpt") -> st.SearchStrategy[Triple]:
+def triples(max_world: int = 4, kind: str = "gpt", hf_pad_vocab: bool = True) -> st.SearchStrategy[Triple]:
     """Two different topologies of <= `max_world` ranks (drawn first from a fixed list, smallest world
     first, so they shrink independently of the model), then a model both hold (`kind` "gpt": a
     megatron-core GPT for reshard-weights; "hf": an HF fixture for hf-roundtrip through
     Megatron-Bridge), filtered through Topology.validate."""
-    return _raw_triples(max_world, kind).filter(lambda t: _fits(t, max_world))
+    return _raw_triples(max_world, kind, hf_pad_vocab).filter(lambda t: _fits(t, max_world))
 
 
 # --------------------------------------------------------------------------- running one triple
@@ -268,6 +270,7 @@ def explore(
     shrink_budget_s: float | None = None,
     on_example: Any = None,
     kind: str = "gpt",
+    hf_pad_vocab: bool = True,
 ) -> ExploreReport:
     """Draw triples until `budget_s` of wall time is used (or `max_examples` ran), shrink a failure.
 
@@ -300,7 +303,7 @@ def explore(
         verbosity=Verbosity.quiet,  # explore prints its own report (hypothesis would call a spent budget a failure)
         report_multiple_bugs=False,
     )
-    @given(triples(max_world, kind))
+    @given(triples(max_world, kind, hf_pad_vocab))
     def prop(triple: Triple) -> None:
         now = time.perf_counter() - start
         if not shrink_until and now >= budget_s:

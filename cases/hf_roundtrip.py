@@ -115,26 +115,31 @@ class HFRoundtrip(Case):
     checks = ("export-bitwise", "hf-logits", "megatron-logits", "propagation")
 
     def run(self, spec: CaseSpec, opts: DdpKnobs, env: RunEnv, result: CaseResult) -> None:
-        model = get_model(spec.model, "hf")
-        src, dst = spec.source, spec.target
-        hf_dir, export = env.case_dir / "hf-source", env.case_dir / "hf-export"
-        paths = dict(export_backend=resolve(spec.backend), dist_backend=resolve("mcore_dist"))
-        with timed(result, "fixture"):
-            write_fixture(model, hf_dir)
-        if src == dst:
-            outs = env.launch(result, "export", _rank, _Phase(model, str(hf_dir), src, True, opts, export_to=str(export), **paths), src)
-            worlds = [(src.id, outs)]
-        else:
-            ckpt = env.case_dir / "dist-ckpt"
-            first = env.launch(result, "save", _rank, _Phase(model, str(hf_dir), src, True, opts, dist_save=str(ckpt), **paths), src)
-            outs = env.launch(result, "load", _rank, _Phase(
-                model, str(hf_dir), dst, False, opts, dist_load=str(ckpt), export_to=str(export), **paths), dst)
-            worlds = [(src.id, first), (dst.id, outs)]
-        with timed(result, "compare"):
-            backend = get_backend(spec.backend)
-            ids = truth.fixed_input_ids(model)
-            result.checks.extend(judge(src, dst, worlds, backend.read_full(None, hf_dir), backend.read_full(None, export),
-                                       hf_logits(hf_dir, ids), hf_logits(export, ids)))
+        run_roundtrip(get_model(spec.model, "hf"), spec.source, spec.target, resolve(spec.backend), opts, env, result)
+
+
+def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backend: str, opts: DdpKnobs, env: RunEnv,
+                  result: CaseResult) -> None:
+    """The fixture, the worlds (export at S, or save at S -> load at D -> export) and the judge, for
+    any HFModelSpec: the matrix case and harness.explore (which draws shapes outside the zoo) run this."""
+    hf_dir, export = env.case_dir / "hf-source", env.case_dir / "hf-export"
+    paths = dict(export_backend=export_backend, dist_backend=resolve("mcore_dist"))
+    with timed(result, "fixture"):
+        write_fixture(model, hf_dir)
+    if src == dst:
+        outs = env.launch(result, "export", _rank, _Phase(model, str(hf_dir), src, True, opts, export_to=str(export), **paths), src)
+        worlds = [(src.id, outs)]
+    else:
+        ckpt = env.case_dir / "dist-ckpt"
+        first = env.launch(result, "save", _rank, _Phase(model, str(hf_dir), src, True, opts, dist_save=str(ckpt), **paths), src)
+        outs = env.launch(result, "load", _rank, _Phase(
+            model, str(hf_dir), dst, False, opts, dist_load=str(ckpt), export_to=str(export), **paths), dst)
+        worlds = [(src.id, first), (dst.id, outs)]
+    with timed(result, "compare"):
+        backend = get_backend(export_backend)
+        ids = truth.fixed_input_ids(model)
+        result.checks.extend(judge(src, dst, worlds, backend.read_full(None, hf_dir), backend.read_full(None, export),
+                                   hf_logits(hf_dir, ids), hf_logits(export, ids)))
 
 
 CASE = HFRoundtrip()

@@ -7,6 +7,9 @@ Checks (each can fail on its own; tests/test_judges.py and tests/test_reshard_ca
                         bitwise; nothing missing, extra, uncovered, or disagreeing between replicas
   resave-plain          Megatron-LM's own pattern: re-save at D, load_plain_tensors of both
                         checkpoints, exact equality
+  vocab-padding         only for a model with make_vocab_size_divisible_by (harness.explore): the
+                        other checks compare the first vocab_size rows of the vocab tensors; this
+                        one reports the padded shapes at S and D and what the padding rows hold
   logits                logits of a fixed batch at D equal those at S; bitwise when TP is
                         unchanged, else within LOGITS_TP_TOLERANCE (fp32) or
                         LOGITS_TP_TOLERANCE_BF16 (bf16); not run when CP>1 (a CP forward needs
@@ -115,7 +118,10 @@ def logits_tolerance(src: Topology, dst: Topology, dtype: DType) -> Tolerance | 
     return LOGITS_TP_TOLERANCE_BF16 if dtype == "bf16" else LOGITS_TP_TOLERANCE
 
 
-def logits_check(saved: list[WeightsOut], loaded: list[WeightsOut], src: Topology, dst: Topology, dtype: DType = "fp32") -> Check:
+def logits_check(saved: list[WeightsOut], loaded: list[WeightsOut], src: Topology, dst: Topology, dtype: DType = "fp32",
+                 vocab: int | None = None) -> Check:
+    """Logits at D against logits at S; with `vocab` (a padded model) only the first `vocab` columns,
+    the ones a token can take: the padded columns' count changes with TP."""
     if not (src.cp == 1 and dst.cp == 1):
         return Check("logits", "not-run", CP_FORWARD_UNSUPPORTED, tolerance="-")
     ls, src_agree = replicated(saved, "logits")
@@ -124,8 +130,48 @@ def logits_check(saved: list[WeightsOut], loaded: list[WeightsOut], src: Topolog
         return Check("logits", "failed", "no rank returned logits")
     if not (src_agree and dst_agree):
         return Check("logits", "failed", "data-parallel replicas computed different logits")
+    if vocab is not None:
+        ls, ld = ls[..., :vocab], ld[..., :vocab]
     tol = logits_tolerance(src, dst, dtype)
     return tensor_check("logits", ls, ld, src.id, dst.id, f"{tuple(ld.shape)} logits agree", tol)
+
+
+def real_rows(model: ModelSpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with every padded vocab tensor cut to its first `vocab_size` rows.
+
+    With `make_vocab_size_divisible_by` the checkpoint key of the embedding (and untied output
+    layer) has global shape (padded_vocab_size(tp_S), hidden) at S and (padded_vocab_size(tp_D),
+    hidden) at D: the padded size changes with TP. What a correct reshard must preserve is the real
+    rows; padding rows hold nothing a token can reach and may differ, so they are compared apart
+    (`padding_check`). A model without padding comes back unchanged."""
+    return {k: v[: model.vocab_size] if truth.is_padded_vocab(model, k, tuple(v.shape)) else v for k, v in state.items()}
+
+
+def padding_check(model: ModelSpec, src: Topology, dst: Topology, checkpoint: dict[str, torch.Tensor],
+                  dst_full: dict[str, torch.Tensor], dtype: DType) -> Check:
+    """What happened to the vocab padding rows: reported, never failed (they carry no token)."""
+    parts = []
+    for key in sorted(k for k in checkpoint if k.endswith(truth.VOCAB_KEYS)):
+        at_d = dst_full.get(key)
+        text = (f"{key}: vocab {model.vocab_size}, padded {model.padded_vocab_size(src.tp)} at {src.id}"
+                f" (checkpoint global shape {tuple(checkpoint[key].shape)}), {model.padded_vocab_size(dst.tp)} at {dst.id}")
+        if at_d is not None and at_d.shape[0] > model.vocab_size:
+            canon = truth.canonical_tensor(model, key, tuple(at_d.shape), TORCH_DTYPES[dtype])[model.vocab_size:]
+            pad = at_d[model.vocab_size:]
+            decoy = truth.canonical_tensor(model.with_seed(model.seed + truth.DECOY_SEED_OFFSET), key, tuple(at_d.shape),
+                                           TORCH_DTYPES[dtype])[model.vocab_size:]
+            if torch.equal(canon, pad):
+                text += "; padding rows at D equal the canonical ones"
+            elif torch.equal(decoy, pad):
+                text += "; padding rows at D kept their pre-load values (the load did not touch them; not a failure)"
+            elif not pad.any():
+                text += "; padding rows at D are zero (not a failure)"
+            else:
+                text += "; padding rows at D hold other values (not a failure)"
+        elif at_d is not None:
+            text += f"; loaded at D with shape {tuple(at_d.shape)}"
+        parts.append(text)
+    return Check("vocab-padding", "passed", "; ".join(parts) or "no vocab tensor", tolerance="-")
 
 
 def judge(
@@ -139,7 +185,12 @@ def judge(
     src_full, src_problems = assembled(saved, "shards", src.id)
     dst_full, dst_problems = assembled(loaded, "shards", dst.id)
     canonical = {k: truth.canonical_tensor(model, k, tuple(v.shape), TORCH_DTYPES[dtype]) for k, v in src_full.items()}
-    return [
+    padded = model.make_vocab_size_divisible_by is not None
+    if padded:  # compare the real vocab rows only (see `real_rows`); zoo models skip this
+        full_ckpt = checkpoint
+        canonical, src_full, checkpoint, resaved = (real_rows(model, t) for t in (canonical, src_full, checkpoint, resaved))
+        dst_full_all, dst_full = dst_full, real_rows(model, dst_full)
+    checks = [
         state_check("source-canonical", canonical, src_full, "canonical", src.id,
                     f"{len(src_full)} tensors built at {src.id} equal canonical", problems=src_problems),
         state_check("checkpoint-canonical", canonical, checkpoint, "canonical", f"checkpoint@{src.id}",
@@ -148,8 +199,25 @@ def judge(
                     f"{len(dst_full)} tensors loaded at {dst.id} equal canonical, none missing or extra", problems=dst_problems),
         state_check("resave-plain", checkpoint, resaved, f"saved@{src.id}", f"resaved@{dst.id}",
                     "load_plain_tensors(original) == load_plain_tensors(re-saved at target)"),
-        logits_check(saved, loaded, src, dst, dtype),
+        logits_check(saved, loaded, src, dst, dtype, model.vocab_size if padded else None),
     ]
+    if padded:
+        checks.append(padding_check(model, src, dst, full_ckpt, dst_full_all, dtype))
+    return checks
+
+
+def run_weights(model: ModelSpec, src: Topology, dst: Topology, backend: str, dtype: DType, env: RunEnv,
+                result: CaseResult) -> None:
+    """The three worlds (save at S, load and re-save at D, read both checkpoints) and the judge,
+    for any ModelSpec: the matrix case and harness.explore (which draws models outside the zoo)
+    run exactly this."""
+    ckpt_a, ckpt_b = env.case_dir / "ckpt-source", env.case_dir / "ckpt-resaved"
+    logits = src.cp == 1 and dst.cp == 1
+    saved = env.launch(result, "save", _rank_phase, _Phase(model, src, backend, None, str(ckpt_a), logits, dtype), src)
+    loaded = env.launch(result, "load", _rank_phase, _Phase(model, dst, backend, str(ckpt_a), str(ckpt_b), logits, dtype), dst)
+    plain = env.launch(result, "read", _rank_read, (backend, [str(ckpt_a), str(ckpt_b)]), None)[0]
+    with timed(result, "compare"):
+        result.checks.extend(judge(model, src, dst, saved, loaded, plain[str(ckpt_a)], plain[str(ckpt_b)], dtype))
 
 
 class ReshardWeights(Case):
@@ -157,19 +225,10 @@ class ReshardWeights(Case):
     description = "model weights saved at S, reloaded at D: bitwise, plus Megatron-LM's re-save check and logits"
     Options = Options
     needs = frozenset({"weights", "read_plain"})
-    checks = ("source-canonical", "checkpoint-canonical", "loaded-canonical", "resave-plain", "logits")
+    checks = ("source-canonical", "checkpoint-canonical", "loaded-canonical", "resave-plain", "logits", "vocab-padding")
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
-        model = get_model(spec.model, "gpt")
-        src, dst = spec.source, spec.target
-        backend = resolve(spec.backend)
-        ckpt_a, ckpt_b = env.case_dir / "ckpt-source", env.case_dir / "ckpt-resaved"
-        logits = src.cp == 1 and dst.cp == 1
-        saved = env.launch(result, "save", _rank_phase, _Phase(model, src, backend, None, str(ckpt_a), logits, opts.dtype), src)
-        loaded = env.launch(result, "load", _rank_phase, _Phase(model, dst, backend, str(ckpt_a), str(ckpt_b), logits, opts.dtype), dst)
-        plain = env.launch(result, "read", _rank_read, (backend, [str(ckpt_a), str(ckpt_b)]), None)[0]
-        with timed(result, "compare"):
-            result.checks.extend(judge(model, src, dst, saved, loaded, plain[str(ckpt_a)], plain[str(ckpt_b)], opts.dtype))
+        run_weights(get_model(spec.model, "gpt"), spec.source, spec.target, resolve(spec.backend), opts.dtype, env, result)
 
 
 CASE = ReshardWeights()

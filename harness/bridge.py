@@ -73,6 +73,8 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     provider.params_dtype = torch.float32
     provider.pipeline_dtype = torch.float32
     provider.bf16 = provider.fp16 = False
+    if getattr(spec, "pad_vocab", False):  # the Bridge's default (no padding) otherwise
+        provider.should_pad_vocab = True
     peft = None
     if adapter is not None:
         peft = adapter.make()
@@ -141,7 +143,9 @@ def ddp_propagation(bm: BridgeModel, asked: dict[str, Any]) -> list[dict[str, An
 def megatron_logits(bm: BridgeModel, spec: HFModelSpec, device) -> torch.Tensor | None:
     from harness.models import forward_logits
 
-    return forward_logits(unwrapped(bm), truth.hf_batch(spec), spec.hidden_size, device)
+    logits = forward_logits(unwrapped(bm), truth.hf_batch(spec), spec.hidden_size, device)
+    # a padded vocab (spec.pad_vocab) adds columns no token maps to; transformers has none
+    return None if logits is None else logits[..., : spec.vocab_size].contiguous()
 
 
 def adapter_state(bm: BridgeModel) -> dict:

@@ -139,6 +139,25 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return code
 
 
+def _cmd_explore(args: argparse.Namespace) -> int:
+    """Exit 0 when every drawn triple passed, 1 when one failed (the minimal one is printed)."""
+    from harness.explore import explore
+
+    def progress(n, ex) -> None:
+        print(f"[{n}] {ex.status.upper():7} {ex.model['name']} {ex.source} -> {ex.target}  {ex.seconds:.1f}s", flush=True)
+
+    rep = explore(args.budget, args.seed, args.max_world, args.report, on_example=progress, kind=args.kind,
+                  hf_pad_vocab=not args.no_hf_pad_vocab)
+    print(f"explore: {len(rep.examples)} example(s) in {rep.wall_s:.0f} s (stopped by {rep.stopped_by}), "
+          f"{len(rep.failures)} failing; report {args.report or 'a temp dir'}")
+    if rep.minimal is None:
+        return 0
+    m = rep.minimal
+    print(f"minimal failing triple: {m.source} -> {m.target} with {m.model}\n{m.failure}")
+    print(f"add to harness/zoo.py ZOO:\n    {rep.zoo_entry}\nthen this matrix entry reproduces it:\n{rep.matrix_entry}")
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ckpt-harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -202,6 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     cmp.add_argument("--memory-mib", type=float, default=32.0, help="... and this many MiB to fail")
     cmp.add_argument("--diff-factor", type=float, default=10.0, help="toleranced diff growth factor that fails")
     cmp.set_defaults(func=_cmd_compare)
+    exp = sub.add_parser("explore", help="hypothesis search of (model shape, S, D) triples through reshard-weights")
+    exp.add_argument("--budget", type=float, default=60.0, help="seconds of wall time to draw examples in (shrinking gets as much again)")
+    exp.add_argument("--seed", type=int, default=None, help="hypothesis seed: the same seed draws the same triples")
+    exp.add_argument("--max-world", type=int, default=4, help="largest world size a topology may have")
+    exp.add_argument("--report", type=Path, default=None, help="DIR/explore.json and DIR/hypothesis (the example database)")
+    exp.add_argument("--kind", choices=("gpt", "hf"), default="gpt",
+                     help="gpt: megatron-core GPT shapes through reshard-weights; hf: HF fixtures through hf-roundtrip (Bridge)")
+    exp.add_argument("--no-hf-pad-vocab", action="store_true",
+                     help="hf: never draw pad_vocab (look past the known Bridge export defect, README)")
+    exp.set_defaults(func=_cmd_explore)
     args = parser.parse_args(argv)
     from harness.matrix import MatrixError
 

@@ -104,7 +104,7 @@ def build_gpt(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", **config_o
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization),
-        vocab_size=spec.vocab_size,
+        vocab_size=spec.padded_vocab_size(topo.tp),  # == vocab_size unless the spec asks for padding
         max_sequence_length=spec.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),

@@ -29,6 +29,8 @@ class ModelShape(Protocol):
     ffn_hidden_size: int
     vocab_size: int
     seq_length: int
+    # optional (ModelSpec has it): when not None the vocab is padded to a multiple of TP
+    # make_vocab_size_divisible_by: int | None
 
 
 @dataclass(frozen=True, order=True)
@@ -103,7 +105,8 @@ class Topology:
             )
         if model.ffn_hidden_size % self.tp:
             problems.append(f"ffn_hidden_size={model.ffn_hidden_size} is not divisible by tp={self.tp}")
-        if model.vocab_size % self.tp:
+        # A padded vocab (make_vocab_size_divisible_by) is a multiple of tp by construction.
+        if getattr(model, "make_vocab_size_divisible_by", None) is None and model.vocab_size % self.tp:
             problems.append(f"vocab_size={model.vocab_size} is not divisible by tp={self.tp}")
         if model.seq_length % (2 * self.cp):
             problems.append(

@@ -27,9 +27,38 @@ def _noise(shape: tuple[int, ...], *parts: Any) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(derive_seed(*parts)), dtype=torch.float32)
 
 
+#: Checkpoint keys whose first dim is the (possibly padded) vocabulary.
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def is_padded_vocab(model: Any, key: str, shape: tuple[int, ...]) -> bool:
+    """Whether `key` at `shape` holds padding rows beyond the model's `vocab_size` (only a model with
+    `make_vocab_size_divisible_by` set pads; every zoo model leaves it None)."""
+    return (
+        getattr(model, "make_vocab_size_divisible_by", None) is not None
+        and key.endswith(VOCAB_KEYS)
+        and len(shape) >= 1
+        and shape[0] > model.vocab_size
+    )
+
+
+def _vocab_noise(model: Any, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Noise whose first `vocab_size` rows do not depend on the padded size: the real rows are drawn
+    at their own shape and the padding rows separately (torch.randn's prefix changes with the
+    total size), so a model padded to 104 rows at tp1 and 112 at tp2 holds the same real rows."""
+    if not is_padded_vocab(model, key, shape):
+        return _noise(shape, model.seed, key)
+    real = _noise((model.vocab_size, *shape[1:]), model.seed, key)
+    pad = _noise((shape[0] - model.vocab_size, *shape[1:]), model.seed, key, "vocab-padding")
+    return torch.cat([real, pad])
+
+
 def canonical_tensor(model: Any, key: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The full tensor a megatron checkpoint key holds in a GPT zoo model (scaled so logits stay sane)."""
-    noise = _noise(shape, model.seed, key)
+    """The full tensor a megatron checkpoint key holds in a GPT zoo model (scaled so logits stay sane).
+
+    With vocab padding the real rows are the same at every padded size (see `_vocab_noise`); the
+    padding rows are a function of the padded size too and nothing checks them bitwise."""
+    noise = _vocab_noise(model, key, shape)
     leaf = key.rsplit(".", 1)[-1]
     if "norm" in key and leaf in ("weight", "layer_norm_weight"):
         t = 1.0 + 0.1 * noise

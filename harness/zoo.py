@@ -34,6 +34,18 @@ class ModelSpec:
     tied_embeddings: bool = False
     position_embedding: str = "rope"
     seed: int = 1234
+    #: Megatron-LM's `--make-vocab-size-divisible-by`: None (every zoo model) builds the vocab as is;
+    #: a value pads it to `padded_vocab_size(tp)`, which changes with TP (harness.explore draws it).
+    make_vocab_size_divisible_by: int | None = None
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """The embedding/output rows a model built at TP `tp` holds: Megatron-LM's
+        `_vocab_size_with_padding` (ceil(vocab / (divisible_by * tp)) * divisible_by * tp), so the
+        checkpoint key's global shape depends on the TP it was saved at; `vocab_size` unpadded."""
+        if self.make_vocab_size_divisible_by is None:
+            return self.vocab_size
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
 
     def with_seed(self, seed: int) -> "ModelSpec":
         return replace(self, seed=seed)
@@ -56,6 +68,10 @@ class HFModelSpec:
     vocab_size: int = 128
     seq_length: int = 16
     seed: int = 4321
+    #: Megatron-Bridge's `provider.should_pad_vocab` (False, its default, for every zoo fixture):
+    #: True pads the Megatron vocab to a multiple of the Bridge's divisor times TP, so the padded
+    #: size changes with TP and the HF export must drop the padded rows (harness.explore draws it).
+    pad_vocab: bool = False
 
     # what Topology.validate reads
     @property
@@ -95,6 +111,10 @@ ZOO: dict[str, AnyModel] = {
         HFModelSpec("hf-llama", "Llama: GQA (8 heads, 4 kv heads), SwiGLU, RMSNorm, untied", "llama"),
         HFModelSpec("hf-qwen2", "Qwen2: GQA with q/k/v biases, untied", "qwen2"),
         HFModelSpec("hf-llama-tied", "Llama with tied input/output embeddings", "llama", tied=True),
+        # Found by `ckpt-harness explore --kind hf` (docs/measurements.md): the Bridge provider's
+        # vocab padding (should_pad_vocab) pads 96 rows to 96 at tp1 and 128 at tp2.
+        HFModelSpec("hf-llama-padvocab", "Llama, vocab 96 padded by the Bridge provider (should_pad_vocab)", "llama",
+                    vocab_size=96, pad_vocab=True),
     )
 }
 

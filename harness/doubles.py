@@ -247,3 +247,11 @@ def mark_checkpoint_complete_first() -> None:
         return real(sharded_state_dict, checkpoint_dir, *args, **kwargs)
 
     dist_checkpointing.save = save
+
+
+def leak_a_process() -> None:
+    """A rank that starts a process in its own session and forgets it: the launcher's process-group
+    kill cannot reach it, so only a leak check finds it (tests/test_soak.py)."""
+    import subprocess
+
+    subprocess.Popen(["sleep", "60"], start_new_session=True)

@@ -68,3 +68,41 @@ def test_repeated_smoke_runs_leave_nothing_behind(tmp_path):
     growth = last["rss_mib"] - first["rss_mib"]
     print(f"soak: {runs} runs x {len(specs)} cases; parent RSS {[round(s['rss_mib']) for s in seen]} MiB, fds {[s['fds'] for s in seen]}")
     assert growth <= RSS_SLACK_MIB, f"parent RSS grew {growth:.0f} MiB over {runs - 1} runs after the first: {[round(s['rss_mib']) for s in seen]}"
+
+
+def _tagged(tag: str) -> list[psutil.Process]:
+    """Processes still alive that carry the run's tag in their environment (orphans included)."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("CKPT_HARNESS_SOAK_TAG") == tag:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_repeated_smoke_runs_under_xdist_leave_nothing_behind(tmp_path):
+    """The same under `pytest -n 2` (what CI runs): each run is a pytest with two xdist workers; after
+    each, no process it started survives anywhere (found by an environment tag, orphans included),
+    and no temp entry or shared-memory segment is left. (The parent's RSS and fds across runs are
+    the in-process test above: an xdist run's parent ends with it.)"""
+    import subprocess
+    import sys
+    import uuid
+
+    runs = int(os.environ.get("CKPT_HARNESS_SOAK_RUNS", "3"))
+    k = os.environ.get("CKPT_HARNESS_SOAK_K")
+    before_tmp, before_shm = _harness_tmp(), _shm()
+    for i in range(runs):
+        tag = uuid.uuid4().hex
+        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "2", "matrices/smoke.yaml",
+               "--ckpt-workdir", str(tmp_path / f"scratch{i}"), *(["-k", k] if k else [])]
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CKPT_HARNESS_SOAK_TAG": tag}, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        left = _tagged(tag)
+        assert left == [], f"run {i}: processes left: {[(p.pid, p.name()) for p in left]}"
+        assert list((tmp_path / f"scratch{i}").iterdir()) == [], f"run {i}: scratch dirs left"
+        assert _harness_tmp() <= before_tmp, f"run {i}: temp entries left: {sorted(_harness_tmp() - before_tmp)}"
+        assert _shm() <= before_shm, f"run {i}: shared memory left: {sorted(_shm() - before_shm)}"

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from harness.preload import warm
-from harness.world import WorldError, WorldTimeout, choose_backend, launch
+from harness.world import WorldError, WorldTimeout, choose_backend, launch, live_children
 
 warm()  # as the runner does: ranks fork from a parent that already imported megatron-core
 
@@ -54,7 +54,7 @@ def _chatty_then_die_on_rank1(ctx, _):
 
 
 def _no_children_left():
-    return psutil.Process().children(recursive=True) == []
+    return live_children() == []
 
 
 def _errorfiles():

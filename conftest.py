@@ -12,3 +12,22 @@ def _no_process_left_behind():
     yield
     left = live_children()
     assert not left, f"processes left behind: {[(p.pid, p.name()) for p in left]}"
+
+
+@pytest.fixture
+def matrix_error(tmp_path):
+    """The MatrixError text of a one-entry matrix (asserting it names the entry), for tests of
+    what a case's contract refuses at load time."""
+    import textwrap
+
+    from harness.matrix import MatrixError, load_matrix
+
+    def load(entry: str) -> str:
+        path = tmp_path / "m.yaml"
+        path.write_text(textwrap.dedent(f"entries:\n  - {entry}\n"))
+        with pytest.raises(MatrixError) as exc:
+            load_matrix(path)
+        assert "entries[0]" in str(exc.value) and str(path) in str(exc.value), str(exc.value)
+        return str(exc.value)
+
+    return load

@@ -2,14 +2,12 @@
 and item 5 of issue 11: a backend that swallows load errors turns the case red (outcome silent)."""
 
 import json
-import textwrap
 
 import pytest
 import torch
 
 from harness import damage
 from harness.backends import register
-from harness.matrix import MatrixError, load_matrix
 from harness.runner import run_case
 from harness.spec import CaseSpec
 from harness.topology import Topology
@@ -104,12 +102,8 @@ def test_adapter_config_edits(tmp_path):
     ("{case: corrupt-load, models: [gpt-gqa], pairs: ['tp1 -> tp1'], options: {damage: empty-dir}, xfail: {reason: r, checks: [logits]}}",
      "never records"),
 ])
-def test_wrong_combinations_are_matrix_load_errors_naming_the_entry(tmp_path, entry, message):
-    path = tmp_path / "m.yaml"
-    path.write_text(textwrap.dedent(f"entries:\n  - {entry}\n"))
-    with pytest.raises(MatrixError) as exc:
-        load_matrix(path)
-    assert "entries[0]" in str(exc.value) and message in str(exc.value), str(exc.value)
+def test_wrong_combinations_are_matrix_load_errors_naming_the_entry(matrix_error, entry, message):
+    assert message in matrix_error(entry)
 
 
 def _spec(backend, kind, src="tp2", dst="tp1pp2"):

@@ -3,13 +3,11 @@ correctly interrupted save leaves and fails on what it must not (a save that com
 report without the rank or the write error, a directory megatron-core calls a checkpoint, a tracker
 that moved to the interrupted step, a write outside the case dir); and the contract at matrix load."""
 
-import textwrap
 
 import pytest
 
 from cases import corrupt_load as cl
 from cases import interrupted_save as ints
-from harness.matrix import MatrixError, load_matrix
 
 DIR = "/scratch/case/checkpoints/global_step_2"
 SHARDS = ["__0_0.distcp", "__1_0.distcp"]
@@ -107,9 +105,5 @@ def test_the_load_is_judged_by_corrupt_loads_judge():
     ("{case: interrupted-save, backends: [bridge_hf], models: [gpt-gqa], pairs: ['tp2 -> tp2']}", "needs a backend that can weights"),
     ("{case: interrupted-save, models: [gpt-gqa], pairs: ['tp2 -> tp2'], xfail: {reason: r, checks: [logits]}}", "never records"),
 ])
-def test_wrong_entries_are_matrix_load_errors(tmp_path, entry, message):
-    path = tmp_path / "m.yaml"
-    path.write_text(textwrap.dedent(f"entries:\n  - {entry}\n"))
-    with pytest.raises(MatrixError) as exc:
-        load_matrix(path)
-    assert "entries[0]" in str(exc.value) and message in str(exc.value), str(exc.value)
+def test_wrong_entries_are_matrix_load_errors(matrix_error, entry, message):
+    assert message in matrix_error(entry)

@@ -27,10 +27,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from harness import report
     from harness.matrix import load_matrix
-    from harness.result import GREEN
     from harness.runner import RunOptions, run_cases
 
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = _console()
     matrix = load_matrix(args.matrix)
     specs = matrix.select(args.k)
     if not specs:
@@ -56,10 +55,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # Plain lines, no live display: a refresh thread in the parent is unsafe when ranks fork.
     results = run_cases(specs, options, on_result=progress)
     wall = time.perf_counter() - start
-    report.print_summary(results, f"{matrix.name} ({args.matrix})", wall, console)
-    if report_path:
-        path = report.write_json(results, report_path, str(args.matrix), wall)
-        console.print(f"results: {path}")
+    code = _summarize(results, f"{matrix.name} ({args.matrix})", wall, report_path, str(args.matrix), console)
     if args.html:
         from harness import html_report
 
@@ -67,16 +63,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
         console.print(f"html: {html_report.write(doc, args.html, f'{matrix.name} ({args.matrix})')}")
     if args.junit:
         console.print(f"junit: {report.write_junit(results, args.junit, f'{matrix.name} ({args.matrix})', wall)}")
-    return 0 if all(r.status in GREEN for r in results) else 1
+    return code
 
 
-def _golden_summary(results, title: str, wall: float, report_dir: Path | None, label: str) -> int:
+def _console() -> Console:
+    return Console(width=None if sys.stdout.isatty() else 200)
+
+
+def _summarize(results, title: str, wall: float, report_path: Path | None, label: str, console: Console | None = None) -> int:
+    """The summary table, results.json when asked, and the exit code: 0 when every case is green."""
     from harness import report
     from harness.result import GREEN
 
-    report.print_summary(results, title, wall, Console(width=None if sys.stdout.isatty() else 200))
-    if report_dir:
-        print(f"results: {report.write_json(results, report_dir / 'results.json', label, wall)}")
+    console = console or _console()
+    report.print_summary(results, title, wall, console)
+    if report_path:
+        console.print(f"results: {report.write_json(results, report_path, label, wall)}")
     return 0 if all(r.status in GREEN for r in results) else 1
 
 
@@ -85,24 +87,25 @@ def _cmd_golden(args: argparse.Namespace) -> int:
     from harness.runner import RunOptions
 
     start = time.perf_counter()
+    options = RunOptions(dist_backend=args.dist_backend)
     try:
         if args.action == "make":
-            results = golden.make(args.dir, RunOptions(dist_backend=args.dist_backend), args.k)
-            return _golden_summary(results, f"golden make -> {args.dir}", time.perf_counter() - start, args.report, f"golden make {args.dir}")
-        results = golden.check(args.dir, RunOptions(dist_backend=args.dist_backend), args.k, args.allow_refusal, args.direction)
-        return _golden_summary(results, f"golden check {args.dir}", time.perf_counter() - start, args.report, f"golden check {args.dir}")
+            results = golden.make(args.dir, options, args.k)
+        else:
+            results = golden.check(args.dir, options, args.k, args.allow_refusal, args.direction)
     except golden.CorpusError as exc:
         print(f"ckpt-harness: {exc}", file=sys.stderr)
         return 2
+    title = f"golden {args.action} {args.dir}"
+    return _summarize(results, title, time.perf_counter() - start, args.report / "results.json" if args.report else None, title)
 
 
 def _cmd_gate(args: argparse.Namespace) -> int:
-    from harness import compare, envspec
+    from harness import envspec
     from harness.gate import run_gate
 
-    thresholds = compare.Thresholds(args.memory_pct, args.memory_mib, args.diff_factor)
     cache = args.cache or envspec._default_cache()
-    return run_gate(args.candidate, args.baseline, args.matrix, args.k, args.out, cache, thresholds, cross=not args.skip_cross,
+    return run_gate(args.candidate, args.baseline, args.matrix, args.k, args.out, cache, _thresholds(args), cross=not args.skip_cross,
                     corpus=args.corpus)
 
 
@@ -126,12 +129,23 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_thresholds(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-pct", type=float, default=10.0, help="memory growth must exceed this %% ...")
+    p.add_argument("--memory-mib", type=float, default=32.0, help="... and this many MiB to fail")
+    p.add_argument("--diff-factor", type=float, default=10.0, help="toleranced diff growth factor that fails")
+
+
+def _thresholds(args: argparse.Namespace):
+    from harness import compare
+
+    return compare.Thresholds(args.memory_pct, args.memory_mib, args.diff_factor)
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from harness import compare
 
-    t = compare.Thresholds(memory_pct=args.memory_pct, memory_mib=args.memory_mib, diff_factor=args.diff_factor)
     try:
-        code, md = compare.run(args.base, args.candidate, args.out, t)
+        code, md = compare.run(args.base, args.candidate, args.out, _thresholds(args))
     except compare.CompareInputError as exc:
         print(f"ckpt-harness compare: {exc}", file=sys.stderr)
         return 2
@@ -195,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     gate.add_argument("--corpus", type=Path, default=None,
                       help="also have the candidate check this golden corpus (one the previous pins wrote; CI caches it)")
     gate.add_argument("--skip-cross", action="store_true", help="no cross-version corpus (matrix comparison only)")
-    gate.add_argument("--memory-pct", type=float, default=10.0)
-    gate.add_argument("--memory-mib", type=float, default=32.0)
-    gate.add_argument("--diff-factor", type=float, default=10.0)
+    _add_thresholds(gate)
     gate.set_defaults(func=_cmd_gate)
     gold = sub.add_parser("golden", help="write (make) or load and check (check) the golden corpus of on-disk artefacts")
     gold.add_argument("action", choices=("make", "check"))
@@ -217,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     cmp.add_argument("base", type=Path, help="baseline results.json or report dir")
     cmp.add_argument("candidate", type=Path, help="candidate results.json or report dir")
     cmp.add_argument("--out", type=Path, default=None, help="write DIR/compare.json and DIR/compare.md")
-    cmp.add_argument("--memory-pct", type=float, default=10.0, help="memory growth must exceed this %% ...")
-    cmp.add_argument("--memory-mib", type=float, default=32.0, help="... and this many MiB to fail")
-    cmp.add_argument("--diff-factor", type=float, default=10.0, help="toleranced diff growth factor that fails")
+    _add_thresholds(cmp)
     cmp.set_defaults(func=_cmd_compare)
     exp = sub.add_parser("explore", help="hypothesis search of (model shape, S, D) triples through reshard-weights")
     exp.add_argument("--budget", type=float, default=60.0, help="seconds of wall time to draw examples in (shrinking gets as much again)")

@@ -32,7 +32,7 @@ from harness.backends import get_backend, resolve
 from harness.case import RunEnv
 from harness.checks import assembled, refusal_check, state_check
 from harness.result import CaseResult, Check
-from harness.runner import RunOptions, api_unavailable
+from harness.runner import RunOptions, error_text
 from harness.topology import Topology
 from harness.world import WorldError, WorldTimeout, exception_of
 
@@ -292,20 +292,12 @@ def make(out: Path, options: RunOptions | None = None, k: str | None = None) -> 
                 result.checks.append(Check("written", "passed", f"{len(files)} files", tolerance="-"))
                 result.status = "passed"
             except Exception as exc:  # one artefact failing to write must not lose the others
-                result.status, result.error = "error", _error_text(exc)
+                result.status, result.error = "error", error_text(exc)
                 manifest["artefacts"][a.name] = {"model": a.model, "source": a.source.id, "target": a.target.id,
                                                  "description": a.description, "files": {}, "error": result.error}
         results.append(result)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return results
-
-
-def _error_text(exc: Exception) -> str:
-    if isinstance(exc, WorldError):
-        api = api_unavailable(*exception_of(exc.rank_traceback or ""), exc.rank_traceback or "")
-        return f"{api}\n{exc}" if api else str(exc)
-    api = api_unavailable(type(exc).__name__, str(exc), "")
-    return f"{api + chr(10) if api else ''}{type(exc).__name__}: {exc}"
 
 
 def read_manifest(corpus: Path) -> dict:
@@ -361,9 +353,9 @@ def check(corpus: Path, options: RunOptions | None = None, k: str | None = None,
                                                        "an older stack refuses files a newer one wrote"))
                     result.status = "passed"
                 else:
-                    result.status, result.error = "error", _error_text(exc)
+                    result.status, result.error = "error", error_text(exc)
             except Exception as exc:
-                result.status, result.error = "error", _error_text(exc)
+                result.status, result.error = "error", error_text(exc)
         result.phases["total"] = round(time.perf_counter() - start, 3)
         results.append(result)
     return results

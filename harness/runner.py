@@ -98,6 +98,17 @@ def api_unavailable(exc_type: str, message: str, traceback_text: str) -> str | N
     return f"API not available in {dist} {version}: {exc_type}: {message.splitlines()[0] if message else ''}"
 
 
+def error_text(exc: Exception, tb: str | None = None) -> str:
+    """What a result's `error` says: a world's failure as the launcher reported it (the failing
+    rank's traceback), anything else as `Type: message` plus `tb` when given; both led by the
+    "API not available in <package> <version>" line when an upstream API moved."""
+    if isinstance(exc, WorldError):
+        api = api_unavailable(*exception_of(exc.rank_traceback or ""), exc.rank_traceback or "")
+        return f"{api}\n{exc}" if api else str(exc)
+    api = api_unavailable(type(exc).__name__, str(exc), tb or "")
+    return f"{api + chr(10) if api else ''}{type(exc).__name__}: {exc}" + (f"\n{tb}" if tb else "")
+
+
 def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     from cases import get_case
     from harness.preload import warm
@@ -124,17 +135,9 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
         case.run(spec, opts, env, result)
         result.checks.extend(budget_checks(spec, result))
         result.status = "failed" if result.failed_checks else "passed"
-    except WorldError as exc:
+    except Exception as exc:  # a rank's or the harness's error is reported, not raised: the matrix goes on
         result.status = "error"
-        result.error = str(exc)
-        api = api_unavailable(*exception_of(exc.rank_traceback or ""), exc.rank_traceback or "")
-        if api:
-            result.error = f"{api}\n{result.error}"
-    except Exception as exc:  # a harness-side error is reported, not raised: the matrix goes on
-        result.status = "error"
-        tb = traceback.format_exc()
-        api = api_unavailable(type(exc).__name__, str(exc), tb)
-        result.error = f"{api + chr(10) if api else ''}{type(exc).__name__}: {exc}\n{tb}"
+        result.error = error_text(exc, traceback.format_exc())
     finally:
         result.phases["total"] = round(time.perf_counter() - start, 3)
         if options.keep:

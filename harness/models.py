@@ -36,13 +36,17 @@ def rank_device() -> torch.device:
 
 
 def init_parallel(topo: Topology) -> None:
-    """parallel_state for `topo`; CP>1 lives only here (see `build_gpt`)."""
+    """parallel_state for `topo`; CP>1 lives only here (see `build_gpt`). The expert groups
+    (ep x etp, expert-data-parallel) are megatron-core's own derivation from the same sizes."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=topo.tp,
         pipeline_model_parallel_size=topo.pp,
+        virtual_pipeline_model_parallel_size=topo.vpp if topo.vpp > 1 else None,
         context_parallel_size=topo.cp,
+        expert_model_parallel_size=topo.ep,
+        expert_tensor_parallel_size=topo.etp,
     )
 
 

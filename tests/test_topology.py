@@ -32,9 +32,56 @@ def test_unknown_mapping_dimension_named():
         Topology.parse({"tp": 2, "zz": 1})
 
 
-def test_reserved_dims_refused_until_supported():
-    with pytest.raises(TopologyError, match="vpp"):
-        Topology(vpp=2)
+def test_dense_ids_unchanged_and_expert_dims_shown_only_when_set():
+    assert Topology(tp=2, dp=2).id == "tp2pp1dp2cp1"
+    assert Topology.parse("tp2etp2") == Topology(tp=2)  # etp defaults to tp, as in megatron-core
+    assert Topology.parse("tp2pp2vpp2").id == "tp2pp2dp1cp1vpp2"
+    assert Topology.parse("dp4ep2etp1").id == "tp1pp1dp4cp1ep2"
+    assert Topology.parse("tp2dp2ep2etp1").id == "tp2pp1dp2cp1ep2etp1"
+
+
+@given(tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2]), vpp=st.sampled_from([1, 2]),
+       dp=st.sampled_from([1, 2, 4]), ep=st.sampled_from([1, 2, 4]), etp=st.sampled_from([1, 2, 4]))
+def test_expert_ids_round_trip_and_groups_derive_as_megatron(tp, pp, vpp, dp, ep, etp):
+    try:
+        topo = Topology(tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep, etp=etp)
+    except TopologyError as exc:
+        assert ("vpp" in str(exc) and pp == 1) or "etp*ep*pp" in str(exc)
+        return
+    assert Topology.parse(topo.id) == topo
+    assert topo.expert_dp * topo.etp * topo.ep * topo.pp == topo.world_size
+
+
+@pytest.mark.parametrize("text, rule", [
+    ("vpp2", "needs pp > 1"),
+    ("tp1dp2ep4", r"not divisible by etp\*ep\*pp"),
+])
+def test_impossible_expert_and_virtual_topologies(text, rule):
+    with pytest.raises(TopologyError, match=rule):
+        Topology.parse(text)
+
+
+class _Moe:
+    name, num_layers, num_attention_heads, num_query_groups = "moe-x", 4, 8, 4
+    ffn_hidden_size, vocab_size, seq_length, num_moe_experts, moe_ffn_hidden_size = 128, 128, 16, 4, 32
+
+
+@pytest.mark.parametrize("topo, rule", [
+    ("pp2vpp4", "num_layers=4 is not divisible by pp*vpp=2*4"),
+    ("dp8ep8", "num_moe_experts=4 is not divisible by ep=8"),
+    ("tp4etp4dp1", None),
+])
+def test_moe_and_vpp_validation(topo, rule):
+    if rule is None:
+        Topology.parse(topo).validate(_Moe())
+        return
+    with pytest.raises(TopologyError, match=rule.replace("*", r"\*")):
+        Topology.parse(topo).validate(_Moe())
+
+
+def test_expert_dims_need_an_moe_model():
+    with pytest.raises(TopologyError, match="need an MoE model"):
+        Topology.parse("dp2ep2").validate(get_model("gpt-gqa"))
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.backends import resolve
 from harness.case import Case, RunEnv, timed
 from harness.checks import WEIGHTS_MATCH_MAIN_PARAMS, assembled, knob_check, refusal_check, state_check, weights_match_main_params
 from harness.result import CaseResult, Check
@@ -87,7 +86,7 @@ class ReshardOptimizer(Case):
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         ckpt = env.case_dir / "ckpt"
         src, dst = spec.source.id, spec.target.id
-        model, backend = get_model(spec.model, "gpt"), resolve(spec.backend)
+        model, backend = get_model(spec.model, "gpt"), spec.backend_ref
         result.notes += workaround_notes(opts)
         saved = env.launch(result, "save", train_phase,
                            phase_of(model, opts, backend, topo=spec.source, save_to=str(ckpt), steps_before_save=opts.steps), spec.source)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from harness import models, truth
-from harness.backends import get_backend, resolve
+from harness.backends import get_backend
 from harness.case import Case, RunEnv, timed
 from harness.models import TORCH_DTYPES, DType
 from harness.checks import assembled, replicated, state_check, tensor_check
@@ -228,7 +228,7 @@ class ReshardWeights(Case):
     checks = ("source-canonical", "checkpoint-canonical", "loaded-canonical", "resave-plain", "logits", "vocab-padding")
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
-        run_weights(get_model(spec.model, "gpt"), spec.source, spec.target, resolve(spec.backend), opts.dtype, env, result)
+        run_weights(get_model(spec.model, "gpt"), spec.source, spec.target, spec.backend_ref, opts.dtype, env, result)
 
 
 CASE = ReshardWeights()

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.backends import resolve
 from harness.case import Case, RunEnv, timed
 from harness.checks import WEIGHTS_MATCH_MAIN_PARAMS, assembled, knob_check, state_check, tensor_check, weights_match_main_params
 from harness.parity import Tolerance
@@ -108,7 +107,7 @@ class Resume(Case):
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         k, ckpt = opts.steps, env.case_dir / "ckpt"
-        model, backend = get_model(spec.model, "gpt"), resolve(spec.backend)
+        model, backend = get_model(spec.model, "gpt"), spec.backend_ref
         result.notes += workaround_notes(opts)
         # bf16 also records model + optimizer views (the reference's at its save, the resumed job's
         # right after its load: steps_before_save is 0 there) for weights-match-main-params.

@@ -9,6 +9,7 @@ to the ranks inside the phase, so the fault reaches them under fork, spawn, fork
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import json
 from pathlib import Path
 
@@ -255,3 +256,16 @@ def leak_a_process() -> None:
     import subprocess
 
     subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+
+@dataclass(frozen=True)
+class _TaggedOptions:
+    tag: str = "plain"
+    copies: int = 1
+
+
+class TaggedDist(McoreDist):
+    """mcore_dist with options (tests of backend options: typed, validated, delivered to ranks)."""
+
+    name = "tagged_dist"
+    Options = _TaggedOptions

@@ -74,6 +74,34 @@ class TrainOptions(TrainConfig):
         return TrainConfig(**{f.name: getattr(self, f.name) for f in fields(TrainConfig)})
 
 
+def untrainable_reason(spec: ModelSpec, topo: Topology) -> str | None:
+    """Why the training cases cannot train `spec` at `topo` here (None: they can); matrix
+    validation refuses such an entry with it. MoE with TP > 1: megatron-core 0.19.2 MoELayer.forward
+    raises in training unless sequence_parallel is on (transformer/moe/moe_layer.py:629), and the
+    torch norms a build without Apex/TE gets refuse sequence_parallel (transformer/torch_norm.py:50):
+    with Apex or TE norms it trains. Expert TP (etp) > 1 under tp 1 trains."""
+    if getattr(spec, "is_moe", False) and topo.tp > 1:
+        import importlib.util
+
+        if importlib.util.find_spec("apex") is None and importlib.util.find_spec("transformer_engine") is None:
+            return (f"{topo.id}: a MoE model trains at tp > 1 only with sequence parallelism (megatron-core MoELayer.forward "
+                    "raises otherwise), and without Apex/Transformer-Engine the torch norms refuse sequence_parallel "
+                    "(torch_norm.py); train MoE at tp1 (ep, etp, dp, pp change freely) or reshard weights only")
+    return None
+
+
+def untrainable(case_spec) -> None:
+    """Matrix validation of a training case: raise ValueError when its model cannot train at its
+    source or target topology here (`untrainable_reason`)."""
+    from harness.zoo import get_model
+
+    model = get_model(case_spec.model)
+    for topo in (case_spec.source, case_spec.target):
+        why = untrainable_reason(model, topo)
+        if why:
+            raise ValueError(f"model {case_spec.model!r} cannot train here: {why}")
+
+
 def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offset: int = 0):
     """(ddp-wrapped model, optimizer) at this rank, weights = canonical (of seed + seed_offset).
 

@@ -75,18 +75,16 @@ class TrainOptions(TrainConfig):
 
 
 def untrainable_reason(spec: ModelSpec, topo: Topology) -> str | None:
-    """Why the training cases cannot train `spec` at `topo` here (None: they can); matrix
-    validation refuses such an entry with it. MoE with TP > 1: megatron-core 0.19.2 MoELayer.forward
-    raises in training unless sequence_parallel is on (transformer/moe/moe_layer.py:629), and the
-    torch norms a build without Apex/TE gets refuse sequence_parallel (transformer/torch_norm.py:50):
-    with Apex or TE norms it trains. Expert TP (etp) > 1 under tp 1 trains."""
+    """Why the training cases cannot train `spec` at `topo` (None: they can); matrix validation
+    refuses such an entry with it. MoE with TP > 1: megatron-core 0.19.2 MoELayer.forward raises in
+    training unless sequence_parallel is on (transformer/moe/moe_layer.py:629); the harness's
+    local-spec build does not turn it on, and could not without Apex: the torch norms the local spec
+    falls back to refuse sequence_parallel (transformer/torch_norm.py:50). Expert TP (etp) > 1
+    under tp 1 trains."""
     if getattr(spec, "is_moe", False) and topo.tp > 1:
-        import importlib.util
-
-        if importlib.util.find_spec("apex") is None and importlib.util.find_spec("transformer_engine") is None:
-            return (f"{topo.id}: a MoE model trains at tp > 1 only with sequence parallelism (megatron-core MoELayer.forward "
-                    "raises otherwise), and without Apex/Transformer-Engine the torch norms refuse sequence_parallel "
-                    "(torch_norm.py); train MoE at tp1 (ep, etp, dp, pp change freely) or reshard weights only")
+        return (f"{topo.id}: a MoE model trains at tp > 1 only with sequence parallelism (megatron-core MoELayer.forward "
+                "raises otherwise), which the harness's local-spec build leaves off (its torch norms refuse it without "
+                "Apex, torch_norm.py); train MoE at tp1 (ep, etp, dp, pp change freely) or reshard weights only")
     return None
 
 

@@ -106,3 +106,24 @@ def test_expert_topologies_the_model_cannot_take_are_named():
 ])
 def test_moe_entries_that_cannot_run_here_are_matrix_load_errors(matrix_error, entry, message):
     assert message in matrix_error(entry)
+
+
+def test_smoke_matrix_covers_every_kind_of_expert_change():
+    from pathlib import Path
+
+    from harness.matrix import load_matrix
+
+    cases = [c for c in load_matrix(Path(__file__).parent.parent / "matrices" / "smoke.yaml").cases if "moe" in c.markers]
+    pairs = {c.case: set() for c in cases}
+    for c in cases:
+        pairs[c.case].add((c.source, c.target))
+    weights = pairs["reshard-weights"]
+    assert {(s.ep, d.ep) for s, d in weights} >= {(2, 1), (2, 4), (4, 2)}  # ep1 <-> ep2 <-> ep4
+    assert any(s.tp == d.tp and s.etp != d.etp for s, d in weights)  # an etp change alone
+    assert {c.model for c in cases} >= {"gpt-moe", "gpt-moe-shared"}
+    training = pairs["reshard-optimizer"] | pairs["resume"]
+    assert any(s.ep != d.ep for s, d in pairs["resume"])
+    assert any(s.expert_dp != d.expert_dp for s, d in training)
+    shardings = {dict(c.options).get("sharding") for c in cases if c.case == "reshard-optimizer" and c.source.ep != c.target.ep}
+    assert shardings >= {"fully_reshardable", "dp_reshardable"}
+    assert any(dict(c.options).get("dtype") == "bf16" for c in cases)

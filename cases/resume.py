@@ -27,7 +27,7 @@ from harness.checks import WEIGHTS_MATCH_MAIN_PARAMS, assembled, knob_check, sta
 from harness.parity import Tolerance
 from harness.result import CaseResult, Check
 from harness.spec import CaseSpec
-from harness.training import TrainOptions, TrainOut, phase_of, train_phase, workaround_notes
+from harness.training import TrainOptions, TrainOut, phase_of, train_phase, untrainable, workaround_notes
 from harness.zoo import get_model
 
 RESUME_TOLERANCE = Tolerance(atol=2e-5, rtol=1e-4, why="topology change reorders fp32 reductions (TP matmul partial sums, DP grad sums)")
@@ -104,6 +104,9 @@ class Resume(Case):
     Options = Options
     needs = frozenset({"training_state"})
     checks = ("propagation", "losses", "final-weights", WEIGHTS_MATCH_MAIN_PARAMS)
+
+    def validate_options(self, spec: CaseSpec, opts: Options) -> None:
+        untrainable(spec)
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         k, ckpt = opts.steps, env.case_dir / "ckpt"

@@ -129,6 +129,12 @@ class Case(ABC):
         model = get_model(spec.model)
         if model.kind != kind:
             raise ValueError(f"case {self.name}{why} takes a{'n HF fixture' if kind == 'hf' else ' GPT zoo'} model, got {spec.model!r}")
+        if model.kind == "gpt":
+            from harness.models import unavailable_reason
+
+            why_not = unavailable_reason(model)
+            if why_not:
+                raise ValueError(f"model {spec.model!r} cannot be built in this environment: {why_not}")
         try:
             backend = get_backend(spec.backend_ref)
         except KeyError as exc:

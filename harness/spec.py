@@ -28,6 +28,7 @@ MARKERS: dict[str, str] = {
     "peft": "Megatron-Bridge HF PEFT adapters",
     "cp": "uses context parallelism",
     "tied": "tied embeddings",
+    "moe": "mixture-of-experts models (gpt-moe*): expert parallelism (ep/etp) and expert-data-parallel optimizer state",
     "bf16": "bf16 mixed precision (dtype bf16: Float16Module, fp32 main params)",
     "slow": "heavier cases, not in the default suite",
     "memory": "host-memory cases and budgets (heavier)",

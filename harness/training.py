@@ -75,6 +75,32 @@ class TrainOptions(TrainConfig):
         return TrainConfig(**{f.name: getattr(self, f.name) for f in fields(TrainConfig)})
 
 
+def untrainable_reason(spec: ModelSpec, topo: Topology) -> str | None:
+    """Why the training cases cannot train `spec` at `topo` (None: they can); matrix validation
+    refuses such an entry with it. MoE with TP > 1: megatron-core 0.19.2 MoELayer.forward raises in
+    training unless sequence_parallel is on (transformer/moe/moe_layer.py:629); the harness's
+    local-spec build does not turn it on, and could not without Apex: the torch norms the local spec
+    falls back to refuse sequence_parallel (transformer/torch_norm.py:50). Expert TP (etp) > 1
+    under tp 1 trains."""
+    if getattr(spec, "is_moe", False) and topo.tp > 1:
+        return (f"{topo.id}: a MoE model trains at tp > 1 only with sequence parallelism (megatron-core MoELayer.forward "
+                "raises otherwise), which the harness's local-spec build leaves off (its torch norms refuse it without "
+                "Apex, torch_norm.py); train MoE at tp1 (ep, etp, dp, pp change freely) or reshard weights only")
+    return None
+
+
+def untrainable(case_spec) -> None:
+    """Matrix validation of a training case: raise ValueError when its model cannot train at its
+    source or target topology here (`untrainable_reason`)."""
+    from harness.zoo import get_model
+
+    model = get_model(case_spec.model)
+    for topo in (case_spec.source, case_spec.target):
+        why = untrainable_reason(model, topo)
+        if why:
+            raise ValueError(f"model {case_spec.model!r} cannot train here: {why}")
+
+
 def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offset: int = 0):
     """(ddp-wrapped model, optimizer) at this rank, weights = canonical (of seed + seed_offset).
 

@@ -17,6 +17,8 @@ A matrix file:
                                                          #     checks: [step]}: only these may fail
         markers: [optimizer]
         memory_budgets: [{phase: save, rank: 0, max_peak_delta_mib: 512}]  # or max_peak_delta_x_shard
+        requires: [cuda, te, host-memory-gib>=64]   # what the machine must offer (harness.requires);
+                                                    # unmet -> not-run with the reason
 
 Every problem names the file, the entry and the key, and the whole file is checked before any
 case runs.
@@ -26,13 +28,15 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from harness.memory import Budget
+from harness.requires import RequirementError, closure
+from harness.requires import parse as parse_requirement
 from harness.spec import MARKERS, CaseSpec, XFail
 from harness.topology import Topology, TopologyError
 
@@ -40,7 +44,7 @@ _TOP_KEYS = {"name", "description", "defaults", "entries"}
 _DEFAULT_KEYS = {"backends", "timeout_s", "max_world_size", "markers"}
 _ENTRY_KEYS = {
     "case", "models", "backends", "pairs", "cross", "axes", "options", "expect", "xfail", "markers", "timeout_s",
-    "memory_budgets", "tag",
+    "memory_budgets", "tag", "requires",
 }
 
 
@@ -233,6 +237,10 @@ def _entry_specs(
     except (TypeError, ValueError) as exc:
         raise MatrixError(str(exc)) from None
     timeout_s = _number(entry["timeout_s"], f"{where}.timeout_s") if "timeout_s" in entry else default_timeout
+    try:
+        requires = tuple(parse_requirement(r) for r in _strings(entry.get("requires"), f"{where}.requires"))
+    except RequirementError as exc:
+        raise MatrixError(f"{where}.requires: {exc}") from None
     tag = entry.get("tag", "")
     if not isinstance(tag, str):
         raise MatrixError(f"{where}.tag: expected a string, got {tag!r}")
@@ -252,8 +260,8 @@ def _entry_specs(
                 except TopologyError as exc:
                     raise MatrixError(f"{where}: {exc}") from None
             try:
-                case.validate(spec)
+                typed = case.validate(spec)
             except ValueError as exc:
                 raise MatrixError(f"{where}: {spec.id}: {exc}") from None
-            out.append(spec)
+            out.append(replace(spec, requires=closure(frozenset(requires) | case.machine_requirements(typed))))
     return out

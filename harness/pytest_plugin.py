@@ -86,6 +86,8 @@ class CaseItem(pytest.Item):
             Path(report_dir).mkdir(parents=True, exist_ok=True)
             with open(Path(report_dir) / f"results-{worker}.jsonl", "a") as f:
                 f.write(json.dumps(result.to_dict(), default=str) + "\n")
+        if result.status == "not-run":
+            pytest.skip(f"not run: {result.not_run_reason}")
         if result.status == "xfailed":
             pytest.xfail(f"{result.xfail_reason}")
         if result.status != "passed":

@@ -96,6 +96,11 @@ class CaseSpec:
     timeout_s: float = 300.0
     budgets: tuple[Budget, ...] = ()
     origin: str = ""  # file:entry, for messages
+    #: What the machine must offer (harness.requires): the entry's `requires` plus what the case's
+    #: options imply; unmet -> the case is `not-run` with the reasons.
+    requires: tuple[str, ...] = ()
+    #: Lines every result of this spec carries (e.g. the original pair of a topology cut by --max-world).
+    notes: tuple[str, ...] = ()
 
     @property
     def opts(self) -> dict[str, Any]:

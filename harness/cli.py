@@ -19,9 +19,9 @@ from rich.markup import escape
 def _cmd_list(args: argparse.Namespace) -> int:
     from harness.matrix import load_matrix
 
-    m = load_matrix(args.matrix)
+    m = load_matrix(args.matrix, args.max_world)
     for spec in m.select(args.k):
-        print(spec.id)
+        print(spec.id + "".join(f"  # {n}" for n in spec.notes))
     return 0
 
 
@@ -31,7 +31,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from harness.runner import RunOptions, run_cases
 
     console = _console()
-    matrix = load_matrix(args.matrix)
+    matrix = load_matrix(args.matrix, args.max_world)
     specs = matrix.select(args.k)
     if not specs:
         console.print(f"[red]no case of {args.matrix} matches -k {args.k!r}[/]")
@@ -139,6 +139,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_max_world(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-world", type=int, default=None, metavar="N",
+                   help="cut every topology above N ranks to fit (dp first, then cp, pp, tp; harness/cut.py); "
+                        "cases that collapse run once, each notes the pair it was written as")
+
+
 def _add_thresholds(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-pct", type=float, default=10.0, help="memory growth must exceed this %% ...")
     p.add_argument("--memory-mib", type=float, default=32.0, help="... and this many MiB to fail")
@@ -203,12 +209,14 @@ def main(argv: list[str] | None = None) -> int:
                      help="how mp ranks start (auto: fork for gloo, measured fastest; spawn for NCCL)")
     run.add_argument("--rank-hook", action="append", default=[], metavar="MODULE:FUNCTION",
                      help="run this function in every rank before the case (fault injection, plugins; repeatable)")
+    _add_max_world(run)
     run.add_argument("--fail-on-not-run", action="store_true",
                      help="exit 3 when a case is not-run (the machine lacks CUDA devices, NCCL, TE, memory): a GPU job whose runner lost its GPUs goes red")
     run.set_defaults(func=_cmd_run)
     ls = sub.add_parser("list", help="list the case ids of a matrix")
     ls.add_argument("matrix", type=Path)
     ls.add_argument("-k", default=None)
+    _add_max_world(ls)
     ls.set_defaults(func=_cmd_list)
     gate = sub.add_parser("gate", help="run a candidate Megatron-Bridge/-Core against the pinned baseline: one verdict")
     gate.add_argument("matrix", type=Path, nargs="?", default=Path("matrices/smoke.yaml"))

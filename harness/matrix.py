@@ -130,8 +130,12 @@ def _parse_xfail(raw: Any, where: str) -> XFail | None:
     return XFail(raw["reason"], match, tuple(checks))
 
 
-def load_matrix(path: str | Path) -> Matrix:
-    """Read and validate a whole matrix file; every problem is a MatrixError naming file, entry and key."""
+def load_matrix(path: str | Path, max_world: int | None = None) -> Matrix:
+    """Read and validate a whole matrix file; every problem is a MatrixError naming file, entry and key.
+
+    `max_world` cuts every topology above that many ranks to one that fits (harness.cut's rule),
+    after the matrix is validated as written; cases that collapse to one id run once, and each
+    cut case's notes say which pair(s) it was written as."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -156,19 +160,53 @@ def load_matrix(path: str | Path) -> Matrix:
     if not isinstance(entries, list) or not entries:
         raise MatrixError(f"{path}: 'entries' must be a non-empty list")
     matrix = Matrix(name=str(raw.get("name", path.stem)), path=path, description=str(raw.get("description", "")))
-    max_world = _number(defaults["max_world_size"], f"{path}: defaults.max_world_size", int) if "max_world_size" in defaults else None
+    file_max_world = _number(defaults["max_world_size"], f"{path}: defaults.max_world_size", int) if "max_world_size" in defaults else None
     default_timeout = _number(defaults.get("timeout_s", 300), f"{path}: defaults.timeout_s")
     default_backends = _strings(defaults.get("backends", ["mcore_dist"]), f"{path}: defaults.backends")
     default_markers = _strings(defaults.get("markers"), f"{path}: defaults.markers")
     seen: dict[str, str] = {}
     for i, entry in enumerate(entries):
         where = f"{path}: entries[{i}]"
-        for spec in _entry_specs(entry, where, default_backends, default_markers, default_timeout, max_world):
+        for spec in _entry_specs(entry, where, default_backends, default_markers, default_timeout, file_max_world):
             if spec.id in seen:
                 raise MatrixError(f"{where}: case {spec.id} is already defined by {seen[spec.id]}")
             seen[spec.id] = where
             matrix.cases.append(spec)
+    if max_world is not None:
+        matrix.cases = _cut_cases(matrix.cases, _number(max_world, "--max-world", int))
     return matrix
+
+
+def _cut_cases(specs: list[CaseSpec], max_world: int) -> list[CaseSpec]:
+    """Each spec with its topologies cut to `max_world` ranks, re-validated (a cut the case refuses is
+    a MatrixError naming the entry and both pairs), deduplicated by id keeping the first."""
+    from cases import get_case
+    from harness.cut import cut
+    from harness.zoo import get_model
+
+    out: dict[str, CaseSpec] = {}
+    for spec in specs:
+        src, dst = cut(spec.source, max_world), cut(spec.target, max_world)
+        if (src, dst) == (spec.source, spec.target):
+            out.setdefault(spec.id, spec)
+            continue
+        written = f"{spec.source.id} -> {spec.target.id}"
+        new = replace(spec, source=src, target=dst,
+                      notes=spec.notes + (f"cut to --max-world {max_world}: written as {written}",))
+        try:
+            if spec.expect == "refuse" and spec.source != spec.target and src == dst:
+                raise ValueError("the cut makes source and target the same topology: no reshard is left to refuse")
+            for topo in (src, dst):
+                topo.validate(get_model(spec.model))
+            get_case(spec.case).validate(new)
+        except ValueError as exc:  # TopologyError is a ValueError
+            raise MatrixError(f"{spec.origin}: {spec.id} cut to --max-world {max_world} as {src.id} -> {dst.id}: {exc}") from None
+        if new.id in out:
+            first = out[new.id]
+            out[new.id] = replace(first, notes=first.notes + (f"also covers {written} (same case after the cut)",))
+        else:
+            out[new.id] = new
+    return list(out.values())
 
 
 def _entry_specs(

@@ -1,0 +1,32 @@
+"""Cut a matrix's worlds to the machine (`ckpt-harness run --max-world N`, `--ckpt-max-world N`).
+
+The rule, applied to each topology above N ranks: reduce dp first, then cp, then pp, then tp,
+each to the largest divisor of its value that makes the world fit (or 1, then the next dim).
+Data parallelism goes first because it changes the least of what a checkpoint must reshard
+(replicas, not shards); tensor parallelism last because it splits every tensor. Other fields of
+the topology (vpp, ep, ...) are kept as they are: a cut that leaves them invalid is reported by
+Topology's own validation, naming the cut. Every value only shrinks to a divisor of itself, so a
+cut topology still divides every model dimension the original divided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from harness.topology import Topology
+
+ORDER = ("dp", "cp", "pp", "tp")
+
+
+def cut(topo: Topology, max_world: int) -> Topology:
+    """`topo` reduced by the rule above until its world size is at most `max_world` (unchanged if it fits)."""
+    if max_world < 1:
+        raise ValueError(f"--max-world must be >= 1, got {max_world}")
+    for dim in ORDER:
+        value = getattr(topo, dim)
+        if topo.world_size <= max_world:
+            break
+        rest = topo.world_size // value
+        fits = [d for d in range(value, 0, -1) if value % d == 0 and rest * d <= max_world]
+        topo = replace(topo, **{dim: fits[0] if fits else 1})
+    return topo

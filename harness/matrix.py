@@ -203,6 +203,10 @@ def _cut_cases(specs: list[CaseSpec], max_world: int) -> list[CaseSpec]:
             raise MatrixError(f"{spec.origin}: {spec.id} cut to --max-world {max_world} as {src.id} -> {dst.id}: {exc}") from None
         if new.id in out:
             first = out[new.id]
+            if replace(first, origin="", notes=()) != replace(new, origin="", notes=()):
+                raise MatrixError(f"{spec.origin}: cut to --max-world {max_world}, {written} becomes {new.id}, which "
+                                  f"{first.origin} defines differently (options, expectation, budgets or requirements): "
+                                  "give one entry a `tag`")
             out[new.id] = replace(first, notes=first.notes + (f"also covers {written} (same case after the cut)",))
         else:
             out[new.id] = new

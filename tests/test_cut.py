@@ -104,3 +104,16 @@ def test_pytest_option_cuts_the_collected_cases(pytester):
     (pytester.path / "matrices" / "c.yaml").write_text(textwrap.dedent(MATRIX))
     result = pytester.runpytest("--collect-only", "-q", "-p", "no:cacheprovider", "--ckpt-max-world", "2")
     result.stdout.fnmatch_lines(["*tp2pp1dp1cp1->tp2pp1dp1cp1*", "*tp1pp1dp1cp1->tp2pp1dp1cp1*", "*2 tests collected*"])
+
+
+def test_cases_of_different_entries_colliding_after_the_cut_are_an_error_unless_tagged(tmp_path):
+    body = """
+        entries:
+          - {case: reshard-weights, models: [gpt-gqa], pairs: ["tp2dp2 -> tp1"]}
+          - {case: reshard-weights, models: [gpt-gqa], pairs: ["tp2cp2 -> tp1"], options: {layer_spec: te}%s}
+    """
+    with pytest.raises(MatrixError, match=r"entries\[1\].*becomes .*tp2pp1dp1cp1->tp1pp1dp1cp1\], which .*entries\[0\] defines differently"):
+        load_matrix(_write(tmp_path, body % ""), max_world=2)
+    ids = [c.id for c in load_matrix(_write(tmp_path, body % ", tag: te"), max_world=2).cases]
+    assert ids == ["reshard-weights[mcore_dist-gpt-gqa-tp2pp1dp1cp1->tp1pp1dp1cp1]",
+                   "reshard-weights[mcore_dist-gpt-gqa-tp2pp1dp1cp1->tp1pp1dp1cp1-te]"]

@@ -46,3 +46,16 @@ def test_a_tracked_phase_records_its_timeline():
         del blob
     assert 2 <= len(m.timeline) <= 48 and m.timeline[0] == (0.0, m.baseline_rss)
     assert max(v for _, v in m.timeline) <= m.peak_rss
+
+
+def test_tracker_records_the_host_wide_memory_in_use():
+    import time
+
+    with track("alloc") as m:
+        block = np.ones(400 * MiB, dtype=np.uint8)
+        time.sleep(0.05)  # several samples while it is held
+        del block
+    d = m.to_dict()
+    assert d["host_total"] > 0 and d["host_total"] >= d["host_used_peak"] >= d["host_used_baseline"] > 0
+    # host-wide (other processes move it too), so only half the allocation is asked for
+    assert m.host_used_peak - m.host_used_baseline >= 200 * MiB

@@ -163,6 +163,9 @@ def _plot(rows: list[dict], path: Path, model: str) -> None:
         if host:
             hx.plot([p[0] for p in host], [p[1] for p in host], marker=marker, linestyle=line, fillstyle=fill,
                     markersize=8, mew=1.6, color=color, label=variant)
+            for r in mine:  # from the host's use when the save began (other jobs included) to its peak
+                if "host_used_baseline_mib" in r:
+                    hx.vlines(r["dp"] + dodge, r["host_used_baseline_mib"], r["host_used_peak_mib"], color=color, lw=3, alpha=0.35)
         for r in mine:
             if "error" not in r:
                 continue
@@ -186,7 +189,7 @@ def _plot(rows: list[dict], path: Path, model: str) -> None:
     ax.set_ylabel("rank 0: peak RSS over its baseline during save (MiB)")
     ax.set_title(f"Rank-0 host memory of an optimizer checkpoint save\n({model}, CPU/gloo)", fontsize=10)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(0.0, 0.42))
-    hx.set_title("Host-wide memory in use at the save's peak\n(total - available, every process)", fontsize=10)
+    hx.set_title("Host-wide memory in use at the save's peak (total - available, every\nprocess; the bar starts at the host's use when the save began)", fontsize=10)
     hx.set_ylabel("MiB")
     if host_total is not None:
         hx.axhline(host_total, color="red", linestyle="--", lw=1)

@@ -97,7 +97,7 @@ def render(doc: dict[str, Any], title: str) -> str:
         rows.append(
             f'<tr><td><a href="#{_anchor(r["id"])}">{escape(r["id"])}</a></td><td>{_status(r["status"])}</td>'
             f'<td>{sum(c["status"] == "passed" for c in checks)}/{len(checks)}{" " + escape(", ".join(bad)) if bad else ""}'
-            f'{escape(r.get("not_run_reason") or "")}</td>'
+            f'{" not run: " + escape(r["not_run_reason"]) if r.get("not_run_reason") else ""}</td>'
             f'<td class="num">{r.get("phases", {}).get("total", 0):.1f}</td>'
             f'<td class="num">{"-" if not save0 else f"{save0["peak_delta"] / _MiB:.1f}"}</td></tr>')
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title><style>{_CSS}</style></head><body>"

@@ -4,9 +4,11 @@ The rule, applied to each topology above N ranks: reduce dp first, then cp, then
 each to the largest divisor of its value that makes the world fit (or 1, then the next dim).
 Data parallelism goes first because it changes the least of what a checkpoint must reshard
 (replicas, not shards); tensor parallelism last because it splits every tensor. Other fields of
-the topology (vpp, ep, ...) are kept as they are: a cut that leaves them invalid is reported by
-Topology's own validation, naming the cut. Every value only shrinks to a divisor of itself, so a
-cut topology still divides every model dimension the original divided.
+the topology (vpp, ep, ...) are kept as they are, except an expert-tensor-parallel size that
+followed tp (megatron-core's default, etp == tp) follows it down. A cut that leaves them invalid
+(e.g. ep no longer dividing the world) raises Topology's own error, which the matrix loader
+reports naming the entry and the cut. Every value only shrinks to a divisor of itself, so a cut
+topology still divides every model dimension the original divided.
 """
 
 from __future__ import annotations
@@ -28,5 +30,8 @@ def cut(topo: Topology, max_world: int) -> Topology:
             break
         rest = topo.world_size // value
         fits = [d for d in range(value, 0, -1) if value % d == 0 and rest * d <= max_world]
-        topo = replace(topo, **{dim: fits[0] if fits else 1})
+        changes = {dim: fits[0] if fits else 1}
+        if dim == "tp" and getattr(topo, "etp", None) == topo.tp:  # etp defaulted to tp: it follows
+            changes["etp"] = changes["tp"]
+        topo = replace(topo, **changes)
     return topo

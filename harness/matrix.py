@@ -186,7 +186,10 @@ def _cut_cases(specs: list[CaseSpec], max_world: int) -> list[CaseSpec]:
 
     out: dict[str, CaseSpec] = {}
     for spec in specs:
-        src, dst = cut(spec.source, max_world), cut(spec.target, max_world)
+        try:
+            src, dst = cut(spec.source, max_world), cut(spec.target, max_world)
+        except ValueError as exc:  # the cut topology cannot exist (TopologyError), e.g. ep no longer divides it
+            raise MatrixError(f"{spec.origin}: {spec.id} cannot be cut to --max-world {max_world}: {exc}") from None
         if (src, dst) == (spec.source, spec.target):
             out.setdefault(spec.id, spec)
             continue

@@ -87,6 +87,11 @@ def run(model: str, dps: list[int], out: Path, merge: bool = False) -> list[dict
                 # every rank's peak RSS added up: an upper bound of the job's host footprint during
                 # the save (the ranks need not peak at once), what the kernel's OOM killer weighs
                 "all_ranks_peak_rss_sum_mib": round(sum(r["save"]["peak_rss"] for r in results) / MiB, 1),
+                # host-wide memory in use (total - available, every process) as rank 0 sampled it
+                # during the save, and the host's total: what the OOM killer actually runs out of
+                "host_used_peak_mib": round(m["host_used_peak"] / MiB, 1),
+                "host_used_baseline_mib": round(m["host_used_baseline"] / MiB, 1),
+                "host_total_mib": round(m["host_total"] / MiB, 1),
                 "save_s": m["seconds"], "world_wall_s": round(wall, 1),
             })
             print(f"dp={dp} {name:32s} rank0 peak delta {rows[-1]['rank0_peak_delta_mib']:8.1f} MiB "
@@ -102,59 +107,107 @@ def run(model: str, dps: list[int], out: Path, merge: bool = False) -> list[dict
     return rows
 
 
+NO_HOST = ("host-wide memory in use was not recorded by this run (its results.json predates the field); "
+           "the next `python -m benchmarks.save_memory` run records it")
+
+
+def _has_host(rows: list[dict]) -> bool:
+    return any("host_used_peak_mib" in r for r in rows)
+
+
 def _table(rows: list[dict], path: Path) -> None:
     lines = [
-        "| DP | format | rank-0 training state MiB | rank-0 peak RSS delta during save MiB | other ranks' max delta MiB | save s |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| DP | format | rank-0 training state MiB | rank-0 peak RSS delta during save MiB | other ranks' max delta MiB "
+        "| host-wide in use at peak MiB (of total) | save s |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['dp']} | {r['variant']} | - | **{r['error']}** | - | - |")
+            lines.append(f"| {r['dp']} | {r['variant']} | - | **{r['error']}** | - | - | - |")
             continue
-        lines.append(f"| {r['dp']} | {r['variant']} | {r['rank0_state_mib']} | {r['rank0_peak_delta_mib']} | {r['other_ranks_max_peak_delta_mib']} | {r['save_s']} |")
+        host = f"{r['host_used_peak_mib']} (of {r['host_total_mib']})" if "host_used_peak_mib" in r else "-"
+        lines.append(f"| {r['dp']} | {r['variant']} | {r['rank0_state_mib']} | {r['rank0_peak_delta_mib']} | "
+                     f"{r['other_ranks_max_peak_delta_mib']} | {host} | {r['save_s']} |")
+    if not _has_host(rows):
+        lines.append(f"\n{NO_HOST}.")
     path.write_text("\n".join(lines) + "\n")
 
 
 def _plot(rows: list[dict], path: Path, model: str) -> None:
-    """Rank-0 peak delta per format vs DP. Series are dodged sideways and drawn with their own
-    marker and line style, so formats with equal values (fully_reshardable with and without
-    mem_efficient on rank 0) stay visible; a world the kernel killed is a red x at the top; the
-    job's host total (every rank's peak RSS added up) is drawn where the run recorded it."""
+    """Left: rank 0's peak RSS delta per format vs DP; series dodged sideways with their own marker
+    (hollow vs filled) and line style, so formats with equal values (fully_reshardable with and
+    without mem_efficient on rank 0) stay visible; a world the kernel killed is a red X at the top
+    of the axis, joined to its series by a dotted line and labelled. Right: host-wide memory in use
+    at the save's peak against the host's total (the OOM line), where the run recorded it; a killed
+    world is an X on that line; an older results.json says it has no host numbers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, (ax, hx) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.25, 1]})
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    styles = [("o", "-"), ("s", "--"), ("^", ":")]
-    top = max((r.get("all_ranks_peak_rss_sum_mib", 0) or r["rank0_peak_delta_mib"] for r in rows if "error" not in r), default=1) * 1.15
+    styles = [("o", "-", "full"), ("s", "--", "none"), ("^", ":", "full")]
+    ok = [r for r in rows if "error" not in r]
+    top = max((r["rank0_peak_delta_mib"] for r in ok), default=1) * 1.18
+    host_total = max((r["host_total_mib"] for r in ok if "host_total_mib" in r), default=None)
     for i, variant in enumerate(variants):
-        marker, line = styles[i % len(styles)]
-        dodge = (i - (len(variants) - 1) / 2) * 0.06
-        pts = [(r["dp"] + dodge, r["rank0_peak_delta_mib"]) for r in rows if r["variant"] == variant and "error" not in r]
-        drawn = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, linestyle=line, label=f"{variant}: rank 0")
-        host = [(r["dp"] + dodge, r["all_ranks_peak_rss_sum_mib"]) for r in rows
-                if r["variant"] == variant and "error" not in r and "all_ranks_peak_rss_sum_mib" in r]
+        marker, line, fill = styles[i % len(styles)]
+        dodge = (i - (len(variants) - 1) / 2) * 0.08
+        mine = [r for r in rows if r["variant"] == variant]
+        pts = [(r["dp"] + dodge, r["rank0_peak_delta_mib"]) for r in mine if "error" not in r]
+        drawn = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, linestyle=line, fillstyle=fill,
+                        markersize=8, mew=1.6, label=f"{variant}")
+        color = drawn[0].get_color()
+        host = [(r["dp"] + dodge, r["host_used_peak_mib"]) for r in mine if "host_used_peak_mib" in r]
         if host:
-            ax.plot([p[0] for p in host], [p[1] for p in host], marker=marker, linestyle=line, alpha=0.45,
-                    color=drawn[0].get_color(), label=f"{variant}: all ranks' peak RSS summed")
-        for r in rows:
-            if r["variant"] == variant and "error" in r:
-                ax.plot([r["dp"] + dodge], [top], marker="x", color="red", markersize=10, mew=2)
-                ax.annotate(f"{variant} at DP={r['dp']}: killed (host OOM)", (r["dp"] + dodge, top), textcoords="offset points",
-                            xytext=(-150, -14), color="red", fontsize=8)
-    state = [(r["dp"], r["rank0_state_mib"]) for r in rows if r["variant"] == variants[0] and "error" not in r]
+            hx.plot([p[0] for p in host], [p[1] for p in host], marker=marker, linestyle=line, fillstyle=fill,
+                    markersize=8, mew=1.6, color=color, label=variant)
+            for r in mine:  # from the host's use when the save began (other jobs included) to its peak
+                if "host_used_baseline_mib" in r:
+                    hx.vlines(r["dp"] + dodge, r["host_used_baseline_mib"], r["host_used_peak_mib"], color=color, lw=3, alpha=0.35)
+        for r in mine:
+            if "error" not in r:
+                continue
+            x = r["dp"] + dodge
+            if pts:
+                ax.plot([pts[-1][0], x], [pts[-1][1], top], linestyle=":", color=color, alpha=0.7)
+            ax.plot([x], [top], marker="X", color="red", markersize=12, mew=1, linestyle="none",
+                    label=f"{variant} DP={r['dp']}: killed (SIGKILL)")
+            ax.annotate(f"{variant} DP={r['dp']}: killed (SIGKILL, host OOM): no sample survived, drawn at the top", (x, top),
+                        textcoords="offset points", xytext=(-12, 9), ha="right", va="bottom", color="red", fontsize=8)
+            if host_total is not None:
+                hx.plot([x], [host_total], marker="X", color="red", markersize=12, linestyle="none")
+    state = [(r["dp"], r["rank0_state_mib"]) for r in ok if r["variant"] == variants[0]]
     ax.plot([p[0] for p in state], [p[1] for p in state], linestyle="--", color="grey", label="rank-0 training state")
-    ax.set_ylim(0, top * 1.08)
-    ax.set_xlabel("data-parallel size")
-    ax.set_xticks(sorted({r["dp"] for r in rows}))
-    ax.set_ylabel("peak RSS over baseline during save (MiB)")
-    ax.set_title(f"Host memory of an optimizer checkpoint save ({model}, CPU/gloo)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, top * 1.12)
+    dps = sorted({r["dp"] for r in rows})
+    for a in (ax, hx):
+        a.set_xticks(dps)
+        a.set_xlabel("data-parallel size")
+        a.grid(alpha=0.3)
+    ax.set_ylabel("rank 0: peak RSS over its baseline during save (MiB)")
+    ax.set_title(f"Rank-0 host memory of an optimizer checkpoint save\n({model}, CPU/gloo)", fontsize=10)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(0.0, 0.42))
+    hx.set_title("Host-wide memory in use at the save's peak (total - available, every\nprocess; the bar starts at the host's use when the save began)", fontsize=10)
+    hx.set_ylabel("MiB")
+    if host_total is not None:
+        hx.axhline(host_total, color="red", linestyle="--", lw=1)
+        hx.annotate(f"host total {host_total:.0f} MiB: the OOM killer's limit", (dps[0], host_total), textcoords="offset points",
+                    xytext=(0, 4), color="red", fontsize=8)
+        hx.set_ylim(0, host_total * 1.1)
+        hx.legend(fontsize=8, loc="lower right")
+    else:
+        hx.set_yticks([])
+        hx.text(0.5, 0.5, "\n".join(_wrap(NO_HOST, 46)), transform=hx.transAxes, ha="center", va="center", fontsize=9, color="#57606a")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width)
 
 
 def main(argv: list[str] | None = None) -> None:

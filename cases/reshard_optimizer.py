@@ -24,7 +24,7 @@ from harness.case import Case, RunEnv, timed
 from harness.checks import WEIGHTS_MATCH_MAIN_PARAMS, assembled, knob_check, refusal_check, state_check, weights_match_main_params
 from harness.result import CaseResult, Check
 from harness.spec import CaseSpec
-from harness.training import TrainOptions, TrainOut, phase_of, train_phase, untrainable, workaround_notes
+from harness.training import TrainOptions, TrainOut, cp_rule, phase_of, train_phase, untrainable, workaround_notes
 from harness.world import WorldError, exception_of
 from harness.zoo import get_model
 
@@ -63,7 +63,7 @@ def judge(src: str, dst: str, saved: list[TrainOut], loaded: list[TrainOut], dty
     w_d, q_d = assembled(loaded, "model_shards", dst)
     return [
         knob_check("propagation", [(src, [o.propagation for o in saved]), (dst, [o.propagation for o in loaded])],
-                   "use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_fp32, lr, dtype reach DDP config and optimizer"),
+                   "use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_fp32, lr, dtype, layer_spec reach DDP config, optimizer and model"),
         state_check("optimizer-state", opt_s, opt_d, src, dst, f"{len(opt_d)} optimizer tensors (param, exp_avg, exp_avg_sq) equal",
                     problems=p_s + p_d),
         step_check(saved, loaded, src, dst),
@@ -84,6 +84,7 @@ class ReshardOptimizer(Case):
         if spec.expect != "refuse" and "refuse_with" in spec.opts:
             raise ValueError("option 'refuse_with' only means something with expect: refuse")
         untrainable(spec)
+        cp_rule(spec, opts)
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         ckpt = env.case_dir / "ckpt"

@@ -27,7 +27,7 @@ from harness.checks import WEIGHTS_MATCH_MAIN_PARAMS, assembled, knob_check, sta
 from harness.parity import Tolerance
 from harness.result import CaseResult, Check
 from harness.spec import CaseSpec
-from harness.training import TrainOptions, TrainOut, phase_of, train_phase, untrainable, workaround_notes
+from harness.training import TrainOptions, TrainOut, cp_rule, phase_of, train_phase, untrainable, workaround_notes
 from harness.zoo import get_model
 
 RESUME_TOLERANCE = Tolerance(atol=2e-5, rtol=1e-4, why="topology change reorders fp32 reductions (TP matmul partial sums, DP grad sums)")
@@ -90,7 +90,7 @@ def judge(k: int, src: str, dst: str, reference: list[TrainOut], resumed: list[T
             sides.append((label, weights, optimizer))
     return [
         knob_check("propagation", [(src, [o.propagation for o in reference]), (dst, [o.propagation for o in resumed])],
-                   "use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_fp32, lr, dtype reach DDP config and optimizer"),
+                   "use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_fp32, lr, dtype, layer_spec reach DDP config, optimizer and model"),
         losses,
         state_check("final-weights", w_ref, w_res, f"uninterrupted@{src}", f"resumed@{dst}",
                     f"{len(w_res)} weights after {2 * k} steps agree", weight_tol, problems=p_ref + p_res),
@@ -107,6 +107,7 @@ class Resume(Case):
 
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
         untrainable(spec)
+        cp_rule(spec, opts)
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         k, ckpt = opts.steps, env.case_dir / "ckpt"

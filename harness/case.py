@@ -8,6 +8,8 @@ A case *declares* what it accepts, and the matrix loader checks all of it before
               (`requirements(opts)` returns model kind and needs when an option decides them)
   checks      the names of the checks it can record (what `xfail.checks` may name)
   refusable   whether `expect: refuse` means something for it
+  machine_requirements(opts)  what the machine must offer for these options (harness.requires;
+              `layer_spec: te` -> te); unmet, the case is `not-run` with the reason
 A case then splits into the worlds it launches (`run`) and a pure judge of their outputs, so the
 judging is tested in-process (tests/test_judges.py).
 
@@ -164,6 +166,12 @@ class Case(ABC):
         a dist checkpoint of a GPT model or an HF export/adapter of an HF fixture). `why` qualifies
         the error message, e.g. " with damage 'flip-byte'"."""
         return self.model_kind, self.needs, ""
+
+    def machine_requirements(self, opts: Any) -> frozenset[str]:
+        """What these options need of the machine (harness.requires). The GPT cases share the
+        `layer_spec` option (harness.models.build_gpt): `te` needs Transformer-Engine (and with it
+        CUDA); a case with other needs overrides this."""
+        return frozenset({"te"}) if getattr(opts, "layer_spec", "local") == "te" else frozenset()
 
     def validate_options(self, spec: CaseSpec, opts: Any) -> None:
         """Rules across options, topology and expectation (a case overrides it where it has some)."""

@@ -1,7 +1,8 @@
 """`ckpt-harness`: run a matrix for CI or by hand.
 
-Exit codes: 0 every case passed or failed as a named xfail; 1 a case failed or errored; 2 bad
-input (a matrix, a results file); 4 no case matches `-k`.
+Exit codes: 0 every case passed or failed as a named xfail (cases the machine cannot run are
+`not-run`, counted apart, listed with their reason); 1 a case failed or errored; 2 bad input (a
+matrix, a results file); 3 `--fail-on-not-run` and some case was not run; 4 no case matches `-k`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from rich.markup import escape
 def _cmd_list(args: argparse.Namespace) -> int:
     from harness.matrix import load_matrix
 
-    m = load_matrix(args.matrix)
+    m = load_matrix(args.matrix, args.max_world)
     for spec in m.select(args.k):
-        print(spec.id)
+        print(spec.id + "".join(f"  # {n}" for n in spec.notes))
     return 0
 
 
@@ -30,7 +31,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from harness.runner import RunOptions, run_cases
 
     console = _console()
-    matrix = load_matrix(args.matrix)
+    matrix = load_matrix(args.matrix, args.max_world)
     specs = matrix.select(args.k)
     if not specs:
         console.print(f"[red]no case of {args.matrix} matches -k {args.k!r}[/]")
@@ -49,13 +50,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         finished.append(r)
         if report_path:  # after every case: a run killed half-way keeps what it finished
             report.write_json(finished, report_path, str(args.matrix), time.perf_counter() - start, complete=False)
-        style = {"passed": "green", "xfailed": "yellow"}.get(r.status, "bold red")
-        console.print(f"[{len(finished)}/{len(specs)}] [{style}]{r.status.upper():8}[/] {escape(r.id)}  {r.phases.get('total', 0):.1f}s", highlight=False)
+        style = {"passed": "green", "xfailed": "yellow", "not-run": "cyan"}.get(r.status, "bold red")
+        console.print(f"[{len(finished)}/{len(specs)}] [{style}]{r.status.upper():8}[/] {escape(r.id)}  {r.phases.get('total', 0):.1f}s"
+                      + (f"  ({escape(r.not_run_reason or '')})" if r.status == "not-run" else ""), highlight=False)
 
     # Plain lines, no live display: a refresh thread in the parent is unsafe when ranks fork.
     results = run_cases(specs, options, on_result=progress)
     wall = time.perf_counter() - start
-    code = _summarize(results, f"{matrix.name} ({args.matrix})", wall, report_path, str(args.matrix), console)
+    code = _summarize(results, f"{matrix.name} ({args.matrix})", wall, report_path, str(args.matrix), console,
+                      fail_on_not_run=args.fail_on_not_run)
     if args.html:
         from harness import html_report
 
@@ -70,8 +73,10 @@ def _console() -> Console:
     return Console(width=None if sys.stdout.isatty() else 200)
 
 
-def _summarize(results, title: str, wall: float, report_path: Path | None, label: str, console: Console | None = None) -> int:
-    """The summary table, results.json when asked, and the exit code: 0 when every case is green."""
+def _summarize(results, title: str, wall: float, report_path: Path | None, label: str, console: Console | None = None,
+               fail_on_not_run: bool = False) -> int:
+    """The summary table, results.json when asked, and the exit code: 0 when every case is green or
+    not-run (1 on a failure or error; 3 when a case was not run and `fail_on_not_run`)."""
     from harness import report
     from harness.result import GREEN
 
@@ -79,7 +84,12 @@ def _summarize(results, title: str, wall: float, report_path: Path | None, label
     report.print_summary(results, title, wall, console)
     if report_path:
         console.print(f"results: {report.write_json(results, report_path, label, wall)}")
-    return 0 if all(r.status in GREEN for r in results) else 1
+    if any(r.status not in (*GREEN, "not-run") for r in results):
+        return 1
+    if fail_on_not_run and any(r.status == "not-run" for r in results):
+        console.print("[bold red]--fail-on-not-run: this machine could not run every case (reasons above)[/]")
+        return 3
+    return 0
 
 
 def _cmd_golden(args: argparse.Namespace) -> int:
@@ -127,6 +137,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(f"ckpt-harness: {args.results} is not a readable results.json: {exc!r}", file=sys.stderr)
         return 2
     return 0
+
+
+def _add_max_world(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-world", type=int, default=None, metavar="N",
+                   help="cut every topology above N ranks to fit (dp first, then cp, pp, tp; harness/cut.py); "
+                        "cases that collapse run once, each notes the pair it was written as")
 
 
 def _add_thresholds(p: argparse.ArgumentParser) -> None:
@@ -193,10 +209,14 @@ def main(argv: list[str] | None = None) -> int:
                      help="how mp ranks start (auto: fork for gloo, measured fastest; spawn for NCCL)")
     run.add_argument("--rank-hook", action="append", default=[], metavar="MODULE:FUNCTION",
                      help="run this function in every rank before the case (fault injection, plugins; repeatable)")
+    _add_max_world(run)
+    run.add_argument("--fail-on-not-run", action="store_true",
+                     help="exit 3 when a case is not-run (the machine lacks CUDA devices, NCCL, TE, memory): a GPU job whose runner lost its GPUs goes red")
     run.set_defaults(func=_cmd_run)
     ls = sub.add_parser("list", help="list the case ids of a matrix")
     ls.add_argument("matrix", type=Path)
     ls.add_argument("-k", default=None)
+    _add_max_world(ls)
     ls.set_defaults(func=_cmd_list)
     gate = sub.add_parser("gate", help="run a candidate Megatron-Bridge/-Core against the pinned baseline: one verdict")
     gate.add_argument("matrix", type=Path, nargs="?", default=Path("matrices/smoke.yaml"))

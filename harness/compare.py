@@ -17,6 +17,7 @@ Classes of finding (one case can have several):
 | disappeared | a case on base is absent on the candidate, or a check that passed on base is absent or not run in a candidate case that passed/xfailed: coverage lost | no (warning) |
 | appeared | a case only on the candidate | no |
 | fixed | base failed/error -> candidate passed | no |
+| not-run | a case ran on base and is `not-run` on the candidate (its reason: the machine lacked CUDA, TE, ...), or the reverse: coverage moved with the machine, not the code | no (listed) |
 | time-growth | phases.total grew > 1.5x and > 5 s | no |
 
 A disappeared case only warns: a renamed or re-tagged matrix entry disappears and appears under
@@ -36,7 +37,7 @@ from harness.report import _shows_diff  # the one predicate for "this check's di
 
 FAILING = ("regression", "new-refusal", "diff-growth", "memory-growth")
 WARNING = ("disappeared",)
-ORDER = (*FAILING, "fixed-upstream", *WARNING, "appeared", "fixed", "time-growth")
+ORDER = (*FAILING, "fixed-upstream", *WARNING, "not-run", "appeared", "fixed", "time-growth")
 OK = ("passed", "xfailed")
 BAD = ("failed", "error")
 MiB = 2**20
@@ -119,6 +120,10 @@ def _first_line(text: str | None, limit: int = 160) -> str:
 
 def _status_findings(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Finding]:
     bs, cs = b["status"], c["status"]
+    if "not-run" in (bs, cs) and bs != cs:
+        side, reason = ("candidate", c.get("not_run_reason")) if cs == "not-run" else ("base", b.get("not_run_reason"))
+        return [Finding(cid, "not-run", f"{bs} -> {cs}: not run on the {side} ({reason or 'no reason recorded'}); "
+                        "neither a regression nor a pass", bs, cs)]
     bc, cc = _checks(b), _checks(c)
     newly_failed = [n for n, ch in cc.items() if ch.get("status") == "failed" and bc.get(n, {}).get("status") == "passed"]
     named = f" (checks that passed on base now fail: {', '.join(newly_failed)})" if newly_failed else ""
@@ -233,8 +238,10 @@ def verdict(findings: list[Finding]) -> str:
     failing = [f for f in findings if f.failing]
     fixed = sum(f.kind == "fixed-upstream" for f in findings)
     warn = sum(f.kind in WARNING for f in findings)
+    not_run = sum(f.kind == "not-run" for f in findings)
     tail = "".join([f", {fixed} fixed upstream defect(s) (drop their xfail)" if fixed else "",
-                    f", {warn} warning(s)" if warn else ""])
+                    f", {warn} warning(s)" if warn else "",
+                    f", {not_run} case(s) run on one side only (not-run, listed)" if not_run else ""])
     if failing:
         cases = len({f.case for f in failing})
         return f"**NOT SAFE**: {len(failing)} regression finding(s) in {cases} case(s){tail}."

@@ -65,6 +65,8 @@ def _case(r: dict[str, Any]) -> str:
              f'<summary>{_status(r["status"])} <code>{escape(r["id"])}</code></summary>']
     if checks:
         parts.append(f"<table><tr><th>check</th><th>status</th><th>detail</th><th>max |Δ|</th><th>tolerance</th></tr>{checks}</table>")
+    if r.get("not_run_reason"):
+        parts.append(f"<p>not run on this machine: {escape(r['not_run_reason'])}</p>")
     if r.get("xfail_reason"):
         parts.append(f"<p>expected failure (named upstream defect): {escape(r['xfail_reason'])}</p>")
     if r.get("error"):
@@ -94,7 +96,8 @@ def render(doc: dict[str, Any], title: str) -> str:
         save0 = (r.get("memory") or {}).get("save", {}).get("0")
         rows.append(
             f'<tr><td><a href="#{_anchor(r["id"])}">{escape(r["id"])}</a></td><td>{_status(r["status"])}</td>'
-            f'<td>{sum(c["status"] == "passed" for c in checks)}/{len(checks)}{" " + escape(", ".join(bad)) if bad else ""}</td>'
+            f'<td>{sum(c["status"] == "passed" for c in checks)}/{len(checks)}{" " + escape(", ".join(bad)) if bad else ""}'
+            f'{" not run: " + escape(r["not_run_reason"]) if r.get("not_run_reason") else ""}</td>'
             f'<td class="num">{r.get("phases", {}).get("total", 0):.1f}</td>'
             f'<td class="num">{"-" if not save0 else f"{save0["peak_delta"] / _MiB:.1f}"}</td></tr>')
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title><style>{_CSS}</style></head><body>"

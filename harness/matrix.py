@@ -17,6 +17,8 @@ A matrix file:
                                                          #     checks: [step]}: only these may fail
         markers: [optimizer]
         memory_budgets: [{phase: save, rank: 0, max_peak_delta_mib: 512}]  # or max_peak_delta_x_shard
+        requires: [cuda, te, host-memory-gib>=64]   # what the machine must offer (harness.requires);
+                                                    # unmet -> not-run with the reason
 
 Every problem names the file, the entry and the key, and the whole file is checked before any
 case runs.
@@ -26,13 +28,15 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from harness.memory import Budget
+from harness.requires import RequirementError, closure
+from harness.requires import parse as parse_requirement
 from harness.spec import BACKEND_AXIS, MARKERS, CaseSpec, XFail
 from harness.topology import Topology, TopologyError
 
@@ -40,7 +44,7 @@ _TOP_KEYS = {"name", "description", "defaults", "entries"}
 _DEFAULT_KEYS = {"backends", "timeout_s", "max_world_size", "markers"}
 _ENTRY_KEYS = {
     "case", "models", "backends", "pairs", "cross", "axes", "options", "backend_options", "expect", "xfail", "markers", "timeout_s",
-    "memory_budgets", "tag",
+    "memory_budgets", "tag", "requires",
 }
 
 
@@ -126,8 +130,12 @@ def _parse_xfail(raw: Any, where: str) -> XFail | None:
     return XFail(raw["reason"], match, tuple(checks))
 
 
-def load_matrix(path: str | Path) -> Matrix:
-    """Read and validate a whole matrix file; every problem is a MatrixError naming file, entry and key."""
+def load_matrix(path: str | Path, max_world: int | None = None) -> Matrix:
+    """Read and validate a whole matrix file; every problem is a MatrixError naming file, entry and key.
+
+    `max_world` cuts every topology above that many ranks to one that fits (harness.cut's rule),
+    after the matrix is validated as written; cases that collapse to one id run once, and each
+    cut case's notes say which pair(s) it was written as."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -152,19 +160,60 @@ def load_matrix(path: str | Path) -> Matrix:
     if not isinstance(entries, list) or not entries:
         raise MatrixError(f"{path}: 'entries' must be a non-empty list")
     matrix = Matrix(name=str(raw.get("name", path.stem)), path=path, description=str(raw.get("description", "")))
-    max_world = _number(defaults["max_world_size"], f"{path}: defaults.max_world_size", int) if "max_world_size" in defaults else None
+    file_max_world = _number(defaults["max_world_size"], f"{path}: defaults.max_world_size", int) if "max_world_size" in defaults else None
     default_timeout = _number(defaults.get("timeout_s", 300), f"{path}: defaults.timeout_s")
     default_backends = _strings(defaults.get("backends", ["mcore_dist"]), f"{path}: defaults.backends")
     default_markers = _strings(defaults.get("markers"), f"{path}: defaults.markers")
     seen: dict[str, str] = {}
     for i, entry in enumerate(entries):
         where = f"{path}: entries[{i}]"
-        for spec in _entry_specs(entry, where, default_backends, default_markers, default_timeout, max_world):
+        for spec in _entry_specs(entry, where, default_backends, default_markers, default_timeout, file_max_world):
             if spec.id in seen:
                 raise MatrixError(f"{where}: case {spec.id} is already defined by {seen[spec.id]}")
             seen[spec.id] = where
             matrix.cases.append(spec)
+    if max_world is not None:
+        matrix.cases = _cut_cases(matrix.cases, _number(max_world, "--max-world", int))
     return matrix
+
+
+def _cut_cases(specs: list[CaseSpec], max_world: int) -> list[CaseSpec]:
+    """Each spec with its topologies cut to `max_world` ranks, re-validated (a cut the case refuses is
+    a MatrixError naming the entry and both pairs), deduplicated by id keeping the first."""
+    from cases import get_case
+    from harness.cut import cut
+    from harness.zoo import get_model
+
+    out: dict[str, CaseSpec] = {}
+    for spec in specs:
+        try:
+            src, dst = cut(spec.source, max_world), cut(spec.target, max_world)
+        except ValueError as exc:  # the cut topology cannot exist (TopologyError), e.g. ep no longer divides it
+            raise MatrixError(f"{spec.origin}: {spec.id} cannot be cut to --max-world {max_world}: {exc}") from None
+        if (src, dst) == (spec.source, spec.target):
+            out.setdefault(spec.id, spec)
+            continue
+        written = f"{spec.source.id} -> {spec.target.id}"
+        new = replace(spec, source=src, target=dst,
+                      notes=spec.notes + (f"cut to --max-world {max_world}: written as {written}",))
+        try:
+            if spec.expect == "refuse" and spec.source != spec.target and src == dst:
+                raise ValueError("the cut makes source and target the same topology: no reshard is left to refuse")
+            for topo in (src, dst):
+                topo.validate(get_model(spec.model))
+            get_case(spec.case).validate(new)
+        except ValueError as exc:  # TopologyError is a ValueError
+            raise MatrixError(f"{spec.origin}: {spec.id} cut to --max-world {max_world} as {src.id} -> {dst.id}: {exc}") from None
+        if new.id in out:
+            first = out[new.id]
+            if replace(first, origin="", notes=()) != replace(new, origin="", notes=()):
+                raise MatrixError(f"{spec.origin}: cut to --max-world {max_world}, {written} becomes {new.id}, which "
+                                  f"{first.origin} defines differently (options, expectation, budgets or requirements): "
+                                  "give one entry a `tag`")
+            out[new.id] = replace(first, notes=first.notes + (f"also covers {written} (same case after the cut)",))
+        else:
+            out[new.id] = new
+    return list(out.values())
 
 
 def _entry_specs(
@@ -234,6 +283,10 @@ def _entry_specs(
     except (TypeError, ValueError) as exc:
         raise MatrixError(str(exc)) from None
     timeout_s = _number(entry["timeout_s"], f"{where}.timeout_s") if "timeout_s" in entry else default_timeout
+    try:
+        requires = tuple(parse_requirement(r) for r in _strings(entry.get("requires"), f"{where}.requires"))
+    except RequirementError as exc:
+        raise MatrixError(f"{where}.requires: {exc}") from None
     tag = entry.get("tag", "")
     if not isinstance(tag, str):
         raise MatrixError(f"{where}.tag: expected a string, got {tag!r}")
@@ -256,8 +309,8 @@ def _entry_specs(
                 except TopologyError as exc:
                     raise MatrixError(f"{where}: {exc}") from None
             try:
-                case.validate(spec)
+                typed = case.validate(spec)
             except ValueError as exc:
                 raise MatrixError(f"{where}: {spec.id}: {exc}") from None
-            out.append(spec)
+            out.append(replace(spec, requires=closure(frozenset(requires) | case.machine_requirements(typed))))
     return out

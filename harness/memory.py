@@ -4,6 +4,9 @@ A background thread samples RSS (every `interval_s`) and USS (every 10th sample:
 with psutil. The kernel's own high-water mark (VmHWM, reset at phase start through
 /proc/self/clear_refs where Linux allows it) catches spikes between samples; the reported peak is
 the larger of the two, and both are kept so a report can show how well the sampler saw the phase.
+Each sample also reads the host-wide memory in use (psutil: total - available, every process on
+the machine): what the kernel's OOM killer runs out of, which no single rank's RSS shows when
+several ranks (or other jobs) peak at once.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ class PhaseMemory:
     seconds: float = 0.0
     #: (seconds since the phase began, RSS bytes), decimated to at most TIMELINE_POINTS (the peak kept)
     timeline: list[tuple[float, int]] = field(default_factory=list)
+    #: host-wide memory in use (total - available) at phase start and its sampled peak, and the host's total
+    host_used_baseline: int | None = None
+    host_used_peak: int | None = None
+    host_total: int | None = None
 
     @property
     def peak_delta(self) -> int:
@@ -94,6 +101,8 @@ def track(phase: str, interval_s: float = 0.005) -> Iterator[PhaseMemory]:
     except (psutil.AccessDenied, AttributeError):
         m.baseline_uss = None
     m.sampled_peak_rss, m.peak_uss = m.baseline_rss, m.baseline_uss
+    m.host_total, m.host_used_baseline = host_used()
+    m.host_used_peak = m.host_used_baseline
     stop = threading.Event()
 
     points: list[tuple[float, int]] = [(0.0, m.baseline_rss)]
@@ -104,6 +113,7 @@ def track(phase: str, interval_s: float = 0.005) -> Iterator[PhaseMemory]:
             rss = proc.memory_info().rss
             points.append((time.perf_counter() - start, rss))
             m.sampled_peak_rss = max(m.sampled_peak_rss, rss)
+            m.host_used_peak = max(m.host_used_peak or 0, host_used()[1])
             if m.peak_uss is not None and n % 10 == 0:
                 m.peak_uss = max(m.peak_uss, proc.memory_full_info().uss)
             n += 1
@@ -124,6 +134,12 @@ def track(phase: str, interval_s: float = 0.005) -> Iterator[PhaseMemory]:
         m.peak_rss = max(m.sampled_peak_rss, m.kernel_hwm or 0)
         points.append((time.perf_counter() - start, proc.memory_info().rss))
         m.timeline = decimate(points, TIMELINE_POINTS)
+
+
+def host_used() -> tuple[int, int]:
+    """(host total, host-wide bytes in use = total - available) right now."""
+    vm = psutil.virtual_memory()
+    return vm.total, vm.total - vm.available
 
 
 def decimate(points: list[tuple[float, int]], limit: int) -> list[tuple[float, int]]:

@@ -25,6 +25,13 @@ FUSIONS = (
 
 #: The precision a GPT zoo model is built in (the `dtype` option of the GPT-zoo cases).
 DType = Literal["fp32", "bf16"]
+#: The transformer layer a GPT zoo model is built from (the `layer_spec` option of the GPT-zoo
+#: cases): megatron-core's local modules (CPU and GPU, CP>1 only through parallel_state), or its
+#: Transformer-Engine spec (GPU only; TEDotProductAttention runs CP>1 forwards as ring attention).
+#: The TE spec fuses each pre-norm into the next linear, so its checkpoint keys differ
+#: (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`, no `input_layernorm`) and it
+#: adds `_extra_state` objects; the truth is keyed by checkpoint key and global shape, so it holds.
+LayerSpec = Literal["local", "te"]
 #: Each DType's parameter (and pipeline activation) dtype.
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -90,10 +97,11 @@ def moe_config(spec: ModelSpec, topo: Topology) -> dict[str, Any]:
     )
 
 
-def transformer_config(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", **overrides: Any):
+def transformer_config(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", layer_spec: LayerSpec = "local", **overrides: Any):
     """The TransformerConfig of a zoo model at `topo`. bf16 sets what Megatron-LM's `--bf16` sets
     (bf16=True, params_dtype and pipeline_dtype bfloat16): params are created in bf16 and the
-    pipeline sends bf16 activations between stages."""
+    pipeline sends bf16 activations between stages. The model config carries CP>1 only with the
+    TE layer spec (see below)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -112,7 +120,7 @@ def transformer_config(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", *
         pipeline_model_parallel_size=topo.pp,
         # The local (non-TE) DotProductAttention asserts context_parallel_size == 1. CP>1 is
         # exercised through parallel_state only, which is what decides shard and replica ids.
-        context_parallel_size=1,
+        context_parallel_size=topo.cp if layer_spec == "te" else 1,
         use_cpu_initialization=True,
         bf16=dtype == "bf16",
         params_dtype=TORCH_DTYPES[dtype],
@@ -126,8 +134,20 @@ def transformer_config(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", *
     return TransformerConfig(**kwargs)
 
 
-def build_gpt(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", **config_overrides: Any):
-    """A megatron-core GPTModel (local layer spec) for this rank's pipeline stage.
+def layer_spec_module(spec: ModelSpec, layer_spec: LayerSpec):
+    """megatron-core's layer spec for `layer_spec` (the TE one imports Transformer-Engine: GPU ranks only)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if layer_spec == "te":
+        moe = dict(num_experts=spec.num_moe_experts, moe_grouped_gemm=spec.moe_grouped_gemm) if spec.is_moe else {}
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
+    # the local spec has no grouped GEMM: it would silently build SequentialMLP (unavailable_reason refuses that)
+    moe = dict(num_experts=spec.num_moe_experts, moe_grouped_gemm=False) if spec.is_moe else {}
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=spec.normalization, **moe)
+
+
+def build_gpt(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", layer_spec: LayerSpec = "local", **config_overrides: Any):
+    """A megatron-core GPTModel (local or Transformer-Engine layer spec) for this rank's pipeline stage.
 
     fp32: the bare GPTModel. bf16: the GPTModel in bf16 wrapped in megatron-core's
     `Float16Module`, as Megatron-LM's `get_model` does under `--bf16` (and as verl's engine does):
@@ -140,7 +160,6 @@ def build_gpt(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", **config_o
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from harness.compat import seed_model_parallel
 
@@ -148,11 +167,10 @@ def build_gpt(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", **config_o
     if unavailable:
         raise RuntimeError(f"model {spec.name!r}: {unavailable}")
     seed_model_parallel(spec.seed)
-    config = transformer_config(spec, topo, dtype, **config_overrides)
-    moe = dict(num_experts=spec.num_moe_experts, moe_grouped_gemm=False) if spec.is_moe else {}
+    config = transformer_config(spec, topo, dtype, layer_spec, **config_overrides)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization, **moe),
+        transformer_layer_spec=layer_spec_module(spec, layer_spec),
         vocab_size=spec.padded_vocab_size(topo.tp),  # == vocab_size unless the spec asks for padding
         max_sequence_length=spec.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -242,9 +260,32 @@ def local_shards(model) -> list[Shard]:
     return shards_of(model.sharded_state_dict())
 
 
+def cp_positions(seq_length: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """The sequence positions CP rank `cp_rank` of `cp` holds: megatron's load-balanced split
+    (`get_batch_on_this_cp_rank`) cuts the sequence into 2*cp chunks and gives rank r chunks r and
+    2*cp-1-r, so every rank gets as much of the causal mask's work."""
+    chunk = seq_length // (2 * cp)
+    first, second = cp_rank * chunk, (2 * cp - 1 - cp_rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def cp_unshard(parts: list[torch.Tensor], seq_length: int, dim: int = 1) -> torch.Tensor:
+    """The full-sequence tensor from each CP rank's part (in CP rank order), inverse of `cp_positions`."""
+    cp = len(parts)
+    shape = list(parts[0].shape)
+    shape[dim] = seq_length
+    full = parts[0].new_empty(shape)
+    for r, part in enumerate(parts):
+        full.index_copy_(dim, cp_positions(seq_length, cp, r).to(part.device), part)
+    return full
+
+
 @torch.no_grad()
 def forward_logits(model, batch: dict[str, torch.Tensor], hidden_size: int, device: torch.device) -> torch.Tensor | None:
     """Full-vocabulary logits of `batch`, returned on every last-stage TP-rank-0 rank.
+
+    With CP>1 (TE layer spec) each CP rank feeds its `cp_positions` of the sequence, as megatron's
+    training does, and the logits are gathered across the CP group back into sequence order.
 
     Pipeline stages hand activations on with plain send/recv so the forward pass does not
     depend on megatron's schedules (which have their own CUDA assumptions); the activations
@@ -256,6 +297,12 @@ def forward_logits(model, batch: dict[str, torch.Tensor], hidden_size: int, devi
 
     model.eval()
     batch = {k: v.to(device) for k, v in batch.items()}
+    seq_length = batch["input_ids"].shape[1]
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:
+        idx = cp_positions(seq_length, cp, parallel_state.get_context_parallel_rank()).to(device)
+        batch = {"input_ids": batch["input_ids"][:, idx], "position_ids": batch["position_ids"][:, idx],
+                 "attention_mask": batch["attention_mask"][:, :, idx, :]}
     b, s = batch["input_ids"].shape
     if not parallel_state.is_pipeline_first_stage():
         pipeline_dtype = getattr(model.config, "pipeline_dtype", None) or torch.float32
@@ -267,6 +314,10 @@ def forward_logits(model, batch: dict[str, torch.Tensor], hidden_size: int, devi
         dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
         return None
     logits = tensor_parallel.gather_from_tensor_model_parallel_region(out)
+    if cp > 1:
+        parts = [torch.empty_like(logits) for _ in range(cp)]
+        dist.all_gather(parts, logits.contiguous(), group=parallel_state.get_context_parallel_group())
+        logits = cp_unshard(parts, seq_length)
     if parallel_state.get_tensor_model_parallel_rank() != 0:
         return None
     return logits.detach().cpu().clone()

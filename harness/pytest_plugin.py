@@ -34,6 +34,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--ckpt-report", default=None, help="write case results as JSON lines to DIR")
     group.addoption("--ckpt-start-method", default="auto", choices=("auto", "fork", "spawn", "forkserver"),
                     help="how ranks start (auto: fork for gloo, spawn for NCCL)")
+    group.addoption("--ckpt-max-world", type=int, default=None, metavar="N",
+                    help="cut every matrix topology above N ranks to fit (harness/cut.py): ckpt-harness run --max-world")
     group.addoption("--ckpt-rank-hook", action="append", default=[], metavar="MODULE:FUNCTION",
                     help="run this function in every rank before the case (repeatable)")
 
@@ -52,7 +54,7 @@ def pytest_collect_file(parent: pytest.Collector, file_path: Path):
 class MatrixFile(pytest.File):
     def collect(self):
         try:
-            matrix = load_matrix(self.path)
+            matrix = load_matrix(self.path, self.config.getoption("--ckpt-max-world"))
         except MatrixError as exc:
             raise self.CollectError(str(exc)) from None
         for spec in matrix.cases:
@@ -86,6 +88,8 @@ class CaseItem(pytest.Item):
             Path(report_dir).mkdir(parents=True, exist_ok=True)
             with open(Path(report_dir) / f"results-{worker}.jsonl", "a") as f:
                 f.write(json.dumps(result.to_dict(), default=str) + "\n")
+        if result.status == "not-run":
+            pytest.skip(f"not run: {result.not_run_reason}")
         if result.status == "xfailed":
             pytest.xfail(f"{result.xfail_reason}")
         if result.status != "passed":

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from harness.result import STATUSES, CaseResult
 
-_STYLE = {"passed": "green", "failed": "bold red", "error": "bold magenta", "xfailed": "yellow"}
+_STYLE = {"passed": "green", "failed": "bold red", "error": "bold magenta", "xfailed": "yellow", "not-run": "cyan"}
 _VERSIONED = ("torch", "megatron-core", "megatron-bridge", "transformers", "peft")
 
 
@@ -75,12 +75,13 @@ def write_json(results: list[CaseResult], path: Path, matrix: str, wall_s: float
 
 def write_junit(results: list[CaseResult], path: Path, suite: str, wall_s: float) -> Path:
     """JUnit XML for CI test views: one testcase per case; `failed` -> <failure>, `error` ->
-    <error> (both with the failure text), `xfailed` -> <skipped> naming the upstream defect."""
+    <error> (both with the failure text), `xfailed` -> <skipped> naming the upstream defect,
+    `not-run` -> <skipped> with what the machine lacks."""
     import xml.etree.ElementTree as ET
 
     c = counts(results)
     root = ET.Element("testsuite", name=suite, tests=str(len(results)), failures=str(c["failed"]), errors=str(c["error"]),
-                      skipped=str(c["xfailed"]), time=f"{wall_s:.3f}")
+                      skipped=str(c["xfailed"] + c["not-run"]), time=f"{wall_s:.3f}")
     for r in results:
         tc = ET.SubElement(root, "testcase", classname=f"ckpt_harness.{r.case}", name=r.id, time=f"{r.phases.get('total', 0):.3f}")
         text = r.failure_text()
@@ -90,6 +91,8 @@ def write_junit(results: list[CaseResult], path: Path, suite: str, wall_s: float
             ET.SubElement(tc, "error", message=(r.error or "error").strip().splitlines()[0][:500]).text = text
         elif r.status == "xfailed":
             ET.SubElement(tc, "skipped", message=f"xfail (named upstream defect): {r.xfail_reason}")
+        elif r.status == "not-run":
+            ET.SubElement(tc, "skipped", message=f"not run: {r.not_run_reason}")
     path.parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
     return path
@@ -154,6 +157,19 @@ def print_summary(results: list[CaseResult], title: str, wall_s: float, console:
             console.print(r.failure_text(), markup=False, highlight=False)
         elif r.status == "xfailed":
             console.print(f"[yellow]xfailed[/] {escape(r.id)}: {escape(r.xfail_reason or '')}", highlight=False)
+    for reason, ids in not_run_groups(results).items():
+        console.print(f"[cyan]not-run[/] ({len(ids)}): {escape(reason)}", highlight=False)
+        for i in ids:
+            console.print(f"  {escape(i)}", highlight=False)
+
+
+def not_run_groups(results: Iterable[CaseResult]) -> dict[str, list[str]]:
+    """Not-run case ids grouped by their reason (one line per missing thing, not per case)."""
+    out: dict[str, list[str]] = {}
+    for r in results:
+        if r.status == "not-run":
+            out.setdefault(r.not_run_reason or "(no reason recorded)", []).append(r.id)
+    return out
 
 
 def _worst_toleranced(checks: list[dict]) -> tuple[float | None, str]:
@@ -178,7 +194,8 @@ def markdown(doc: dict) -> str:
         cell = f"{ok}/{len(checks)}" + (f" (failed: {', '.join(failed)})" if failed else "")
         d, tol = _worst_toleranced(checks)
         diff = "-" if d is None else ("0" if d == 0 else f"{d:.1e}") + (f" ({tol})" if tol else "")
-        rows.append(f"| `{r['id']}` | {r['status']} | {cell} | {diff} | {r.get('phases', {}).get('total', 0):.1f} |")
+        status = r["status"] + (f" ({r.get('not_run_reason')})" if r["status"] == "not-run" else "")
+        rows.append(f"| `{r['id']}` | {status} | {cell} | {diff} | {r.get('phases', {}).get('total', 0):.1f} |")
     s = doc.get("summary", {})
     total = ", ".join(f"{n} {k}" for k, n in s.items() if n)
     rows.append(f"\n{len(doc['results'])} cases in {doc.get('wall_s', 0):.0f} s: {total}")

@@ -7,8 +7,9 @@ from typing import Any
 
 from harness.parity import Mismatch
 
-#: Case statuses, in the order reports list them.
-STATUSES = ("passed", "failed", "error", "xfailed")
+#: Case statuses, in the order reports list them. `not-run`: the machine lacks what the case
+#: requires (harness.requires); its reason is in `not_run_reason`, and it is never counted green.
+STATUSES = ("passed", "failed", "error", "xfailed", "not-run")
 #: Statuses a run counts as green.
 GREEN = ("passed", "xfailed")
 
@@ -43,6 +44,7 @@ class CaseResult:
     phases: dict[str, float] = field(default_factory=dict)  # seconds, per phase
     error: str | None = None
     xfail_reason: str | None = None
+    not_run_reason: str | None = None
     notes: list[str] = field(default_factory=list)
     compat_shims: list[str] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict)

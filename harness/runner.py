@@ -51,8 +51,9 @@ def budget_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
 
 def apply_xfail(spec: CaseSpec, result: CaseResult) -> None:
     """Strict expected failure: the named failure becomes `xfailed`, another failure stays
-    `failed` (with why), and a pass becomes `failed` as XPASS(strict)."""
-    if spec.xfail is None:
+    `failed` (with why), and a pass becomes `failed` as XPASS(strict). A `not-run` case showed
+    nothing either way and stays `not-run`."""
+    if spec.xfail is None or result.status == "not-run":
         return
     if result.status in ("failed", "error"):
         unexpected = spec.xfail.explains(result)
@@ -109,6 +110,22 @@ def error_text(exc: Exception, tb: str | None = None) -> str:
     return f"{api + chr(10) if api else ''}{type(exc).__name__}: {exc}" + (f"\n{tb}" if tb else "")
 
 
+def not_run_reason(spec: CaseSpec, options: RunOptions) -> str | None:
+    """Why this machine cannot run `spec` (harness.requires: the spec's requirements, plus NCCL when
+    the run forces it), or None when it can."""
+    from cases import get_case
+    from harness.requires import unmet
+
+    needs = spec.requires + (("nccl",) if options.dist_backend == "nccl" else ())
+    try:  # a spec built in code (not from a matrix) gets what its options imply, as the loader adds
+        case = get_case(spec.case)
+        needs += tuple(case.machine_requirements(case.validate(spec)))
+    except (KeyError, ValueError):
+        pass  # run_case reports the invalid spec as an error
+    reasons = unmet(needs, max(spec.source.world_size, spec.target.world_size), options.dist_backend)
+    return "; ".join(reasons) or None
+
+
 def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     from cases import get_case
     from harness.preload import warm
@@ -118,7 +135,13 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     result = CaseResult(
         id=spec.id, case=spec.case, model=spec.model, backend=spec.backend,
         source=spec.source.id, target=spec.target.id, options=spec.opts, xfail_reason=spec.xfail.reason if spec.xfail else None,
+        notes=list(spec.notes),
     )
+    reason = not_run_reason(spec, options)
+    if reason:  # decided before any world starts: nothing of the case ran
+        result.status, result.not_run_reason = "not-run", reason
+        result.phases["total"] = 0.0
+        return result
     parent = Path(options.workdir) if options.workdir else None
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)

@@ -102,6 +102,11 @@ class CaseSpec:
     budgets: tuple[Budget, ...] = ()
     origin: str = ""  # file:entry, for messages
     backend_options: tuple[tuple[str, Any], ...] = ()  # the backend's own options (its `Options`)
+    #: What the machine must offer (harness.requires): the entry's `requires` plus what the case's
+    #: options imply; unmet -> the case is `not-run` with the reasons.
+    requires: tuple[str, ...] = ()
+    #: Lines every result of this spec carries (e.g. the original pair of a topology cut by --max-world).
+    notes: tuple[str, ...] = ()
 
     @property
     def opts(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 from harness import compat, truth
 from harness.backends import BackendRef
 from harness.memory import track
-from harness.models import TORCH_DTYPES, DType, build_gpt, fill_canonical, local_shards, rank_device, shards_of
+from harness.models import TORCH_DTYPES, DType, LayerSpec, build_gpt, fill_canonical, local_shards, rank_device, shards_of
 from harness.parity import Shard
 from harness.topology import Topology
 from harness.world import RankContext
@@ -46,6 +46,18 @@ class TrainConfig:
     #: shards each bucket across DP: a small size gives these models several (bucket-boundary bugs).
     #: megatron-core uses buckets only with overlap_grad_reduce, and only on the first PP stage.
     bucket_size: int = 0
+    #: local | te (harness.models.LayerSpec). A training case with te runs at CP 1 only: its
+    #: batches are not split across CP ranks (`cp_rule`).
+    layer_spec: LayerSpec = "local"
+
+
+def cp_rule(spec, opts: TrainConfig) -> None:
+    """Raise ValueError for layer_spec te with CP>1 in a training case: the TE model would run ring
+    attention over the CP group while every CP rank feeds the whole sequence (the training batches
+    are split by DP only). reshard-weights' forward splits its batch and runs TE at CP>1."""
+    if opts.layer_spec == "te" and max(spec.source.cp, spec.target.cp) > 1:
+        raise ValueError("layer_spec 'te' with cp > 1: the training cases do not split their batches across CP ranks "
+                         "(reshard-weights checks a TE CP forward)")
 
 
 @dataclass(frozen=True)
@@ -113,7 +125,7 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     weights = spec.with_seed(spec.seed + seed_offset) if seed_offset else spec
-    model = build_gpt(spec, topo, cfg.dtype)
+    model = build_gpt(spec, topo, cfg.dtype, cfg.layer_spec)
     fill_canonical(model, weights)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=cfg.use_distributed_optimizer,
@@ -162,6 +174,12 @@ def built_dtype(ddp, optimizer) -> str:
             f"optimizer bf16={sorted(flags)}")
 
 
+def built_layer_spec(model) -> str:
+    """"te" when any module of the built model is one of megatron-core's Transformer-Engine
+    wrappers, else "local"."""
+    return "te" if any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in model.modules()) else "local"
+
+
 def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
     """Asked vs actually used, for every knob the case set (the class of verl PR #5775)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -178,6 +196,7 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
         and all(b.grad_dtype == torch.float32 for b in ddp.buffers),
         "lr": inner[0].param_groups[0]["lr"] if inner else None,
         "dtype": built_dtype(ddp, optimizer),
+        "layer_spec": built_layer_spec(ddp.module),
     }
     # The optimizer must also see DDP's setting (a mismatch reduce-scatters into an optimizer
     # that expects all-reduced grads, or the reverse).
@@ -189,6 +208,7 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
         "grad_reduce_in_fp32": cfg.grad_reduce_in_fp32,
         "lr": cfg.lr,
         "dtype": cfg.dtype,
+        "layer_spec": cfg.layer_spec,
     }
     rows = [{"knob": k, "asked": asked[k], "actual": actual[k], "ok": asked[k] == actual[k]} for k in asked]
     # Buckets: what the DDP module really built on this rank. megatron-core turns bucketing off on

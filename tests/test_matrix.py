@@ -53,7 +53,7 @@ def test_pairs_and_cross_product_expand(tmp_path):
         ("entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2'], typo: 1}]", "unknown key(s) ['typo']"),
         ("entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2'], markers: [fast]}]", "unknown marker(s) ['fast']"),
         ("entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2'], expect: maybe}]", "must be 'pass' or 'refuse'"),
-        ("entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2'], options: {x: 1}}]", "takes dtype; unknown option(s) ['x']"),
+        ("entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2'], options: {x: 1}}]", "takes dtype, layer_spec; unknown option(s) ['x']"),
         ("entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2'], axes: {dtype: [fp16]}}]", "option 'dtype': expected one of 'fp32', 'bf16', got 'fp16'"),
         ("entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2', 'tp1 -> tp2']}]", "already defined by"),
         ("defaults: {max_world_size: 2}\nentries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp4']}]", "exceeds the 2 ranks"),

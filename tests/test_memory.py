@@ -46,3 +46,33 @@ def test_a_tracked_phase_records_its_timeline():
         del blob
     assert 2 <= len(m.timeline) <= 48 and m.timeline[0] == (0.0, m.baseline_rss)
     assert max(v for _, v in m.timeline) <= m.peak_rss
+
+
+def test_tracker_records_the_host_wide_peak_it_samples(monkeypatch):
+    """Host-wide use moves with every process on the machine, so the sampler is fed a known series:
+    the recorded peak is its maximum, the baseline its first value."""
+    import time
+
+    from harness import memory
+
+    values = [(1000 * MiB, v * MiB) for v in (300, 310, 700, 420)]
+    calls = [0]
+
+    def fake():
+        calls[0] += 1
+        return values[min(calls[0], len(values)) - 1]
+
+    monkeypatch.setattr(memory, "host_used", fake)
+    with track("save", interval_s=0.001) as m:
+        deadline = time.monotonic() + 30
+        while calls[0] < len(values) and time.monotonic() < deadline:  # until the sampler read the whole series
+            time.sleep(0.01)
+    d = m.to_dict()
+    assert (d["host_total"], d["host_used_baseline"], d["host_used_peak"]) == (1000 * MiB, 300 * MiB, 700 * MiB)
+
+
+def test_host_used_reads_this_machine():
+    from harness.memory import host_used
+
+    total, used = host_used()
+    assert total > used > 0

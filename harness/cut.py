@@ -1,0 +1,37 @@
+"""Cut a matrix's worlds to the machine (`ckpt-harness run --max-world N`, `--ckpt-max-world N`).
+
+The rule, applied to each topology above N ranks: reduce dp first, then cp, then pp, then tp,
+each to the largest divisor of its value that makes the world fit (or 1, then the next dim).
+Data parallelism goes first because it changes the least of what a checkpoint must reshard
+(replicas, not shards); tensor parallelism last because it splits every tensor. Other fields of
+the topology (vpp, ep, ...) are kept as they are, except an expert-tensor-parallel size that
+followed tp (megatron-core's default, etp == tp) follows it down. A cut that leaves them invalid
+(e.g. ep no longer dividing the world) raises Topology's own error, which the matrix loader
+reports naming the entry and the cut. Every value only shrinks to a divisor of itself, so a cut
+topology still divides every model dimension the original divided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from harness.topology import Topology
+
+ORDER = ("dp", "cp", "pp", "tp")
+
+
+def cut(topo: Topology, max_world: int) -> Topology:
+    """`topo` reduced by the rule above until its world size is at most `max_world` (unchanged if it fits)."""
+    if max_world < 1:
+        raise ValueError(f"--max-world must be >= 1, got {max_world}")
+    for dim in ORDER:
+        value = getattr(topo, dim)
+        if topo.world_size <= max_world:
+            break
+        rest = topo.world_size // value
+        fits = [d for d in range(value, 0, -1) if value % d == 0 and rest * d <= max_world]
+        changes = {dim: fits[0] if fits else 1}
+        if dim == "tp" and getattr(topo, "etp", None) == topo.tp:  # etp defaulted to tp: it follows
+            changes["etp"] = changes["tp"]
+        topo = replace(topo, **changes)
+    return topo

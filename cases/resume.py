@@ -42,7 +42,13 @@ RESUME_TOLERANCE = Tolerance(atol=2e-5, rtol=1e-4, why="topology change reorders
 # The margins are thin: in bf16 the bitwise optimizer-state and weights-match-main-params checks
 # carry the proof, these two keep an order-of-magnitude guard on the resumed trajectory.
 RESUME_LOSS_TOLERANCE_BF16 = Tolerance(atol=2e-3, rtol=0.0, why="bf16: topology change reorders bf16 grad reductions (measured max 7.6e-4)")
-RESUME_WEIGHT_TOLERANCE_BF16 = Tolerance(atol=5e-3, rtol=0.0, why="bf16: topology change flips bf16 weight ulps (measured max 2.9e-3)")
+# A norm weight near 1.0 sits where one bf16 ulp is 2^-7 = 7.8e-3: a topology change flips it by
+# one ulp (measured on gpt-gqa dp2 -> tp2 final_layernorm and gpt-moe-shared dp2ep2 -> dp2etp2,
+# both exactly 7.8125e-3), so the bound is atol 5e-3 plus one bf16 ulp relative (rtol 2^-7). That
+# also admits the one-ulp moves of an Adam step reset on such weights: in bf16 the losses bound
+# (and the bitwise optimizer-state check) is what catches a reset (dp_reshardable dp2 -> dp1: losses
+# 3.7e-3 vs 2e-3).
+RESUME_WEIGHT_TOLERANCE_BF16 = Tolerance(atol=5e-3, rtol=2**-7, why="bf16: topology change flips bf16 weight ulps (measured max one ulp, 7.8e-3 at 1.0)")
 
 
 def resume_tolerances(src: str, dst: str, dtype: str) -> tuple[Tolerance | None, Tolerance | None]:

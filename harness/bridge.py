@@ -49,13 +49,20 @@ class BridgeModel:
 
 
 def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights: bool = True,
-          adapter: AdapterSpec | None = None, ddp_config=None) -> BridgeModel:
-    """AutoBridge -> provider (local layer spec, fp32, fusions off) -> model at this rank.
+          adapter: AdapterSpec | None = None, ddp_config=None, dtype: str = "fp32") -> BridgeModel:
+    """AutoBridge -> provider (local layer spec, fusions off) -> model at this rank.
 
     Megatron-Bridge's default layer spec is Transformer-Engine's and its finalize() asserts on
     apply_rope_fusion: a CPU build needs the local spec and every fusion off.
+
+    `dtype` bf16 is what the provider itself sets for a bf16 HF config (bf16=True, params_dtype
+    bfloat16) plus pipeline_dtype bfloat16, and the model wrapped in megatron-core's Float16Module
+    (the provider's default mixed_precision_wrapper), as Megatron-LM's --bf16 builds it.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+
+    from harness.hf_models import HF_DTYPES
 
     from harness.compat import import_megatron_bridge, seed_model_parallel
 
@@ -63,16 +70,18 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     from megatron.bridge import AutoBridge
 
     seed_model_parallel(spec.seed)
-    bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=torch.float32)
+    torch_dtype = HF_DTYPES[dtype]
+    bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=torch_dtype)
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     provider.tensor_model_parallel_size = topo.tp
     provider.pipeline_model_parallel_size = topo.pp
     provider.transformer_layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     for name in FUSIONS:
         setattr(provider, name, False)
-    provider.params_dtype = torch.float32
-    provider.pipeline_dtype = torch.float32
-    provider.bf16 = provider.fp16 = False
+    provider.params_dtype = torch_dtype
+    provider.pipeline_dtype = torch_dtype
+    provider.fp16 = False
+    provider.bf16 = dtype == "bf16"
     if getattr(spec, "pad_vocab", False):  # the Bridge's default (no padding) otherwise
         provider.should_pad_vocab = True
     peft = None
@@ -81,14 +90,27 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
         provider.register_pre_wrap_hook(lambda m: peft(m, training=True))
     provider.finalize()
     modules = provider.provide_distributed_model(
-        ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None, use_cpu_initialization=True, mixed_precision_wrapper=None
+        ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None, use_cpu_initialization=True,
+        mixed_precision_wrapper=Float16Module if dtype == "bf16" else None,
     )
     return BridgeModel(bridge, modules, peft, ddp_config, str(hf_dir))
 
 
-def unwrapped(bm: BridgeModel):
+def forward_module(bm: BridgeModel):
+    """The module a forward pass runs: the DDP wrapper peeled off, Float16Module kept (it casts
+    inputs to bf16 on the first stage and logits back to fp32 on the last)."""
+    from megatron.core.distributed import DistributedDataParallel
+
     m = bm.modules[0]
-    return getattr(m, "module", m)
+    return m.module if isinstance(m, DistributedDataParallel) else m
+
+
+def unwrapped(bm: BridgeModel):
+    """The bare GPTModel under DDP and Float16Module (whose state dicts delegate without prefix)."""
+    from megatron.core.transformer.module import Float16Module
+
+    m = forward_module(bm)
+    return m.module if isinstance(m, Float16Module) else m
 
 
 def _layer_offset(spec: HFModelSpec) -> int:
@@ -131,19 +153,31 @@ def adapter_pieces(bm: BridgeModel, spec: HFModelSpec) -> list[dict]:
     ]
 
 
-def ddp_propagation(bm: BridgeModel, asked: dict[str, Any]) -> list[dict[str, Any]]:
-    """Asked DDP knobs vs the built DDP module's ddp_config (verl PR #5775 on the provider path)."""
+def ddp_propagation(bm: BridgeModel, asked: dict[str, Any], dtype: str = "fp32") -> list[dict[str, Any]]:
+    """Asked DDP knobs vs the built DDP module's ddp_config (verl PR #5775 on the provider path),
+    and the precision asked vs the built model's: its parameter dtypes and, for bf16, the
+    Float16Module wrapper (a bf16 case that silently built fp32 would prove nothing about bf16)."""
+    from megatron.core.transformer.module import Float16Module
+
+    from harness.hf_models import HF_DTYPES
+
     built = getattr(bm.modules[0], "ddp_config", None)
-    return [
+    records = [
         {"knob": k, "asked": v, "actual": getattr(built, k, "no DDP wrapper"), "ok": getattr(built, k, None) == v}
         for k, v in asked.items()
     ]
+    want = str(HF_DTYPES[dtype]).removeprefix("torch.")
+    held = sorted({str(p.dtype).removeprefix("torch.") for p in unwrapped(bm).parameters()})
+    wrapped = isinstance(forward_module(bm), Float16Module)
+    records.append({"knob": "params_dtype", "asked": want, "actual": ",".join(held), "ok": held == [want]})
+    records.append({"knob": "Float16Module", "asked": dtype == "bf16", "actual": wrapped, "ok": wrapped == (dtype == "bf16")})
+    return records
 
 
 def megatron_logits(bm: BridgeModel, spec: HFModelSpec, device) -> torch.Tensor | None:
     from harness.models import forward_logits
 
-    logits = forward_logits(unwrapped(bm), truth.hf_batch(spec), spec.hidden_size, device)
+    logits = forward_logits(forward_module(bm), truth.hf_batch(spec), spec.hidden_size, device)
     # a padded vocab (spec.pad_vocab) adds columns no token maps to; transformers has none
     return None if logits is None else logits[..., : spec.vocab_size].contiguous()
 

@@ -8,7 +8,7 @@ import torch
 from cases import hf_roundtrip, peft_export, reshard_optimizer, resume, reshard_weights
 from harness import truth
 from harness.checks import knob_check, refusal_check, weights_match_main_params
-from harness.parity import Shard
+from harness.parity import Shard, compare_tensors
 from harness.topology import Topology
 from harness.training import TrainOut
 from harness.zoo import get_model
@@ -278,14 +278,38 @@ def test_hf_roundtrip_judge():
     logits = torch.randn(2, 16, 128)
     outs = [hf_roundtrip.BridgeOut([{"knob": "overlap_grad_reduce", "asked": False, "actual": False, "ok": True}], logits + 1e-7)]
     src, dst = Topology.parse("tp2"), Topology.parse("pp2")
-    good = hf_roundtrip.judge(src, dst, [("a", outs), ("b", outs)], state, dict(state), logits, logits.clone())
+    dtypes = ("float32", "float32")
+    good = hf_roundtrip.judge(src, dst, [("a", outs), ("b", outs)], state, dict(state), logits, logits.clone(), dtypes)
     assert set(_statuses(good).values()) == {"passed"} and {"megatron-logits@a", "megatron-logits@b"} <= set(_statuses(good))
     flipped = {k: v.clone() for k, v in state.items()}
     _flip(flipped["model.embed_tokens.weight"])
-    bad = _statuses(hf_roundtrip.judge(src, dst, [("a", outs)], state, flipped, logits, logits + 1e-3))
+    bad = _statuses(hf_roundtrip.judge(src, dst, [("a", outs)], state, flipped, logits, logits + 1e-3, dtypes))
     assert bad["export-bitwise"] == "failed" and bad["hf-logits"] == "failed"
     far = [hf_roundtrip.BridgeOut(outs[0].propagation, logits + 1e-2)]
-    assert _statuses(hf_roundtrip.judge(src, dst, [("a", far)], state, state, logits, logits))["megatron-logits@a"] == "failed"
+    assert _statuses(hf_roundtrip.judge(src, dst, [("a", far)], state, state, logits, logits, dtypes))["megatron-logits@a"] == "failed"
+
+
+def test_hf_export_dtype_judge():
+    bf16 = {"model.norm.weight": torch.ones(4, dtype=torch.bfloat16), "model.embed_tokens.weight": torch.ones(8, 4, dtype=torch.bfloat16)}
+    assert hf_roundtrip.export_dtype_check("bfloat16", "bfloat16", bf16).status == "passed"
+    # the tensors right, the config wrong: only export-dtype can see it (export-bitwise reads tensors)
+    c = hf_roundtrip.export_dtype_check("bfloat16", "float32", bf16)
+    assert c.status == "failed" and "export config dtype 'float32', source config 'bfloat16'" in c.detail
+    upcast = {k: v.float() for k, v in bf16.items()}
+    c = hf_roundtrip.export_dtype_check("bfloat16", "bfloat16", upcast)
+    assert c.status == "failed" and "2 exported tensor(s) not bfloat16" in c.detail
+    assert hf_roundtrip.export_dtype_check(None, None, bf16).status == "failed"  # a source without a dtype proves nothing
+
+
+@pytest.mark.parametrize("bound", [hf_roundtrip.megatron_tolerance, peft_export.logits_tolerance])
+def test_bf16_hf_logits_tolerances(bound):
+    """The bf16 bound on Megatron-vs-transformers logits: one bf16 ulp at |logit| 2..4 passes, a
+    wrong weight's O(1e-1) does not; fp32 keeps its 1e-5 bound."""
+    logits = torch.full((1, 2, 4), 3.0)
+    ulp = logits + 1.5625e-2
+    assert compare_tensors("l", logits, ulp, "a", "b", bound("bf16")) is None
+    assert compare_tensors("l", logits, logits + 0.2, "a", "b", bound("bf16")) is not None
+    assert compare_tensors("l", logits, ulp, "a", "b", bound("fp32")) is not None
 
 
 def test_peft_config_logits_and_reshard_judges():

@@ -56,8 +56,12 @@ PEFT_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-5, why="Megatron+LoRA vs transform
 PEFT_TOLERANCE_BF16 = Tolerance(atol=6e-2, rtol=3e-2, why="Megatron+LoRA (bf16) vs transformers+PEFT (bf16 base, fp32 LoRA) kernels")
 MIN_ADAPTER_EFFECT = 1e-3  # max |logits(lora) - logits(base)| below this means the adapter did nothing
 ADAPTERS = {"lora": mb.LORA_TARGETS, "canonical_lora": mb.CANONICAL_TARGETS}  # kind -> Megatron targets
-# Both kinds export the same HF PEFT target modules.
+# Both kinds export the same HF PEFT target modules; a non-gated MLP has no gate_proj.
 HF_TARGET_MODULES = sorted({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
+def hf_target_modules(model: HFModelSpec) -> list[str]:
+    return HF_TARGET_MODULES if model.gated else [m for m in HF_TARGET_MODULES if m != "gate_proj"]
 
 
 @dataclass(frozen=True)
@@ -183,7 +187,7 @@ def _dtypes(state: dict[str, torch.Tensor]) -> str:
 def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOut], ex: Exported, dtype: str = "fp32") -> list[Check]:
     """The export checks at the source topology."""
     problems = ex.peft_problems
-    derived = peft_mapping.to_hf_peft(peft_mapping.gather([p for o in outs for p in o.pieces]), model)
+    derived = peft_mapping.to_hf_peft(peft_mapping.gather([p for o in outs for p in o.pieces], model.gated), model)
     peft_merged = ex.peft_merged
     if model.tied:  # the HF model's state dict lists the tied lm_head; safetensors stores it once
         peft_merged = {k: v for k, v in peft_merged.items() if k in ex.bridge_merged or k != "lm_head.weight"}
@@ -201,12 +205,12 @@ def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOu
 
 
 def judge_resharded(src: str, dst: str, first: list[PeftOut], again: list[PeftOut],
-                    at_source: dict[str, torch.Tensor], at_target: dict[str, torch.Tensor]) -> list[Check]:
+                    at_source: dict[str, torch.Tensor], at_target: dict[str, torch.Tensor], gated: bool = True) -> list[Check]:
     return [
         state_check("resharded-export", at_source, at_target, f"adapter-export@{src}", f"adapter-export@{dst}",
                     f"{len(at_target)} adapter tensors exported at {dst} equal the export at {src}"),
-        state_check("adapter-params", peft_mapping.gather([p for o in first for p in o.pieces]),
-                    peft_mapping.gather([p for o in again for p in o.pieces]), src, dst,
+        state_check("adapter-params", peft_mapping.gather([p for o in first for p in o.pieces], gated),
+                    peft_mapping.gather([p for o in again for p in o.pieces], gated), src, dst,
                     "Megatron adapter parameters at D equal those at S"),
     ]
 
@@ -245,10 +249,11 @@ class PeftExport(Case):
                 _peft_merged(hf_dir, direct, dtype), get_backend("bridge_hf").read_full(None, merged),
                 hf_logits(hf_dir, ids, adapter=direct, dtype=dtype), hf_logits(hf_dir, ids, dtype=dtype),
             )
-            asked = {"r": opts.dim, "lora_alpha": opts.alpha, "target_modules": HF_TARGET_MODULES, "base_model_name_or_path": str(hf_dir)}
+            asked = {"r": opts.dim, "lora_alpha": opts.alpha, "target_modules": hf_target_modules(model), "base_model_name_or_path": str(hf_dir)}
             result.checks.extend(judge(model, asked, src.id, first, ex, dtype))
             if resharded:
-                result.checks.extend(judge_resharded(src.id, dst.id, first, again, ex.adapter, export.read_full(None, d / "adapter@target")))
+                result.checks.extend(judge_resharded(src.id, dst.id, first, again, ex.adapter, export.read_full(None, d / "adapter@target"),
+                                                           model.gated))
 
 
 CASE = PeftExport()

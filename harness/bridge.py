@@ -39,6 +39,35 @@ class AdapterSpec:
         raise ValueError(f"adapter kind must be lora or canonical_lora, got {self.kind!r}")
 
 
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """LayerNorm with a zero-centered gamma (y = norm(x) * (1 + weight) + bias): what megatron-core's
+    `layernorm_zero_centered_gamma` means and transformers' NemotronLayerNorm1P computes. A CPU
+    stand-in: megatron-core 0.19.2's local norm (`WrappedTorchNorm`, torch_norm.py) asserts
+    `not config.layernorm_zero_centered_gamma` and the fused one needs Apex or Transformer-Engine,
+    so the Nemotron provider (which sets it) builds on neither without this."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        for p in self.parameters():
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+def zero_centered_local_spec(config, vp_stage: int | None = None):
+    """The local layer spec with every norm (input, pre-MLP and the block's final one) a
+    ZeroCenteredLayerNorm, as the block submodules of this pipeline stage."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = get_gpt_layer_local_spec(normalization="LayerNorm")
+    layer.submodules.input_layernorm = ZeroCenteredLayerNorm
+    layer.submodules.pre_mlp_layernorm = ZeroCenteredLayerNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=ZeroCenteredLayerNorm)
+
+
 @dataclass
 class BridgeModel:
     bridge: Any
@@ -75,7 +104,10 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     provider.tensor_model_parallel_size = topo.tp
     provider.pipeline_model_parallel_size = topo.pp
-    provider.transformer_layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    provider.transformer_layer_spec = (
+        zero_centered_local_spec if getattr(provider, "layernorm_zero_centered_gamma", False)
+        else get_gpt_layer_local_spec(normalization="RMSNorm")
+    )
     for name in FUSIONS:
         setattr(provider, name, False)
     provider.params_dtype = torch_dtype

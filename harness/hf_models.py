@@ -19,7 +19,7 @@ HF_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat
 
 
 def hf_config(spec: HFModelSpec):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, NemotronConfig, Qwen2Config
 
     common = dict(
         vocab_size=spec.vocab_size,
@@ -39,6 +39,9 @@ def hf_config(spec: HFModelSpec):
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
     if spec.arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
+    if spec.arch == "nemotron":  # non-gated squared-ReLU MLP (up_proj, down_proj), LayerNorm1p with biases
+        common.pop("rms_norm_eps")
+        return NemotronConfig(**common, norm_eps=1e-5, hidden_act="relu2", attention_bias=False, mlp_bias=False)
     raise ValueError(f"unknown arch {spec.arch!r}")
 
 

@@ -58,7 +58,7 @@ class HFModelSpec:
     kind: ClassVar[str] = "hf"
     name: str
     description: str
-    arch: str  # "llama" | "qwen2"
+    arch: str  # "llama" | "qwen2" | "nemotron"
     tied: bool = False
     num_layers: int = 4
     hidden_size: int = 64
@@ -81,6 +81,11 @@ class HFModelSpec:
     @property
     def ffn_hidden_size(self) -> int:
         return self.intermediate_size
+
+    @property
+    def gated(self) -> bool:
+        """A gated (SwiGLU) MLP: Megatron's fc1 holds [gate; up]; Nemotron's squared ReLU has no gate."""
+        return self.arch != "nemotron"
 
     @property
     def head_dim(self) -> int:
@@ -111,6 +116,8 @@ ZOO: dict[str, AnyModel] = {
         HFModelSpec("hf-llama", "Llama: GQA (8 heads, 4 kv heads), SwiGLU, RMSNorm, untied", "llama"),
         HFModelSpec("hf-qwen2", "Qwen2: GQA with q/k/v biases, untied", "qwen2"),
         HFModelSpec("hf-llama-tied", "Llama with tied input/output embeddings", "llama", tied=True),
+        HFModelSpec("hf-nemotron", "Nemotron: non-gated squared-ReLU MLP, LayerNorm1p (zero-centered gamma) with biases, "
+                    "partial RoPE (0.5), GQA, untied", "nemotron"),
         # Found by `ckpt-harness explore --kind hf` (docs/measurements.md): the Bridge provider's
         # vocab padding (should_pad_vocab) pads 96 rows to 96 at tp1 and 128 at tp2.
         HFModelSpec("hf-llama-padvocab", "Llama, vocab 96 padded by the Bridge provider (should_pad_vocab)", "llama",

@@ -331,6 +331,23 @@ def test_peft_config_logits_and_reshard_judges():
     assert s == {"resharded-export": "failed", "adapter-params": "passed"}
 
 
+def test_peft_mapping_splits_a_gated_fc1_and_keeps_a_non_gated_one():
+    """At TP 2 a SwiGLU fc1's lora_B shards are [gate_r; up_r] and must be de-interleaved into
+    gate_proj/up_proj; a non-gated fc1 (Nemotron) is up_proj alone, a plain column-parallel concat."""
+    from harness import peft_mapping
+
+    name = "decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight"
+    rows = torch.arange(8.0).unsqueeze(1)  # global rows 0..7; rank r holds rows 4r..4r+3
+    pieces = [{"name": name, "tp_rank": r, "tp": 2, "data": rows[4 * r: 4 * r + 4]} for r in (0, 1)]
+    gated = peft_mapping.gather(pieces)[name].flatten().tolist()
+    assert gated == [0, 1, 4, 5, 2, 3, 6, 7]  # [gate_0; gate_1; up_0; up_1]
+    assert peft_mapping.gather(pieces, gated=False)[name].flatten().tolist() == list(range(8))
+    hf = peft_mapping.to_hf_peft({name: rows}, get_model("hf-nemotron"))
+    assert list(hf) == ["base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"] and torch.equal(next(iter(hf.values())), rows)
+    llama = peft_mapping.to_hf_peft({name: rows}, get_model("hf-llama"))
+    assert sorted(k.split(".")[-3] for k in llama) == ["gate_proj", "up_proj"]
+
+
 @pytest.mark.parametrize("name", ["hf-llama", "hf-qwen2"])
 def test_truth_is_a_pure_function_of_seeds(name):
     model = get_model(name)

@@ -75,6 +75,7 @@ class BridgeModel:
     peft: Any = None
     ddp_config: Any = None
     base_path: str = ""
+    local_experts_asked: int | None = None  # num_experts / ep for an MoE fixture
 
 
 def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights: bool = True,
@@ -106,8 +107,18 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     provider.pipeline_model_parallel_size = topo.pp
     provider.transformer_layer_spec = (
         zero_centered_local_spec if getattr(provider, "layernorm_zero_centered_gamma", False)
-        else get_gpt_layer_local_spec(normalization="RMSNorm")
+        else get_gpt_layer_local_spec(num_experts=getattr(spec, "num_experts", None), moe_grouped_gemm=False,
+                                      qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm")
     )
+    if getattr(spec, "num_experts", None):
+        # SequentialMLP (local experts one by one): grouped GEMM and permute fusion need TE/CUDA kernels;
+        # the alltoall dispatcher the Qwen3-MoE provider picks syncs a CUDA event (token_dispatcher.py
+        # _maybe_dtoh_and_synchronize), the allgather one does not. Neither changes a weight or a key.
+        provider.moe_token_dispatcher_type = "allgather"
+        provider.expert_model_parallel_size = topo.ep
+        provider.expert_tensor_parallel_size = topo.etp
+        provider.moe_grouped_gemm = False
+        provider.moe_permute_fusion = False
     for name in FUSIONS:
         setattr(provider, name, False)
     provider.params_dtype = torch_dtype
@@ -125,7 +136,8 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
         ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None, use_cpu_initialization=True,
         mixed_precision_wrapper=Float16Module if dtype == "bf16" else None,
     )
-    return BridgeModel(bridge, modules, peft, ddp_config, str(hf_dir))
+    experts = getattr(spec, "num_experts", None)
+    return BridgeModel(bridge, modules, peft, ddp_config, str(hf_dir), experts // topo.ep if experts else None)
 
 
 def forward_module(bm: BridgeModel):
@@ -203,6 +215,12 @@ def ddp_propagation(bm: BridgeModel, asked: dict[str, Any], dtype: str = "fp32")
     wrapped = isinstance(forward_module(bm), Float16Module)
     records.append({"knob": "params_dtype", "asked": want, "actual": ",".join(held), "ok": held == [want]})
     records.append({"knob": "Float16Module", "asked": dtype == "bf16", "actual": wrapped, "ok": wrapped == (dtype == "bf16")})
+    if bm.local_experts_asked is not None:  # the provider really split the experts over EP
+        import re
+
+        local = {m.group(1) for n, _ in unwrapped(bm).named_parameters() if (m := re.search(r"layers\.\d+\.mlp\.experts\.local_experts\.(\d+)\.", n))}
+        records.append({"knob": "local experts (num_experts/ep)", "asked": bm.local_experts_asked, "actual": len(local),
+                        "ok": len(local) == bm.local_experts_asked})
     return records
 
 

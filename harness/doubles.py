@@ -157,6 +157,28 @@ class ExportAsFp32(BridgeHF):
             (directory / "config.json").write_text(json.dumps(cfg))
 
 
+class ExportOneEpRanksExperts(BridgeHF):
+    """Megatron-Bridge #1716/#1871 as a double: an export from an EP topology that keeps only EP rank
+    0's experts (the second half of every layer's experts missing from the files)."""
+
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0 and directory.name == "hf-export":
+            import re
+
+            from safetensors.torch import load_file, save_file
+
+            for f in sorted(Path(directory).glob("*.safetensors")):
+                state = load_file(str(f))
+                experts = 1 + max((int(m.group(1)) for k in state if (m := re.search(r"\.experts\.(\d+)\.", k))), default=-1)
+                kept = {k: v for k, v in state.items()
+                        if not ((m := re.search(r"\.experts\.(\d+)\.", k)) and int(m.group(1)) >= experts // 2)}
+                save_file(kept, str(f), metadata={"format": "pt"})
+            index = directory / "model.safetensors.index.json"
+            if index.exists():
+                index.unlink()
+
+
 class FlipLoraB(BridgePeft):
     def save(self, ctx, model, directory):
         super().save(ctx, model, directory)

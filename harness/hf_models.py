@@ -19,7 +19,7 @@ HF_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat
 
 
 def hf_config(spec: HFModelSpec):
-    from transformers import LlamaConfig, NemotronConfig, Qwen2Config
+    from transformers import LlamaConfig, NemotronConfig, Qwen2Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=spec.vocab_size,
@@ -42,6 +42,10 @@ def hf_config(spec: HFModelSpec):
     if spec.arch == "nemotron":  # non-gated squared-ReLU MLP (up_proj, down_proj), LayerNorm1p with biases
         common.pop("rms_norm_eps")
         return NemotronConfig(**common, norm_eps=1e-5, hidden_act="relu2", attention_bias=False, mlp_bias=False)
+    if spec.arch == "qwen3_moe":  # every layer MoE (decoder_sparse_step 1), top-k probabilities renormalised
+        return Qwen3MoeConfig(**common, head_dim=spec.head_dim, attention_bias=False, num_experts=spec.num_experts,
+                              num_experts_per_tok=spec.num_experts_per_tok, moe_intermediate_size=spec.moe_intermediate_size,
+                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, use_sliding_window=False)
     raise ValueError(f"unknown arch {spec.arch!r}")
 
 

@@ -29,6 +29,7 @@ MARKERS: dict[str, str] = {
     "cp": "uses context parallelism",
     "tied": "tied embeddings",
     "bf16": "bf16 mixed precision (dtype bf16: Float16Module, fp32 main params)",
+    "moe": "a mixture-of-experts model (expert parallel ep / etp topologies)",
     "slow": "heavier cases, not in the default suite",
     "memory": "host-memory cases and budgets (heavier)",
     "gpu": "needs CUDA devices",

@@ -87,3 +87,11 @@ def test_a_bf16_model_exported_as_fp32_fails_export_dtype(override):
     assert c["export-dtype"] == "failed" and c["export-bitwise"] == "failed"
     assert c["hf-logits"] == "passed" and c["propagation"] == "passed"
     assert "export config dtype 'float32', source config 'bfloat16'" in r.check("export-dtype").detail
+
+
+def test_an_ep_export_missing_other_ranks_experts_fails(override):
+    """Megatron-Bridge #1716/#1871's shape: exported from ep2, only EP rank 0's experts reach the
+    files. transformers refuses the export (the fused experts cannot be assembled), so the case
+    cannot pass: it ends in an error naming the refusal."""
+    r = run_case(_spec("hf-roundtrip", override("ExportOneEpRanksExperts"), src="dp2ep2", dst="dp2ep2", model="hf-qwen3moe"))
+    assert r.status == "error" and "ignore_mismatched_sizes" in r.failure_text()

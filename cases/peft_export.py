@@ -136,12 +136,21 @@ def _peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32") 
     return problems
 
 
-def _peft_merged(base_dir: Path, adapter_dir: Path, dtype: str = "fp32") -> dict[str, torch.Tensor]:
+def _peft_merged(base_dir: Path, adapter_dir: Path, dtype: str = "fp32", save_to: Path | None = None) -> dict[str, torch.Tensor]:
+    """peft's merge_and_unload() weights: the in-memory state dict, or with `save_to` what
+    save_pretrained writes of it. An MoE model needs the latter: transformers 5 holds Qwen3-MoE's
+    experts fused (experts.gate_up_proj [E, 2F, H]) in memory and writes them per expert
+    (experts.N.gate_proj.weight), the layout the Bridge's merged export has."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from harness.backends._safetensors import read_safetensors
+
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=HF_DTYPES[dtype]), adapter_dir)
     merged = model.merge_and_unload()
+    if save_to is not None:
+        merged.save_pretrained(save_to, safe_serialization=True)
+        return read_safetensors(save_to)
     return {k: v.detach().clone() for k, v in merged.state_dict().items()}
 
 
@@ -246,7 +255,8 @@ class PeftExport(Case):
             ex = Exported(
                 _peft_load_problems(hf_dir, direct, dtype), export.read_full(None, direct),
                 json.loads((direct / "adapter_config.json").read_text()),
-                _peft_merged(hf_dir, direct, dtype), get_backend("bridge_hf").read_full(None, merged),
+                _peft_merged(hf_dir, direct, dtype, d / "peft-merged" if model.num_experts else None),
+                get_backend("bridge_hf").read_full(None, merged),
                 hf_logits(hf_dir, ids, adapter=direct, dtype=dtype), hf_logits(hf_dir, ids, dtype=dtype),
             )
             asked = {"r": opts.dim, "lora_alpha": opts.alpha, "target_modules": hf_target_modules(model), "base_model_name_or_path": str(hf_dir)}

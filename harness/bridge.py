@@ -163,38 +163,60 @@ def _layer_offset(spec: HFModelSpec) -> int:
     return parallel_state.get_pipeline_model_parallel_rank() * (spec.num_layers // parallel_state.get_pipeline_model_parallel_world_size())
 
 
-def global_name(local: str, offset: int) -> str:
-    """decoder.layers.<local>.… -> decoder.layers.<global>.…"""
+_EXPERT = ".mlp.experts.local_experts."
+
+
+def global_name(local: str, offset: int, expert_offset: int = 0) -> str:
+    """decoder.layers.<local>.… -> decoder.layers.<global>.…, and an expert's
+    mlp.experts.local_experts.<local>.… -> its global expert index (EP rank x experts per rank + local)."""
     parts = local.split(".")
     if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers" and parts[2].isdigit():
         parts[2] = str(int(parts[2]) + offset)
+    if _EXPERT in local:
+        i = parts.index("local_experts") + 1
+        parts[i] = str(int(parts[i]) + expert_offset)
     return ".".join(parts)
+
+
+def _expert_offset(spec: HFModelSpec) -> int:
+    from megatron.core import parallel_state
+
+    experts = getattr(spec, "num_experts", None)
+    if not experts:
+        return 0
+    return parallel_state.get_expert_model_parallel_rank() * (experts // parallel_state.get_expert_model_parallel_world_size())
+
+
+def _tp_of(name: str) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel group that splits this parameter: expert-TP for an expert's."""
+    from megatron.core import parallel_state as ps
+
+    if _EXPERT in name:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
 @torch.no_grad()
 def fill_adapters(bm: BridgeModel, spec: HFModelSpec, adapter: AdapterSpec) -> int:
-    """Give every adapter parameter its truth.adapter_tensor values (non-zero, per TP rank)."""
-    from megatron.core import parallel_state
-
-    offset, tp_rank, n = _layer_offset(spec), parallel_state.get_tensor_model_parallel_rank(), 0
+    """Give every adapter parameter its truth.adapter_tensor values (non-zero, per TP rank; an
+    expert's per expert-TP rank, under its global expert index)."""
+    offset, eoffset, n = _layer_offset(spec), _expert_offset(spec), 0
     for name, p in unwrapped(bm).named_parameters():
         if ".adapter." in name:
-            p.copy_(truth.adapter_tensor(adapter.seed, global_name(name, offset), tp_rank, tuple(p.shape)))
+            p.copy_(truth.adapter_tensor(adapter.seed, global_name(name, offset, eoffset), _tp_of(name)[0], tuple(p.shape)))
             n += 1
     return n
 
 
 def adapter_pieces(bm: BridgeModel, spec: HFModelSpec) -> list[dict]:
-    """This rank's adapter tensors as they are, with where they sit (global name, TP rank)."""
-    from megatron.core import parallel_state
-
-    offset = _layer_offset(spec)
-    tp_rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    return [
-        {"name": global_name(n, offset), "tp_rank": tp_rank, "tp": tp, "data": p.detach().clone().cpu()}
-        for n, p in unwrapped(bm).named_parameters()
-        if ".adapter." in n
-    ]
+    """This rank's adapter tensors as they are, with where they sit (global name, (expert-)TP rank)."""
+    offset, eoffset = _layer_offset(spec), _expert_offset(spec)
+    out = []
+    for n, p in unwrapped(bm).named_parameters():
+        if ".adapter." in n:
+            tp_rank, tp = _tp_of(n)
+            out.append({"name": global_name(n, offset, eoffset), "tp_rank": tp_rank, "tp": tp, "data": p.detach().clone().cpu()})
+    return out
 
 
 def ddp_propagation(bm: BridgeModel, asked: dict[str, Any], dtype: str = "fp32") -> list[dict[str, Any]]:

@@ -16,8 +16,8 @@ from harness.zoo import HFModelSpec
 # Megatron base module -> is it column-parallel (output split across TP)?
 _COLUMN = {"linear_qkv": True, "linear_fc1": True, "linear_proj": False, "linear_fc2": False}
 _NAME = re.compile(
-    r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.adapter\."
-    r"(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
+    r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(?:experts\.local_experts\.(\d+)\.)?"
+    r"(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
 )
 _HF_MODULE = {"linear_proj": "self_attn.o_proj", "linear_fc2": "mlp.down_proj"}
 _CANONICAL = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
@@ -43,7 +43,7 @@ def gather(pieces: list[dict], gated: bool = True) -> dict[str, torch.Tensor]:
         m = _NAME.match(name)
         if not m:
             raise ValueError(f"unrecognised adapter parameter {name}")
-        base, sub, which = m.group(3), m.group(4), m.group(5)
+        base, sub, which = m.group(4), m.group(5), m.group(6)
         parts = [shards[r] for r in sorted(shards)]
         if len(parts) == 1:
             full[name] = parts[0]
@@ -71,9 +71,20 @@ def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec) -> dict[str
             out[f"{prefix}.lora_B.weight"] = b
 
     for name, t in megatron.items():
-        layer, _, base, sub, which = _NAME.match(name).groups()
+        layer, _, expert, base, sub, which = _NAME.match(name).groups()
         is_a = which == "linear_in"
-        if sub is not None:  # CanonicalLoRA: one adapter per q/k/v/gate/up
+        if expert is not None:  # a routed expert (global index): HF's per-expert modules
+            prefix = f"mlp.experts.{expert}"
+            if base == "linear_fc2":
+                put(layer, f"{prefix}.down_proj", t if is_a else None, None if is_a else t)
+            elif is_a:
+                put(layer, f"{prefix}.gate_proj", t, None)
+                put(layer, f"{prefix}.up_proj", t, None)
+            else:
+                gate, up = t.chunk(2, dim=0)
+                put(layer, f"{prefix}.gate_proj", None, gate.contiguous())
+                put(layer, f"{prefix}.up_proj", None, up.contiguous())
+        elif sub is not None:  # CanonicalLoRA: one adapter per q/k/v/gate/up
             put(layer, _CANONICAL[sub], t if is_a else None, None if is_a else t)
         elif base in _HF_MODULE:
             put(layer, _HF_MODULE[base], t if is_a else None, None if is_a else t)

@@ -348,6 +348,23 @@ def test_peft_mapping_splits_a_gated_fc1_and_keeps_a_non_gated_one():
     assert sorted(k.split(".")[-3] for k in llama) == ["gate_proj", "up_proj"]
 
 
+def test_expert_adapters_get_global_expert_indices_and_per_expert_hf_names():
+    """An expert's adapter on EP rank 1 of ep2 (local expert 0 of 2 per rank) is global expert 2; its
+    fused SwiGLU fc1 lora_B splits into that expert's gate_proj/up_proj, fc2 is its down_proj."""
+    from harness import peft_mapping
+    from harness.bridge import global_name
+
+    local = "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.adapter.linear_out.weight"
+    name = global_name(local, offset=2, expert_offset=2)
+    assert name == "decoder.layers.3.mlp.experts.local_experts.2.linear_fc1.adapter.linear_out.weight"
+    b = torch.arange(8.0).unsqueeze(1)
+    fc2_a = name.replace("linear_fc1", "linear_fc2").replace("linear_out", "linear_in")
+    hf = peft_mapping.to_hf_peft({name: b, fc2_a: torch.ones(4, 2)}, get_model("hf-qwen3moe"))
+    prefix = "base_model.model.model.layers.3.mlp.experts.2"
+    assert torch.equal(hf[f"{prefix}.gate_proj.lora_B.weight"], b[:4]) and torch.equal(hf[f"{prefix}.up_proj.lora_B.weight"], b[4:])
+    assert set(hf) == {f"{prefix}.gate_proj.lora_B.weight", f"{prefix}.up_proj.lora_B.weight", f"{prefix}.down_proj.lora_A.weight"}
+
+
 @pytest.mark.parametrize("name", ["hf-llama", "hf-qwen2"])
 def test_truth_is_a_pure_function_of_seeds(name):
     model = get_model(name)

@@ -92,9 +92,8 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
-    from harness.hf_models import HF_DTYPES
-
     from harness.compat import import_megatron_bridge, seed_model_parallel
+    from harness.hf_models import HF_DTYPES
 
     import_megatron_bridge()
     from megatron.bridge import AutoBridge

@@ -71,8 +71,12 @@ class PeftOptions:
     alpha: int = 8
     dtype: DType = "fp32"
 
-    def spec(self) -> mb.AdapterSpec:
-        return mb.AdapterSpec(self.adapter, self.dim, self.alpha, ADAPTERS[self.adapter])
+    def spec(self, model: HFModelSpec | None = None) -> mb.AdapterSpec:
+        """The Bridge adapter; CanonicalLoRA on a non-gated MLP targets fc1's up side only (there is no gate)."""
+        targets = ADAPTERS[self.adapter]
+        if model is not None and not model.gated:
+            targets = tuple(t for t in targets if t != "linear_fc1_gate")
+        return mb.AdapterSpec(self.adapter, self.dim, self.alpha, targets)
 
 
 @dataclass(frozen=True)
@@ -234,7 +238,7 @@ class PeftExport(Case):
 
     def run(self, spec: CaseSpec, opts: PeftOptions, env: RunEnv, result: CaseResult) -> None:
         model = get_model(spec.model, "hf")
-        adapter = opts.spec()
+        adapter = opts.spec(model)
         src, dst = spec.source, spec.target
         d = env.case_dir
         hf_dir, direct, merged, ckpt = d / "hf-base", d / "adapter@source", d / "merged@source", d / "adapter-dist-ckpt"

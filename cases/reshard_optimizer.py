@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.backends import resolve
 from harness.case import Case, RunEnv, timed
 from harness.checks import WEIGHTS_MATCH_MAIN_PARAMS, assembled, knob_check, refusal_check, state_check, weights_match_main_params
 from harness.result import CaseResult, Check
 from harness.spec import CaseSpec
-from harness.training import TrainOptions, TrainOut, phase_of, train_phase, workaround_notes
+from harness.training import TrainOptions, TrainOut, phase_of, train_phase, untrainable, workaround_notes
 from harness.world import WorldError, exception_of
 from harness.zoo import get_model
 
@@ -37,8 +36,9 @@ class Options(TrainOptions):
 
 
 def refusal_meaning(spec: CaseSpec, opts: TrainOptions) -> str:
-    if opts.sharding == "dp_reshardable" and (spec.source.tp, spec.source.pp) != (spec.target.tp, spec.target.pp):
-        return "a dp_reshardable optimizer checkpoint can change DP only; a TP/PP change needs fully_reshardable"
+    layout = lambda t: (t.tp, t.pp, t.ep, t.etp)  # noqa: E731
+    if opts.sharding == "dp_reshardable" and layout(spec.source) != layout(spec.target):
+        return "a dp_reshardable optimizer checkpoint can change DP only; a TP/PP/EP/ETP change needs fully_reshardable"
     return ""
 
 
@@ -83,11 +83,12 @@ class ReshardOptimizer(Case):
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
         if spec.expect != "refuse" and "refuse_with" in spec.opts:
             raise ValueError("option 'refuse_with' only means something with expect: refuse")
+        untrainable(spec)
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         ckpt = env.case_dir / "ckpt"
         src, dst = spec.source.id, spec.target.id
-        model, backend = get_model(spec.model, "gpt"), resolve(spec.backend)
+        model, backend = get_model(spec.model, "gpt"), spec.backend_ref
         result.notes += workaround_notes(opts)
         saved = env.launch(result, "save", train_phase,
                            phase_of(model, opts, backend, topo=spec.source, save_to=str(ckpt), steps_before_save=opts.steps), spec.source)

@@ -110,10 +110,8 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
                                       qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm")
     )
     if getattr(spec, "num_experts", None):
-        # SequentialMLP (local experts one by one): grouped GEMM and permute fusion need TE/CUDA kernels;
-        # the alltoall dispatcher the Qwen3-MoE provider picks syncs a CUDA event (token_dispatcher.py
-        # _maybe_dtoh_and_synchronize), the allgather one does not. Neither changes a weight or a key.
-        provider.moe_token_dispatcher_type = "allgather"
+        # SequentialMLP (local experts one by one): grouped GEMM and permute fusion need TE/CUDA kernels.
+        # The provider's alltoall dispatcher stays: harness.compat's shims run it on CPU/gloo.
         provider.expert_model_parallel_size = topo.ep
         provider.expert_tensor_parallel_size = topo.etp
         provider.moe_grouped_gemm = False

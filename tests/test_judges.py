@@ -372,3 +372,31 @@ def test_truth_is_a_pure_function_of_seeds(name):
     shapes = {"model.norm.weight": (64,), "model.layers.0.self_attn.q_proj.bias": (64,)}
     a, b = truth.canonical_hf_state(model, shapes), truth.canonical_hf_state(model, shapes)
     assert all(torch.equal(a[k], b[k]) for k in shapes) and float(a["model.norm.weight"].mean()) > 0.5
+
+
+class _FakeModel(torch.nn.Module):
+    """named_parameters of a model holding `experts` local experts in `dtype` (no process group needed)."""
+
+    def __init__(self, experts: int, dtype=torch.float32):
+        super().__init__()
+        self.p = {f"decoder.layers.0.mlp.experts.local_experts.{i}.linear_fc1.weight": torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+                  for i in range(experts)}
+
+    def named_parameters(self, *a, **k):
+        return iter(self.p.items())
+
+    def parameters(self, *a, **k):
+        return iter(self.p.values())
+
+
+def test_bridge_propagation_names_a_wrong_dtype_and_unsplit_experts():
+    from harness import bridge as mb
+
+    def bad(records):
+        return sorted(r["knob"] for r in records if not r["ok"])
+
+    assert bad(mb.ddp_propagation(mb.BridgeModel(None, [_FakeModel(2)], local_experts_asked=2), {}, "fp32")) == []
+    # ep2 asked, but every rank holds all 4 experts: the provider never got expert_model_parallel_size
+    assert bad(mb.ddp_propagation(mb.BridgeModel(None, [_FakeModel(4)], local_experts_asked=2), {}, "fp32")) == ["local experts (num_experts/ep)"]
+    # bf16 asked, fp32 params and no Float16Module
+    assert bad(mb.ddp_propagation(mb.BridgeModel(None, [_FakeModel(2)], local_experts_asked=2), {}, "bf16")) == ["Float16Module", "params_dtype"]

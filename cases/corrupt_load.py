@@ -324,7 +324,7 @@ class CorruptLoad(Case):
             return judge(dmg, outcome)
         with timed(result, "compare"):
             if adapter:
-                expected = peft_mapping.to_hf_peft(peft_mapping.gather([p for rank in outs for p in rank]), model)
+                expected = peft_mapping.to_hf_peft(peft_mapping.gather([p for rank in outs for p in rank], model.gated), model)
                 loaded = {k: v.detach().clone() for k, v in get_peft_model_state_dict(loaded_model).items()}
             else:
                 loaded = {k: v.detach().clone() for k, v in loaded_model.state_dict().items()}

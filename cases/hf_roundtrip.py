@@ -9,7 +9,14 @@ Checks:
   hf-logits        transformers computes bitwise the same logits from the export as from the source
   megatron-logits  (@topology) the Megatron model's logits equal transformers' within MEGATRON_HF_TOLERANCE
   propagation      the DDP knobs asked of provider.provide_distributed_model reach the built
-                   DDP module's ddp_config (verl PR #5775)
+                   DDP module's ddp_config (verl PR #5775); the built params have the asked
+                   dtype, inside Float16Module for bf16
+  export-dtype     the export's config.json declares the source config's dtype (`torch_dtype`,
+                   transformers 5 `dtype`) and every floating tensor of the export has that dtype
+
+Option `dtype` (fp32 | bf16, default fp32): bf16 writes the fixture in bf16 (config dtype
+bfloat16), builds the Bridge model in bf16 inside Float16Module, and compares Megatron's and
+transformers' bf16 logits within MEGATRON_HF_TOLERANCE_BF16; every other check stays bitwise.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from harness import truth
 from harness.backends import BackendRef, get_backend, resolve
 from harness.case import Case, RunEnv, timed
 from harness.checks import knob_check, state_check, tensor_check
-from harness.hf_models import hf_logits, write_fixture
+from harness.hf_models import config_dtype, hf_logits, write_fixture
+from harness.models import DType
 from harness.parity import Tolerance
 from harness.result import CaseResult, Check
 from harness.spec import CaseSpec
@@ -36,6 +44,14 @@ from harness.zoo import HFModelSpec, get_model
 # Megatron's and transformers' fp32 kernels differ (fused QKV, vocab-parallel logits, RoPE in a
 # different order); measured max |diff| on the fixtures ~2e-7 (notes: ~1e-7).
 MEGATRON_HF_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-5, why="Megatron vs transformers fp32 kernels")
+# bf16: the same kernel differences, but both sides round every matmul output and activation to
+# bf16 (relative step 2**-8 = 3.9e-3) at different points (Megatron's fused QKV and vocab-parallel
+# logits, transformers' separate q/k/v; RoPE and softmax in other orders), so logits of magnitude
+# 2..4 differ by about one bf16 ulp (1.56e-2). Measured on hf-llama, hf-qwen2, hf-llama-tied at
+# tp2, pp2, tp2pp2, tp1, tp1pp2 (Megatron at S and at D): max |diff| 1.66e-2. The bound is the
+# reshard-weights bf16 bound (1.8x the measured max in absolute terms, rtol for larger logits);
+# export-bitwise and hf-logits stay bitwise, so a wrong weight never hides behind it.
+MEGATRON_HF_TOLERANCE_BF16 = Tolerance(atol=3e-2, rtol=3e-2, why="Megatron vs transformers bf16 kernels round activations differently")
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,37 @@ class DdpKnobs:
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     grad_reduce_in_fp32: bool = False
+
+
+@dataclass(frozen=True)
+class Options(DdpKnobs):
+    """hf-roundtrip's options: the DDP knobs and the precision of fixture, model and export."""
+
+    dtype: DType = "fp32"
+
+    def knobs(self) -> DdpKnobs:
+        return DdpKnobs(**{k: getattr(self, k) for k in DdpKnobs.__dataclass_fields__})
+
+
+def megatron_tolerance(dtype: str) -> Tolerance:
+    return MEGATRON_HF_TOLERANCE_BF16 if dtype == "bf16" else MEGATRON_HF_TOLERANCE
+
+
+def export_dtype_check(source_dtype: str | None, export_dtype: str | None, exported: dict[str, torch.Tensor]) -> Check:
+    """The export declares the source config's dtype and holds its floating tensors in it: a
+    bf16 model exported as fp32 (or with a config that says another dtype) fails."""
+    problems = []
+    if source_dtype is None:
+        problems.append("the source config declares no dtype")
+    if export_dtype != source_dtype:
+        problems.append(f"export config dtype {export_dtype!r}, source config {source_dtype!r}")
+    held = sorted({str(t.dtype).removeprefix("torch.") for t in exported.values() if t.is_floating_point()})
+    wrong = sorted(k for k, t in exported.items() if t.is_floating_point() and str(t.dtype).removeprefix("torch.") != source_dtype)
+    if wrong:
+        problems.append(f"{len(wrong)} exported tensor(s) not {source_dtype} (hold {', '.join(held)}), e.g. {wrong[0]}")
+    if problems:
+        return Check("export-dtype", "failed", "; ".join(problems), tolerance="exact")
+    return Check("export-dtype", "passed", f"config and {len(exported)} tensors {source_dtype}, as the source config", tolerance="exact")
 
 
 @dataclass(frozen=True)
@@ -59,6 +106,7 @@ class _Phase:
     dist_load: str | None = None
     dist_save: str | None = None
     export_to: str | None = None
+    dtype: DType = "fp32"
 
 
 @dataclass
@@ -71,11 +119,12 @@ def _rank(ctx: RankContext, p: _Phase) -> BridgeOut:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     knobs = asdict(p.ddp)
-    bm = mb.build(p.hf_dir, p.spec, p.topo, load_weights=p.load_weights, ddp_config=DistributedDataParallelConfig(**knobs))
+    bm = mb.build(p.hf_dir, p.spec, p.topo, load_weights=p.load_weights, ddp_config=DistributedDataParallelConfig(**knobs),
+                  dtype=p.dtype)
     dist = get_backend(p.dist_backend)
     if p.dist_load:
         dist.load(ctx, mb.unwrapped(bm), Path(p.dist_load))
-    out = BridgeOut(mb.ddp_propagation(bm, knobs), mb.megatron_logits(bm, p.spec, ctx.device))
+    out = BridgeOut(mb.ddp_propagation(bm, knobs, p.dtype), mb.megatron_logits(bm, p.spec, ctx.device))
     if p.dist_save:
         dist.save(ctx, mb.unwrapped(bm), Path(p.dist_save))
     if p.export_to:
@@ -86,8 +135,10 @@ def _rank(ctx: RankContext, p: _Phase) -> BridgeOut:
 def judge(
     src: Topology, dst: Topology, worlds: list[tuple[str, list[BridgeOut]]], source: dict[str, torch.Tensor],
     exported: dict[str, torch.Tensor], ref_logits: torch.Tensor, export_logits: torch.Tensor,
+    config_dtypes: tuple[str | None, str | None], dtype: str = "fp32",
 ) -> list[Check]:
-    """`worlds`: (topology id, outputs) of each world that built the model (one when S == D)."""
+    """`worlds`: (topology id, outputs) of each world that built the model (one when S == D);
+    `config_dtypes`: the dtype the source's and the export's config.json declare."""
     checks = [
         state_check("export-bitwise", source, exported, "hf-source", f"export@{dst.id}",
                     f"{len(exported)} tensors, keys and dtypes equal the source"),
@@ -100,9 +151,10 @@ def judge(
             checks.append(Check(f"megatron-logits@{label}", "failed", "no rank returned logits"))
             continue
         checks.append(tensor_check(f"megatron-logits@{label}", ref_logits, meg, "transformers(source)", f"megatron@{label}",
-                                   "Megatron logits match transformers", MEGATRON_HF_TOLERANCE))
+                                   "Megatron logits match transformers", megatron_tolerance(dtype)))
     checks.append(knob_check("propagation", [(label, [o.propagation for o in outs]) for label, outs in worlds],
-                             f"{', '.join(DdpKnobs.__dataclass_fields__)} reach the provider-built DDP"))
+                             f"{', '.join(DdpKnobs.__dataclass_fields__)} reach the provider-built DDP; params {dtype}"))
+    checks.append(export_dtype_check(*config_dtypes, exported))
     return checks
 
 
@@ -110,22 +162,25 @@ class HFRoundtrip(Case):
     name = "hf-roundtrip"
     description = "HF -> Megatron at S (-> dist ckpt -> D) -> HF export equals the source bitwise"
     model_kind = "hf"
-    Options = DdpKnobs
+    Options = Options
     needs = frozenset({"hf_export", "read_plain"})
-    checks = ("export-bitwise", "hf-logits", "megatron-logits", "propagation")
+    checks = ("export-bitwise", "hf-logits", "megatron-logits", "propagation", "export-dtype")
 
-    def run(self, spec: CaseSpec, opts: DdpKnobs, env: RunEnv, result: CaseResult) -> None:
+    def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         run_roundtrip(get_model(spec.model, "hf"), spec.source, spec.target, spec.backend_ref, opts, env, result)
 
 
 def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backend: BackendRef, opts: DdpKnobs, env: RunEnv,
                   result: CaseResult) -> None:
     """The fixture, the worlds (export at S, or save at S -> load at D -> export) and the judge, for
-    any HFModelSpec: the matrix case and harness.explore (which draws shapes outside the zoo) run this."""
+    any HFModelSpec: the matrix case and harness.explore (which draws shapes outside the zoo) run this.
+    `opts`: DdpKnobs (fp32) or Options (knobs and dtype)."""
+    dtype = getattr(opts, "dtype", "fp32")
+    opts = opts.knobs() if isinstance(opts, Options) else opts
     hf_dir, export = env.case_dir / "hf-source", env.case_dir / "hf-export"
-    paths = dict(export_backend=export_backend, dist_backend=resolve("mcore_dist"))
+    paths = dict(export_backend=export_backend, dist_backend=resolve("mcore_dist"), dtype=dtype)
     with timed(result, "fixture"):
-        write_fixture(model, hf_dir)
+        write_fixture(model, hf_dir, dtype)
     if src == dst:
         outs = env.launch(result, "export", _rank, _Phase(model, str(hf_dir), src, True, opts, export_to=str(export), **paths), src)
         worlds = [(src.id, outs)]
@@ -139,7 +194,8 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
         backend = get_backend(export_backend)
         ids = truth.fixed_input_ids(model)
         result.checks.extend(judge(src, dst, worlds, backend.read_full(None, hf_dir), backend.read_full(None, export),
-                                   hf_logits(hf_dir, ids), hf_logits(export, ids)))
+                                   hf_logits(hf_dir, ids, dtype=dtype), hf_logits(export, ids, dtype=dtype),
+                                   (config_dtype(hf_dir), config_dtype(export)), dtype))
 
 
 CASE = HFRoundtrip()

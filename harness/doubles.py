@@ -180,6 +180,46 @@ class FlipExportedWeight(BridgeHF):
             flip_in_safetensors(directory, "layers.1.self_attn.k_proj.weight", bit=22)
 
 
+class ExportAsFp32(BridgeHF):
+    """A bf16 model exported as fp32: every tensor upcast (the values exact) and the config saying
+    float32, as an export that builds its HF model in the default dtype writes it."""
+
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0 and directory.name == "hf-export":
+            for f in sorted(Path(directory).glob("*.safetensors")):
+                from safetensors.torch import load_file, save_file
+
+                state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(f)).items()}
+                save_file(state, str(f), metadata={"format": "pt"})
+            cfg = json.loads((directory / "config.json").read_text())
+            cfg.pop("torch_dtype", None)
+            cfg["dtype"] = "float32"
+            (directory / "config.json").write_text(json.dumps(cfg))
+
+
+class ExportOneEpRanksExperts(BridgeHF):
+    """Megatron-Bridge #1716/#1871 as a double: an export from an EP topology that keeps only EP rank
+    0's experts (the second half of every layer's experts missing from the files)."""
+
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0 and directory.name == "hf-export":
+            import re
+
+            from safetensors.torch import load_file, save_file
+
+            for f in sorted(Path(directory).glob("*.safetensors")):
+                state = load_file(str(f))
+                experts = 1 + max((int(m.group(1)) for k in state if (m := re.search(r"\.experts\.(\d+)\.", k))), default=-1)
+                kept = {k: v for k, v in state.items()
+                        if not ((m := re.search(r"\.experts\.(\d+)\.", k)) and int(m.group(1)) >= experts // 2)}
+                save_file(kept, str(f), metadata={"format": "pt"})
+            index = directory / "model.safetensors.index.json"
+            if index.exists():
+                index.unlink()
+
+
 class FlipLoraB(BridgePeft):
     def save(self, ctx, model, directory):
         super().save(ctx, model, directory)

@@ -14,9 +14,12 @@ import torch
 from harness.truth import canonical_hf_state
 from harness.zoo import HFModelSpec
 
+#: The precision an HF fixture is written in (the `dtype` option of hf-roundtrip and peft-export).
+HF_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 def hf_config(spec: HFModelSpec):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, NemotronConfig, Qwen2Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=spec.vocab_size,
@@ -36,6 +39,13 @@ def hf_config(spec: HFModelSpec):
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
     if spec.arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
+    if spec.arch == "nemotron":  # non-gated squared-ReLU MLP (up_proj, down_proj), LayerNorm1p with biases
+        common.pop("rms_norm_eps")
+        return NemotronConfig(**common, norm_eps=1e-5, hidden_act="relu2", attention_bias=False, mlp_bias=False)
+    if spec.arch == "qwen3_moe":  # every layer MoE (decoder_sparse_step 1), top-k probabilities renormalised
+        return Qwen3MoeConfig(**common, head_dim=spec.head_dim, attention_bias=False, num_experts=spec.num_experts,
+                              num_experts_per_tok=spec.num_experts_per_tok, moe_intermediate_size=spec.moe_intermediate_size,
+                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, use_sliding_window=False)
     raise ValueError(f"unknown arch {spec.arch!r}")
 
 
@@ -65,8 +75,12 @@ def quiet_hf() -> None:
     hf_logging.set_verbosity_error()
 
 
-def write_fixture(spec: HFModelSpec, directory: Path) -> Path:
-    """Write config.json, model.safetensors and tokenizer files for `spec` into `directory`."""
+def write_fixture(spec: HFModelSpec, directory: Path, dtype: str = "fp32") -> Path:
+    """Write config.json, model.safetensors and tokenizer files for `spec` into `directory`.
+
+    `dtype` bf16: the canonical fp32 weights cast to bf16 (round to nearest even, as
+    truth.canonical_tensor casts) and saved so, with the config's `dtype` bfloat16, as a bf16
+    checkpoint on the hub is."""
     from transformers import AutoModelForCausalLM
 
     quiet_hf()
@@ -79,21 +93,33 @@ def write_fixture(spec: HFModelSpec, directory: Path) -> Path:
     if spec.tied:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True)
+    if dtype != "fp32":
+        model.to(HF_DTYPES[dtype])
+        model.config.dtype = HF_DTYPES[dtype]
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer(spec, directory)
     return directory
 
 
 @torch.no_grad()
-def hf_logits(directory: Path, input_ids: torch.Tensor, adapter: Path | None = None) -> torch.Tensor:
-    """Logits of transformers (optionally + a PEFT adapter) on CPU in fp32."""
+def hf_logits(directory: Path, input_ids: torch.Tensor, adapter: Path | None = None, dtype: str = "fp32") -> torch.Tensor:
+    """Logits of transformers (optionally + a PEFT adapter) on CPU in `dtype`, returned as fp32."""
     from transformers import AutoModelForCausalLM
 
     quiet_hf()
-    model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=HF_DTYPES[dtype])
     if adapter is not None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter)
     model.eval()
     return model(input_ids=input_ids).logits.float()
+
+
+def config_dtype(directory: Path) -> str | None:
+    """The dtype an HF checkpoint's config.json declares (`dtype`, or transformers 4's
+    `torch_dtype`), e.g. "bfloat16"; None when it declares none."""
+    import json
+
+    cfg = json.loads((Path(directory) / "config.json").read_text())
+    return cfg.get("dtype") or cfg.get("torch_dtype")

@@ -78,7 +78,7 @@ class HFModelSpec:
     kind: ClassVar[str] = "hf"
     name: str
     description: str
-    arch: str  # "llama" | "qwen2"
+    arch: str  # "llama" | "qwen2" | "nemotron" | "qwen3_moe"
     tied: bool = False
     num_layers: int = 4
     hidden_size: int = 64
@@ -92,8 +92,21 @@ class HFModelSpec:
     #: True pads the Megatron vocab to a multiple of the Bridge's divisor times TP, so the padded
     #: size changes with TP and the HF export must drop the padded rows (harness.explore draws it).
     pad_vocab: bool = False
+    #: MoE (arch qwen3_moe): routed experts per layer (every layer an MoE layer), each expert's
+    #: ffn size, experts per token. None: a dense model.
+    num_experts: int | None = None
+    moe_intermediate_size: int = 32
+    num_experts_per_tok: int = 2
 
     # what Topology.validate reads
+    @property
+    def num_moe_experts(self) -> int | None:
+        return self.num_experts
+
+    @property
+    def moe_ffn_hidden_size(self) -> int:
+        return self.moe_intermediate_size
+
     @property
     def num_query_groups(self) -> int:
         return self.num_key_value_heads
@@ -101,6 +114,11 @@ class HFModelSpec:
     @property
     def ffn_hidden_size(self) -> int:
         return self.intermediate_size
+
+    @property
+    def gated(self) -> bool:
+        """A gated (SwiGLU) MLP: Megatron's fc1 holds [gate; up]; Nemotron's squared ReLU has no gate."""
+        return self.arch != "nemotron"
 
     @property
     def head_dim(self) -> int:
@@ -154,6 +172,11 @@ ZOO: dict[str, AnyModel] = {
         HFModelSpec("hf-llama", "Llama: GQA (8 heads, 4 kv heads), SwiGLU, RMSNorm, untied", "llama"),
         HFModelSpec("hf-qwen2", "Qwen2: GQA with q/k/v biases, untied", "qwen2"),
         HFModelSpec("hf-llama-tied", "Llama with tied input/output embeddings", "llama", tied=True),
+        HFModelSpec("hf-qwen3moe", "Qwen3-MoE: 4 routed SwiGLU experts per layer (top-2, ffn 32), QK RMSNorm, GQA, untied; "
+                    "transformers 5 keeps the experts fused in memory (gate_up_proj [E, 2F, H]) and per expert on disk",
+                    "qwen3_moe", num_experts=4),
+        HFModelSpec("hf-nemotron", "Nemotron: non-gated squared-ReLU MLP, LayerNorm1p (zero-centered gamma) with biases, "
+                    "partial RoPE (0.5), GQA, untied", "nemotron"),
         # Found by `ckpt-harness explore --kind hf` (docs/measurements.md): the Bridge provider's
         # vocab padding (should_pad_vocab) pads 96 rows to 96 at tp1 and 128 at tp2.
         HFModelSpec("hf-llama-padvocab", "Llama, vocab 96 padded by the Bridge provider (should_pad_vocab)", "llama",

@@ -76,3 +76,22 @@ def test_an_adapter_missing_a_tensor_fails_peft_load(override):
     r = _failed_peft_export(override, "DropLoraA")
     assert "missing: base_model.model.model.layers.0.mlp.down_proj.lora_A" in r.check("peft-load").detail
     assert _checks(r)["adapter-derivation"] == "failed"
+
+
+def test_a_bf16_model_exported_as_fp32_fails_export_dtype(override):
+    """A bf16 fixture whose export comes back fp32 (values exact, config float32): export-dtype
+    names it; the logits, computed in bf16 from the upcast values, cannot see it."""
+    r = run_case(_spec("hf-roundtrip", override("ExportAsFp32"), src="tp1", dst="tp1", dtype="bf16"))
+    assert r.status == "failed"
+    c = _checks(r)
+    assert c["export-dtype"] == "failed" and c["export-bitwise"] == "failed"
+    assert c["hf-logits"] == "passed" and c["propagation"] == "passed"
+    assert "export config dtype 'float32', source config 'bfloat16'" in r.check("export-dtype").detail
+
+
+def test_an_ep_export_missing_other_ranks_experts_fails(override):
+    """Megatron-Bridge #1716/#1871's shape: exported from ep2, only EP rank 0's experts reach the
+    files. transformers refuses the export (the fused experts cannot be assembled), so the case
+    cannot pass: it ends in an error naming the refusal."""
+    r = run_case(_spec("hf-roundtrip", override("ExportOneEpRanksExperts"), src="dp2ep2", dst="dp2ep2", model="hf-qwen3moe"))
+    assert r.status == "error" and "ignore_mismatched_sizes" in r.failure_text()

@@ -8,7 +8,7 @@ import torch
 from cases import hf_roundtrip, peft_export, reshard_optimizer, resume, reshard_weights
 from harness import truth
 from harness.checks import knob_check, refusal_check, weights_match_main_params
-from harness.parity import Shard
+from harness.parity import Shard, compare_tensors
 from harness.topology import Topology
 from harness.training import TrainOut
 from harness.zoo import get_model
@@ -278,14 +278,38 @@ def test_hf_roundtrip_judge():
     logits = torch.randn(2, 16, 128)
     outs = [hf_roundtrip.BridgeOut([{"knob": "overlap_grad_reduce", "asked": False, "actual": False, "ok": True}], logits + 1e-7)]
     src, dst = Topology.parse("tp2"), Topology.parse("pp2")
-    good = hf_roundtrip.judge(src, dst, [("a", outs), ("b", outs)], state, dict(state), logits, logits.clone())
+    dtypes = ("float32", "float32")
+    good = hf_roundtrip.judge(src, dst, [("a", outs), ("b", outs)], state, dict(state), logits, logits.clone(), dtypes)
     assert set(_statuses(good).values()) == {"passed"} and {"megatron-logits@a", "megatron-logits@b"} <= set(_statuses(good))
     flipped = {k: v.clone() for k, v in state.items()}
     _flip(flipped["model.embed_tokens.weight"])
-    bad = _statuses(hf_roundtrip.judge(src, dst, [("a", outs)], state, flipped, logits, logits + 1e-3))
+    bad = _statuses(hf_roundtrip.judge(src, dst, [("a", outs)], state, flipped, logits, logits + 1e-3, dtypes))
     assert bad["export-bitwise"] == "failed" and bad["hf-logits"] == "failed"
     far = [hf_roundtrip.BridgeOut(outs[0].propagation, logits + 1e-2)]
-    assert _statuses(hf_roundtrip.judge(src, dst, [("a", far)], state, state, logits, logits))["megatron-logits@a"] == "failed"
+    assert _statuses(hf_roundtrip.judge(src, dst, [("a", far)], state, state, logits, logits, dtypes))["megatron-logits@a"] == "failed"
+
+
+def test_hf_export_dtype_judge():
+    bf16 = {"model.norm.weight": torch.ones(4, dtype=torch.bfloat16), "model.embed_tokens.weight": torch.ones(8, 4, dtype=torch.bfloat16)}
+    assert hf_roundtrip.export_dtype_check("bfloat16", "bfloat16", bf16).status == "passed"
+    # the tensors right, the config wrong: only export-dtype can see it (export-bitwise reads tensors)
+    c = hf_roundtrip.export_dtype_check("bfloat16", "float32", bf16)
+    assert c.status == "failed" and "export config dtype 'float32', source config 'bfloat16'" in c.detail
+    upcast = {k: v.float() for k, v in bf16.items()}
+    c = hf_roundtrip.export_dtype_check("bfloat16", "bfloat16", upcast)
+    assert c.status == "failed" and "2 exported tensor(s) not bfloat16" in c.detail
+    assert hf_roundtrip.export_dtype_check(None, None, bf16).status == "failed"  # a source without a dtype proves nothing
+
+
+@pytest.mark.parametrize("bound", [hf_roundtrip.megatron_tolerance, peft_export.logits_tolerance])
+def test_bf16_hf_logits_tolerances(bound):
+    """The bf16 bound on Megatron-vs-transformers logits: one bf16 ulp at |logit| 2..4 passes, a
+    wrong weight's O(1e-1) does not; fp32 keeps its 1e-5 bound."""
+    logits = torch.full((1, 2, 4), 3.0)
+    ulp = logits + 1.5625e-2
+    assert compare_tensors("l", logits, ulp, "a", "b", bound("bf16")) is None
+    assert compare_tensors("l", logits, logits + 0.2, "a", "b", bound("bf16")) is not None
+    assert compare_tensors("l", logits, ulp, "a", "b", bound("fp32")) is not None
 
 
 def test_peft_config_logits_and_reshard_judges():
@@ -307,6 +331,40 @@ def test_peft_config_logits_and_reshard_judges():
     assert s == {"resharded-export": "failed", "adapter-params": "passed"}
 
 
+def test_peft_mapping_splits_a_gated_fc1_and_keeps_a_non_gated_one():
+    """At TP 2 a SwiGLU fc1's lora_B shards are [gate_r; up_r] and must be de-interleaved into
+    gate_proj/up_proj; a non-gated fc1 (Nemotron) is up_proj alone, a plain column-parallel concat."""
+    from harness import peft_mapping
+
+    name = "decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight"
+    rows = torch.arange(8.0).unsqueeze(1)  # global rows 0..7; rank r holds rows 4r..4r+3
+    pieces = [{"name": name, "tp_rank": r, "tp": 2, "data": rows[4 * r: 4 * r + 4]} for r in (0, 1)]
+    gated = peft_mapping.gather(pieces)[name].flatten().tolist()
+    assert gated == [0, 1, 4, 5, 2, 3, 6, 7]  # [gate_0; gate_1; up_0; up_1]
+    assert peft_mapping.gather(pieces, gated=False)[name].flatten().tolist() == list(range(8))
+    hf = peft_mapping.to_hf_peft({name: rows}, get_model("hf-nemotron"))
+    assert list(hf) == ["base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"] and torch.equal(next(iter(hf.values())), rows)
+    llama = peft_mapping.to_hf_peft({name: rows}, get_model("hf-llama"))
+    assert sorted(k.split(".")[-3] for k in llama) == ["gate_proj", "up_proj"]
+
+
+def test_expert_adapters_get_global_expert_indices_and_per_expert_hf_names():
+    """An expert's adapter on EP rank 1 of ep2 (local expert 0 of 2 per rank) is global expert 2; its
+    fused SwiGLU fc1 lora_B splits into that expert's gate_proj/up_proj, fc2 is its down_proj."""
+    from harness import peft_mapping
+    from harness.bridge import global_name
+
+    local = "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.adapter.linear_out.weight"
+    name = global_name(local, offset=2, expert_offset=2)
+    assert name == "decoder.layers.3.mlp.experts.local_experts.2.linear_fc1.adapter.linear_out.weight"
+    b = torch.arange(8.0).unsqueeze(1)
+    fc2_a = name.replace("linear_fc1", "linear_fc2").replace("linear_out", "linear_in")
+    hf = peft_mapping.to_hf_peft({name: b, fc2_a: torch.ones(4, 2)}, get_model("hf-qwen3moe"))
+    prefix = "base_model.model.model.layers.3.mlp.experts.2"
+    assert torch.equal(hf[f"{prefix}.gate_proj.lora_B.weight"], b[:4]) and torch.equal(hf[f"{prefix}.up_proj.lora_B.weight"], b[4:])
+    assert set(hf) == {f"{prefix}.gate_proj.lora_B.weight", f"{prefix}.up_proj.lora_B.weight", f"{prefix}.down_proj.lora_A.weight"}
+
+
 @pytest.mark.parametrize("name", ["hf-llama", "hf-qwen2"])
 def test_truth_is_a_pure_function_of_seeds(name):
     model = get_model(name)
@@ -314,3 +372,31 @@ def test_truth_is_a_pure_function_of_seeds(name):
     shapes = {"model.norm.weight": (64,), "model.layers.0.self_attn.q_proj.bias": (64,)}
     a, b = truth.canonical_hf_state(model, shapes), truth.canonical_hf_state(model, shapes)
     assert all(torch.equal(a[k], b[k]) for k in shapes) and float(a["model.norm.weight"].mean()) > 0.5
+
+
+class _FakeModel(torch.nn.Module):
+    """named_parameters of a model holding `experts` local experts in `dtype` (no process group needed)."""
+
+    def __init__(self, experts: int, dtype=torch.float32):
+        super().__init__()
+        self.p = {f"decoder.layers.0.mlp.experts.local_experts.{i}.linear_fc1.weight": torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+                  for i in range(experts)}
+
+    def named_parameters(self, *a, **k):
+        return iter(self.p.items())
+
+    def parameters(self, *a, **k):
+        return iter(self.p.values())
+
+
+def test_bridge_propagation_names_a_wrong_dtype_and_unsplit_experts():
+    from harness import bridge as mb
+
+    def bad(records):
+        return sorted(r["knob"] for r in records if not r["ok"])
+
+    assert bad(mb.ddp_propagation(mb.BridgeModel(None, [_FakeModel(2)], local_experts_asked=2), {}, "fp32")) == []
+    # ep2 asked, but every rank holds all 4 experts: the provider never got expert_model_parallel_size
+    assert bad(mb.ddp_propagation(mb.BridgeModel(None, [_FakeModel(4)], local_experts_asked=2), {}, "fp32")) == ["local experts (num_experts/ep)"]
+    # bf16 asked, fp32 params and no Float16Module
+    assert bad(mb.ddp_propagation(mb.BridgeModel(None, [_FakeModel(2)], local_experts_asked=2), {}, "bf16")) == ["Float16Module", "params_dtype"]

@@ -46,6 +46,7 @@ class BridgeModel:
     peft: Any = None
     ddp_config: Any = None
     base_path: str = ""
+    provider: Any = None  # the GPTModelProvider that built `modules`
 
 
 def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights: bool = True,
@@ -83,7 +84,7 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     modules = provider.provide_distributed_model(
         ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None, use_cpu_initialization=True, mixed_precision_wrapper=None
     )
-    return BridgeModel(bridge, modules, peft, ddp_config, str(hf_dir))
+    return BridgeModel(bridge, modules, peft, ddp_config, str(hf_dir), provider)
 
 
 def unwrapped(bm: BridgeModel):

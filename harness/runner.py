@@ -111,6 +111,7 @@ def error_text(exc: Exception, tb: str | None = None) -> str:
 
 def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     from cases import get_case
+    from harness.backends import get_backend
     from harness.preload import warm
     from harness.zoo import get_model
 
@@ -131,7 +132,7 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     try:
         case = get_case(spec.case)
         opts = case.validate(spec)  # a spec built in code (not from a matrix) gets the same checks
-        warm(bridge=get_model(spec.model).kind == "hf")  # idempotent; forked ranks inherit the imports
+        warm(bridge=get_model(spec.model).kind == "hf", modules=get_backend(spec.backend_ref).preload)  # idempotent; forked ranks inherit the imports
         case.run(spec, opts, env, result)
         result.checks.extend(budget_checks(spec, result))
         result.status = "failed" if result.failed_checks else "passed"

@@ -446,7 +446,7 @@ class VerlCheckpoint(Case):
 
         model, ref = get_model(spec.model), spec.backend_ref
         b = get_backend(ref)
-        result.notes += workaround_notes(opts) + b.notes()
+        result.notes += workaround_notes(opts)
         ckpt, hf_dir = env.case_dir / "ckpt", None
         if model.kind == "hf":
             hf_dir = env.case_dir / "hf-source"

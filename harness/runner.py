@@ -132,7 +132,9 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     try:
         case = get_case(spec.case)
         opts = case.validate(spec)  # a spec built in code (not from a matrix) gets the same checks
-        warm(bridge=get_model(spec.model).kind == "hf", modules=get_backend(spec.backend_ref).preload)  # idempotent; forked ranks inherit the imports
+        backend = get_backend(spec.backend_ref)
+        warm(bridge=get_model(spec.model).kind == "hf", modules=backend.preload)  # idempotent; forked ranks inherit the imports
+        result.notes += backend.notes()
         case.run(spec, opts, env, result)
         result.checks.extend(budget_checks(spec, result))
         result.status = "failed" if result.failed_checks else "passed"

@@ -370,6 +370,10 @@ VERL_WORKAROUNDS: dict[str, str] = {
     "a module megatron-core 0.19.2 no longer has (ModuleNotFoundError); the harness registers one holding an AsyncCallsQueue",
     "verl_async_strategy_mcore": "F3 verl 0.9.1 save_dist_checkpointing passes no async_strategy and megatron-core 0.19.2 "
     "defaults it to 'nvrx', which needs nvidia-resiliency-ext (not a verl dependency); the harness defaults it to 'mcore'",
+    "verl_async_one_at_a_time": "F5 verl 0.9.1 schedules its three async dist saves (model, optimizer, extra) at once, and "
+    "megatron-core 0.19.2's FileSystemWriterAsync returns write results through ONE process-wide queue, taking the first "
+    "(get_nowait) at finalize: a request can finalize with another tree's results, writing metadata for files it does not "
+    "hold (a corrupt checkpoint, silent at save); the harness finalizes each async request before the next is scheduled",
 }
 DEFAULT_VERL_WORKAROUNDS = tuple(VERL_WORKAROUNDS)
 
@@ -440,6 +444,20 @@ def apply_verl_workaround(name: str) -> None:
             base.async_calls = AsyncCallsQueue()
             sys.modules[base.__name__] = base
             strategies.base = base
+    elif name == "verl_async_one_at_a_time":
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        original = AsyncCallsQueue.schedule_async_request
+        if getattr(original, "_ckpt_harness", False):
+            return
+
+        def one_at_a_time(self, async_request):
+            idx = original(self, async_request)
+            self.maybe_finalize_async_calls(blocking=True)  # its writes and finalize done before the next starts
+            return idx
+
+        one_at_a_time._ckpt_harness = True
+        AsyncCallsQueue.schedule_async_request = one_at_a_time
     elif name == "verl_async_strategy_mcore":
         from megatron.core import dist_checkpointing
 

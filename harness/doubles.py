@@ -331,3 +331,28 @@ class VerlWeightOffMainParam(VerlManager):
         if ctx.rank == 0:
             name, p = sorted(job.chunks[0].module.named_parameters())[0]
             _flip_lowest_bit(p.data)
+
+
+class VerlAsyncModelTreeWritesLast(VerlManager):
+    """Not a fault: makes F5's race deterministic. The async writer process of the model tree
+    (model/dist_ckpt) starts writing 3 s late, so the optimizer's and extra's write results reach
+    megatron-core's one process-wide results queue first; without the verl_async_one_at_a_time
+    workaround the model request then finalizes with another tree's results."""
+
+    def _prepare(self, job):
+        super()._prepare(job)
+        import time
+
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync as W
+
+        original = W.write_preloaded_data_multithread
+        if getattr(original, "_ckpt_harness", False):
+            return
+
+        def model_tree_last(transform_list, use_msc, rank, write_buckets, global_results_queue):
+            if any("/model/dist_ckpt/" in str(bucket[0]) for bucket in write_buckets):
+                time.sleep(3)
+            return original(transform_list, use_msc, rank, write_buckets, global_results_queue)
+
+        model_tree_last._ckpt_harness = True
+        W.write_preloaded_data_multithread = staticmethod(model_tree_last)

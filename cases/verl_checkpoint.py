@@ -230,9 +230,13 @@ def read_disk(root: Path, last: int) -> OnDisk:
     steps = sorted(int(d.name.removeprefix("global_step_")) for d in root.glob("global_step_*") if (d / "actor").is_dir())
     tracker = (root / TRACKER).read_text() if (root / TRACKER).exists() else None
     try:
+        import contextlib
+        import io
+
         from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
-        found = find_latest_ckpt_path(str(root))
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints what it found
+            found = find_latest_ckpt_path(str(root))
         resolved = str(Path(found).relative_to(root)) if found else None
     except Exception as exc:  # noqa: BLE001 - recorded, judged
         resolved = f"error: {exc!r}"

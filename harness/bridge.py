@@ -76,6 +76,7 @@ class BridgeModel:
     ddp_config: Any = None
     base_path: str = ""
     local_experts_asked: int | None = None  # num_experts / ep for an MoE fixture
+    provider: Any = None  # the GPTModelProvider that built `modules`
 
 
 def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights: bool = True,
@@ -134,7 +135,7 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
         mixed_precision_wrapper=Float16Module if dtype == "bf16" else None,
     )
     experts = getattr(spec, "num_experts", None)
-    return BridgeModel(bridge, modules, peft, ddp_config, str(hf_dir), experts // topo.ep if experts else None)
+    return BridgeModel(bridge, modules, peft, ddp_config, str(hf_dir), experts // topo.ep if experts else None, provider)
 
 
 def forward_module(bm: BridgeModel):

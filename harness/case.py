@@ -111,7 +111,7 @@ def timed(result: CaseResult, phase: str) -> Iterator[None]:
 class Case(ABC):
     name: ClassVar[str]
     description: ClassVar[str]
-    model_kind: ClassVar[str] = "gpt"
+    model_kind: ClassVar[str | tuple[str, ...]] = "gpt"  # or the kinds it takes, e.g. ("gpt", "hf")
     Options: ClassVar[type] = NoOptions
     needs: ClassVar[frozenset[str]] = frozenset()
     checks: ClassVar[tuple[str, ...]] = ()
@@ -129,7 +129,7 @@ class Case(ABC):
         opts = self.options(spec)
         kind, needs, why = self.requirements(opts)
         model = get_model(spec.model)
-        if model.kind != kind:
+        if model.kind not in ((kind,) if isinstance(kind, str) else kind):
             raise ValueError(f"case {self.name}{why} takes a{'n HF fixture' if kind == 'hf' else ' GPT zoo'} model, got {spec.model!r}")
         if model.kind == "gpt":
             from harness.models import unavailable_reason

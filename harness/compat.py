@@ -391,3 +391,141 @@ def import_megatron_bridge():
         setattr(matcher, flag, False)
     _installed.extend(["transformer_engine stub for megatron.bridge.peft.lora_layers", "megatron.bridge peft HAVE_TE=False"])
     return megatron.bridge
+
+
+# ------------------------------------------------------------------ verl 0.9.1 (backend verl_manager)
+# Kept apart from the megatron-core entries above: the verl_manager backend installs its shims in
+# its own ranks only (`install_verl`), and a verl workaround is switched by the backend's option
+# `workarounds`, never by a training case's (whose defaults stay the four megatron-core ones).
+
+VERL_WORKAROUNDS: dict[str, str] = {
+    "verl_fresh_model_sd": "F1 verl 0.9.1 MegatronCheckpointManager.load_checkpoint hands dict(model_sharded_state_dict), "
+    "a shallow copy, to load_dist_checkpointing, whose torch strategy replaces each ShardedTensor's .data in place, then "
+    "reuses that dict for optimizer.sharded_state_dict: fully_reshardable cannot map Parameters to metadata "
+    "(ValueError 'not in model_sharded_state_dict'); the harness rebuilds the model sharded state dict for the optimizer",
+    "verl_async_calls_module": "F2 verl 0.9.1 async_save imports megatron.core.dist_checkpointing.strategies.base.async_calls, "
+    "a module megatron-core 0.19.2 no longer has (ModuleNotFoundError); the harness registers one holding an AsyncCallsQueue",
+    "verl_async_strategy_mcore": "F3 verl 0.9.1 save_dist_checkpointing passes no async_strategy and megatron-core 0.19.2 "
+    "defaults it to 'nvrx', which needs nvidia-resiliency-ext (not a verl dependency); the harness defaults it to 'mcore'",
+    "verl_async_one_at_a_time": "F5 verl 0.9.1 schedules its three async dist saves (model, optimizer, extra) at once, and "
+    "megatron-core 0.19.2's FileSystemWriterAsync returns write results through ONE process-wide queue, taking the first "
+    "(get_nowait) at finalize: a request can finalize with another tree's results, writing metadata for files it does not "
+    "hold (a corrupt checkpoint, silent at save); the harness finalizes each async request before the next is scheduled",
+}
+DEFAULT_VERL_WORKAROUNDS = tuple(VERL_WORKAROUNDS)
+
+VERL_SHIMS: dict[str, str] = {
+    "verl: CPU RNG tracker holds a state": "C1 on CPU megatron's RNG tracker is the inference tracker (no states, set_states a "
+    "no-op), and verl's load_rng_states raises a bare KeyError on an empty tracker state; the shim gives it one CPU generator "
+    "state (seed + 2718 + tp rank, as model_parallel_cuda_manual_seed) and a set_states that keeps what it is given",
+    "verl: cross-process async write results": "mcore's async writer runs in a forked process: the in-process write-results "
+    "queue above cannot carry its results back (RuntimeError 'results_queue should not be empty'); async saves get a "
+    "fork-context Manager queue",
+}
+
+
+def verl_rng_tracker_state(seed: int) -> None:
+    """C1 (CPU only): a tracker state verl can save and restore (see VERL_SHIMS)."""
+    import types
+
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    if torch.cuda.is_available():
+        return
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    gen = torch.Generator().manual_seed(seed + 2718 + parallel_state.get_tensor_model_parallel_rank())
+    tracker.states_ = {"model-parallel-rng": gen.get_state()}
+    tracker.set_states = types.MethodType(CudaRNGStatesTracker.set_states, tracker)
+    _note("verl: CPU RNG tracker holds a state")
+
+
+def verl_async_results_queue() -> None:
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not getattr(filesystem_async._results_queue, "_ckpt_harness_cross_process", False):
+        q = mp.get_context("fork").Manager().Queue()
+        q._ckpt_harness_cross_process = True
+        filesystem_async._results_queue = q
+    _note("verl: cross-process async write results")
+
+
+def apply_verl_workaround(name: str) -> None:
+    """The process-wide patch behind a verl workaround (idempotent)."""
+    import sys
+    import types
+
+    if name == "verl_fresh_model_sd":
+        from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager as M
+
+        original = M._build_optimizer_state_dict
+        if getattr(original, "_ckpt_harness", False):
+            return
+
+        def fresh_model_sd(self, model_sharded_state_dict, metadata, is_loading=False):
+            if is_loading:  # the load already consumed model_sharded_state_dict's ShardedTensors
+                model_sharded_state_dict = self._build_model_sharded_state_dict(metadata)
+            return original(self, model_sharded_state_dict, metadata, is_loading=is_loading)
+
+        fresh_model_sd._ckpt_harness = True
+        M._build_optimizer_state_dict = fresh_model_sd
+    elif name == "verl_async_calls_module":
+        import megatron.core.dist_checkpointing.strategies as strategies
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        if "megatron.core.dist_checkpointing.strategies.base" not in sys.modules:
+            base = types.ModuleType("megatron.core.dist_checkpointing.strategies.base")
+            base.__doc__ = "registered by ckpt-harness (compat.VERL_WORKAROUNDS['verl_async_calls_module'])"
+            base.async_calls = AsyncCallsQueue()
+            sys.modules[base.__name__] = base
+            strategies.base = base
+    elif name == "verl_async_one_at_a_time":
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        original = AsyncCallsQueue.schedule_async_request
+        if getattr(original, "_ckpt_harness", False):
+            return
+
+        def one_at_a_time(self, async_request):
+            idx = original(self, async_request)
+            self.maybe_finalize_async_calls(blocking=True)  # its writes and finalize done before the next starts
+            return idx
+
+        one_at_a_time._ckpt_harness = True
+        AsyncCallsQueue.schedule_async_request = one_at_a_time
+    elif name == "verl_async_strategy_mcore":
+        from megatron.core import dist_checkpointing
+
+        original = dist_checkpointing.save
+        if getattr(original, "_ckpt_harness", False):
+            return
+
+        def mcore_async_strategy(*args, **kwargs):
+            kwargs.setdefault("async_strategy", "mcore")
+            return original(*args, **kwargs)
+
+        mcore_async_strategy._ckpt_harness = True
+        dist_checkpointing.save = mcore_async_strategy
+    else:
+        raise ValueError(f"unknown verl workaround {name!r}; known: {sorted(VERL_WORKAROUNDS)}")
+
+
+def _note(name: str) -> None:
+    if name not in _installed:
+        _installed.append(name)
+
+
+def quiet_verl_noise() -> None:
+    """verl's import warns about optional engines (torchtitan, veomni, nemo_automodel) and the
+    missing accelerator, its manager logs every save at INFO: silenced unless CKPT_HARNESS_VERBOSE=1."""
+    import logging
+    import os
+    import warnings
+
+    if os.environ.get("CKPT_HARNESS_VERBOSE") == "1":
+        return
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"verl(\.|$)")
+    os.environ.setdefault("VERL_LOGGING_LEVEL", "ERROR")
+    logging.getLogger("verl").setLevel(logging.ERROR)

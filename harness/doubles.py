@@ -349,3 +349,90 @@ class TaggedDist(McoreDist):
 
     name = "tagged_dist"
     Options = _TaggedOptions
+
+
+# ------------------------------------------------------------------ verl's checkpoint manager (issue 10)
+# Subclasses of the real verl_manager backend: the manager is verl's, one step of the load is
+# skipped or one value damaged after it, so each verl-checkpoint / training check is seen to go red.
+
+from harness.backends.verl_manager import VerlManager  # noqa: E402  (no verl import until a rank uses it)
+
+
+class VerlSkipSchedulerLoad(VerlManager):
+    """A resume whose manager never restores the LR scheduler (the optimizer and RNG load fine)."""
+
+    def load_training(self, ctx, job, directory):
+        mgr = self.manager(job)
+        mgr.lr_scheduler, kept = None, mgr.lr_scheduler
+        try:
+            super().load_training(ctx, job, directory)
+        finally:
+            mgr.lr_scheduler = kept
+
+
+class VerlSkipRngRestore(VerlManager):
+    """A resume that reads `extra` but never puts the RNG state back."""
+
+    def load_training(self, ctx, job, directory):
+        mgr = self.manager(job)
+        mgr.load_rng_states = lambda *a, **k: None
+        try:
+            super().load_training(ctx, job, directory)
+        finally:
+            del mgr.load_rng_states
+
+
+def _flip_lowest_bit(t: torch.Tensor) -> None:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    with torch.no_grad():
+        t.view(-1).view(ints)[0] ^= 1
+
+
+class VerlCorruptMainParam(VerlManager):
+    """After a correct load, rank 0's first fp32 main param is one ulp off (the optimizer's copy;
+    under fp32 the distributed optimizer's main params are views of the weights)."""
+
+    def load_training(self, ctx, job, directory):
+        super().load_training(ctx, job, directory)
+        if ctx.rank == 0:
+            from harness.training import _leaf_optimizers
+
+            opt = _leaf_optimizers(job.optimizer)[0]
+            groups = getattr(opt, "shard_fp32_from_float16_groups", None) or []
+            mains = [p for g in groups for p in g] or [p for g in opt.optimizer.param_groups for p in g["params"]]
+            _flip_lowest_bit(mains[0].data)
+
+
+class VerlWeightOffMainParam(VerlManager):
+    """After a correct load, rank 0's first bf16 model weight (by name) is one ulp off its fp32 main param."""
+
+    def load_training(self, ctx, job, directory):
+        super().load_training(ctx, job, directory)
+        if ctx.rank == 0:
+            name, p = sorted(job.chunks[0].module.named_parameters())[0]
+            _flip_lowest_bit(p.data)
+
+
+class VerlAsyncModelTreeWritesLast(VerlManager):
+    """Not a fault: makes F5's race deterministic. The async writer process of the model tree
+    (model/dist_ckpt) starts writing 3 s late, so the optimizer's and extra's write results reach
+    megatron-core's one process-wide results queue first; without the verl_async_one_at_a_time
+    workaround the model request then finalizes with another tree's results."""
+
+    def _prepare(self, job):
+        super()._prepare(job)
+        import time
+
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync as W
+
+        original = W.write_preloaded_data_multithread
+        if getattr(original, "_ckpt_harness", False):
+            return
+
+        def model_tree_last(transform_list, use_msc, rank, write_buckets, global_results_queue):
+            if any("/model/dist_ckpt/" in str(bucket[0]) for bucket in write_buckets):
+                time.sleep(3)
+            return original(transform_list, use_msc, rank, write_buckets, global_results_queue)
+
+        model_tree_last._ckpt_harness = True
+        W.write_preloaded_data_multithread = staticmethod(model_tree_last)

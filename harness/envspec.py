@@ -12,12 +12,13 @@ A SPEC overrides one package (names are PEP 503-normalised):
     ./Megatron-Bridge  or  /abs/path/Megatron-Bridge                  a local source tree (pyproject.toml)
     /path/megatron_bridge-0.6.2-py3-none-any.whl                      a wheel file
 
-The resolved request is requirements.txt, requirements-nodeps.txt and constraints.txt with every
+The resolved request is requirements.txt, requirements-nodeps.txt, constraints.txt and
+requirements-verl.txt (the verl_manager backend's deps, installed with requirements.txt) with every
 overridden package's pin dropped and the overrides added (to requirements-nodeps.txt when the
 package is installed --no-deps there, e.g. megatron-bridge, whose declared deps are CUDA-only).
-Its sha256 (12 hex) keys the venv, `cache/venv-<key>`: with no override the request is the three
-files verbatim, so the key is scripts/ensure-env's historical `cat ... | sha256sum` and the cached
-baseline venv is reused. A source tree's and a wheel's content hash is part of the request, so an
+Its sha256 (12 hex) keys the venv, `cache/venv-<key>`: with no override the request is the four
+files verbatim (`cat requirements.txt requirements-nodeps.txt constraints.txt requirements-verl.txt
+| sha256sum`), so a fresh clone finds the cached baseline venv again. A source tree's and a wheel's content hash is part of the request, so an
 edited tree gets a new venv instead of a stale one.
 """
 
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REQUIREMENTS, NODEPS, CONSTRAINTS = "requirements.txt", "requirements-nodeps.txt", "constraints.txt"
+VERL = "requirements-verl.txt"  # the verl_manager backend's deps: installed with REQUIREMENTS, part of the key
 ENV_JSON = "ckpt-env.json"
 REQUEST_DIR = ".ckpt-request"  # inside the venv: the exact files pip was given
 TAIL = 30
@@ -191,18 +193,19 @@ def _append(text: str, lines: list[str]) -> str:
 
 @dataclass(frozen=True)
 class Request:
-    """What pip is asked for: the three files' resolved texts, plus the overrides they came from."""
+    """What pip is asked for: the four files' resolved texts, plus the overrides they came from."""
 
     requirements: str
     nodeps: str
     constraints: str
     overrides: tuple[Override, ...] = ()
+    verl: str = ""
 
     @property
     def text(self) -> str:
-        body = self.requirements + self.nodeps + self.constraints
+        body = self.requirements + self.nodeps + self.constraints + self.verl
         if not self.overrides:
-            return body  # == `cat requirements.txt requirements-nodeps.txt constraints.txt`
+            return body  # == `cat requirements.txt requirements-nodeps.txt constraints.txt requirements-verl.txt`
         return body + "".join(f"# {o.kind} {o.name}: commit={o.commit} sha256={o.digest}\n" for o in self.overrides)
 
     @property
@@ -219,14 +222,16 @@ def resolve(root: Path, overrides: list[Override]) -> Request:
     if dup := sorted({n for n in names if names.count(n) > 1}):
         raise ValueError(f"{', '.join(dup)}: overridden more than once")
     req, nodeps, cons = _read(root, REQUIREMENTS), _read(root, NODEPS), _read(root, CONSTRAINTS)
+    verl = _read(root, VERL) if (root / VERL).exists() else ""
     if not overrides:
-        return Request(req, nodeps, cons)
+        return Request(req, nodeps, cons, verl=verl)
     dropped, no_deps = set(names), _names(nodeps)
     return Request(
         _append(_drop(req, dropped), [o.requirement for o in overrides if o.name not in no_deps]),
         _append(_drop(nodeps, dropped), [o.requirement for o in overrides if o.name in no_deps]),
         _drop(cons, dropped),
         tuple(overrides),
+        verl=_drop(verl, dropped),
     )
 
 
@@ -293,11 +298,12 @@ def _build(venv: Path, req: Request, specs: list[str], cache: Path, python: str)
     _run_logged([python, "-m", "venv", str(venv)], log)
     files = venv / REQUEST_DIR
     files.mkdir()
-    for name, text in ((REQUIREMENTS, req.requirements), (NODEPS, req.nodeps), (CONSTRAINTS, req.constraints)):
+    for name, text in ((REQUIREMENTS, req.requirements), (NODEPS, req.nodeps), (CONSTRAINTS, req.constraints), (VERL, req.verl)):
         (files / name).write_text(text)
     pip = pip_command(venv)
     _run_logged([*pip, "install", "--upgrade", "pip"], log)
-    _run_logged([*pip, "install", "-r", str(files / REQUIREMENTS), "-c", str(files / CONSTRAINTS)], log)
+    extra = ["-r", str(files / VERL)] if _has_requirements(req.verl) else []
+    _run_logged([*pip, "install", "-r", str(files / REQUIREMENTS), *extra, "-c", str(files / CONSTRAINTS)], log)
     if _has_requirements(req.nodeps):
         _run_logged([*pip, "install", "--no-deps", "-r", str(files / NODEPS)], log)
     _write_env_json(venv, specs, req)

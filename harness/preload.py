@@ -4,8 +4,11 @@ the Bridge). Also what the forkserver preloads (harness._forkserver_preload)."""
 from __future__ import annotations
 
 
-def warm(bridge: bool = False) -> None:
-    """Import megatron-core (and Megatron-Bridge, transformers and peft for HF cases)."""
+def warm(bridge: bool = False, modules: tuple[str, ...] = ()) -> None:
+    """Import megatron-core (and Megatron-Bridge, transformers and peft for HF cases; and what a
+    backend lists in its `preload`, e.g. verl's checkpoint manager, only when a case uses it)."""
+    import importlib
+
     from harness.compat import import_megatron_bridge, quiet_known_noise
 
     quiet_known_noise()
@@ -19,3 +22,5 @@ def warm(bridge: bool = False) -> None:
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
     import megatron.core.parallel_state  # noqa: F401
     import megatron.core.tensor_parallel  # noqa: F401
+    for name in modules:
+        importlib.import_module(name)

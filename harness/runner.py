@@ -128,6 +128,7 @@ def not_run_reason(spec: CaseSpec, options: RunOptions) -> str | None:
 
 def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     from cases import get_case
+    from harness.backends import get_backend
     from harness.preload import warm
     from harness.zoo import get_model
 
@@ -154,7 +155,9 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     try:
         case = get_case(spec.case)
         opts = case.validate(spec)  # a spec built in code (not from a matrix) gets the same checks
-        warm(bridge=get_model(spec.model).kind == "hf")  # idempotent; forked ranks inherit the imports
+        backend = get_backend(spec.backend_ref)
+        warm(bridge=get_model(spec.model).kind == "hf", modules=backend.preload)  # idempotent; forked ranks inherit the imports
+        result.notes += backend.notes()
         case.run(spec, opts, env, result)
         result.checks.extend(budget_checks(spec, result))
         result.status = "failed" if result.failed_checks else "passed"

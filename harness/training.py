@@ -11,7 +11,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -46,6 +46,10 @@ class TrainConfig:
     #: shards each bucket across DP: a small size gives these models several (bucket-boundary bugs).
     #: megatron-core uses buckets only with overlap_grad_reduce, and only on the first PP stage.
     bucket_size: int = 0
+    #: "none": no LR scheduler (the optimizer keeps `lr`: every case before issue 10, numbers
+    #: unchanged); "warmup-cosine": a megatron-core OptimizerParamScheduler stepped after every
+    #: optimizer step (build_scheduler), which a training checkpoint must carry.
+    lr_schedule: Literal["none", "warmup-cosine"] = "none"
     #: local | te (harness.models.LayerSpec). A training case with te runs at CP 1 only: its
     #: batches are not split across CP ranks (`cp_rule`).
     layer_spec: LayerSpec = "local"
@@ -64,6 +68,7 @@ def cp_rule(spec, opts: TrainConfig) -> None:
 class TrainOptions(TrainConfig):
     """The options of every training case (matrix `options`/`axes`)."""
 
+    min_steps: ClassVar[int] = 1  # a case that can save an untrained job lowers it
     sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     mem_efficient: bool = False
     steps: int = 2
@@ -73,8 +78,8 @@ class TrainOptions(TrainConfig):
         bad = sorted(set(self.workarounds) - set(compat.WORKAROUNDS))
         if bad:
             raise ValueError(f"unknown workaround(s) {bad}; known: {sorted(compat.WORKAROUNDS)}")
-        if self.steps < 1:
-            raise ValueError(f"option 'steps' must be >= 1, got {self.steps}")
+        if self.steps < self.min_steps:
+            raise ValueError(f"option 'steps' must be >= {self.min_steps}, got {self.steps}")
         if self.bucket_size < 0:
             raise ValueError(f"option 'bucket_size' must be >= 0, got {self.bucket_size}")
         if self.bucket_size and not self.overlap_grad_reduce:
@@ -137,6 +142,8 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=cfg.lr,
+        # the param groups' floor, read by an OptimizerParamScheduler (None without one: unchanged)
+        min_lr=cfg.lr / 100 if cfg.lr_schedule != "none" else None,
         weight_decay=cfg.weight_decay,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         bf16=cfg.dtype == "bf16",
@@ -151,6 +158,30 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
     model.config.no_sync_func = ddp.no_sync
     model.config.grad_scale_func = optimizer.scale_loss
     return ddp, optimizer
+
+
+def build_scheduler(optimizer, cfg: TrainConfig):
+    """The job's LR scheduler, or None for lr_schedule "none". "warmup-cosine" is what verl's
+    get_megatron_optimizer_param_scheduler builds: megatron-core's OptimizerParamScheduler (here 2
+    warmup steps from lr/10, cosine decay to lr/100 over 20 steps, constant weight decay), taking
+    its state from a checkpoint when one is loaded (use_checkpoint_opt_param_scheduler)."""
+    if cfg.lr_schedule == "none":
+        return None
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=cfg.lr / 10, max_lr=cfg.lr, min_lr=cfg.lr / 100, lr_warmup_steps=2, lr_decay_steps=20,
+        lr_decay_style="cosine", start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=20,
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False,
+    )
+
+
+def scheduler_view(scheduler, optimizer) -> dict[str, Any] | None:
+    """What a restored scheduler must hold: its state dict and the LR it put into the optimizer."""
+    if scheduler is None:
+        return None
+    lrs = sorted({float(g["lr"]) for o in _leaf_optimizers(optimizer) for g in o.param_groups})
+    return {"state": {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in scheduler.state_dict().items()}, "lr": lrs}
 
 
 def built_dtype(ddp, optimizer) -> str:
@@ -231,8 +262,9 @@ def _leaf_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int) -> list[float | None]:
-    """Run `steps` optimizer steps; return the global-mean loss per step (None off the last stage)."""
+def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int, scheduler=None) -> list[float | None]:
+    """Run `steps` optimizer steps (and scheduler steps, when there is one, as Megatron-LM's
+    train_step does); return the global-mean loss per step (None off the last stage)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -273,6 +305,8 @@ def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int) ->
         ok, _, _ = optimizer.step()
         if not ok:
             raise RuntimeError(f"optimizer step {step} was skipped (found inf/nan)")
+        if scheduler is not None:
+            scheduler.step(increment=1)
         if parallel_state.is_pipeline_last_stage():
             local = torch.stack([r["loss"] for r in reports]).mean()
             dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
@@ -333,6 +367,8 @@ class TrainingJob:
     sharding: str | None = None
     mem_efficient: bool = False
     step: int = 0
+    bridge: Any = None  # harness.bridge.BridgeModel for a Megatron-Bridge model (AutoBridge, provider, HF dir)
+    seed: int = 0  # the model's seed (a backend's CPU RNG-tracker shim derives from it)
 
     def sharded_state(self, is_loading: bool) -> dict:
         return sharded_state(self.chunks[0], self.optimizer, self.sharding, self.mem_efficient, is_loading)
@@ -439,6 +475,20 @@ def rank_state_bytes(ddp, optimizer) -> int:
 # --------------------------------------------------------------------------- one phase of a job
 
 
+def load_training(ctx: RankContext, backend, job: TrainingJob, directory: Path, workarounds: tuple[str, ...]) -> None:
+    """backend.load_training into the live job, with the megatron-core workarounds the case lists
+    applied around it (whatever the backend: mcore_dist or a client like verl's manager)."""
+    if "fully_reshardable_step" in workarounds:
+        compat.apply_workaround("fully_reshardable_step")
+    if "prime_adam" in workarounds:
+        prime_optimizer_state(job.optimizer)
+    guard = torch.no_grad() if "load_no_grad" in workarounds else nullcontext()
+    with track("load"), guard:
+        backend.load_training(ctx, job, directory)
+    if "unshare_adam_step" in workarounds:
+        unshare_adam_step(job.optimizer)
+
+
 @dataclass(frozen=True)
 class TrainPhase:
     """One job at one topology: build, optionally load a training checkpoint, train, record the
@@ -489,20 +539,14 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
 
     backend = get_backend(p.backend)
     ddp, optimizer = build_training(p.model, p.topo, p.cfg, truth.DECOY_SEED_OFFSET if p.load_from else 0)
-    job = TrainingJob([ddp], optimizer, sharding=p.sharding, mem_efficient=p.mem_efficient, step=p.first_step)
     propagated = propagation(ddp, optimizer, p.cfg)
+    scheduler = build_scheduler(optimizer, p.cfg)  # after propagation: a warmup changes the optimizer's lr
+    job = TrainingJob([ddp], optimizer, scheduler, sharding=p.sharding, mem_efficient=p.mem_efficient, step=p.first_step,
+                      seed=p.model.seed)
     step = p.first_step
     if p.load_from is not None:
-        if "fully_reshardable_step" in p.workarounds:
-            compat.apply_workaround("fully_reshardable_step")
-        if "prime_adam" in p.workarounds:
-            prime_optimizer_state(optimizer)
-        guard = torch.no_grad() if "load_no_grad" in p.workarounds else nullcontext()
-        with track("load"), guard:
-            backend.load_training(ctx, job, Path(p.load_from))
-        if "unshare_adam_step" in p.workarounds:
-            unshare_adam_step(optimizer)
-    before = train_steps(ddp, optimizer, p.model, step, p.steps_before_save)
+        load_training(ctx, backend, job, Path(p.load_from), p.workarounds)
+    before = train_steps(ddp, optimizer, p.model, step, p.steps_before_save, scheduler)
     step += p.steps_before_save
     out = TrainOut(propagated, before, [])
     if "optimizer" in p.views:
@@ -513,7 +557,7 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
         job.step = step
         with track("save"):
             backend.save_training(ctx, job, Path(p.save_to))
-    out.losses_after = train_steps(ddp, optimizer, p.model, step, p.steps_after)
+    out.losses_after = train_steps(ddp, optimizer, p.model, step, p.steps_after, scheduler)
     if "final" in p.views:
         out.final_shards = local_shards(ddp.module)
     return out

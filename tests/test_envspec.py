@@ -21,10 +21,11 @@ SHA = "0123456789abcdef0123456789abcdef01234567"
 
 def test_baseline_key_is_the_bash_formula():
     """With no override the cached baseline venv (venv-<key>) must be found again."""
-    raw = b"".join((ROOT / f).read_bytes() for f in ("requirements.txt", "requirements-nodeps.txt", "constraints.txt"))
+    files = ("requirements.txt", "requirements-nodeps.txt", "constraints.txt", "requirements-verl.txt")
+    raw = b"".join((ROOT / f).read_bytes() for f in files)
     key = hashlib.sha256(raw).hexdigest()[:12]
     assert resolve(ROOT, []).key == key
-    bash = subprocess.run("cat requirements.txt requirements-nodeps.txt constraints.txt | sha256sum | cut -c1-12",
+    bash = subprocess.run(f"cat {' '.join(files)} | sha256sum | cut -c1-12",
                           shell=True, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     assert bash == key
 
@@ -166,11 +167,21 @@ def test_overridden_pins_are_dropped_everywhere_and_the_override_added():
     assert req.nodeps == base.nodeps and req.key != base.key
 
 
+def test_verl_pins_are_part_of_the_key_and_of_the_request():
+    """requirements-verl.txt (the verl_manager backend's deps) is hashed and installed; an override
+    of one of its packages drops its pin there too; verl itself is --no-deps."""
+    base = resolve(ROOT, [])
+    assert "ray==2.60.0" in pins(base.verl) and "verl==0.9.1" in pins(base.nodeps) and "tensordict==0.10.0" in pins(base.nodeps)
+    req = resolve(ROOT, [parse_spec("ray==2.61.0")])
+    assert "ray==2.60.0" not in pins(req.verl) and "ray==2.61.0" in pins(req.requirements) and req.key != base.key
+    assert pins(resolve(ROOT, [parse_spec("verl==0.9.2")]).nodeps)[-2:] == ["tensordict==0.10.0", "verl==0.9.2"]
+
+
 @pytest.mark.parametrize("spec", ["megatron-bridge==0.6.0", f"megatron-bridge @ git+https://github.com/NVIDIA-NeMo/Megatron-Bridge@{SHA}"])
 def test_a_no_deps_package_override_replaces_its_line_there(spec):
     o = parse_spec(spec)
     req = resolve(ROOT, [o])
-    assert pins(req.nodeps) == [o.requirement]
+    assert pins(req.nodeps) == [p for p in pins(resolve(ROOT, []).nodeps) if not p.startswith("megatron-bridge")] + [o.requirement]
     assert not any("megatron-bridge" in p for p in pins(req.requirements + req.constraints))
     assert req.requirements == resolve(ROOT, []).requirements
 
@@ -215,7 +226,7 @@ def test_ensure_builds_once_records_provenance_and_reuses(tmp_path, monkeypatch)
     files = venv / envspec.REQUEST_DIR
     assert log[:4] == [
         "install --upgrade pip",
-        f"install -r {files / 'requirements.txt'} -c {files / 'constraints.txt'}",
+        f"install -r {files / 'requirements.txt'} -r {files / 'requirements-verl.txt'} -c {files / 'constraints.txt'}",
         f"install --no-deps -r {files / 'requirements-nodeps.txt'}",
         "freeze",
     ]

@@ -30,6 +30,10 @@ case needs):
   read_plain      `read_full`: every tensor unsharded, with no model (an independent reader)
   hf_export       write an HF checkpoint from a Bridge model (`save`); `hf_import` reads one (`load`)
   adapter_export  write an HF PEFT adapter from a Bridge model with LoRA (`save`)
+  manager         a training-checkpoint *manager* (verl's MegatronCheckpointManager): besides
+                  training_state it lays out step directories and a tracker file a resume reads,
+                  writes a contents manifest, keeps max_ckpt_to_keep, and saves the LR scheduler
+                  and RNG state (what cases/verl_checkpoint.py checks)
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import torch
 from harness.options import NoOptions, parse_options
 from harness.world import RankContext
 
-CAPABILITIES = frozenset({"weights", "training_state", "read_plain", "hf_export", "hf_import", "adapter_export"})
+CAPABILITIES = frozenset({"weights", "training_state", "read_plain", "hf_export", "hf_import", "adapter_export", "manager"})
 ENTRY_POINT_GROUP = "ckpt_harness.backends"
 
 
@@ -70,6 +74,13 @@ class Backend(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[frozenset[str]] = frozenset()
     Options: ClassVar[type] = NoOptions
+    #: Modules the parent imports before forking ranks (harness.preload.warm), when a case uses
+    #: this backend: a backend whose library is slow to import (verl: ~11 s) pays it once.
+    preload: ClassVar[tuple[str, ...]] = ()
+
+    def notes(self) -> list[str]:
+        """Lines for the result's notes (e.g. which upstream defects this configuration steps around)."""
+        return []
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

@@ -1,0 +1,494 @@
+"""verl-checkpoint: what only a manager-style training checkpoint has (issue 10), through a backend
+with the `manager` capability (verl_manager: verl 0.9.1's MegatronCheckpointManager).
+
+A job (GPT zoo model, or a Megatron-Bridge model from an HF fixture) with a real LR scheduler
+trains `steps` steps at S and is saved `saves` times (one more step between saves) the way verl's
+trainer saves: `<ckpt>/global_step_<N>/actor`, then the tracker. The RNG state is set to a known,
+step-derived value right before the last save. A fresh job at D (decoy weights, a scheduler at step
+0, other RNG state) resumes from the tracker through the backend with its `load_contents`.
+
+Checks:
+  layout          the step directory holds exactly what save_contents asks (model/dist_ckpt,
+                  model/huggingface, optimizer/dist_ckpt, extra/dist_ckpt, transformer_config.json,
+                  ckpt_contents.json), each dist_ckpt tree a complete megatron checkpoint
+  manifest        ckpt_contents.json: schema 2, the step, save_contents, the backend flags, the
+                  contents entries the save implies (model / hf_model / optimizer / lr_scheduler /
+                  rng_state / transformer_config / hf_config / tokenizer), every path present
+  tracker         latest_checkpointed_iteration.txt names the last step, and verl's own
+                  find_latest_ckpt_path resolves it to that step's directory
+  retention       (saves > 1) max_ckpt_to_keep removed only the older steps: the newest
+                  max_ckpt_to_keep remain (all when 0)
+  model-weights   (model or hf_model loaded) the weights at D equal those saved at S, bitwise
+  optimizer-state, step   (optimizer loaded) as reshard-optimizer: main params and moments bitwise, step kept
+  scheduler       (optimizer loaded, a scheduler) the scheduler's state and the LR it sets equal S's
+  rng             (extra loaded) python, numpy, torch and megatron-tracker RNG state at D equal the
+                  state saved at the same (PP, TP) coordinate
+  hf-export       (HF tree saved, Bridge model, untrained) the HF tree's safetensors equal the
+                  fixture's, bitwise (keys, dtypes, bytes)
+  weights-match-main-params   (bf16) bf16 weights == fp32 main params cast down, at S and after the load
+  refusal         (expect: refuse) the resume raised one of `refuse_with`
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from harness.case import Case, RunEnv, timed
+from harness.checks import WEIGHTS_MATCH_MAIN_PARAMS, assembled, refusal_check, state_check, weights_match_main_params
+from harness.result import CaseResult, Check
+from harness.spec import CaseSpec
+from harness.topology import Topology
+from harness.training import TrainOptions, TrainOut
+from harness.world import RankContext, WorldError, exception_of
+from harness.zoo import get_model
+
+from cases.reshard_optimizer import step_check
+
+RNG_SEED = 424242  # + the step: the RNG state the last save carries
+DECOY_RNG_SEED = 777  # what the resuming job holds before its load
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclass(frozen=True)
+class Options(TrainOptions):
+    min_steps: ClassVar[int] = 0  # 0: save the untrained job (a Bridge model then exports the fixture itself)
+    steps: int = 2
+    lr_schedule: Literal["none", "warmup-cosine"] = "warmup-cosine"
+    saves: int = 1  # consecutive saves through one manager, a step apart (max_ckpt_to_keep)
+    refuse_with: tuple[str, ...] = ("CheckpointingException",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.saves < 1:
+            raise ValueError(f"option 'saves' must be >= 1, got {self.saves}")
+
+
+# --------------------------------------------------------------------------- rank side
+
+
+@dataclass(frozen=True)
+class _Phase:
+    model: Any  # ModelSpec | HFModelSpec
+    topo: Topology
+    opts: Options
+    backend: Any  # BackendRef
+    ckpt: str
+    hf_dir: str | None
+    load: bool
+
+
+@dataclass
+class VerlOut(TrainOut):
+    coords: tuple[int, int] = (0, 0)  # (pp rank, tp rank)
+    scheduler: dict | None = None
+    rng: dict[str, str] = field(default_factory=dict)
+    saved_steps: list[int] = field(default_factory=list)
+
+
+def set_rng(seed: int) -> None:
+    """Every RNG a verl checkpoint carries, to a state derived from `seed` (same on every DP rank)."""
+    import random
+
+    import numpy as np
+
+    from harness import compat
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        compat.verl_rng_tracker_state(seed)
+
+
+def rng_digest() -> dict[str, str]:
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    def h(obj: Any) -> str:
+        return hashlib.sha256(pickle.dumps(obj)).hexdigest()[:16]
+
+    tracker = {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+    np_state = np.random.get_state()
+    return {"random": h(random.getstate()), "numpy": h((np_state[0], np_state[1].tolist(), *np_state[2:])),
+            "torch": h(torch.get_rng_state().tolist()), "tracker": h(tracker)}
+
+
+def build_job(p: _Phase, decoy: bool):
+    """The job at this rank: GPT zoo (harness.training) or a Bridge model (provider path), with the
+    case's optimizer knobs and LR scheduler. A decoy job starts from other weights."""
+    from harness import truth
+    from harness.training import TrainingJob, build_scheduler, build_training
+
+    cfg = p.opts.config
+    bm = None
+    if p.model.kind == "gpt":
+        ddp, optimizer = build_training(p.model, p.topo, cfg, truth.DECOY_SEED_OFFSET if decoy else 0)
+        chunks = [ddp]
+    else:
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from harness import bridge as mb
+
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=cfg.use_distributed_optimizer)
+        bm = mb.build(p.hf_dir, p.model, p.topo, load_weights=not decoy, ddp_config=ddp_config)  # decoy: the provider's init
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.lr / 100 if cfg.lr_schedule != "none" else None, weight_decay=cfg.weight_decay,
+            use_distributed_optimizer=cfg.use_distributed_optimizer, bf16=False, fp16=False, params_dtype=torch.float32, clip_grad=1.0,
+        ), bm.modules)
+        chunks = bm.modules
+    scheduler = build_scheduler(optimizer, cfg)
+    return TrainingJob(chunks, optimizer, scheduler, sharding=p.opts.sharding, mem_efficient=p.opts.mem_efficient, bridge=bm,
+                       seed=p.model.seed)
+
+
+def _views(out: VerlOut, job) -> None:
+    from harness.models import local_shards
+    from harness.training import optimizer_view, scheduler_view
+
+    ddp = job.chunks[0]
+    out.model_shards = local_shards(ddp.module)
+    out.optimizer_shards, out.steps = optimizer_view(ddp, job.optimizer)
+    out.scheduler = scheduler_view(job.scheduler, job.optimizer)
+
+
+def _rank(ctx: RankContext, p: _Phase) -> VerlOut:
+    from megatron.core import parallel_state
+
+    from harness.backends import get_backend
+    from harness.memory import track
+    from harness.training import load_training, prime_optimizer_state, train_steps
+
+    backend = get_backend(p.backend)
+    job = build_job(p, decoy=p.load)
+    out = VerlOut([], [], [], coords=(parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()))
+    ddp, opts = job.chunks[0], p.opts
+    if p.load:
+        set_rng(DECOY_RNG_SEED)
+        load_training(ctx, backend, job, Path(p.ckpt), opts.workarounds)
+        _views(out, job)
+        out.rng = rng_digest()
+        return out
+    step = 0
+    if p.model.kind == "gpt" and opts.steps:
+        out.losses_before_save = train_steps(ddp, job.optimizer, p.model, 0, opts.steps, job.scheduler)
+        step = opts.steps
+    elif "prime_adam" in opts.workarounds:  # megatron-core: a never-stepped torch Adam cannot be saved either
+        prime_optimizer_state(job.optimizer)
+    for i in range(opts.saves):
+        if i:
+            if p.model.kind == "gpt":
+                train_steps(ddp, job.optimizer, p.model, step, 1, job.scheduler)
+            step += 1
+        if i == opts.saves - 1:
+            _views(out, job)
+            set_rng(RNG_SEED + step)
+            out.rng = rng_digest()
+        job.step = step
+        with track("save"):
+            backend.save_training(ctx, job, Path(p.ckpt))
+        out.saved_steps.append(step)
+    return out
+
+
+# --------------------------------------------------------------------------- what is on disk
+
+
+@dataclass
+class OnDisk:
+    """The checkpoint root after the saves, as the parent reads it (judge input)."""
+
+    steps_present: list[int]
+    tracker: str | None
+    resolved: str | None  # verl's find_latest_ckpt_path(root), relative to root
+    entries: list[str]  # under global_step_<last>/actor: top-level names and model/optimizer/extra subtrees
+    complete: dict[str, bool]  # each dist_ckpt tree: a complete megatron dist checkpoint?
+    manifest: dict | None
+    hf: dict[str, torch.Tensor] | None = None  # the HF tree's tensors, when there is one
+    empty: list[str] = field(default_factory=list)  # empty directories (contents not saved)
+
+
+def read_disk(root: Path, last: int) -> OnDisk:
+    from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
+
+    actor = root / f"global_step_{last}" / "actor"
+    # what a resume can use: verl's retention removes a step's actor directory (the trainer's
+    # global_step_<N>/ itself, which also holds its data.pt, stays)
+    steps = sorted(int(d.name.removeprefix("global_step_")) for d in root.glob("global_step_*") if (d / "actor").is_dir())
+    tracker = (root / TRACKER).read_text() if (root / TRACKER).exists() else None
+    try:
+        import contextlib
+        import io
+
+        from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints what it found
+            found = find_latest_ckpt_path(str(root))
+        resolved = str(Path(found).relative_to(root)) if found else None
+    except Exception as exc:  # noqa: BLE001 - recorded, judged
+        resolved = f"error: {exc!r}"
+    entries: list[str] = []
+    empty: list[str] = []
+    if actor.is_dir():
+        for e in sorted(actor.iterdir()):
+            if e.is_dir() and not any(e.rglob("*.*")):
+                empty.append(e.name)  # verl's path getters mkdir every subtree, saved or not
+                continue
+            entries.append(e.name)
+            if e.is_dir():
+                for sub in sorted(e.iterdir()):
+                    (entries if any(sub.iterdir()) else empty).append(f"{e.name}/{sub.name}")
+    complete = {e: bool(check_is_distributed_checkpoint(str(actor / e))) for e in entries if e.endswith("/dist_ckpt")}
+    manifest = json.loads((actor / "ckpt_contents.json").read_text()) if (actor / "ckpt_contents.json").exists() else None
+    hf = None
+    if (actor / "model" / "huggingface").is_dir():
+        from harness.backends._safetensors import read_safetensors
+
+        hf = read_safetensors(actor / "model" / "huggingface")
+    return OnDisk(steps, tracker, resolved, entries, complete, manifest, hf, empty)
+
+
+# --------------------------------------------------------------------------- judging
+
+
+def expected(save_contents: tuple[str, ...], use_dist: bool, bridge: bool, scheduler: bool) -> tuple[set[str], set[str]]:
+    """(entries under the step directory, manifest contents keys) that verl 0.9.1 documents for a
+    save (MegatronCheckpointManager.save_checkpoint docstring and _build_checkpoint_manifest)."""
+    hf = "hf_model" in save_contents or ("model" in save_contents and not use_dist)
+    dist_model = "model" in save_contents and use_dist
+    entries, keys = {"ckpt_contents.json"}, set()
+    if dist_model or hf:
+        entries.add("model")
+    if dist_model:
+        entries.add("model/dist_ckpt")
+        keys.add("model")
+    if hf:
+        entries.add("model/huggingface")
+        keys |= {"hf_config"} | ({"tokenizer"} if bridge else set())
+        if not dist_model:
+            keys.add("model")
+        if "hf_model" in save_contents:
+            keys.add("hf_model")
+    if "optimizer" in save_contents:
+        entries |= {"optimizer", "optimizer/dist_ckpt"}
+        keys |= {"optimizer"} | ({"lr_scheduler"} if scheduler else set())
+    if "extra" in save_contents:
+        entries |= {"extra", "extra/dist_ckpt", "transformer_config.json"}
+        keys |= {"rng_state", "transformer_config"}
+    return entries, keys
+
+
+@dataclass(frozen=True)
+class Judged:
+    """Everything the judge needs besides the worlds' outputs: what was asked."""
+
+    src: str
+    dst: str
+    save_contents: tuple[str, ...]
+    load_contents: tuple[str, ...]
+    use_dist: bool
+    bridge: bool
+    scheduler: bool
+    saves: int
+    keep: int
+    trained: bool
+    dtype: str = "fp32"
+
+
+def _not_run(name: str, why: str) -> Check:
+    return Check(name, "not-run", why, tolerance="-")
+
+
+def layout_checks(a: Judged, disk: OnDisk, last: int) -> list[Check]:
+    want_entries, want_keys = expected(a.save_contents, a.use_dist, a.bridge, a.scheduler)
+    got = set(disk.entries)
+    top_level_or_listed = {e for e in got if "/" not in e or e.split("/")[0] in ("model", "optimizer", "extra")}
+    missing, extra = sorted(want_entries - got), sorted(top_level_or_listed - want_entries)
+    incomplete = sorted(k for k, ok in disk.complete.items() if not ok)
+    problems = ([f"missing {missing}"] if missing else []) + ([f"unexpected {extra}"] if extra else []) + (
+        [f"not a complete dist checkpoint: {incomplete}"] if incomplete else [])
+    stray = f"; empty directories for contents not saved: {disk.empty}" if disk.empty else ""
+    layout = Check("layout", "failed" if problems else "passed",
+                   ("; ".join(problems) if problems else f"global_step_{last}/actor holds {sorted(want_entries)}") + stray,
+                   tolerance="exact")
+    m = disk.manifest
+    if m is None:
+        manifest = Check("manifest", "failed", "no ckpt_contents.json", tolerance="exact")
+    else:
+        wrong = []
+        for k, v in (("schema_version", 2), ("global_step", last), ("save_contents", list(a.save_contents))):
+            if m.get(k) != v:
+                wrong.append(f"{k}={m.get(k)!r}, expected {v!r}")
+        backend = m.get("backend", {})
+        if backend.get("use_dist_checkpointing") != a.use_dist or backend.get("has_bridge") != a.bridge:
+            wrong.append(f"backend={backend}, expected use_dist_checkpointing={a.use_dist} has_bridge={a.bridge}")
+        keys = set(m.get("contents", {}))
+        if keys != want_keys:
+            wrong.append(f"contents {sorted(keys)}, expected {sorted(want_keys)}")
+        unlisted = sorted(v["path"] for v in m.get("contents", {}).values()
+                          if isinstance(v, dict) and "path" in v and v["path"].split("/")[0] not in {e.split("/")[0] for e in got})
+        if unlisted:
+            wrong.append(f"paths not on disk {unlisted}")
+        manifest = Check("manifest", "failed" if wrong else "passed",
+                         "; ".join(wrong) if wrong else f"schema 2, step {last}, contents {sorted(keys)}", tolerance="exact")
+    want_resolved = f"global_step_{last}"
+    ok = disk.tracker is not None and disk.tracker.strip() == str(last) and disk.resolved == want_resolved
+    tracker = Check("tracker", "passed" if ok else "failed",
+                    f"{TRACKER} = {disk.tracker!r} (last step {last}); verl find_latest_ckpt_path -> {disk.resolved!r}", tolerance="exact")
+    if a.saves == 1:
+        retention = _not_run("retention", "one save (saves: 1)")
+    else:
+        steps = list(range(last - a.saves + 1, last + 1))
+        want = steps[-a.keep:] if a.keep else steps
+        retention = Check("retention", "passed" if disk.steps_present == want else "failed",
+                          f"saved steps {steps}, max_ckpt_to_keep={a.keep or None}: present {disk.steps_present}, expected {want}",
+                          tolerance="exact")
+    return [layout, manifest, tracker, retention]
+
+
+def rng_check(saved: list[VerlOut], loaded: list[VerlOut]) -> Check:
+    by_coords = {o.coords: o.rng for o in saved}
+    bad = []
+    for o in loaded:
+        want = by_coords.get(o.coords)
+        if want is None:
+            bad.append(f"no rank at {o.coords} saved an RNG state")
+            continue
+        bad += [f"{k}@(pp,tp)={o.coords}" for k in want if want[k] != o.rng.get(k)]
+    if bad:
+        return Check("rng", "failed", f"RNG state not restored: {sorted(set(bad))}", tolerance="exact")
+    return Check("rng", "passed", f"python, numpy, torch and tracker RNG restored on {len(loaded)} rank(s)", tolerance="exact")
+
+
+def scheduler_check(saved: list[VerlOut], loaded: list[VerlOut]) -> Check:
+    s = next((o.scheduler for o in saved if o.scheduler is not None), None)
+    bad = [o.scheduler for o in loaded if o.scheduler != s]
+    if s is None:
+        return _not_run("scheduler", "the job has no LR scheduler")
+    if bad:
+        return Check("scheduler", "failed", f"at S {s}, after the load {bad[0]}", tolerance="exact")
+    return Check("scheduler", "passed", f"num_steps {s['state'].get('num_steps')}, lr {s['lr']} restored", tolerance="exact")
+
+
+def judge(a: Judged, saved: list[VerlOut], loaded: list[VerlOut], disk: OnDisk, fixture: dict[str, torch.Tensor] | None) -> list[Check]:
+    last = max(saved[0].saved_steps)
+    checks = layout_checks(a, disk, last)
+    w_s, q_s = assembled(saved, "model_shards", a.src)
+    w_d, q_d = assembled(loaded, "model_shards", a.dst)
+    opt_s, p_s = assembled(saved, "optimizer_shards", a.src)
+    opt_d, p_d = assembled(loaded, "optimizer_shards", a.dst)
+    model_loaded = "model" in a.load_contents or "hf_model" in a.load_contents
+    if model_loaded:
+        checks.append(state_check("model-weights", w_s, w_d, a.src, a.dst, f"{len(w_d)} weights equal", problems=q_s + q_d))
+    else:
+        checks.append(_not_run("model-weights", f"load_contents {list(a.load_contents)} has no model"))
+    if "optimizer" in a.load_contents:
+        checks.append(state_check("optimizer-state", opt_s, opt_d, a.src, a.dst, f"{len(opt_d)} optimizer tensors equal", problems=p_s + p_d))
+        checks.append(step_check(saved, loaded, a.src, a.dst))
+        checks.append(scheduler_check(saved, loaded))
+    else:
+        why = f"load_contents {list(a.load_contents)} has no optimizer"
+        checks += [_not_run("optimizer-state", why), _not_run("step", why), _not_run("scheduler", why)]
+    checks.append(rng_check(saved, loaded) if "extra" in a.load_contents else _not_run("rng", f"load_contents {list(a.load_contents)} has no extra"))
+    if disk.hf is None:
+        checks.append(_not_run("hf-export", "no HF tree saved (model/huggingface)"))
+    elif fixture is None or a.trained:
+        checks.append(_not_run("hf-export", "the saved weights are trained: the fixture is no longer their truth"))
+    else:
+        checks.append(state_check("hf-export", fixture, disk.hf, "hf-fixture", "model/huggingface",
+                                  f"{len(disk.hf)} tensors, keys and dtypes equal the fixture"))
+    sides = [(f"save@{a.src}", w_s, opt_s)]
+    if model_loaded and "optimizer" in a.load_contents:
+        sides.append((f"load@{a.dst}", w_d, opt_d))
+    checks.append(weights_match_main_params(sides, a.dtype))
+    return checks
+
+
+class VerlCheckpoint(Case):
+    name = "verl-checkpoint"
+    description = "a manager-style training checkpoint (verl): contents, layout, manifest, tracker, retention, scheduler, RNG, HF tree"
+    model_kind = ("gpt", "hf")
+    Options = Options
+    needs = frozenset({"training_state", "manager"})
+    checks = ("layout", "manifest", "tracker", "retention", "model-weights", "optimizer-state", "step", "scheduler", "rng",
+              "hf-export", WEIGHTS_MATCH_MAIN_PARAMS, "refusal")
+    refusable = True
+
+    def validate_options(self, spec: CaseSpec, opts: Options) -> None:
+        from harness.backends import get_backend
+
+        if spec.expect != "refuse" and "refuse_with" in spec.opts:
+            raise ValueError("option 'refuse_with' only means something with expect: refuse")
+        b = get_backend(spec.backend_ref).options
+        hf = get_model(spec.model).kind == "hf"
+        wants_hf = "hf_model" in b.save_contents + b.load_contents or (not b.use_dist_checkpointing and "model" in b.save_contents + b.load_contents)
+        if wants_hf and not hf:
+            raise ValueError("HF-format model contents (hf_model, or model without use_dist_checkpointing) need a Megatron-Bridge "
+                             f"model (an HF fixture), got {spec.model!r}")
+        if hf and opts.dtype != "fp32":
+            raise ValueError("a Bridge model is built fp32 (harness.bridge); dtype bf16 takes a GPT zoo model")
+        if hf and opts.steps:
+            raise ValueError("a Bridge model is saved untrained here (steps: 0): the HF tree is then checked against the fixture")
+
+    def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
+        from harness.backends import get_backend
+        from harness.hf_models import write_fixture
+        from harness.training import workaround_notes
+
+        model, ref = get_model(spec.model), spec.backend_ref
+        b = get_backend(ref)
+        result.notes += workaround_notes(opts)
+        ckpt, hf_dir = env.case_dir / "ckpt", None
+        if model.kind == "hf":
+            hf_dir = env.case_dir / "hf-source"
+            with timed(result, "fixture"):
+                write_fixture(model, hf_dir)
+        phase = dict(model=model, opts=opts, backend=ref, ckpt=str(ckpt), hf_dir=str(hf_dir) if hf_dir else None)
+        saved = env.launch(result, "save", _rank, _Phase(topo=spec.source, load=False, **phase), spec.source)
+        try:
+            loaded, error = env.launch(result, "load", _rank, _Phase(topo=spec.target, load=True, **phase), spec.target), None
+        except WorldError as exc:
+            loaded, error = None, exc
+        if spec.expect == "refuse":
+            exc_type, message = exception_of(error.rank_traceback or str(error)) if error else (None, "")
+            result.checks.append(refusal_check(exc_type, message, opts.refuse_with, f"{spec.source.id} -> {spec.target.id}",
+                                               refusal_meaning(spec, b.options, opts)))
+            if loaded is None:
+                return
+        elif error is not None:
+            raise error
+        with timed(result, "compare"):
+            disk = read_disk(ckpt, max(saved[0].saved_steps))
+            fixture = None
+            if hf_dir is not None:
+                from harness.backends._safetensors import read_safetensors
+
+                fixture = read_safetensors(hf_dir)
+            a = Judged(spec.source.id, spec.target.id, b.options.save_contents, b.options.load_contents, b.options.use_dist_checkpointing,
+                       model.kind == "hf", opts.lr_schedule != "none", opts.saves, b.options.max_ckpt_to_keep, opts.steps > 0, opts.dtype)
+            result.checks.extend(judge(a, saved, loaded, disk, fixture))
+
+
+def refusal_meaning(spec: CaseSpec, b: Any, opts: Options) -> str:
+    tp_pp_changed = (spec.source.tp, spec.source.pp) != (spec.target.tp, spec.target.pp)
+    if tp_pp_changed and "extra" in b.load_contents:
+        return "verl saves the RNG state as a ShardedObject per (PP, TP) rank: `extra` cannot be loaded at another TP/PP"
+    if tp_pp_changed and opts.sharding == "dp_reshardable" and "optimizer" in b.load_contents:
+        return "a dp_reshardable optimizer checkpoint (verl's default) can change DP only; a TP/PP change needs fully_reshardable"
+    return ""
+
+
+CASE = VerlCheckpoint()

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -259,5 +259,14 @@ def _entry_specs(
                 case.validate(spec)
             except ValueError as exc:
                 raise MatrixError(f"{where}: {spec.id}: {exc}") from None
-            out.append(spec)
+            reason = backend_unavailable(spec)
+            out.append(replace(spec, not_run=reason) if reason else spec)
     return out
+
+
+def backend_unavailable(spec: CaseSpec) -> str | None:
+    """Why the spec's backend, with its options, cannot run on this machine (a package it needs is
+    not installed, harness.backends.Backend.unavailable), or None."""
+    from harness.backends import get_backend
+
+    return get_backend(spec.backend_ref).unavailable()

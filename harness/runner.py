@@ -49,6 +49,15 @@ def budget_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
     return checks
 
 
+def strategy_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
+    """The backend's `strategy` check (its options asked what every save and load ran), if its
+    options ask anything."""
+    from harness.backends import get_backend
+
+    check = get_backend(spec.backend_ref).strategy_check(result.backend_events)
+    return [check] if check is not None else []
+
+
 def apply_xfail(spec: CaseSpec, result: CaseResult) -> None:
     """Strict expected failure: the named failure becomes `xfailed`, another failure stays
     `failed` (with why), and a pass becomes `failed` as XPASS(strict)."""
@@ -109,6 +118,32 @@ def error_text(exc: Exception, tb: str | None = None) -> str:
     return f"{api + chr(10) if api else ''}{type(exc).__name__}: {exc}" + (f"\n{tb}" if tb else "")
 
 
+def not_run_reason(spec: CaseSpec) -> str | None:
+    """Why this machine cannot run `spec`: what the matrix loader recorded, or (a spec built in
+    code) what its backend says now; None when it can run."""
+    if spec.not_run:
+        return spec.not_run
+    from harness.matrix import backend_unavailable
+
+    try:
+        return backend_unavailable(spec)
+    except (KeyError, ValueError):
+        return None  # run_case reports the invalid spec as an error
+
+
+def record_not_run(spec: CaseSpec, result: CaseResult, reason: str) -> None:
+    """A case this machine cannot run: nothing launches, and every check the case would record is
+    `not-run` with the reason (the check-level status; reports list the reason). The case status
+    stays what its checks give (no check failed), and its xfail, if any, is not judged: nothing ran."""
+    from cases import get_case
+
+    case = get_case(spec.case)
+    names = [c for c in case.checks if c != "refusal" or spec.expect == "refuse"]
+    result.checks = [Check(name, "not-run", f"not run on this machine: {reason}", tolerance="-") for name in names]
+    result.notes.append(f"not run: {reason}")
+    result.status = "passed"
+
+
 def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     from cases import get_case
     from harness.preload import warm
@@ -118,7 +153,13 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     result = CaseResult(
         id=spec.id, case=spec.case, model=spec.model, backend=spec.backend,
         source=spec.source.id, target=spec.target.id, options=spec.opts, xfail_reason=spec.xfail.reason if spec.xfail else None,
+        backend_options=spec.backend_opts,
     )
+    reason = not_run_reason(spec)
+    if reason:
+        record_not_run(spec, result, reason)
+        result.phases["total"] = 0.0
+        return result
     parent = Path(options.workdir) if options.workdir else None
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +174,7 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
         opts = case.validate(spec)  # a spec built in code (not from a matrix) gets the same checks
         warm(bridge=get_model(spec.model).kind == "hf")  # idempotent; forked ranks inherit the imports
         case.run(spec, opts, env, result)
+        result.checks.extend(strategy_checks(spec, result))
         result.checks.extend(budget_checks(spec, result))
         result.status = "failed" if result.failed_checks else "passed"
     except Exception as exc:  # a rank's or the harness's error is reported, not raised: the matrix goes on

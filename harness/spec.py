@@ -101,6 +101,10 @@ class CaseSpec:
     budgets: tuple[Budget, ...] = ()
     origin: str = ""  # file:entry, for messages
     backend_options: tuple[tuple[str, Any], ...] = ()  # the backend's own options (its `Options`)
+    #: Why this machine cannot run the case (set at matrix load from the backend's `unavailable`,
+    #: e.g. a package its options need is not installed); "" when it can. The runner records
+    #: every check of such a case `not-run` with this reason and launches nothing.
+    not_run: str = ""
 
     @property
     def opts(self) -> dict[str, Any]:

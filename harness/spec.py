@@ -29,6 +29,8 @@ MARKERS: dict[str, str] = {
     "cp": "uses context parallelism",
     "tied": "tied embeddings",
     "bf16": "bf16 mixed precision (dtype bf16: Float16Module, fp32 main params)",
+    "strategies": "mcore_dist save/load strategies (fully-parallel, async save + finalize, metadata caching)",
+    "buckets": "DDP gradient buckets as real runs have them (overlap_grad_reduce / overlap_param_gather, bucket_size)",
     "slow": "heavier cases, not in the default suite",
     "memory": "host-memory cases and budgets (heavier)",
     "gpu": "needs CUDA devices",

@@ -372,7 +372,10 @@ def _distributed_model_space(ddp, opt) -> dict:
                 for model_param, ranges in bucket["param_map"].items():
                     state = opt._get_main_param_and_optimizer_states(model_param)
                     r = ranges["param"]
-                    local[position[id(model_param)]] = (r.start, r.end, {k: state[k].detach().float().cpu().flatten() for k in keys})
+                    # clone: an fp32 main param is a view into the whole DDP param buffer, and pickling
+                    # a view (all_gather_object below) writes its entire storage, once per param
+                    local[position[id(model_param)]] = (r.start, r.end,
+                                                        {k: state[k].detach().float().cpu().flatten().clone() for k in keys})
     gathered: list = [None] * dist.get_world_size(opt.data_parallel_group)
     dist.all_gather_object(gathered, local, group=opt.data_parallel_group)
     out = {}

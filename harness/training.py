@@ -488,7 +488,7 @@ def _finalize(ctx: RankContext, backend, out: TrainOut) -> None:
             out.finalized_saves.extend(backend.finalize_saves(ctx))
 
 
-def _save(ctx: RankContext, backend, job: "TrainingJob", ddp, optimizer, p: TrainPhase, step: int, directory: str, out: TrainOut) -> None:
+def _save(ctx: RankContext, backend, job: "TrainingJob", step: int, directory: str, out: TrainOut) -> None:
     _finalize(ctx, backend, out)  # Megatron-LM: a save first waits for the previous async save
     job.step = step
     with track("save"):
@@ -526,7 +526,7 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
         out.model_shards = local_shards(ddp.module)
     if p.save_to is not None:
         out.shard_bytes = rank_state_bytes(ddp, optimizer)
-        _save(ctx, backend, job, ddp, optimizer, p, step, p.save_to, out)
+        _save(ctx, backend, job, step, p.save_to, out)
     out.losses_after = train_steps(ddp, optimizer, p.model, step, p.steps_after)
     step += p.steps_after
     sync_params(ddp, optimizer, p.cfg)
@@ -536,7 +536,7 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
         raise ValueError("a job either saves again or loads again, not both")
     for again in p.resave_to or p.reload_from:
         if p.resave_to:
-            _save(ctx, backend, job, ddp, optimizer, p, step, again, out)
+            _save(ctx, backend, job, step, again, out)
         else:
             _load(ctx, backend, job, optimizer, p, again)
         out.losses_more.append(train_steps(ddp, optimizer, p.model, step, p.steps_after))

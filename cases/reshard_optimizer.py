@@ -21,7 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.case import Case, RunEnv, timed
-from harness.checks import WEIGHTS_MATCH_MAIN_PARAMS, assembled, knob_check, refusal_check, state_check, weights_match_main_params
+from harness.backends import get_backend
+from harness.checks import (
+    ASYNC_FINALIZE, WEIGHTS_MATCH_MAIN_PARAMS, assembled, finalize_gate, knob_check, not_run_checks, refusal_check, state_check,
+    weights_match_main_params,
+)
 from harness.result import CaseResult, Check
 from harness.spec import CaseSpec
 from harness.training import TrainOptions, TrainOut, cp_rule, phase_of, train_phase, untrainable, workaround_notes
@@ -63,7 +67,7 @@ def judge(src: str, dst: str, saved: list[TrainOut], loaded: list[TrainOut], dty
     w_d, q_d = assembled(loaded, "model_shards", dst)
     return [
         knob_check("propagation", [(src, [o.propagation for o in saved]), (dst, [o.propagation for o in loaded])],
-                   "use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_fp32, lr, dtype, layer_spec reach DDP config, optimizer and model"),
+                   "use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, grad_reduce_in_fp32, lr, dtype, buckets, layer_spec reach DDP config, optimizer and model"),
         state_check("optimizer-state", opt_s, opt_d, src, dst, f"{len(opt_d)} optimizer tensors (param, exp_avg, exp_avg_sq) equal",
                     problems=p_s + p_d),
         step_check(saved, loaded, src, dst),
@@ -77,8 +81,9 @@ class ReshardOptimizer(Case):
     description = "model + optimizer checkpoint saved at S, loaded at D: optimizer state bitwise, step kept"
     Options = Options
     needs = frozenset({"training_state"})
-    checks = ("propagation", "optimizer-state", "step", "model-weights", WEIGHTS_MATCH_MAIN_PARAMS, "refusal")
+    checks = ("propagation", "optimizer-state", "step", "model-weights", WEIGHTS_MATCH_MAIN_PARAMS, "refusal", ASYNC_FINALIZE)
     refusable = True
+    finalizes_saves = True
 
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
         if spec.expect != "refuse" and "refuse_with" in spec.opts:
@@ -93,6 +98,13 @@ class ReshardOptimizer(Case):
         result.notes += workaround_notes(opts)
         saved = env.launch(result, "save", train_phase,
                            phase_of(model, opts, backend, topo=spec.source, save_to=str(ckpt), steps_before_save=opts.steps), spec.source)
+        finalized = finalize_gate(get_backend(backend), saved, [str(ckpt)])
+        if finalized is not None:
+            result.checks.append(finalized)
+            if finalized.failed:  # never load what was never completed
+                result.checks += not_run_checks([c for c in self.checks if c not in (ASYNC_FINALIZE, "refusal")],
+                                                "the checkpoint was never completed (async-finalize failed): nothing to load")
+                return
         try:
             loaded = env.launch(result, "load", train_phase,
                                 phase_of(model, opts, backend, topo=spec.target, load_from=str(ckpt), first_step=opts.steps), spec.target)

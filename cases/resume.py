@@ -23,7 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from harness.case import Case, RunEnv, timed
-from harness.checks import WEIGHTS_MATCH_MAIN_PARAMS, assembled, knob_check, state_check, tensor_check, weights_match_main_params
+from harness.backends import get_backend
+from harness.checks import (
+    ASYNC_FINALIZE, WEIGHTS_MATCH_MAIN_PARAMS, assembled, finalize_gate, knob_check, not_run_checks, state_check, tensor_check,
+    weights_match_main_params,
+)
 from harness.parity import Tolerance
 from harness.result import CaseResult, Check
 from harness.spec import CaseSpec
@@ -64,6 +68,19 @@ def resume_tolerances(src: str, dst: str, dtype: str) -> tuple[Tolerance | None,
 @dataclass(frozen=True)
 class Options(TrainOptions):
     steps: int = 3
+    #: N > 1: the uninterrupted job checkpoints every k steps, N times (with the same backend
+    #: instance, so a save strategy's caches serve the later saves: megatron-core reuses the
+    #: cached local plan from the 2nd save and the cached central plan and global metadata from
+    #: the 3rd), training k steps after each; the resumed job loads the first checkpoint, trains
+    #: k, then loads each later one into the same job and trains k. Every checkpoint is judged
+    #: alike: losses and final-weights for the first, resave-losses@i and resave-final-weights@i
+    #: for checkpoint i.
+    saves: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.saves <= 3:
+            raise ValueError(f"option 'saves' must be 1, 2 or 3, got {self.saves}")
 
 
 def _losses(outs: list[TrainOut]) -> list[float]:
@@ -72,20 +89,52 @@ def _losses(outs: list[TrainOut]) -> list[float]:
     return vals[0] if vals else []
 
 
+def _segment_losses(k: int, first: int, ref_l: list[float], res_l: list[float], src: str, dst: str, name: str, tol) -> Check:
+    if len(ref_l) != k or len(res_l) != k:
+        return Check(name, "failed", f"expected {k} losses, got {len(ref_l)} and {len(res_l)}")
+    check = tensor_check(
+        name, torch.tensor(ref_l, dtype=torch.float64), torch.tensor(res_l, dtype=torch.float64),
+        f"uninterrupted@{src}", f"resumed@{dst}", "", tol,
+    )
+    check.detail = f"steps {first + 1}..{first + k}: uninterrupted {[round(x, 6) for x in ref_l]} resumed {[round(x, 6) for x in res_l]}"
+    return check
+
+
+def judge_resave(k: int, src: str, dst: str, reference: list[TrainOut], resumed: list[TrainOut], dtype: str = "fp32") -> list[Check]:
+    """Every later checkpoint (saves > 1), judged as the first: the resumed job, reloaded from
+    checkpoint i (saved at i*k), trains steps i*k+1..(i+1)*k as the uninterrupted job did after
+    saving it. A job that lost a segment fails both checks of that checkpoint."""
+    loss_tol, weight_tol = resume_tolerances(src, dst, dtype)
+    n = max(len(o.losses_more) for o in reference + resumed)
+    checks = []
+    for j in range(n):
+        i = j + 2  # checkpoint number
+        ref_l = next((o.losses_more[j] for o in reference if len(o.losses_more) > j and o.losses_more[j][:1] != [None]), [])
+        res_l = next((o.losses_more[j] for o in resumed if len(o.losses_more) > j and o.losses_more[j][:1] != [None]), [])
+        w_ref, p_ref = assembled([_Final(o, j) for o in reference], "shards", src)
+        w_res, p_res = assembled([_Final(o, j) for o in resumed], "shards", dst)
+        checks += [
+            _segment_losses(k, i * k, ref_l, res_l, src, dst, f"resave-losses@{i}", loss_tol),
+            state_check(f"resave-final-weights@{i}", w_ref, w_res, f"uninterrupted@{src}", f"resumed@{dst}",
+                        f"{len(w_res)} weights after {(i + 1) * k} steps agree (checkpoint {i}, saved at step {i * k})",
+                        weight_tol, problems=p_ref + p_res),
+        ]
+    return checks
+
+
+class _Final:
+    """One rank's final weights of later segment j, as `assembled` reads a field."""
+
+    def __init__(self, out: TrainOut, j: int) -> None:
+        self.shards = out.final_more[j] if len(out.final_more) > j else []
+
+
 def judge(k: int, src: str, dst: str, reference: list[TrainOut], resumed: list[TrainOut], dtype: str = "fp32") -> list[Check]:
     """Losses and final weights of the resumed run vs the uninterrupted one; for bf16 also the
     model/main-param agreement of both jobs (recorded by the "optimizer" view: the reference's
     before its save, the resumed job's right after its load)."""
     loss_tol, weight_tol = resume_tolerances(src, dst, dtype)
-    ref_l, res_l = _losses(reference), _losses(resumed)
-    if len(ref_l) != k or len(res_l) != k:
-        losses = Check("losses", "failed", f"expected {k} losses, got {len(ref_l)} and {len(res_l)}")
-    else:
-        losses = tensor_check(
-            "losses", torch.tensor(ref_l, dtype=torch.float64), torch.tensor(res_l, dtype=torch.float64),
-            f"uninterrupted@{src}", f"resumed@{dst}", "", loss_tol,
-        )
-        losses.detail = f"steps {k + 1}..{2 * k}: uninterrupted {[round(x, 6) for x in ref_l]} resumed {[round(x, 6) for x in res_l]}"
+    losses = _segment_losses(k, k, _losses(reference), _losses(resumed), src, dst, "losses", loss_tol)
     w_ref, p_ref = assembled(reference, "final_shards", src)
     w_res, p_res = assembled(resumed, "final_shards", dst)
     sides = []
@@ -96,7 +145,7 @@ def judge(k: int, src: str, dst: str, reference: list[TrainOut], resumed: list[T
             sides.append((label, weights, optimizer))
     return [
         knob_check("propagation", [(src, [o.propagation for o in reference]), (dst, [o.propagation for o in resumed])],
-                   "use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_fp32, lr, dtype, layer_spec reach DDP config, optimizer and model"),
+                   "use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, grad_reduce_in_fp32, lr, dtype, buckets, layer_spec reach DDP config, optimizer and model"),
         losses,
         state_check("final-weights", w_ref, w_res, f"uninterrupted@{src}", f"resumed@{dst}",
                     f"{len(w_res)} weights after {2 * k} steps agree", weight_tol, problems=p_ref + p_res),
@@ -109,7 +158,9 @@ class Resume(Case):
     description = "train k steps, save at S, reload at D, k more steps == the uninterrupted run"
     Options = Options
     needs = frozenset({"training_state"})
-    checks = ("propagation", "losses", "final-weights", WEIGHTS_MATCH_MAIN_PARAMS)
+    checks = ("propagation", "losses", "final-weights", WEIGHTS_MATCH_MAIN_PARAMS, "resave-losses", "resave-final-weights",
+              ASYNC_FINALIZE)
+    finalizes_saves = True
 
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
         untrainable(spec)
@@ -117,17 +168,29 @@ class Resume(Case):
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         k, ckpt = opts.steps, env.case_dir / "ckpt"
+        later = tuple(str(env.case_dir / f"ckpt{i}") for i in range(2, opts.saves + 1))
         model, backend = get_model(spec.model, "gpt"), spec.backend_ref
         result.notes += workaround_notes(opts)
         # bf16 also records model + optimizer views (the reference's at its save, the resumed job's
         # right after its load: steps_before_save is 0 there) for weights-match-main-params.
         views = ("final", "optimizer") if opts.dtype == "bf16" else ("final",)
         reference = env.launch(result, "save", train_phase, phase_of(
-            model, opts, backend, topo=spec.source, save_to=str(ckpt), steps_before_save=k, steps_after=k, views=views), spec.source)
+            model, opts, backend, topo=spec.source, save_to=str(ckpt), steps_before_save=k, steps_after=k, views=views,
+            resave_to=later), spec.source)
+        finalized = finalize_gate(get_backend(backend), reference, [str(ckpt), *later])
+        if finalized is not None:
+            result.checks.append(finalized)
+            if finalized.failed:  # never resume from what was never completed
+                result.checks += not_run_checks([c for c in self.checks if c != ASYNC_FINALIZE and (later or "resave" not in c)],
+                                                "the checkpoint was never completed (async-finalize failed): nothing to resume from")
+                return
         resumed = env.launch(result, "load", train_phase, phase_of(
-            model, opts, backend, topo=spec.target, load_from=str(ckpt), first_step=k, steps_after=k, views=views), spec.target)
+            model, opts, backend, topo=spec.target, load_from=str(ckpt), first_step=k, steps_after=k, views=views,
+            reload_from=later), spec.target)
         with timed(result, "compare"):
             result.checks.extend(judge(k, spec.source.id, spec.target.id, reference, resumed, opts.dtype))
+            if later:
+                result.checks.extend(judge_resave(k, spec.source.id, spec.target.id, reference, resumed, opts.dtype))
 
 
 CASE = Resume()

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Iterator
 
 from harness import world
 from harness.options import NoOptions, option_defaults, parse_options  # noqa: F401 (the case contract's typed options)
+from harness.backends import STRATEGY_CHECK
 from harness.result import CaseResult
 from harness.spec import CaseSpec, check_base
 from harness.topology import Topology
@@ -40,10 +41,12 @@ class RankOut:
     value: Any
     memory: dict[str, dict]
     compat: list[str]
+    events: list[dict]
 
 
 def _envelope(ctx: world.RankContext, call: tuple[world.RankFn, Any, Topology | None]) -> RankOut:
     from harness import compat, memory
+    from harness.backends import drain_events
 
     fn, arg, topo = call
     if topo is not None:
@@ -51,11 +54,12 @@ def _envelope(ctx: world.RankContext, call: tuple[world.RankFn, Any, Topology | 
 
         init_parallel(topo)
     memory.start_recording()
+    drain_events()
     try:
         value = fn(ctx, arg)
     finally:
         phases = memory.stop_recording()
-    return RankOut(value, {name: m.to_dict() for name, m in phases.items()}, compat.installed())
+    return RankOut(value, {name: m.to_dict() for name, m in phases.items()}, compat.installed(), drain_events())
 
 
 @dataclass
@@ -91,6 +95,8 @@ class RunEnv:
             for name, m in out.memory.items():
                 key = name if name == phase else f"{phase}:{name}"
                 result.memory.setdefault(key, {})[str(rank)] = {**m, "shard_bytes": getattr(out.value, "shard_bytes", 0)}
+            if out.events:
+                result.backend_events.setdefault(phase, {})[str(rank)] = out.events
         if not result.compat_shims and outs:
             result.compat_shims = list(outs[0].compat)
         return [o.value for o in outs]
@@ -116,6 +122,9 @@ class Case(ABC):
     needs: ClassVar[frozenset[str]] = frozenset()
     checks: ClassVar[tuple[str, ...]] = ()
     refusable: ClassVar[bool] = False
+    #: whether the case runs a backend's pending-save finalize step (harness.training does) and
+    #: checks the checkpoint is complete only after it: what an async-saving backend needs
+    finalizes_saves: ClassVar[bool] = False
 
     def options(self, spec: CaseSpec) -> Any:
         return parse_options(self.Options, spec.opts, f"case {self.name}")
@@ -147,11 +156,16 @@ class Case(ABC):
                 f"case {self.name}{why} needs a backend that can {', '.join(missing)}; backend {spec.backend!r} "
                 f"can {', '.join(sorted(backend.capabilities)) or 'nothing'}"
             )
+        try:
+            backend.validate_case(self, spec.source, spec.target, opts)
+        except ValueError as exc:
+            raise ValueError(f"backend {spec.backend}: {exc}") from None
         if spec.expect == "refuse" and not self.refusable:
             raise ValueError(f"case {self.name} cannot be expected to refuse (expect: refuse is for cases that judge a refusal)")
         if spec.xfail is not None:
             budgets = {f"memory-budget:{b.phase}@rank{b.rank}" for b in spec.budgets}
-            unknown = [c for c in spec.xfail.checks if check_base(c) not in self.checks and c not in budgets]
+            unknown = [c for c in spec.xfail.checks
+                       if check_base(c) not in self.checks and c not in budgets and c != STRATEGY_CHECK]
             if unknown:
                 raise ValueError(
                     f"xfail.checks names {unknown}, which case {self.name} never records; its checks: {list(self.checks)}"

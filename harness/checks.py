@@ -157,3 +157,53 @@ def weights_match_main_params(
                      "bitwise", mismatches)
     labels = ", ".join(label for label, _, _ in sides)
     return Check(name, "passed", f"{total} bf16 weights equal their fp32 main params cast to bf16 (at {labels})", 0.0, "bitwise")
+
+
+ASYNC_FINALIZE = "async-finalize"
+
+
+def async_finalize_check(records: Sequence[Sequence[Mapping[str, Any]]], directories: Sequence[str],
+                         complete_now: Mapping[str, bool | None]) -> Check:
+    """An async save counts as done only after its finalize step. For every checkpoint the job
+    saved (`directories`, in order): every rank finalized it (`records`: per rank, the backend's
+    finalize records), it was NOT a complete checkpoint just before the finalize (else the step
+    proved nothing: the save was not asynchronous), it was complete right after, and it is
+    complete now, as the next job finds it (`complete_now`, the parent's look, None = unknown).
+    A job that skips the finalize leaves shards without metadata: this check fails, and the case
+    does not load what was never completed."""
+    problems = []
+    for d in directories:
+        seen = [[r for r in rank if r.get("directory") == d] for rank in records]
+        missing = [i for i, s in enumerate(seen) if not s]
+        if missing:
+            problems.append(f"{d}: never finalized on rank(s) {missing}")
+            continue
+        if any(r["complete_before"] for s in seen for r in s):
+            problems.append(f"{d}: already a complete checkpoint before its finalize step (not an async save)")
+        if not all(r["complete_after"] for s in seen for r in s):
+            problems.append(f"{d}: not a complete checkpoint after its finalize step")
+    for d in directories:
+        if complete_now.get(d) is False:
+            problems.append(f"{d}: not a complete checkpoint when the job ended (no metadata.json/.metadata)")
+    n = len(directories)
+    if problems:
+        return Check(ASYNC_FINALIZE, "failed", "; ".join(problems), tolerance="exact")
+    return Check(ASYNC_FINALIZE, "passed", f"{n} async save(s): incomplete until finalize on every rank, complete after",
+                 tolerance="exact")
+
+
+def not_run_checks(names: Iterable[str], why: str) -> list[Check]:
+    """Checks a case could not get to, each recorded not-run with why."""
+    return [Check(n, "not-run", why, tolerance="-") for n in names]
+
+
+def finalize_gate(backend: Any, outs: Sequence[Any], directories: Sequence[str]) -> Check | None:
+    """The async-finalize check of a training job's saves when `backend` saves asynchronously
+    (None for a synchronous backend: its save returns complete). `outs`: the save world's
+    TrainOut records (their `finalized_saves`)."""
+    if not backend.saves_async:
+        return None
+    from pathlib import Path
+
+    records = [getattr(o, "finalized_saves", []) for o in outs]
+    return async_finalize_check(records, directories, {d: backend.checkpoint_complete(Path(d)) for d in directories})

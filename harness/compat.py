@@ -27,6 +27,8 @@ class Shim:
     reason: str
     apply: Callable[[], None]
     cpu_only: bool = True
+    #: applied only when code that needs it asks (`require`), not by `install`
+    on_demand: bool = False
 
 
 def _cuda_device_kw(value: object) -> bool:
@@ -141,6 +143,21 @@ def _patch_moe_split_sizes() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
+def _cross_process_results_queue() -> None:
+    """mcore_dist async_save: the write runs in a child that megatron-core's TemporalAsyncCaller
+    forks; its results must come back to the rank, which the in-process queue.Queue cannot do.
+    A fork-context Manager queue (megatron's own get_write_results_queue, with mp_mode fork:
+    spawn would re-import __main__ in every rank)."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+
+
+#: The on-demand shim an mcore_dist backend with `async_save: mcore` asks for (`require`).
+ASYNC_RESULTS_QUEUE = "mcore_dist async_save: cross-process write-results queue"
+
 SHIMS: tuple[Shim, ...] = (
     Shim(
         "cuda.current_device",
@@ -190,6 +207,16 @@ SHIMS: tuple[Shim, ...] = (
         "same process, so a queue.Queue serves",
         _patch_results_queue,
         cpu_only=False,
+    ),
+    # ---- mcore_dist save/load strategies (backend options; on demand: only a backend that asks gets it)
+    Shim(
+        ASYNC_RESULTS_QUEUE,
+        "megatron-core's async save (TemporalAsyncCaller) writes in a forked child whose write results "
+        "the in-process queue.Queue above cannot carry back ('results_queue should not be empty'): a "
+        "fork-context multiprocessing Manager queue, started on the rank's first async save",
+        _cross_process_results_queue,
+        cpu_only=False,
+        on_demand=True,
     ),
 )
 
@@ -274,7 +301,7 @@ def install(device: torch.device) -> list[str]:
     quiet_known_noise()
     on_cpu = device.type == "cpu"
     for shim in SHIMS:
-        if shim.cpu_only and not on_cpu:
+        if (shim.cpu_only and not on_cpu) or shim.on_demand:
             continue
         shim.apply()
         _installed.append(shim.name)
@@ -283,6 +310,16 @@ def install(device: torch.device) -> list[str]:
 
 def installed() -> list[str]:
     return list(_installed)
+
+
+def require(name: str) -> None:
+    """Apply the on-demand shim `name` in this process (once); it is then listed with the others."""
+    shim = next((s for s in SHIMS if s.name == name), None)
+    if shim is None or not shim.on_demand:
+        raise KeyError(f"no on-demand shim {name!r}")
+    if name not in _installed:
+        shim.apply()
+        _installed.append(name)
 
 
 def seed_model_parallel(seed: int) -> None:

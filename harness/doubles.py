@@ -436,3 +436,56 @@ class VerlAsyncModelTreeWritesLast(VerlManager):
 
         model_tree_last._ckpt_harness = True
         W.write_preloaded_data_multithread = staticmethod(model_tree_last)
+
+
+# ------------------------------------------------------------------ save/load strategies (mcore_dist options)
+
+
+class SkipAsyncFinalize(McoreDist):
+    """An async save whose finalize step never runs: the writer is waited for (its shards are on
+    disk), its finalize functions (torch DCP's .metadata, megatron-core's metadata.json) dropped,
+    as a client without a finalize hook leaves it (verl 0.9.1 calls no finalize of its own)."""
+
+    def finalize_saves(self, ctx):
+        if self._calls is not None:
+            while self._calls.async_calls:
+                self._calls.async_calls.popleft().async_caller.close()  # join the writer, skip the finalize
+        self._pending = []
+        return []
+
+
+class DefaultStrategies(McoreDist):
+    """Takes every strategy option and runs the default save and load anyway (an option that
+    never reaches the call, as verl's save_dist_checkpointing passes no async_strategy)."""
+
+    def _save_strategy_obj(self):
+        return None
+
+    def _load_strategy_obj(self):
+        return None
+
+
+class CorruptSecondSave(McoreDist):
+    """The job's second save (the one a metadata cache serves) writes one Adam exp_avg element with
+    its top mantissa bit flipped (rank 0's first main-replica exp_avg shard, a flipped copy: the
+    live job is untouched; a lowest-bit flip of a moment rounds away in the next weight update);
+    the first save is correct."""
+
+    def save_state(self, ctx, sharded_state, directory):
+        if self._saves == 1 and ctx.rank == 0:
+            from megatron.core.dist_checkpointing.dict_utils import nested_values
+            from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+            sh = next(v for v in nested_values(sharded_state.get("optimizer", {}))
+                      if isinstance(v, ShardedTensor) and "exp_avg." in v.key and is_main_replica(v.replica_id) and v.data.numel())
+            sh.data = sh.data.detach().clone()
+            sh.data.view(-1).view(torch.int32)[0] ^= 1 << 22
+        super().save_state(ctx, sharded_state, directory)
+
+
+def skip_param_sync() -> None:
+    """Saves and weight reads without Megatron-LM's force_param_sync: with overlap_param_gather
+    each rank's params hold stale values outside its own shard until the next forward."""
+    from harness import training
+
+    training.sync_params = lambda ddp, optimizer, cfg: None

@@ -72,6 +72,7 @@ class PhaseMemory:
 
 
 _recording: dict[str, PhaseMemory] | None = None
+_depth = 0  # how many `track` blocks of this process are open (a nested one leaves VmHWM alone)
 
 
 def start_recording() -> None:
@@ -89,12 +90,24 @@ def stop_recording() -> dict[str, PhaseMemory]:
 
 @contextmanager
 def track(phase: str, interval_s: float = 0.005) -> Iterator[PhaseMemory]:
-    """Measure this process during the `with` block."""
+    """Measure this process during the `with` block.
+
+    A phase name met again in the same recording is kept as `NAME#2`, `NAME#3`, ... (a job that
+    saves twice). A phase inside another (a backend's `exchange` inside the case's `load`) is
+    measured by the sampler only: resetting the kernel's high-water mark for it would blind the
+    enclosing phase's, so its `kernel_hwm` is None."""
+    global _depth
     proc = psutil.Process()
+    if _recording is not None:
+        name, n = phase, 1
+        while name in _recording:
+            n += 1
+            name = f"{phase}#{n}"
+        phase = name
     m = PhaseMemory(phase)
     if _recording is not None:
         _recording[phase] = m
-    hwm_reset = _reset_kernel_hwm()
+    hwm_reset = _depth == 0 and _reset_kernel_hwm()
     m.baseline_rss = proc.memory_info().rss
     try:
         m.baseline_uss = proc.memory_full_info().uss
@@ -123,9 +136,11 @@ def track(phase: str, interval_s: float = 0.005) -> Iterator[PhaseMemory]:
     thread = threading.Thread(target=sample, name=f"mem-{phase}", daemon=True)
     start = time.perf_counter()
     thread.start()
+    _depth += 1
     try:
         yield m
     finally:
+        _depth -= 1
         stop.set()
         thread.join()
         m.seconds = round(time.perf_counter() - start, 3)

@@ -48,6 +48,9 @@ class CaseResult:
     notes: list[str] = field(default_factory=list)
     compat_shims: list[str] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict)
+    backend_options: dict[str, Any] = field(default_factory=dict)  # the backend's options (its strategy)
+    #: what the backend recorded it ran, per world phase and rank (harness.backends.record_event)
+    backend_events: dict[str, Any] = field(default_factory=dict)
 
     def check(self, name: str) -> Check | None:
         return next((c for c in self.checks if c.name == name), None)

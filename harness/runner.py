@@ -49,6 +49,15 @@ def budget_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
     return checks
 
 
+def strategy_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
+    """The backend's `strategy` check (its options asked what every save and load ran), if its
+    options ask anything."""
+    from harness.backends import get_backend
+
+    check = get_backend(spec.backend_ref).strategy_check(result.backend_events)
+    return [check] if check is not None else []
+
+
 def apply_xfail(spec: CaseSpec, result: CaseResult) -> None:
     """Strict expected failure: the named failure becomes `xfailed`, another failure stays
     `failed` (with why), and a pass becomes `failed` as XPASS(strict). A `not-run` case showed
@@ -114,6 +123,7 @@ def not_run_reason(spec: CaseSpec, options: RunOptions) -> str | None:
     """Why this machine cannot run `spec` (harness.requires: the spec's requirements, plus NCCL when
     the run forces it), or None when it can."""
     from cases import get_case
+    from harness.backends import get_backend
     from harness.requires import unmet
 
     needs = spec.requires + (("nccl",) if options.dist_backend == "nccl" else ())
@@ -123,7 +133,11 @@ def not_run_reason(spec: CaseSpec, options: RunOptions) -> str | None:
     except (KeyError, ValueError):
         pass  # run_case reports the invalid spec as an error
     reasons = unmet(needs, max(spec.source.world_size, spec.target.world_size), options.dist_backend)
-    return "; ".join(reasons) or None
+    try:  # a package the backend's options need (e.g. mcore_dist async_save nvrx: nvidia-resiliency-ext)
+        backend_reason = get_backend(spec.backend_ref).unavailable()
+    except (KeyError, ValueError):
+        backend_reason = None  # run_case reports the invalid spec as an error
+    return "; ".join(reasons + ([backend_reason] if backend_reason else [])) or None
 
 
 def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
@@ -136,7 +150,7 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
     result = CaseResult(
         id=spec.id, case=spec.case, model=spec.model, backend=spec.backend,
         source=spec.source.id, target=spec.target.id, options=spec.opts, xfail_reason=spec.xfail.reason if spec.xfail else None,
-        notes=list(spec.notes),
+        notes=list(spec.notes), backend_options=spec.backend_opts,
     )
     reason = not_run_reason(spec, options)
     if reason:  # decided before any world starts: nothing of the case ran
@@ -159,6 +173,7 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
         warm(bridge=get_model(spec.model).kind == "hf", modules=backend.preload)  # idempotent; forked ranks inherit the imports
         result.notes += backend.notes()
         case.run(spec, opts, env, result)
+        result.checks.extend(strategy_checks(spec, result))
         result.checks.extend(budget_checks(spec, result))
         result.status = "failed" if result.failed_checks else "passed"
     except Exception as exc:  # a rank's or the harness's error is reported, not raised: the matrix goes on

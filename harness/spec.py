@@ -31,6 +31,8 @@ MARKERS: dict[str, str] = {
     "moe": "mixture-of-experts models (gpt-moe*): expert parallelism (ep/etp) and expert-data-parallel optimizer state",
     "bf16": "bf16 mixed precision (dtype bf16: Float16Module, fp32 main params)",
     "verl": "verl 0.9.1's MegatronCheckpointManager (backend verl_manager; matrices/verl.yaml and smoke entries)",
+    "strategies": "mcore_dist save/load strategies (fully-parallel, async save + finalize, metadata caching)",
+    "buckets": "DDP gradient buckets as real runs have them (overlap_grad_reduce / overlap_param_gather, bucket_size)",
     "slow": "heavier cases, not in the default suite",
     "memory": "host-memory cases and budgets (heavier)",
     "gpu": "needs CUDA devices",

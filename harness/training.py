@@ -37,6 +37,11 @@ class TrainConfig:
 
     use_distributed_optimizer: bool = True
     overlap_grad_reduce: bool = False
+    #: Megatron-LM's --overlap-param-gather: after a step the distributed optimizer leaves the
+    #: param all-gather to forward pre-hooks (bucket by bucket), so until the next forward the
+    #: model params of other DP ranks' shards are stale; the job forces the sync before it
+    #: saves or reads weights (`sync_params`, Megatron-LM's force_param_sync).
+    overlap_param_gather: bool = False
     grad_reduce_in_fp32: bool = False
     lr: float = 1e-3
     weight_decay: float = 0.01
@@ -82,6 +87,11 @@ class TrainOptions(TrainConfig):
             raise ValueError(f"option 'steps' must be >= {self.min_steps}, got {self.steps}")
         if self.bucket_size < 0:
             raise ValueError(f"option 'bucket_size' must be >= 0, got {self.bucket_size}")
+        if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
+            # Megatron-LM arguments.py: '--overlap-param-gather only supported with distributed optimizer'
+            # and 'Must use --overlap-param-gather with --overlap-grad-reduce'
+            raise ValueError("option 'overlap_param_gather' needs use_distributed_optimizer: true and overlap_grad_reduce: true "
+                             "(as Megatron-LM requires)")
         if self.bucket_size and not self.overlap_grad_reduce:
             # megatron-core's DDP sets bucket_size to None without overlap: the entry would not test buckets
             raise ValueError("option 'bucket_size' takes effect only with overlap_grad_reduce: true "
@@ -135,6 +145,7 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         overlap_grad_reduce=cfg.overlap_grad_reduce,
+        overlap_param_gather=cfg.overlap_param_gather,
         bucket_size=cfg.bucket_size or None,
         grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
     )
@@ -150,6 +161,7 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
         fp16=False,
         params_dtype=TORCH_DTYPES[cfg.dtype],
         clip_grad=1.0,
+        overlap_param_gather=cfg.overlap_param_gather,  # Megatron-LM sets both configs from one flag
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     # What Megatron-LM's training loop wires up: without finalize_model_grads the schedule never
@@ -223,6 +235,9 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
             and all(o.config.use_distributed_optimizer for o in inner)
         ),
         "overlap_grad_reduce": ddp.ddp_config.overlap_grad_reduce,
+        # the config flag and what it builds: forward pre-hooks that finish each bucket's all-gather
+        "overlap_param_gather": ddp.ddp_config.overlap_param_gather and ddp.use_forward_hook
+        and len(ddp.remove_forward_pre_hook_handles) > 0 and all(o.config.overlap_param_gather for o in inner),
         "grad_reduce_in_fp32": ddp.ddp_config.grad_reduce_in_fp32
         and all(b.grad_dtype == torch.float32 for b in ddp.buffers),
         "lr": inner[0].param_groups[0]["lr"] if inner else None,
@@ -236,6 +251,7 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
     asked = {
         "use_distributed_optimizer": cfg.use_distributed_optimizer,
         "overlap_grad_reduce": cfg.overlap_grad_reduce,
+        "overlap_param_gather": cfg.overlap_param_gather,
         "grad_reduce_in_fp32": cfg.grad_reduce_in_fp32,
         "lr": cfg.lr,
         "dtype": cfg.dtype,
@@ -438,7 +454,10 @@ def _distributed_model_space(ddp, opt) -> dict:
                 for model_param, ranges in bucket["param_map"].items():
                     state = opt._get_main_param_and_optimizer_states(model_param)
                     r = ranges["param"]
-                    local[position[id(model_param)]] = (r.start, r.end, {k: state[k].detach().float().cpu().flatten() for k in keys})
+                    # clone: an fp32 main param is a view into the whole DDP param buffer, and pickling
+                    # a view (all_gather_object below) writes its entire storage, once per param
+                    local[position[id(model_param)]] = (r.start, r.end,
+                                                        {k: state[k].detach().float().cpu().flatten().clone() for k in keys})
     gathered: list = [None] * dist.get_world_size(opt.data_parallel_group)
     dist.all_gather_object(gathered, local, group=opt.data_parallel_group)
     out = {}
@@ -492,7 +511,13 @@ def load_training(ctx: RankContext, backend, job: TrainingJob, directory: Path, 
 @dataclass(frozen=True)
 class TrainPhase:
     """One job at one topology: build, optionally load a training checkpoint, train, record the
-    optimizer view, save, train on. `backend` is the import path harness.backends.resolve gave."""
+    optimizer view, save, train on. `backend` is the import path harness.backends.resolve gave.
+
+    A job that checkpoints again (each of `resave_to`, after `steps_after` more steps) or resumes
+    again (each of `reload_from`, likewise) then trains `steps_after` more steps: each such
+    segment's losses and final weights go to `losses_more` and `final_more`. All run with the
+    same backend instance, so the strategies it keeps (metadata caches) serve the later saves
+    and loads, as in a Megatron-LM job that checkpoints every N steps."""
 
     model: ModelSpec
     topo: Topology
@@ -507,6 +532,8 @@ class TrainPhase:
     steps_after: int = 0
     first_step: int = 0
     views: tuple[str, ...] = field(default=("optimizer",))
+    resave_to: tuple[str, ...] = ()
+    reload_from: tuple[str, ...] = ()
 
 
 def phase_of(model: ModelSpec, opts: TrainOptions, backend: BackendRef, **kw: Any) -> TrainPhase:
@@ -532,6 +559,36 @@ class TrainOut:
     model_shards: list[Shard] | None = None
     final_shards: list[Shard] | None = None
     shard_bytes: int = 0
+    #: the later segments (TrainPhase.resave_to / reload_from): per segment, losses and final weights
+    losses_more: list[list[float | None]] = field(default_factory=list)
+    final_more: list[list[Shard]] = field(default_factory=list)
+    #: one record per save the backend finalized (async saves: harness.backends.Backend.finalize_saves)
+    finalized_saves: list[dict] = field(default_factory=list)
+
+
+def sync_params(ddp, optimizer, cfg: TrainConfig) -> None:
+    """What Megatron-LM's save_checkpoint_and_time does before it saves (force_param_sync): with
+    overlap_param_gather the distributed optimizer's step leaves the param all-gather to the next
+    forward's pre-hooks, so until then each rank's params hold stale values outside its own shard.
+    Forced here before any save and before any weights are read."""
+    if not cfg.overlap_param_gather:
+        return
+    optimizer.prepare_model_params_for_param_sync()
+    ddp.start_param_sync(force_sync=True)
+
+
+def _finalize(ctx: RankContext, backend, out: TrainOut) -> None:
+    """Complete the backend's pending (async) saves, in their own memory phase `finalize`."""
+    if backend.pending_saves():
+        with track("finalize"):
+            out.finalized_saves.extend(backend.finalize_saves(ctx))
+
+
+def _save(ctx: RankContext, backend, job: "TrainingJob", step: int, directory: str, out: TrainOut) -> None:
+    _finalize(ctx, backend, out)  # Megatron-LM: a save first waits for the previous async save
+    job.step = step
+    with track("save"):
+        backend.save_training(ctx, job, Path(directory))
 
 
 def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
@@ -548,16 +605,29 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
         load_training(ctx, backend, job, Path(p.load_from), p.workarounds)
     before = train_steps(ddp, optimizer, p.model, step, p.steps_before_save, scheduler)
     step += p.steps_before_save
+    sync_params(ddp, optimizer, p.cfg)
     out = TrainOut(propagated, before, [])
     if "optimizer" in p.views:
         out.optimizer_shards, out.steps = optimizer_view(ddp, optimizer)
         out.model_shards = local_shards(ddp.module)
     if p.save_to is not None:
         out.shard_bytes = rank_state_bytes(ddp, optimizer)
-        job.step = step
-        with track("save"):
-            backend.save_training(ctx, job, Path(p.save_to))
+        _save(ctx, backend, job, step, p.save_to, out)
     out.losses_after = train_steps(ddp, optimizer, p.model, step, p.steps_after, scheduler)
+    step += p.steps_after
+    sync_params(ddp, optimizer, p.cfg)
     if "final" in p.views:
         out.final_shards = local_shards(ddp.module)
+    if p.resave_to and p.reload_from:
+        raise ValueError("a job either saves again or loads again, not both")
+    for again in p.resave_to or p.reload_from:
+        if p.resave_to:
+            _save(ctx, backend, job, step, again, out)
+        else:
+            load_training(ctx, backend, job, Path(again), p.workarounds)
+        out.losses_more.append(train_steps(ddp, optimizer, p.model, step, p.steps_after, scheduler))
+        step += p.steps_after
+        sync_params(ddp, optimizer, p.cfg)
+        out.final_more.append(local_shards(ddp.module))
+    _finalize(ctx, backend, out)  # the end of the job: Megatron-LM finalizes what is pending
     return out

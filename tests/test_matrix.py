@@ -210,6 +210,7 @@ def test_bad_backend_options_name_the_entry_and_option(tmp_path, tagged_backend,
 
 
 def test_a_backend_without_options_refuses_any(tmp_path):
-    path = _write(tmp_path, "entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2'], backend_options: {x: 1}}]")
-    with pytest.raises(MatrixError, match="backend mcore_dist takes no options"):
+    path = _write(tmp_path, "entries: [{case: hf-roundtrip, models: [hf-llama], backends: [bridge_hf], pairs: ['tp1 -> tp2'], "
+                            "backend_options: {x: 1}}]")
+    with pytest.raises(MatrixError, match="backend bridge_hf takes no options"):
         load_matrix(path)

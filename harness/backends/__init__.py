@@ -70,6 +70,25 @@ class TrainingState(Protocol):
         """Put a loaded `sharded_state` into the live model and optimizer."""
 
 
+#: What backends did in this process (which strategy a save or load really ran, whether a cache
+#: served it): appended by `record_event`, collected per rank by the case envelope (harness.case)
+#: into CaseResult.backend_events, and judged by the backend's `strategy_check` after the case.
+_events: list[dict] = []
+
+
+def record_event(event: dict) -> None:
+    _events.append(dict(event))
+
+
+def drain_events() -> list[dict]:
+    out = list(_events)
+    _events.clear()
+    return out
+
+
+STRATEGY_CHECK = "strategy"
+
+
 class Backend(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[frozenset[str]] = frozenset()
@@ -104,6 +123,41 @@ class Backend(ABC):
 
     def load_state(self, ctx: RankContext, sharded_state: dict, directory: Path) -> dict:
         raise NotImplementedError(f"backend {self.name} cannot load training state")
+
+    def unavailable(self) -> str | None:
+        """Why this backend, with its options, cannot run on this machine (a package it needs is
+        not installed), or None. The matrix loader marks such cases not-run with this reason."""
+        return None
+
+    def validate_case(self, case: Any, source: Any, target: Any, opts: Any) -> None:
+        """Rules across this backend's options and a case (its contract, the topologies, its typed
+        options), checked at matrix load: raise ValueError naming what does not fit."""
+
+    @property
+    def saves_async(self) -> bool:
+        """Whether a save returns before the checkpoint is complete (finalized by `finalize_saves`)."""
+        return False
+
+    def checkpoint_complete(self, directory: Path) -> bool | None:
+        """Whether `directory` holds a complete checkpoint by this format's own rule (None: unknown)."""
+        return None
+
+    def strategy_check(self, events: dict[str, dict[str, list[dict]]]) -> Any:
+        """A `strategy` Check (harness.result.Check): what the backend's options asked is what
+        every save and load ran (`events`: per world phase, per rank, what `record_event`
+        recorded), or None when the options ask nothing to check."""
+        return None
+
+    def pending_saves(self) -> int:
+        """How many saves this backend has started and not finalized (async saves)."""
+        return 0
+
+    def finalize_saves(self, ctx: RankContext) -> list[dict]:
+        """Collective: complete every save this backend left pending (an async save's finalize
+        step: until it runs, the checkpoint is not complete and must not count as saved). Returns
+        one record per save it finalized: {"directory", "complete_before", "complete_after"}.
+        A synchronous backend has nothing pending."""
+        return []
 
     def save_training(self, ctx: RankContext, job: TrainingState, directory: Path) -> None:
         """Collective: save the live job (model chunks + optimizer) to `directory`."""

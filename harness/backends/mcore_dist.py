@@ -3,37 +3,381 @@
 Saves and loads any sharded state dict (model weights, or model + optimizer for training
 checkpoints, or adapters only); loads are strict (RAISE_ALL): a key the state expects but the
 checkpoint lacks, or the reverse, is an error, never a silently kept initial value.
+
+Options (matrix `backend_options` or axes `backend.<option>`), each wired as Megatron-LM's
+megatron/training/checkpointing.py wires it (save_checkpoint / _load_global_dist_base_checkpoint):
+
+  save_strategy   default: `dist_checkpointing.save` with its own TorchDistSaveShardedStrategy;
+                  fully_parallel: FullyParallelSaveStrategyWrapper over the DP group with CP
+                  (Megatron-LM's default, `--ckpt-fully-parallel-save`; verl's
+                  save_dist_checkpointing): each replicated shard is written by one rank of the
+                  group, chosen by a metadata exchange (its memory phase: `distribute`)
+  load_strategy   default, or fully_parallel: FullyParallelLoadStrategyWrapper over the same group
+                  (`--ckpt-fully-parallel-load`, exchange algo `broadcast`, Megatron-LM's default):
+                  each rank reads part of what the group needs and the ranks exchange the tensors
+                  (its memory phase: `exchange`)
+  async_save      none; mcore: `save(..., async_sharded_save=True, async_strategy="mcore")`
+                  returns an AsyncRequest that an AsyncCallsQueue runs in a forked writer while
+                  the job goes on; the checkpoint is complete only after `finalize_saves` (torch
+                  DCP's `.metadata`, megatron-core's `metadata.json`), which the next save or the
+                  end of the job calls, as Megatron-LM's maybe_finalize_async_save does;
+                  nvrx: the same through nvidia-resiliency-ext (not-run where it is not installed)
+  cache_metadata  Megatron-LM's `--ckpt-assume-constant-structure`: the save strategy caches its
+                  plans and global metadata (`use_cached_ckpt_structure`), the fully-parallel
+                  wrapper its distribution (`do_cache_distribution`), saves after the first skip
+                  `validate_access_integrity`, and the load strategy caches the checkpoint
+                  metadata (`TorchDistLoadShardedStrategy(cache_metadata=True)`); only repeated
+                  saves in one job use the cache, so the case must save more than once
+
+Strategy objects live as long as the backend instance (one per rank function: harness.training
+gets it once per job), as Megatron-LM keeps them in its checkpointing_context.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Literal
 
 import torch
 import torch.distributed as dist
 
-from harness.backends import Backend
+from harness.backends import STRATEGY_CHECK, Backend, record_event
 from harness.world import RankContext
+
+NVRX_MODULE = "nvidia_resiliency_ext"
+
+
+@dataclass(frozen=True)
+class McoreDistOptions:
+    save_strategy: Literal["default", "fully_parallel"] = "default"
+    load_strategy: Literal["default", "fully_parallel"] = "default"
+    async_save: Literal["none", "mcore", "nvrx"] = "none"
+    cache_metadata: bool = False
+
+
+def is_complete(directory: Path) -> bool:
+    """megatron-core's rule for a finished torch_dist checkpoint: its `metadata.json` is readable
+    (written by the save's finalize step, after every rank's shards), and torch DCP's `.metadata`
+    (the coordinator's global plan, also written at finalize) is there."""
+    from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
+
+    return bool(check_is_distributed_checkpoint(str(directory))) and (Path(directory) / ".metadata").is_file()
+
+
+def _dp_cp_group():
+    """The group Megatron-LM's fully-parallel save and load distribute over ('dp': the data
+    parallel group with context parallel)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+@contextmanager
+def _tracked_exchange(calls: list) -> Iterator[None]:
+    """Record the fully-parallel load's data exchange (megatron-core's exchange_by_distribution,
+    called by FullyParallelLoadStrategyWrapper.load) as its own memory phase, `exchange`, and
+    count it in `calls`."""
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+
+    from harness.memory import track
+
+    original = fully_parallel.exchange_by_distribution
+
+    def exchange(*args, **kwargs):
+        calls.append(1)
+        with track("exchange"):
+            return original(*args, **kwargs)
+
+    fully_parallel.exchange_by_distribution = exchange
+    try:
+        yield
+    finally:
+        fully_parallel.exchange_by_distribution = original
+
+
+def _event_problems(o: McoreDistOptions, ev: dict) -> list[str]:
+    """What in one recorded save or load differs from what options `o` ask."""
+    out = []
+    if ev["op"] == "save":
+        if ev["strategy"] != o.save_strategy:
+            out.append(f"ran the {ev['strategy']} save strategy, asked {o.save_strategy}")
+        if ev["strategy"] == "fully_parallel":
+            if ev["group"] != ev["dp_cp"]:
+                out.append(f"distributed over a group of {ev['group']} ranks, the DP x CP group has {ev['dp_cp']}")
+            want = "cached" if o.cache_metadata and ev["n"] > 1 else "computed"
+            if ev.get("distribution") != want:
+                out.append(f"save distribution {ev.get('distribution') or 'not applied'}, expected {want}")
+        if o.cache_metadata:
+            want = min(ev["n"] - 1, 2)
+            if ev["plan_reuse"] != want:
+                out.append(f"started from plan-cache level {ev['plan_reuse']}, megatron-core's cache gives save {ev['n']} level {want} "
+                           "(0: plans from scratch, 1: cached local plan, 2: cached central plan + global metadata)")
+            if ev["validated"] != (ev["n"] == 1):
+                out.append(f"validate_access_integrity={ev['validated']} (Megatron-LM validates only a job's first save)")
+        elif ev["plan_reuse"] is not None:
+            out.append(f"plan cache in use (level {ev['plan_reuse']}) without cache_metadata")
+        if ev["async"] != o.async_save:
+            out.append(f"async_save {ev['async']}, asked {o.async_save}")
+    else:
+        if ev["strategy"] != o.load_strategy:
+            out.append(f"ran the {ev['strategy']} load strategy, asked {o.load_strategy}")
+        if ev["strategy"] == "fully_parallel":
+            if ev["group"] != ev["dp_cp"]:
+                out.append(f"distributed over a group of {ev['group']} ranks, the DP x CP group has {ev['dp_cp']}")
+            if ev["group"] > 1 and not ev.get("exchanges"):
+                out.append("no tensor exchange between the group's ranks (each read everything itself)")
+        if o.cache_metadata and not ev.get("metadata_cached"):
+            out.append("the load strategy cached no checkpoint metadata")
+    return out
 
 
 class McoreDist(Backend):
     name = "mcore_dist"
     capabilities = frozenset({"weights", "training_state", "read_plain"})
+    Options = McoreDistOptions
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        self._reset()
+
+    def configured(self, options: Any) -> "McoreDist":
+        other = super().configured(options)
+        other._reset()  # strategies, caches and pending saves belong to one configured instance
+        return other
+
+    def _reset(self) -> None:
+        self._save_strategy: Any = None
+        self._load_strategy: Any = None
+        self._saves = 0
+        self._calls: Any = None  # AsyncCallsQueue
+        self._pending: list[Path] = []
+
+    @property
+    def strategy(self) -> McoreDistOptions:
+        """The strategy options (a subclass with Options of its own, a test double, gets the defaults)."""
+        return self.options if isinstance(self.options, McoreDistOptions) else McoreDistOptions()
+
+    # ------------------------------------------------------------------ contract
+
+    def unavailable(self) -> str | None:
+        if self.strategy.async_save == "nvrx" and importlib.util.find_spec(NVRX_MODULE) is None:
+            return (f"async_save 'nvrx' needs nvidia-resiliency-ext, which is not installed (no module "
+                    f"{NVRX_MODULE!r}); megatron-core's own async strategy is async_save 'mcore'")
+        return None
+
+    def validate_case(self, case: Any, source: Any, target: Any, opts: Any) -> None:
+        o = self.strategy
+        if o.save_strategy == "fully_parallel" and source.dp * source.cp == 1:
+            raise ValueError(f"backend option save_strategy 'fully_parallel' distributes the save over the DP x CP group, "
+                             f"which has one rank at source {source.id}: it would run the default save; use a source with dp > 1")
+        if o.load_strategy == "fully_parallel" and target.dp * target.cp == 1:
+            raise ValueError(f"backend option load_strategy 'fully_parallel' distributes the load over the DP x CP group, "
+                             f"which has one rank at target {target.id}: it would run the default load; use a target with dp > 1")
+        if o.async_save != "none" and not getattr(case, "finalizes_saves", False):
+            raise ValueError(f"backend option async_save {o.async_save!r}: case {case.name} does not run an async save's "
+                             "finalize step (the training cases reshard-optimizer and resume do)")
+        if o.cache_metadata and getattr(opts, "saves", 1) < 2:
+            raise ValueError("backend option cache_metadata caches what a previous save of the same job computed: it only "
+                             f"means something when the job saves more than once (case {case.name}"
+                             f"{' with saves: 2' if hasattr(opts, 'saves') else ' saves once'})")
+
+    # ------------------------------------------------------------------ strategies
+
+    def _save_strategy_obj(self):
+        """None (dist_checkpointing.save builds its default) unless an option asks for more; built
+        once and reused, as Megatron-LM keeps it in checkpointing_context['save_strategy']."""
+        o = self.strategy
+        if o.save_strategy == "default" and not o.cache_metadata:
+            return None
+        if self._save_strategy is None:
+            from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+            from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+            from harness.memory import track
+
+            strategy = TorchDistSaveShardedStrategy()
+            if o.cache_metadata:
+                strategy.use_cached_ckpt_structure = True
+                strategy.thread_count = 1  # Megatron-LM: no per-rank parallel save for a sync save
+            if o.save_strategy == "fully_parallel":
+
+                class Tracked(FullyParallelSaveStrategyWrapper):
+                    """megatron-core's wrapper, its distribution step recorded as memory phase `distribute`."""
+
+                    last = ""
+
+                    def apply_saving_parallelization(self, sharded_state_dict):
+                        cached = self.do_cache_distribution and self.cached_distribution is not None
+                        self.last = "cached" if cached else "computed"
+                        with track("distribute"):
+                            return super().apply_saving_parallelization(sharded_state_dict)
+
+                strategy = Tracked(strategy, _dp_cp_group(), o.cache_metadata)
+            self._save_strategy = strategy
+        return self._save_strategy
+
+    def _load_strategy_obj(self):
+        o = self.strategy
+        if o.load_strategy == "default" and not o.cache_metadata:
+            return None
+        if self._load_strategy is None:
+            from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+            from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+            strategy = TorchDistLoadShardedStrategy(cache_metadata=o.cache_metadata)
+            if o.load_strategy == "fully_parallel":
+                strategy = FullyParallelLoadStrategyWrapper(strategy, _dp_cp_group(), exchange_algo="broadcast")
+            self._load_strategy = strategy
+        return self._load_strategy
+
+    # ------------------------------------------------------------------ save / load
 
     def save_state(self, ctx: RankContext, sharded_state: dict, directory: Path) -> None:
         from megatron.core import dist_checkpointing
 
+        o = self.strategy
+        if self._pending:  # Megatron-LM: a save waits for the previous async save's finalize
+            self.finalize_saves(ctx)
         if ctx.is_rank0:
             directory.mkdir(parents=True, exist_ok=False)  # dist_checkpointing expects it to exist
         dist.barrier()
-        dist_checkpointing.save(sharded_state, str(directory))
+        strategy = self._save_strategy_obj()
+        kwargs: dict[str, Any] = {}
+        if o.cache_metadata and self._saves:  # Megatron-LM: already validated by the first save
+            kwargs["validate_access_integrity"] = False
+        event = self._save_event(strategy, directory, validated="validate_access_integrity" not in kwargs)
+        if o.async_save == "none":
+            if strategy is None and not kwargs:
+                dist_checkpointing.save(sharded_state, str(directory))  # exactly the call it always was
+            else:
+                dist_checkpointing.save(sharded_state, str(directory), strategy, **kwargs)
+        else:
+            from harness import compat
+
+            compat.require(compat.ASYNC_RESULTS_QUEUE)
+            request = dist_checkpointing.save(sharded_state, str(directory), strategy, async_sharded_save=True,
+                                              async_strategy=o.async_save, **kwargs)
+            self._async_queue().schedule_async_request(request)
+            self._pending.append(directory)
+        if strategy is not None and hasattr(strategy, "last"):
+            event["distribution"] = strategy.last
+        record_event(event)
+        self._saves += 1
+
+    def _save_event(self, strategy: Any, directory: Path, validated: bool) -> dict:
+        """What this save is about to run: the strategy class, the group it distributes over,
+        how much of megatron-core's cached plan it starts from (0: plans from scratch, 1: the
+        cached local plan, 2: the cached central plan and global metadata; None: no cache)."""
+        from megatron.core import parallel_state
+
+        base = getattr(strategy, "base_strategy", strategy)
+        reuse = None
+        if base is not None and getattr(base, "use_cached_ckpt_structure", False):
+            reuse = 2 if (base.validated_cache_reuse and base.cached_central_plan is not None) else int(base.cached_local_plan is not None)
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        group = getattr(strategy, "parallelization_group", None)
+        return {
+            "op": "save", "n": self._saves + 1, "directory": str(directory),
+            "strategy": "fully_parallel" if isinstance(strategy, FullyParallelSaveStrategyWrapper) else "default",
+            "group": dist.get_world_size(group) if group is not None else None,
+            "dp_cp": parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+            "plan_reuse": reuse, "validated": validated, "async": self.strategy.async_save,
+        }
+
+    def _async_queue(self):
+        if self._calls is None:
+            from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+
+            _, modules = get_async_strategy(self.strategy.async_save)
+            self._calls = modules["AsyncCallsQueue"]()
+        return self._calls
+
+    @property
+    def saves_async(self) -> bool:
+        return self.strategy.async_save != "none"
+
+    def checkpoint_complete(self, directory: Path) -> bool | None:
+        return is_complete(directory)
+
+    def strategy_check(self, events: dict[str, dict[str, list[dict]]]) -> Any:
+        """Every save and load of the case ran what the options asked (events recorded by
+        save_state/load_state in each rank): the wrapper class and the group it spans (the DP x CP
+        group of that world), the fully-parallel load's exchange, the async strategy, and with
+        cache_metadata what megatron-core's caches gave each save of a job (save 1 plans from
+        scratch and validates access integrity; save 2 starts from the cached local plan, save 3
+        from the cached central plan and global metadata, the fully-parallel distribution is
+        cached from save 2) and that each load cached the checkpoint's metadata. None when every
+        option is at its default (nothing was asked)."""
+        from harness.result import Check
+
+        o = self.strategy
+        if o == McoreDistOptions():
+            return None
+        problems: list[str] = []
+        seen: dict[str, set] = {"save": set(), "load": set()}
+        for phase, ranks in sorted(events.items()):
+            for rank, evs in sorted(ranks.items()):
+                for ev in evs:
+                    where = f"{phase}@rank{rank} {ev['op']} {ev.get('n', '')}".rstrip()
+                    problems += [f"{where}: {p}" for p in _event_problems(o, ev)]
+                    seen[ev["op"]].add(phase)
+        if not seen["save"]:
+            problems.append("no save ran through this backend")
+        if o.load_strategy != "default" and not seen["load"]:
+            problems.append("no load ran through this backend")
+        asked = ", ".join(f"{k}={v}" for k, v in vars(o).items())
+        if problems:
+            return Check(STRATEGY_CHECK, "failed", f"asked {asked}; " + "; ".join(problems[:12])
+                         + (f"; ... {len(problems) - 12} more" if len(problems) > 12 else ""), tolerance="exact")
+        n_saves = sum(1 for ranks in events.values() for evs in ranks.values() for e in evs if e["op"] == "save")
+        n_loads = sum(1 for ranks in events.values() for evs in ranks.values() for e in evs if e["op"] == "load")
+        return Check(STRATEGY_CHECK, "passed", f"{n_saves} rank-save(s) in {sorted(seen['save'])} and {n_loads} rank-load(s) in "
+                     f"{sorted(seen['load'])} ran what was asked: {asked}", tolerance="exact")
+
+    def pending_saves(self) -> int:
+        return len(self._pending)
+
+    def finalize_saves(self, ctx: RankContext) -> list[dict]:
+        """Wait for every pending async write on every rank, then run the finalize functions
+        (megatron-core's AsyncCallsQueue.maybe_finalize_async_calls(blocking=True), what
+        Megatron-LM's maybe_finalize_async_save calls). Records whether each checkpoint was
+        complete just before and right after."""
+        if not self._pending:
+            return []
+        pending, self._pending = self._pending, []
+        before = [is_complete(d) for d in pending]
+        dist.barrier()  # nobody's finalize may write metadata before every rank looked
+        self._calls.maybe_finalize_async_calls(blocking=True)
+        return [{"directory": str(d), "complete_before": b, "complete_after": is_complete(d)} for d, b in zip(pending, before)]
 
     def load_state(self, ctx: RankContext, sharded_state: dict, directory: Path) -> dict:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
-        return dist_checkpointing.load(sharded_state, str(directory), strict=StrictHandling.RAISE_ALL)
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+        strategy = self._load_strategy_obj()
+        group = getattr(strategy, "parallelization_group", None)
+        fully = isinstance(strategy, FullyParallelLoadStrategyWrapper)
+        event = {"op": "load", "directory": str(directory), "strategy": "fully_parallel" if fully else "default",
+                 "group": dist.get_world_size(group) if group is not None else None,
+                 "dp_cp": parallel_state.get_data_parallel_world_size(with_context_parallel=True)}
+        if strategy is None:
+            state = dist_checkpointing.load(sharded_state, str(directory), strict=StrictHandling.RAISE_ALL)
+        else:
+            calls: list = []
+            with _tracked_exchange(calls):
+                state = dist_checkpointing.load(sharded_state, str(directory), strategy, strict=StrictHandling.RAISE_ALL)
+            event["exchanges"] = len(calls)
+            base = getattr(strategy, "base_strategy", strategy)
+            event["metadata_cached"] = getattr(base, "cached_global_metadata", None) is not None
+        record_event(event)
+        return state
 
     def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
         self.save_state(ctx, model.sharded_state_dict(), directory)

@@ -20,7 +20,10 @@ from harness.backends.mcore_dist import McoreDist
 
 
 def flip_first_bit(model) -> str:
-    name, param = next(iter(model.named_parameters()))
+    """Flip the lowest bit of the first parameter of the first chunk; its name."""
+    from harness.models import as_chunks
+
+    name, param = next(iter(as_chunks(model)[0].named_parameters()))
     with torch.no_grad():
         param.data.view(-1).view(torch.int32)[0] ^= 1
     return name

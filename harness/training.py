@@ -17,7 +17,8 @@ import torch
 
 from harness import compat, truth
 from harness.memory import track
-from harness.models import TORCH_DTYPES, DType, build_gpt, fill_canonical, local_shards, rank_device, shards_of
+from harness.models import TORCH_DTYPES, DType, build_gpt, fill_canonical, load_state_dict, local_shards, rank_device, shards_of
+from harness.models import sharded_state_dict as model_sharded_state
 from harness.parity import Shard
 from harness.topology import Topology
 from harness.world import RankContext
@@ -75,7 +76,12 @@ class TrainOptions(TrainConfig):
 
 
 def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offset: int = 0):
-    """(ddp-wrapped model, optimizer) at this rank, weights = canonical (of seed + seed_offset).
+    """(DDP-wrapped model chunks, optimizer) at this rank, weights = canonical (of seed + seed_offset).
+
+    As Megatron-LM's `get_model` + `get_megatron_optimizer`: every chunk of `build_gpt` (one per
+    virtual pipeline stage) in its own DistributedDataParallel with the one DDP config, bucketing
+    off for every chunk but the first (megatron's default for the interleaved schedule), and one
+    megatron optimizer over the chunk list.
 
     bf16 is built the way Megatron-LM's training setup builds it: DDP over Float16Module(GPTModel
     in bf16), and an OptimizerConfig with bf16=True and params_dtype bf16, so megatron's optimizer
@@ -86,15 +92,16 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     weights = spec.with_seed(spec.seed + seed_offset) if seed_offset else spec
-    model = build_gpt(spec, topo, cfg.dtype)
-    fill_canonical(model, weights)
+    chunks = build_gpt(spec, topo, cfg.dtype)
+    fill_canonical(chunks, weights)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         overlap_grad_reduce=cfg.overlap_grad_reduce,
         bucket_size=cfg.bucket_size or None,
         grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
     )
-    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    config = chunks[0].config
+    ddp = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=cfg.lr,
@@ -105,12 +112,12 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
         params_dtype=TORCH_DTYPES[cfg.dtype],
         clip_grad=1.0,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    optimizer = get_megatron_optimizer(opt_config, ddp)
     # What Megatron-LM's training loop wires up: without finalize_model_grads the schedule never
     # reduces gradients across DP (nor tied-embedding grads across PP stages).
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = ddp.no_sync
-    model.config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
+    config.grad_scale_func = optimizer.scale_loss
     return ddp, optimizer
 
 
@@ -121,17 +128,17 @@ def built_dtype(ddp, optimizer) -> str:
     knob that did not reach one of them)."""
     from megatron.core.transformer.module import Float16Module
 
-    model_dtypes = {p.dtype for p in ddp.module.parameters()}
+    model_dtypes = {p.dtype for d in ddp for p in d.module.parameters()}
     inner = _leaf_optimizers(optimizer)
     main_dtypes = {p.dtype for o in inner for g in o.optimizer.param_groups for p in g["params"]}
     flags = {bool(o.config.bf16) for o in inner}
-    wrapped = isinstance(ddp.module, Float16Module)
+    wrapped = all(isinstance(d.module, Float16Module) for d in ddp)
     if wrapped and model_dtypes == {torch.bfloat16} and main_dtypes <= {torch.float32} and flags == {True}:
         return "bf16"
     if not wrapped and model_dtypes == {torch.float32} and main_dtypes <= {torch.float32} and flags <= {False}:
         return "fp32"
     names = lambda ds: "/".join(sorted(str(d).removeprefix("torch.") for d in ds))  # noqa: E731
-    return (f"model {type(ddp.module).__name__} params {names(model_dtypes)}, optimizer params {names(main_dtypes)}, "
+    return (f"model {'/'.join(sorted({type(d.module).__name__ for d in ddp}))} params {names(model_dtypes)}, optimizer params {names(main_dtypes)}, "
             f"optimizer bf16={sorted(flags)}")
 
 
@@ -140,21 +147,26 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     inner = _leaf_optimizers(optimizer)
+
+    def built(knob: str):  # one value for every chunk's DDP config, else the disagreement
+        values = {getattr(d.ddp_config, knob) for d in ddp}
+        return values.pop() if len(values) == 1 else f"chunks disagree: {sorted(values)}"
+
     actual = {
         "use_distributed_optimizer": (
-            ddp.ddp_config.use_distributed_optimizer
+            built("use_distributed_optimizer")
             and all(isinstance(o, DistributedOptimizer) for o in inner)
             and all(o.config.use_distributed_optimizer for o in inner)
         ),
-        "overlap_grad_reduce": ddp.ddp_config.overlap_grad_reduce,
-        "grad_reduce_in_fp32": ddp.ddp_config.grad_reduce_in_fp32
-        and all(b.grad_dtype == torch.float32 for b in ddp.buffers),
+        "overlap_grad_reduce": built("overlap_grad_reduce"),
+        "grad_reduce_in_fp32": built("grad_reduce_in_fp32")
+        and all(b.grad_dtype == torch.float32 for d in ddp for b in d.buffers),
         "lr": inner[0].param_groups[0]["lr"] if inner else None,
         "dtype": built_dtype(ddp, optimizer),
     }
     # The optimizer must also see DDP's setting (a mismatch reduce-scatters into an optimizer
     # that expects all-reduced grads, or the reverse).
-    if ddp.ddp_config.use_distributed_optimizer != any(isinstance(o, DistributedOptimizer) for o in inner):
+    if built("use_distributed_optimizer") != any(isinstance(o, DistributedOptimizer) for o in inner):
         actual["use_distributed_optimizer"] = "ddp and optimizer disagree"
     asked = {
         "use_distributed_optimizer": cfg.use_distributed_optimizer,
@@ -164,19 +176,25 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
         "dtype": cfg.dtype,
     }
     rows = [{"knob": k, "asked": asked[k], "actual": actual[k], "ok": asked[k] == actual[k]} for k in asked]
-    # Buckets: what the DDP module really built on this rank. megatron-core turns bucketing off on
-    # every PP stage but the first, so a small bucket_size must give several buckets there only.
+    # Buckets: what the DDP module of the first chunk really built on this rank. megatron-core turns
+    # bucketing off on every PP stage but the first (and Megatron-LM, as build_training, for every
+    # chunk but the first), so a small bucket_size must give several buckets there only.
     from megatron.core import parallel_state
 
     first_stage = parallel_state.get_pipeline_model_parallel_rank() == 0
-    buckets = sum(len(b.buckets) for b in ddp.buffers)
+    first = ddp[0]
+    buckets = sum(len(b.buckets) for b in first.buffers)
     if not cfg.bucket_size:
-        rows.append({"knob": "bucket_size", "asked": "megatron default", "actual": ddp.bucket_size, "ok": True})
+        rows.append({"knob": "bucket_size", "asked": "megatron default", "actual": first.bucket_size, "ok": True})
     elif first_stage:
-        rows.append({"knob": "bucket_size", "asked": cfg.bucket_size, "actual": ddp.bucket_size, "ok": ddp.bucket_size == cfg.bucket_size})
+        rows.append({"knob": "bucket_size", "asked": cfg.bucket_size, "actual": first.bucket_size, "ok": first.bucket_size == cfg.bucket_size})
         rows.append({"knob": "buckets", "asked": "several", "actual": buckets, "ok": buckets > 1})
     else:
-        rows.append({"knob": "bucket_size", "asked": "none (PP stage > 0)", "actual": ddp.bucket_size, "ok": ddp.bucket_size is None})
+        rows.append({"knob": "bucket_size", "asked": "none (PP stage > 0)", "actual": first.bucket_size, "ok": first.bucket_size is None})
+    if cfg.bucket_size:
+        later = [d.bucket_size for d in ddp[1:]]
+        if later:
+            rows.append({"knob": "bucket_size (chunks > 0)", "asked": "none", "actual": later, "ok": all(b is None for b in later)})
     return rows
 
 
@@ -195,7 +213,8 @@ def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int) ->
     per_rank = GLOBAL_BATCH // dp
     forward_backward = get_forward_backward_func()
     losses: list[float | None] = []
-    ddp.train()
+    for d in ddp:
+        d.train()
     for step in range(first_step, first_step + steps):
         b = truth.train_batch(spec, step, GLOBAL_BATCH)
         rows = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
@@ -212,12 +231,16 @@ def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int) ->
 
             return out, loss_func
 
-        ddp.zero_grad_buffer()
+        for d in ddp:
+            d.zero_grad_buffer()
         optimizer.zero_grad()
+        # Megatron-LM's data: one iterator per chunk under the interleaved schedule, where every
+        # chunk reads the same micro-batches (the first takes input_ids, the last labels).
+        iterators = [iter(micro) for _ in ddp]
         reports = forward_backward(
             forward_step_func=forward_step,
-            data_iterator=iter(micro),
-            model=[ddp],
+            data_iterator=iterators if len(ddp) > 1 else iterators[0],
+            model=ddp,
             num_microbatches=len(micro),
             seq_length=spec.seq_length,
             micro_batch_size=1,
@@ -262,8 +285,9 @@ def unshare_adam_step(optimizer) -> None:
 
 
 def sharded_state(ddp, optimizer, sharding: str | None, mem_efficient: bool, is_loading: bool) -> dict:
-    """What a training checkpoint holds: model and (if sharding is given) optimizer."""
-    model_sd = ddp.module.sharded_state_dict()
+    """What a training checkpoint holds: model (every chunk, harness.models.sharded_state_dict) and
+    (if sharding is given) optimizer."""
+    model_sd = model_sharded_state(ddp)
     state = {"model": model_sd}
     if sharding is not None:
         metadata = {
@@ -271,7 +295,7 @@ def sharded_state(ddp, optimizer, sharding: str | None, mem_efficient: bool, is_
             "distrib_optim_fully_reshardable_mem_efficient": mem_efficient,
             "chained_optim_avoid_prefix": True,
         }
-        state["optimizer"] = optimizer.sharded_state_dict(ddp.module.sharded_state_dict(), is_loading=is_loading, metadata=metadata)
+        state["optimizer"] = optimizer.sharded_state_dict(model_sharded_state(ddp), is_loading=is_loading, metadata=metadata)
     return state
 
 
@@ -305,7 +329,7 @@ def optimizer_view(ddp, optimizer) -> tuple[list[Shard], dict[str, Any]]:
         sd = {i: _distributed_model_space(ddp, o) for i, o in enumerate(leaves)}
     else:  # no buckets to shard across DP: megatron's per-param state dict is the state itself
         metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
-        sd = optimizer.sharded_state_dict(ddp.module.sharded_state_dict(), is_loading=False, metadata=metadata)
+        sd = optimizer.sharded_state_dict(model_sharded_state(ddp), is_loading=False, metadata=metadata)
     shards = shards_of(sd, lambda sh: isinstance(sh, ShardedTensor) and sh.key.startswith("optimizer.state."))
     return shards, {"values": sorted(steps), "shared_step_tensors": shared}
 
@@ -322,7 +346,7 @@ def _distributed_model_space(ddp, opt) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
-    model_sd, _ = extract_sharded_tensors_and_factories(ddp.module.sharded_state_dict())
+    model_sd, _ = extract_sharded_tensors_and_factories(model_sharded_state(ddp))
     metadata = {sh.data: sh for sh in nested_values(model_sd)}
     keys = ("param", *opt.optimizer_state_keys)
     order = [p for buffer in opt.buffers for p in buffer.param_index_map]  # the same on every DP rank
@@ -361,7 +385,7 @@ def _distributed_model_space(ddp, opt) -> dict:
 
 def rank_state_bytes(ddp, optimizer) -> int:
     """Bytes of training state this rank holds (model shard + its optimizer state)."""
-    total = sum(t.numel() * t.element_size() for t in ddp.module.state_dict().values() if isinstance(t, torch.Tensor))
+    total = sum(t.numel() * t.element_size() for d in ddp for t in d.module.state_dict().values() if isinstance(t, torch.Tensor))
     for opt in _leaf_optimizers(optimizer):
         for st in opt.optimizer.state.values():
             total += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
@@ -432,7 +456,7 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
         with track("load"), guard:
             sharded = sharded_state(ddp, optimizer, p.sharding, p.mem_efficient, is_loading=True)
             state = backend.load_state(ctx, sharded, Path(p.load_from))
-            ddp.module.load_state_dict(state["model"], strict=True)
+            load_state_dict(ddp, state["model"])
             optimizer.load_state_dict(state["optimizer"])
         if "unshare_adam_step" in p.workarounds:
             unshare_adam_step(optimizer)
@@ -441,12 +465,12 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
     out = TrainOut(propagated, before, [])
     if "optimizer" in p.views:
         out.optimizer_shards, out.steps = optimizer_view(ddp, optimizer)
-        out.model_shards = local_shards(ddp.module)
+        out.model_shards = local_shards(ddp)
     if p.save_to is not None:
         out.shard_bytes = rank_state_bytes(ddp, optimizer)
         with track("save"):
             backend.save_state(ctx, sharded_state(ddp, optimizer, p.sharding, p.mem_efficient, is_loading=False), Path(p.save_to))
     out.losses_after = train_steps(ddp, optimizer, p.model, step, p.steps_after)
     if "final" in p.views:
-        out.final_shards = local_shards(ddp.module)
+        out.final_shards = local_shards(ddp)
     return out

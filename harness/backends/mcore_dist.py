@@ -1,7 +1,8 @@
 """megatron-core dist_checkpointing, `torch_dist` format (what verl and Megatron-LM save).
 
 Saves and loads any sharded state dict (model weights, or model + optimizer for training
-checkpoints, or adapters only); loads are strict (RAISE_ALL): a key the state expects but the
+checkpoints, or adapters only); a model is a chunk list (harness.models: one chunk, or one per
+virtual pipeline stage under `model0`, `model1`, ... as Megatron-LM lays them out); loads are strict (RAISE_ALL): a key the state expects but the
 checkpoint lacks, or the reverse, is an error, never a silently kept initial value.
 """
 
@@ -36,10 +37,14 @@ class McoreDist(Backend):
         return dist_checkpointing.load(sharded_state, str(directory), strict=StrictHandling.RAISE_ALL)
 
     def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
-        self.save_state(ctx, model.sharded_state_dict(), directory)
+        from harness.models import sharded_state_dict
+
+        self.save_state(ctx, sharded_state_dict(model), directory)
 
     def load(self, ctx: RankContext, model: Any, directory: Path) -> None:
-        model.load_state_dict(self.load_state(ctx, model.sharded_state_dict(), directory), strict=True)
+        from harness.models import load_state_dict, sharded_state_dict
+
+        load_state_dict(model, self.load_state(ctx, sharded_state_dict(model), directory))
 
     def read_full(self, ctx: RankContext | None, directory: Path) -> dict[str, torch.Tensor]:
         from megatron.core import dist_checkpointing

@@ -37,8 +37,17 @@ class Options(TrainOptions):
 
 
 def refusal_meaning(spec: CaseSpec, opts: TrainOptions) -> str:
-    if opts.sharding == "dp_reshardable" and (spec.source.tp, spec.source.pp) != (spec.target.tp, spec.target.pp):
-        return "a dp_reshardable optimizer checkpoint can change DP only; a TP/PP change needs fully_reshardable"
+    """What a dp_reshardable refusal means: its optimizer state is one flat buffer per DDP bucket of
+    each model chunk (keyed by chunk buffer index, sharded by DP rank), laid out by the TP/PP/VPP split."""
+    src, dst = spec.source, spec.target
+    if opts.sharding != "dp_reshardable":
+        return ""
+    vpp = " and VPP" if src.vpp != dst.vpp else ""
+    if (src.tp, src.pp) != (dst.tp, dst.pp):
+        return f"a dp_reshardable optimizer checkpoint can change DP only; a TP/PP{vpp} change needs fully_reshardable"
+    if vpp:
+        return ("a dp_reshardable optimizer checkpoint can change DP only; a VPP change at the same PP regroups the layers "
+                "into other model chunks, each with its own DDP buffers (what dp_reshardable saves), and needs fully_reshardable")
     return ""
 
 
@@ -88,7 +97,7 @@ class ReshardOptimizer(Case):
         ckpt = env.case_dir / "ckpt"
         src, dst = spec.source.id, spec.target.id
         model, backend = get_model(spec.model, "gpt"), resolve(spec.backend)
-        result.notes += workaround_notes(opts)
+        result.notes += workaround_notes(opts, spec.source, spec.target)
         saved = env.launch(result, "save", train_phase,
                            phase_of(model, opts, backend, topo=spec.source, save_to=str(ckpt), steps_before_save=opts.steps), spec.source)
         try:

@@ -109,7 +109,7 @@ class Resume(Case):
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         k, ckpt = opts.steps, env.case_dir / "ckpt"
         model, backend = get_model(spec.model, "gpt"), resolve(spec.backend)
-        result.notes += workaround_notes(opts)
+        result.notes += workaround_notes(opts, spec.source, spec.target)
         # bf16 also records model + optimizer views (the reference's at its save, the resumed job's
         # right after its load: steps_before_save is 0 there) for weights-match-main-params.
         views = ("final", "optimizer") if opts.dtype == "bf16" else ("final",)

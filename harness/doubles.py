@@ -178,8 +178,8 @@ def drop_distributed_optimizer_knob() -> None:
 
     real = training.build_training
 
-    def build(spec, topo, cfg, seed_offset=0):
-        return real(spec, topo, dataclasses.replace(cfg, use_distributed_optimizer=True), seed_offset)
+    def build(spec, topo, cfg, seed_offset=0, **config_overrides):
+        return real(spec, topo, dataclasses.replace(cfg, use_distributed_optimizer=True), seed_offset, **config_overrides)
 
     training.build_training = build
 

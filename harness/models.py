@@ -23,6 +23,14 @@ FUSIONS = (
 )
 
 
+#: Megatron-LM's pipeline p2p setting for the interleaved schedule (training/arguments.py:
+#: `--overlap-p2p-communication` is on by default, `batch_p2p_comm = not overlap_p2p_comm`; Megatron-
+#: Bridge's CommOverlapConfig sets the same whenever vpp > 1). megatron-core's own TransformerConfig
+#: defaults (MCORE_P2P_DEFAULTS) train wrong at PP=2 with vpp: compat.WORKAROUNDS["vpp_overlap_p2p"].
+VPP_P2P: dict[str, bool] = {"overlap_p2p_comm": True, "batch_p2p_comm": False}
+MCORE_P2P_DEFAULTS: dict[str, bool] = {"overlap_p2p_comm": False, "batch_p2p_comm": True}
+
+
 #: The precision a GPT zoo model is built in (the `dtype` option of the GPT-zoo cases).
 DType = Literal["fp32", "bf16"]
 #: Each DType's parameter (and pipeline activation) dtype.
@@ -53,7 +61,8 @@ def init_parallel(topo: Topology) -> None:
 def transformer_config(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", **overrides: Any):
     """The TransformerConfig of a zoo model at `topo`. bf16 sets what Megatron-LM's `--bf16` sets
     (bf16=True, params_dtype and pipeline_dtype bfloat16): params are created in bf16 and the
-    pipeline sends bf16 activations between stages."""
+    pipeline sends bf16 activations between stages. vpp sets the virtual pipeline size and
+    Megatron-LM's p2p setting for the interleaved schedule (VPP_P2P)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -81,6 +90,7 @@ def transformer_config(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", *
         hidden_dropout=0.0,
         attention_dropout=0.0,
         **dict.fromkeys(FUSIONS, False),
+        **(VPP_P2P if topo.vpp > 1 else {}),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -29,6 +29,7 @@ MARKERS: dict[str, str] = {
     "cp": "uses context parallelism",
     "tied": "tied embeddings",
     "bf16": "bf16 mixed precision (dtype bf16: Float16Module, fp32 main params)",
+    "vpp": "virtual pipeline parallelism (model chunks, the interleaved schedule)",
     "slow": "heavier cases, not in the default suite",
     "memory": "host-memory cases and budgets (heavier)",
     "gpu": "needs CUDA devices",

@@ -17,7 +17,7 @@ import torch
 
 from harness import compat, truth
 from harness.memory import track
-from harness.models import TORCH_DTYPES, DType, build_gpt, fill_canonical, load_state_dict, local_shards, rank_device, shards_of
+from harness.models import MCORE_P2P_DEFAULTS, TORCH_DTYPES, DType, build_gpt, fill_canonical, load_state_dict, local_shards, rank_device, shards_of
 from harness.models import sharded_state_dict as model_sharded_state
 from harness.parity import Shard
 from harness.topology import Topology
@@ -75,7 +75,7 @@ class TrainOptions(TrainConfig):
         return TrainConfig(**{f.name: getattr(self, f.name) for f in fields(TrainConfig)})
 
 
-def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offset: int = 0):
+def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offset: int = 0, **config_overrides: Any):
     """(DDP-wrapped model chunks, optimizer) at this rank, weights = canonical (of seed + seed_offset).
 
     As Megatron-LM's `get_model` + `get_megatron_optimizer`: every chunk of `build_gpt` (one per
@@ -87,12 +87,12 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
     in bf16), and an OptimizerConfig with bf16=True and params_dtype bf16, so megatron's optimizer
     keeps fp32 main params (main_params_dtype's default) that it steps and copies down into the
     bf16 model params after each step. The main params start as the bf16 canonical weights upcast
-    (what megatron does at optimizer build)."""
+    (what megatron does at optimizer build). `config_overrides` go to the TransformerConfig."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     weights = spec.with_seed(spec.seed + seed_offset) if seed_offset else spec
-    chunks = build_gpt(spec, topo, cfg.dtype)
+    chunks = build_gpt(spec, topo, cfg.dtype, **config_overrides)
     fill_canonical(chunks, weights)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=cfg.use_distributed_optimizer,
@@ -421,9 +421,11 @@ def phase_of(model: ModelSpec, opts: TrainOptions, backend: str, **kw: Any) -> T
                       workarounds=opts.workarounds, **kw)
 
 
-def workaround_notes(opts: TrainOptions) -> list[str]:
-    """The result notes that say which defects this run stepped around, and why."""
-    return [f"workaround applied: {w}: {compat.WORKAROUNDS[w]}" for w in opts.workarounds]
+def workaround_notes(opts: TrainOptions, *topos: Topology) -> list[str]:
+    """The result notes that say which defects this run stepped around, and why (the vpp p2p
+    setting only where a topology of the case has vpp: elsewhere nothing differs)."""
+    vpp = any(t.vpp > 1 for t in topos)
+    return [f"workaround applied: {w}: {compat.WORKAROUNDS[w]}" for w in opts.workarounds if vpp or w != "vpp_overlap_p2p"]
 
 
 @dataclass
@@ -444,7 +446,8 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
     from harness.backends import get_backend
 
     backend = get_backend(p.backend)
-    ddp, optimizer = build_training(p.model, p.topo, p.cfg, truth.DECOY_SEED_OFFSET if p.load_from else 0)
+    p2p = {} if "vpp_overlap_p2p" in p.workarounds else MCORE_P2P_DEFAULTS  # megatron-core's own, to show the defect
+    ddp, optimizer = build_training(p.model, p.topo, p.cfg, truth.DECOY_SEED_OFFSET if p.load_from else 0, **p2p)
     propagated = propagation(ddp, optimizer, p.cfg)
     step = p.first_step
     if p.load_from is not None:

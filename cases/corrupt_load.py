@@ -40,7 +40,7 @@ import torch
 
 from harness import bridge as mb
 from harness import damage, models, peft_mapping, truth
-from harness.backends import get_backend, resolve
+from harness.backends import BackendRef, get_backend
 from harness.case import Case, RunEnv, timed
 from harness.checks import assembled, state_check
 from harness.damage import Damage
@@ -100,7 +100,7 @@ class Outcome:
 class _Phase:
     model: ModelSpec
     topo: Topology
-    backend: str  # import path
+    backend: BackendRef  # import path + options
     save_to: str | None = None
     load_from: str | None = None
 
@@ -134,7 +134,7 @@ class _HFPhase:
     spec: HFModelSpec
     hf_dir: str
     topo: Topology
-    backend: str  # import path
+    backend: BackendRef  # import path + options
     out: str
     adapter: mb.AdapterSpec | None
 
@@ -278,7 +278,7 @@ class CorruptLoad(Case):
     def _run_dist(self, spec: CaseSpec, kind: str, env: RunEnv, result: CaseResult) -> list[Check]:
         model = get_model(spec.model, "gpt")
         src, dst = spec.source, spec.target
-        backend = resolve(spec.backend)
+        backend = spec.backend_ref
         ckpt = env.case_dir / "ckpt"
         saved = damage.other_model(model, kind) if kind in damage.OTHER_MODEL else model
         env.launch(result, "save", _rank_dist, _Phase(saved, src, backend, save_to=str(ckpt)), src)
@@ -305,7 +305,7 @@ class CorruptLoad(Case):
         adapter = mb.AdapterSpec() if kind in ADAPTER_KINDS else None
         with timed(result, "fixture"):
             write_fixture(model, hf_dir)
-        outs = env.launch(result, "save", _rank_hf, _HFPhase(model, str(hf_dir), spec.source, resolve(spec.backend), str(out), adapter),
+        outs = env.launch(result, "save", _rank_hf, _HFPhase(model, str(hf_dir), spec.source, spec.backend_ref, str(out), adapter),
                           spec.source)
         with timed(result, "damage"):
             dmg = damage.FUNCTIONS[kind](out)

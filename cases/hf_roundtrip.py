@@ -22,7 +22,7 @@ import torch
 
 from harness import bridge as mb
 from harness import truth
-from harness.backends import get_backend, resolve
+from harness.backends import BackendRef, get_backend, resolve
 from harness.case import Case, RunEnv, timed
 from harness.checks import knob_check, state_check, tensor_check
 from harness.hf_models import hf_logits, write_fixture
@@ -54,8 +54,8 @@ class _Phase:
     topo: Topology
     load_weights: bool
     ddp: DdpKnobs
-    export_backend: str  # import path
-    dist_backend: str  # import path of the dist checkpoint for the S -> D hop
+    export_backend: BackendRef  # import path + options
+    dist_backend: BackendRef  # import path + options of the dist checkpoint for the S -> D hop
     dist_load: str | None = None
     dist_save: str | None = None
     export_to: str | None = None
@@ -115,10 +115,10 @@ class HFRoundtrip(Case):
     checks = ("export-bitwise", "hf-logits", "megatron-logits", "propagation")
 
     def run(self, spec: CaseSpec, opts: DdpKnobs, env: RunEnv, result: CaseResult) -> None:
-        run_roundtrip(get_model(spec.model, "hf"), spec.source, spec.target, resolve(spec.backend), opts, env, result)
+        run_roundtrip(get_model(spec.model, "hf"), spec.source, spec.target, spec.backend_ref, opts, env, result)
 
 
-def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backend: str, opts: DdpKnobs, env: RunEnv,
+def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backend: BackendRef, opts: DdpKnobs, env: RunEnv,
                   result: CaseResult) -> None:
     """The fixture, the worlds (export at S, or save at S -> load at D -> export) and the judge, for
     any HFModelSpec: the matrix case and harness.explore (which draws shapes outside the zoo) run this."""

@@ -42,7 +42,7 @@ from typing import Literal, Sequence
 
 from cases import corrupt_load as cl
 from harness import models, truth
-from harness.backends import get_backend, resolve
+from harness.backends import BackendRef, get_backend
 from harness.case import Case, RunEnv, timed
 from harness.checks import assembled
 from harness.damage import Damage
@@ -76,7 +76,7 @@ def step_dir(root: Path, step: int) -> Path:
 class _SavePhase:
     model: ModelSpec
     topo: Topology
-    backend: str  # import path
+    backend: BackendRef  # import path + options
     root: str  # the checkpoints root (verl layout)
     interruption: str
 
@@ -298,13 +298,13 @@ class InterruptedSave(Case):
 
         if spec.source.world_size < 2:
             raise ValueError("interrupted-save interrupts the last rank while rank 0 coordinates: give a source of >= 2 ranks")
-        if not isinstance(get_backend(spec.backend), McoreDist):
+        if not isinstance(get_backend(spec.backend_ref), McoreDist):
             raise ValueError(f"interrupted-save drives megatron-core's dist_checkpointing save; backend {spec.backend!r} is not mcore_dist")
 
     def run(self, spec: CaseSpec, opts: InterruptedOptions, env: RunEnv, result: CaseResult) -> None:
         model = get_model(spec.model, "gpt")
         src, dst = spec.source, spec.target
-        backend = resolve(spec.backend)
+        backend = spec.backend_ref
         kind = opts.interruption
         root = env.case_dir / "checkpoints"
         target = step_dir(root, INTERRUPTED_STEP)

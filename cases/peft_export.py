@@ -28,7 +28,7 @@ import torch
 
 from harness import bridge as mb
 from harness import peft_mapping, truth
-from harness.backends import get_backend, resolve
+from harness.backends import BackendRef, get_backend, resolve
 from harness.case import Case, RunEnv, timed
 from harness.checks import state_check
 from harness.hf_models import hf_logits, write_fixture
@@ -63,9 +63,9 @@ class _Phase:
     topo: Topology
     adapter: mb.AdapterSpec
     fill: bool
-    export_backend: str  # import path
-    dist_backend: str  # import path: the adapter-only dist checkpoint
-    merge_backend: str  # import path: the merged HF export (save_hf_pretrained merges adapters)
+    export_backend: BackendRef  # import path + options
+    dist_backend: BackendRef  # import path + options: the adapter-only dist checkpoint
+    merge_backend: BackendRef  # import path + options: the merged HF export (save_hf_pretrained merges adapters)
     adapter_load: str | None = None
     adapter_save: str | None = None
     export_to: str | None = None
@@ -200,7 +200,7 @@ class PeftExport(Case):
         src, dst = spec.source, spec.target
         d = env.case_dir
         hf_dir, direct, merged, ckpt = d / "hf-base", d / "adapter@source", d / "merged@source", d / "adapter-dist-ckpt"
-        paths = dict(export_backend=resolve(spec.backend), dist_backend=resolve("mcore_dist"), merge_backend=resolve("bridge_hf"))
+        paths = dict(export_backend=spec.backend_ref, dist_backend=resolve("mcore_dist"), merge_backend=resolve("bridge_hf"))
         with timed(result, "fixture"):
             write_fixture(model, hf_dir)
         resharded = src != dst
@@ -211,7 +211,7 @@ class PeftExport(Case):
             again = env.launch(result, "load", _rank, _Phase(
                 model, str(hf_dir), dst, adapter, False, adapter_load=str(ckpt), export_to=str(d / "adapter@target"), **paths), dst)
         with timed(result, "compare"):
-            export = get_backend(spec.backend)
+            export = get_backend(spec.backend_ref)
             ids = truth.fixed_input_ids(model)
             ex = Exported(
                 _peft_load_problems(hf_dir, direct), export.read_full(None, direct), json.loads((direct / "adapter_config.json").read_text()),

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.backends import resolve
 from harness.case import Case, RunEnv, timed
 from harness.checks import WEIGHTS_MATCH_MAIN_PARAMS, assembled, knob_check, refusal_check, state_check, weights_match_main_params
 from harness.result import CaseResult, Check
 from harness.spec import CaseSpec
-from harness.training import TrainOptions, TrainOut, phase_of, train_phase, workaround_notes
+from harness.training import TrainOptions, TrainOut, phase_of, train_phase, untrainable, workaround_notes
 from harness.world import WorldError, exception_of
 from harness.zoo import get_model
 
@@ -38,13 +37,14 @@ class Options(TrainOptions):
 
 def refusal_meaning(spec: CaseSpec, opts: TrainOptions) -> str:
     """What a dp_reshardable refusal means: its optimizer state is one flat buffer per DDP bucket of
-    each model chunk (keyed by chunk buffer index, sharded by DP rank), laid out by the TP/PP/VPP split."""
+    each model chunk (keyed by chunk buffer index, sharded by DP rank), laid out by the TP/PP/EP/ETP/VPP split."""
     src, dst = spec.source, spec.target
     if opts.sharding != "dp_reshardable":
         return ""
+    layout = lambda t: (t.tp, t.pp, t.ep, t.etp)  # noqa: E731
     vpp = " and VPP" if src.vpp != dst.vpp else ""
-    if (src.tp, src.pp) != (dst.tp, dst.pp):
-        return f"a dp_reshardable optimizer checkpoint can change DP only; a TP/PP{vpp} change needs fully_reshardable"
+    if layout(src) != layout(dst):
+        return f"a dp_reshardable optimizer checkpoint can change DP only; a TP/PP/EP/ETP{vpp} change needs fully_reshardable"
     if vpp:
         return ("a dp_reshardable optimizer checkpoint can change DP only; a VPP change at the same PP regroups the layers "
                 "into other model chunks, each with its own DDP buffers (what dp_reshardable saves), and needs fully_reshardable")
@@ -92,11 +92,12 @@ class ReshardOptimizer(Case):
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
         if spec.expect != "refuse" and "refuse_with" in spec.opts:
             raise ValueError("option 'refuse_with' only means something with expect: refuse")
+        untrainable(spec)
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         ckpt = env.case_dir / "ckpt"
         src, dst = spec.source.id, spec.target.id
-        model, backend = get_model(spec.model, "gpt"), resolve(spec.backend)
+        model, backend = get_model(spec.model, "gpt"), spec.backend_ref
         result.notes += workaround_notes(opts, spec.source, spec.target)
         saved = env.launch(result, "save", train_phase,
                            phase_of(model, opts, backend, topo=spec.source, save_to=str(ckpt), steps_before_save=opts.steps), spec.source)

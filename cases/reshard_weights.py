@@ -11,7 +11,7 @@ Checks (each can fail on its own; tests/test_judges.py and tests/test_reshard_ca
                         other checks compare the first vocab_size rows of the vocab tensors; this
                         one reports the padded shapes at S and D and what the padding rows hold
   logits                logits of a fixed batch at D equal those at S; bitwise when TP is
-                        unchanged, else within LOGITS_TP_TOLERANCE (fp32) or
+                        unchanged (and expert TP), else within LOGITS_TP_TOLERANCE (fp32) or
                         LOGITS_TP_TOLERANCE_BF16 (bf16); not run when CP>1 (a CP forward needs
                         Transformer-Engine attention)
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from harness import models, truth
-from harness.backends import get_backend, resolve
+from harness.backends import get_backend
 from harness.case import Case, RunEnv, timed
 from harness.models import TORCH_DTYPES, DType
 from harness.checks import assembled, replicated, state_check, tensor_check
@@ -112,8 +112,12 @@ def _rank_read(ctx: RankContext, arg: tuple[str, list[str]]) -> dict[str, dict[s
 
 
 def logits_tolerance(src: Topology, dst: Topology, dtype: DType) -> Tolerance | None:
-    """Bitwise when TP is unchanged (same reductions in the same order), else the dtype's bound."""
-    if src.tp == dst.tp:
+    """Bitwise when TP and expert TP are unchanged (same reductions in the same order), else the
+    dtype's bound. An etp change splits the experts' row-parallel fc2 the way a TP change splits
+    linear_proj (gpt-moe tp2 -> tp2ep2etp1: 4.2e-7 fp32, 1.6e-2 bf16); an EP change alone moves
+    whole experts between ranks and stays bitwise (measured on dp2ep2 -> dp1, dp2ep2 -> dp4ep4,
+    dp4ep4 -> dp4)."""
+    if src.tp == dst.tp and src.etp == dst.etp:
         return None
     return LOGITS_TP_TOLERANCE_BF16 if dtype == "bf16" else LOGITS_TP_TOLERANCE
 
@@ -228,7 +232,7 @@ class ReshardWeights(Case):
     checks = ("source-canonical", "checkpoint-canonical", "loaded-canonical", "resave-plain", "logits", "vocab-padding")
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
-        run_weights(get_model(spec.model, "gpt"), spec.source, spec.target, resolve(spec.backend), opts.dtype, env, result)
+        run_weights(get_model(spec.model, "gpt"), spec.source, spec.target, spec.backend_ref, opts.dtype, env, result)
 
 
 CASE = ReshardWeights()

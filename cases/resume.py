@@ -22,13 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.backends import resolve
 from harness.case import Case, RunEnv, timed
 from harness.checks import WEIGHTS_MATCH_MAIN_PARAMS, assembled, knob_check, state_check, tensor_check, weights_match_main_params
 from harness.parity import Tolerance
 from harness.result import CaseResult, Check
 from harness.spec import CaseSpec
-from harness.training import TrainOptions, TrainOut, phase_of, train_phase, workaround_notes
+from harness.training import TrainOptions, TrainOut, phase_of, train_phase, untrainable, workaround_notes
 from harness.zoo import get_model
 
 RESUME_TOLERANCE = Tolerance(atol=2e-5, rtol=1e-4, why="topology change reorders fp32 reductions (TP matmul partial sums, DP grad sums)")
@@ -106,9 +105,12 @@ class Resume(Case):
     needs = frozenset({"training_state"})
     checks = ("propagation", "losses", "final-weights", WEIGHTS_MATCH_MAIN_PARAMS)
 
+    def validate_options(self, spec: CaseSpec, opts: Options) -> None:
+        untrainable(spec)
+
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         k, ckpt = opts.steps, env.case_dir / "ckpt"
-        model, backend = get_model(spec.model, "gpt"), resolve(spec.backend)
+        model, backend = get_model(spec.model, "gpt"), spec.backend_ref
         result.notes += workaround_notes(opts, spec.source, spec.target)
         # bf16 also records model + optimizer views (the reference's at its save, the resumed job's
         # right after its load: steps_before_save is 0 there) for weights-match-main-params.

@@ -18,22 +18,17 @@ topology, the CPU shims, per-phase memory records and the list of active shims t
 from __future__ import annotations
 
 import time
-import typing
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Literal
+from typing import Any, ClassVar, Iterator
 
 from harness import world
+from harness.options import NoOptions, option_defaults, parse_options  # noqa: F401 (the case contract's typed options)
 from harness.result import CaseResult
 from harness.spec import CaseSpec, check_base
 from harness.topology import Topology
-
-
-@dataclass(frozen=True)
-class NoOptions:
-    """A case without options."""
 
 
 @dataclass(frozen=True)
@@ -108,67 +103,6 @@ def timed(result: CaseResult, phase: str) -> Iterator[None]:
         result.phases[phase] = round(result.phases.get(phase, 0.0) + time.perf_counter() - start, 3)
 
 
-# --------------------------------------------------------------------------- typed options
-
-
-def _describe(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is tuple:
-        return f"a list of {_describe(typing.get_args(tp)[0])}"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(name: str, value: Any, tp: Any) -> Any:
-    """`value` as type `tp`, or ValueError naming the option; YAML lists become tuples, and a
-    float option takes an int or a numeric string (PyYAML reads `1e-3` as a string)."""
-    origin = typing.get_origin(tp)
-    ok = True
-    if origin is Literal:
-        ok = value in typing.get_args(tp)
-    elif origin is tuple:
-        if isinstance(value, (list, tuple)):
-            return tuple(_coerce(name, v, typing.get_args(tp)[0]) for v in value)
-        ok = False
-    elif tp is bool:
-        ok = isinstance(value, bool)
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                ok = False
-        else:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            value = float(value) if ok else value
-    elif tp is str:
-        ok = isinstance(value, str)
-    if not ok:
-        raise ValueError(f"option {name!r}: expected {_describe(tp)}, got {value!r}")
-    return value
-
-
-def parse_options(cls: type, raw: dict[str, Any], owner: str) -> Any:
-    """An instance of the frozen dataclass `cls` from raw matrix options."""
-    assert is_dataclass(cls), cls
-    names = [f.name for f in fields(cls)]
-    unknown = sorted(set(raw) - set(names))
-    if unknown:
-        takes = f"takes {', '.join(names)}" if names else "takes no options"
-        raise ValueError(f"{owner} {takes}; unknown option(s) {unknown}")
-    hints = typing.get_type_hints(cls)
-    try:
-        return cls(**{k: _coerce(k, v, hints[k]) for k, v in raw.items()})
-    except TypeError as exc:  # a required field without a default
-        raise ValueError(f"{owner}: {exc}") from None
-
-
-def option_defaults(cls: type) -> dict[str, Any]:
-    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
-
-
 # --------------------------------------------------------------------------- the contract
 
 
@@ -195,8 +129,14 @@ class Case(ABC):
         model = get_model(spec.model)
         if model.kind != kind:
             raise ValueError(f"case {self.name}{why} takes a{'n HF fixture' if kind == 'hf' else ' GPT zoo'} model, got {spec.model!r}")
+        if model.kind == "gpt":
+            from harness.models import unavailable_reason
+
+            why_not = unavailable_reason(model)
+            if why_not:
+                raise ValueError(f"model {spec.model!r} cannot be built in this environment: {why_not}")
         try:
-            backend = get_backend(spec.backend)
+            backend = get_backend(spec.backend_ref)
         except KeyError as exc:
             raise ValueError(exc.args[0]) from None
         missing = sorted(needs - backend.capabilities)

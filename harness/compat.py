@@ -69,6 +69,19 @@ def _cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
     return _orig_type(self, dtype, non_blocking, **kwargs)
 
 
+class _CpuEvent:
+    """Stands in for torch.cuda.Event: CPU work is already done when it is recorded."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _CpuStream:
     """Stands in for torch.cuda.Stream: CPU work is already ordered."""
 
@@ -85,7 +98,8 @@ class _CpuStream:
         pass
 
     def record_event(self, event=None):
-        return event
+        # MoEAlltoAllTokenDispatcher keeps the returned event and calls .synchronize() on it
+        return event if event is not None else _CpuEvent()
 
 
 class _NoStreamContext:
@@ -109,6 +123,22 @@ def _patch_results_queue() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._results_queue = queue.Queue()
+
+
+def _patch_moe_split_sizes() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "_ckpt_harness", False):
+        return
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()  # what the CUDA branch returns: split sizes all_to_all_single accepts
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    to_host._ckpt_harness = True
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 SHIMS: tuple[Shim, ...] = (
@@ -143,8 +173,15 @@ SHIMS: tuple[Shim, ...] = (
     Shim(
         "cuda streams",
         "param_and_grad_buffer and DistributedDataParallel order grad reduction with "
-        "torch.cuda.current_stream()/Stream/stream()",
+        "torch.cuda.current_stream()/Stream/stream(); the MoE alltoall token dispatcher syncs on "
+        "an event its side stream records",
         _patch_streams,
+    ),
+    Shim(
+        "MoE alltoall split sizes as numpy",
+        "MoEAlltoAllTokenDispatcher converts its all_to_all split sizes to numpy only for CUDA "
+        "tensors (moe_utils.maybe_move_tensor_to_cpu); a CPU tensor reaches all_to_all_single, which rejects it",
+        _patch_moe_split_sizes,
     ),
     Shim(
         "in-process write-results queue",

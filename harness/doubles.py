@@ -9,6 +9,7 @@ to the ranks inside the phase, so the fault reaches them under fork, spawn, fork
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import json
 from pathlib import Path
 
@@ -126,6 +127,48 @@ class CorruptOptimizerAfterLoad(McoreDist):
                     stack.extend(node.values())
                 elif isinstance(node, list):
                     stack.extend(node)
+        return state
+
+
+def _flip_lowest_bit(t: torch.Tensor) -> None:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    with torch.no_grad():
+        t.view(-1).view(ints)[0] ^= 1
+
+
+class CorruptExpertAfterLoad(McoreDist):
+    """A MoE model whose first local expert weight comes back one ulp off on the LAST rank after a
+    correct load: under expert parallelism that rank holds only the last experts (global index
+    ep_rank * local experts), so a judge that looked at rank 0's experts would miss it."""
+
+    def load(self, ctx, model, directory):
+        super().load(ctx, model, directory)
+        if ctx.rank == ctx.world_size - 1:
+            from harness.models import as_chunks
+
+            _flip_lowest_bit(next(p for c in as_chunks(model) for n, p in c.named_parameters() if ".local_experts." in n))
+
+
+class CorruptExpertMainParamAfterLoad(McoreDist):
+    """A MoE training-state load whose expert optimizer (the second member of megatron's
+    ChainedOptimizer [dense, expert], built when ep > 1) gets its first fp32 main param one ulp off
+    on the LAST rank; the dense optimizer and the model section load correctly."""
+
+    def load_state(self, ctx, sharded_state, directory):
+        state = super().load_state(ctx, sharded_state, directory)
+        if ctx.rank == ctx.world_size - 1:
+            stack = [state["optimizer"][1]]  # KeyError/TypeError: no expert optimizer in a chain
+            while stack:
+                node = stack.pop()
+                if isinstance(node, dict):
+                    if torch.is_tensor(node.get("param")) and "exp_avg" in node:
+                        _flip_lowest_bit(node["param"])
+                        break
+                    stack.extend(node.values())
+                elif isinstance(node, list):
+                    stack.extend(node)
+            else:
+                raise RuntimeError("CorruptExpertMainParamAfterLoad: no main param in the expert optimizer's state")
         return state
 
 
@@ -298,3 +341,16 @@ def leak_a_process() -> None:
     import subprocess
 
     subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+
+@dataclass(frozen=True)
+class _TaggedOptions:
+    tag: str = "plain"
+    copies: int = 1
+
+
+class TaggedDist(McoreDist):
+    """mcore_dist with options (tests of backend options: typed, validated, delivered to ranks)."""
+
+    name = "tagged_dist"
+    Options = _TaggedOptions

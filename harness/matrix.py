@@ -33,13 +33,13 @@ from typing import Any
 import yaml
 
 from harness.memory import Budget
-from harness.spec import MARKERS, CaseSpec, XFail
+from harness.spec import BACKEND_AXIS, MARKERS, CaseSpec, XFail
 from harness.topology import Topology, TopologyError
 
 _TOP_KEYS = {"name", "description", "defaults", "entries"}
 _DEFAULT_KEYS = {"backends", "timeout_s", "max_world_size", "markers"}
 _ENTRY_KEYS = {
-    "case", "models", "backends", "pairs", "cross", "axes", "options", "expect", "xfail", "markers", "timeout_s",
+    "case", "models", "backends", "pairs", "cross", "axes", "options", "backend_options", "expect", "xfail", "markers", "timeout_s",
     "memory_budgets", "tag",
 }
 
@@ -219,9 +219,10 @@ def _entry_specs(
     if bad:
         raise MatrixError(f"{where}.markers: unknown marker(s) {bad}; known: {sorted(MARKERS)}")
     options = entry.get("options") or {}
+    backend_options = entry.get("backend_options") or {}
     axes = entry.get("axes") or {}
-    if not isinstance(options, dict) or not isinstance(axes, dict):
-        raise MatrixError(f"{where}: 'options' and 'axes' are mappings")
+    if not isinstance(options, dict) or not isinstance(axes, dict) or not isinstance(backend_options, dict):
+        raise MatrixError(f"{where}: 'options', 'backend_options' and 'axes' are mappings")
     for name, values in axes.items():
         if not isinstance(values, list) or not values:
             raise MatrixError(f"{where}.axes.{name}: expected a non-empty list of values")
@@ -239,10 +240,13 @@ def _entry_specs(
     axis_names = tuple(axes)
     out = []
     for combo in itertools.product(*(axes[a] for a in axis_names)) if axis_names else [()]:
-        opts = {**options, **dict(zip(axis_names, combo))}
+        chosen = dict(zip(axis_names, combo))
+        opts = {**options, **{a: v for a, v in chosen.items() if not a.startswith(BACKEND_AXIS)}}
+        bopts = {**backend_options, **{a[len(BACKEND_AXIS):]: v for a, v in chosen.items() if a.startswith(BACKEND_AXIS)}}
         for model, backend, (src, dst) in itertools.product(models, backends, pairs):
             spec = CaseSpec(
                 case=case.name, model=model, backend=backend, source=src, target=dst, options=tuple(sorted(opts.items())),
+                backend_options=tuple(sorted(bopts.items())),
                 axes=axis_names, expect=expect, xfail=xfail, markers=markers, timeout_s=timeout_s, budgets=budgets, tag=tag,
                 origin=where,
             )

@@ -58,6 +58,46 @@ def init_parallel(topo: Topology) -> None:
     )
 
 
+def grouped_gemm_unavailable() -> str:
+    """Why a zoo model with `moe_grouped_gemm` cannot be built here (it never can yet: the reason)."""
+    import importlib.util
+
+    why = ("grouped GEMM experts not available: megatron-core 0.19.2 builds them only as TEGroupedMLP "
+           "(Transformer-Engine grouped linears); its legacy GroupedMLP (grouped_gemm package) is gone, and the local "
+           "layer spec ignores moe_grouped_gemm and silently builds SequentialMLP (models/backends.py "
+           "LocalSpecProvider.grouped_mlp_modules)")
+    if importlib.util.find_spec("transformer_engine") is None:
+        return why + "; Transformer-Engine is not installed here"
+    return why + "; the harness builds the local (non-TE) layer spec only"
+
+
+def unavailable_reason(spec: ModelSpec) -> str | None:
+    """Why this zoo model cannot be built in this environment (None: it can). Matrix validation
+    refuses such an entry with this reason instead of dropping it or building something else."""
+    if getattr(spec, "moe_grouped_gemm", False):
+        return grouped_gemm_unavailable()
+    return None
+
+
+def moe_config(spec: ModelSpec, topo: Topology) -> dict[str, Any]:
+    """The TransformerConfig fields of a MoE zoo model ({} for a dense one). The aux loss (router
+    type "aux_loss") is deterministic: a function of each micro-batch's routing, whatever the topology."""
+    if not spec.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_moe_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size,
+        moe_router_topk=spec.moe_router_topk,
+        moe_shared_expert_intermediate_size=spec.moe_shared_expert_size,
+        moe_grouped_gemm=spec.moe_grouped_gemm,
+        moe_token_dispatcher_type=spec.moe_token_dispatcher,
+        moe_router_load_balancing_type="aux_loss" if spec.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+        expert_model_parallel_size=topo.ep,
+        expert_tensor_parallel_size=topo.etp,
+    )
+
+
 def transformer_config(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", **overrides: Any):
     """The TransformerConfig of a zoo model at `topo`. bf16 sets what Megatron-LM's `--bf16` sets
     (bf16=True, params_dtype and pipeline_dtype bfloat16): params are created in bf16 and the
@@ -92,6 +132,7 @@ def transformer_config(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", *
         **dict.fromkeys(FUSIONS, False),
         **(VPP_P2P if topo.vpp > 1 else {}),
     )
+    kwargs.update(moe_config(spec, topo))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -122,13 +163,17 @@ def build_gpt(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", **config_o
 
     from harness.compat import seed_model_parallel
 
+    unavailable = unavailable_reason(spec)
+    if unavailable:
+        raise RuntimeError(f"model {spec.name!r}: {unavailable}")
     seed_model_parallel(spec.seed)
     config = transformer_config(spec, topo, dtype, **config_overrides)
+    moe = dict(num_experts=spec.num_moe_experts, moe_grouped_gemm=False) if spec.is_moe else {}
     chunks = []
     for vp_stage in range(topo.vpp) if topo.vpp > 1 else (None,):
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization),
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization, **moe),
             vocab_size=spec.padded_vocab_size(topo.tp),  # == vocab_size unless the spec asks for padding
             max_sequence_length=spec.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

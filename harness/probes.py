@@ -5,6 +5,8 @@ They live in the package, not in tests, because torchrun children import them by
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -23,14 +25,18 @@ def raise_on_rank(ctx: RankContext, rank: int) -> None:
     dist.barrier()
 
 
-def backend_and_hook(ctx: RankContext, backend_path: str) -> dict:
-    """What a rank sees of the extension points: the backend its phase names by import path, and
-    whether the rank hooks ran (harness.doubles hooks mark themselves in the environment)."""
+def backend_and_hook(ctx: RankContext, backend_ref: Any) -> dict:
+    """What a rank sees of the extension points: the backend its phase names by import path (with
+    its options), and whether the rank hooks ran (harness.doubles hooks mark themselves in the
+    environment)."""
+    import dataclasses
     import os
 
     from harness.backends import get_backend
 
-    return {"backend": type(get_backend(backend_path)).__name__, "hook": os.environ.get("CKPT_HARNESS_PROBE_HOOK", "")}
+    backend = get_backend(backend_ref)
+    return {"backend": type(backend).__name__, "options": dataclasses.asdict(backend.options),
+            "hook": os.environ.get("CKPT_HARNESS_PROBE_HOOK", "")}
 
 
 def mark_hook() -> None:

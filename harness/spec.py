@@ -28,6 +28,7 @@ MARKERS: dict[str, str] = {
     "peft": "Megatron-Bridge HF PEFT adapters",
     "cp": "uses context parallelism",
     "tied": "tied embeddings",
+    "moe": "mixture-of-experts models (gpt-moe*): expert parallelism (ep/etp) and expert-data-parallel optimizer state",
     "bf16": "bf16 mixed precision (dtype bf16: Float16Module, fp32 main params)",
     "vpp": "virtual pipeline parallelism (model chunks, the interleaved schedule)",
     "slow": "heavier cases, not in the default suite",
@@ -79,6 +80,10 @@ def check_base(name: str) -> str:
     return name.split("@")[0]
 
 
+#: An axis named `backend.<option>` varies a backend option rather than a case option.
+BACKEND_AXIS = "backend."
+
+
 @dataclass(frozen=True)
 class CaseSpec:
     """One case of a matrix: a scenario, a model, a backend, a topology pair and its options."""
@@ -89,7 +94,7 @@ class CaseSpec:
     source: Topology
     target: Topology
     options: tuple[tuple[str, Any], ...] = ()
-    axes: tuple[str, ...] = ()  # option names that vary in this entry (shown in the id)
+    axes: tuple[str, ...] = ()  # option names that vary in this entry (shown in the id); `backend.X` names a backend option
     tag: str = ""  # an entry's own suffix, to tell apart entries that differ only in fixed options
     expect: str = "pass"  # pass | refuse
     xfail: XFail | None = None
@@ -97,13 +102,32 @@ class CaseSpec:
     timeout_s: float = 300.0
     budgets: tuple[Budget, ...] = ()
     origin: str = ""  # file:entry, for messages
+    backend_options: tuple[tuple[str, Any], ...] = ()  # the backend's own options (its `Options`)
 
     @property
     def opts(self) -> dict[str, Any]:
         return dict(self.options)
 
     @property
+    def backend_opts(self) -> dict[str, Any]:
+        return dict(self.backend_options)
+
+    @property
+    def backend_ref(self) -> Any:
+        """The harness.backends.BackendRef the case's worlds receive (import path + options)."""
+        from harness.backends import resolve
+
+        return resolve(self.backend, self.backend_opts)
+
+    def axis_value(self, axis: str) -> Any:
+        return self.backend_opts[axis[len(BACKEND_AXIS):]] if axis.startswith(BACKEND_AXIS) else self.opts[axis]
+
+    @property
     def id(self) -> str:
-        axes = "".join(f"-{self.opts[a]}" if isinstance(self.opts[a], str) else f"-{a}={self.opts[a]}" for a in self.axes)
+        def part(a: str) -> str:
+            v = self.axis_value(a)
+            return f"-{v}" if isinstance(v, str) else f"-{a.removeprefix(BACKEND_AXIS)}={v}"
+
+        axes = "".join(part(a) for a in self.axes)
         tag = f"-{self.tag}" if self.tag else ""
         return f"{self.case}[{self.backend}-{self.model}-{self.source.id}->{self.target.id}{axes}{tag}]"

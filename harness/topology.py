@@ -37,7 +37,7 @@ class ModelShape(Protocol):
     seq_length: int
     # optional (ModelSpec has it): when not None the vocab is padded to a multiple of TP
     # make_vocab_size_divisible_by: int | None
-    # optional, MoE models: num_moe_experts: int | None, moe_ffn_hidden_size: int
+    # optional, MoE models: num_moe_experts: int | None, moe_ffn_hidden_size: int, moe_shared_expert_size: int | None
 
 
 @dataclass(frozen=True, order=True)
@@ -122,6 +122,9 @@ class Topology:
             moe_ffn = getattr(model, "moe_ffn_hidden_size", None) or model.ffn_hidden_size
             if moe_ffn % self.etp:
                 problems.append(f"moe_ffn_hidden_size={moe_ffn} is not divisible by etp={self.etp}")
+            shared = getattr(model, "moe_shared_expert_size", None)
+            if shared and shared % self.tp:
+                problems.append(f"moe_shared_expert_size={shared} is not divisible by tp={self.tp}")
         elif self.ep > 1 or self.etp != self.tp:
             problems.append(f"ep={self.ep}/etp={self.etp} need an MoE model (this one has no experts)")
         if model.num_attention_heads % self.tp:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 
 from harness import compat, truth
+from harness.backends import BackendRef
 from harness.memory import track
 from harness.models import MCORE_P2P_DEFAULTS, TORCH_DTYPES, DType, build_gpt, fill_canonical, load_state_dict, local_shards, rank_device, shards_of
 from harness.models import sharded_state_dict as model_sharded_state
@@ -73,6 +74,32 @@ class TrainOptions(TrainConfig):
     @property
     def config(self) -> TrainConfig:
         return TrainConfig(**{f.name: getattr(self, f.name) for f in fields(TrainConfig)})
+
+
+def untrainable_reason(spec: ModelSpec, topo: Topology) -> str | None:
+    """Why the training cases cannot train `spec` at `topo` (None: they can); matrix validation
+    refuses such an entry with it. MoE with TP > 1: megatron-core 0.19.2 MoELayer.forward raises in
+    training unless sequence_parallel is on (transformer/moe/moe_layer.py:629); the harness's
+    local-spec build does not turn it on, and could not without Apex: the torch norms the local spec
+    falls back to refuse sequence_parallel (transformer/torch_norm.py:50). Expert TP (etp) > 1
+    under tp 1 trains."""
+    if getattr(spec, "is_moe", False) and topo.tp > 1:
+        return (f"{topo.id}: a MoE model trains at tp > 1 only with sequence parallelism (megatron-core MoELayer.forward "
+                "raises otherwise), which the harness's local-spec build leaves off (its torch norms refuse it without "
+                "Apex, torch_norm.py); train MoE at tp1 (ep, etp, dp, pp change freely) or reshard weights only")
+    return None
+
+
+def untrainable(case_spec) -> None:
+    """Matrix validation of a training case: raise ValueError when its model cannot train at its
+    source or target topology here (`untrainable_reason`)."""
+    from harness.zoo import get_model
+
+    model = get_model(case_spec.model)
+    for topo in (case_spec.source, case_spec.target):
+        why = untrainable_reason(model, topo)
+        if why:
+            raise ValueError(f"model {case_spec.model!r} cannot train here: {why}")
 
 
 def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offset: int = 0, **config_overrides: Any):
@@ -299,6 +326,27 @@ def sharded_state(ddp, optimizer, sharding: str | None, mem_efficient: bool, is_
     return state
 
 
+@dataclass
+class TrainingJob:
+    """The live job at one rank as a backend sees it (harness.backends.TrainingState): what a
+    training checkpoint saves and a resume fills. `step` is the number of optimizer steps taken."""
+
+    chunks: list  # DDP-wrapped model chunks
+    optimizer: Any
+    scheduler: Any = None
+    sharding: str | None = None
+    mem_efficient: bool = False
+    step: int = 0
+
+    def sharded_state(self, is_loading: bool) -> dict:
+        return sharded_state(self.chunks, self.optimizer, self.sharding, self.mem_efficient, is_loading)
+
+    def restore(self, state: dict) -> None:
+        load_state_dict(self.chunks, state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
 def optimizer_view(ddp, optimizer) -> tuple[list[Shard], dict[str, Any]]:
     """The optimizer state in a topology-independent form: per model tensor key, the fp32 main
     param, exp_avg and exp_avg_sq as shards of the full tensor (megatron's canonical model-space
@@ -403,7 +451,7 @@ class TrainPhase:
     model: ModelSpec
     topo: Topology
     cfg: TrainConfig
-    backend: str
+    backend: BackendRef
     sharding: str
     mem_efficient: bool
     workarounds: tuple[str, ...]
@@ -415,7 +463,7 @@ class TrainPhase:
     views: tuple[str, ...] = field(default=("optimizer",))
 
 
-def phase_of(model: ModelSpec, opts: TrainOptions, backend: str, **kw: Any) -> TrainPhase:
+def phase_of(model: ModelSpec, opts: TrainOptions, backend: BackendRef, **kw: Any) -> TrainPhase:
     """A TrainPhase with the model, DDP/optimizer knobs, format and workarounds of `opts`."""
     return TrainPhase(model=model, cfg=opts.config, backend=backend, sharding=opts.sharding, mem_efficient=opts.mem_efficient,
                       workarounds=opts.workarounds, **kw)
@@ -448,6 +496,7 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
     backend = get_backend(p.backend)
     p2p = {} if "vpp_overlap_p2p" in p.workarounds else MCORE_P2P_DEFAULTS  # megatron-core's own, to show the defect
     ddp, optimizer = build_training(p.model, p.topo, p.cfg, truth.DECOY_SEED_OFFSET if p.load_from else 0, **p2p)
+    job = TrainingJob(ddp, optimizer, sharding=p.sharding, mem_efficient=p.mem_efficient, step=p.first_step)
     propagated = propagation(ddp, optimizer, p.cfg)
     step = p.first_step
     if p.load_from is not None:
@@ -457,10 +506,7 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
             prime_optimizer_state(optimizer)
         guard = torch.no_grad() if "load_no_grad" in p.workarounds else nullcontext()
         with track("load"), guard:
-            sharded = sharded_state(ddp, optimizer, p.sharding, p.mem_efficient, is_loading=True)
-            state = backend.load_state(ctx, sharded, Path(p.load_from))
-            load_state_dict(ddp, state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            backend.load_training(ctx, job, Path(p.load_from))
         if "unshare_adam_step" in p.workarounds:
             unshare_adam_step(optimizer)
     before = train_steps(ddp, optimizer, p.model, step, p.steps_before_save)
@@ -471,8 +517,9 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
         out.model_shards = local_shards(ddp)
     if p.save_to is not None:
         out.shard_bytes = rank_state_bytes(ddp, optimizer)
+        job.step = step
         with track("save"):
-            backend.save_state(ctx, sharded_state(ddp, optimizer, p.sharding, p.mem_efficient, is_loading=False), Path(p.save_to))
+            backend.save_training(ctx, job, Path(p.save_to))
     out.losses_after = train_steps(ddp, optimizer, p.model, step, p.steps_after)
     if "final" in p.views:
         out.final_shards = local_shards(ddp)

@@ -37,6 +37,26 @@ class ModelSpec:
     #: Megatron-LM's `--make-vocab-size-divisible-by`: None (every zoo model) builds the vocab as is;
     #: a value pads it to `padded_vocab_size(tp)`, which changes with TP (harness.explore draws it).
     make_vocab_size_divisible_by: int | None = None
+    # MoE (all None/off: a dense model, every existing zoo model). Every layer's MLP becomes a
+    # MoELayer: a router (`decoder.layers.mlp.router.weight`), `num_moe_experts` experts of width
+    # `moe_ffn_hidden_size` (SequentialMLP on the local spec: checkpoint keys
+    # `decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight` with a global expert axis, so every
+    # EP size writes the same keys), top-`moe_router_topk` routing, and with
+    # `moe_shared_expert_size` a shared expert (a dense MLP split by TP, not EP) beside them.
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int = 2
+    moe_shared_expert_size: int | None = None
+    #: TEGroupedMLP (Transformer-Engine); harness.models.grouped_gemm_unavailable says why not here.
+    moe_grouped_gemm: bool = False
+    #: megatron-core's moe_token_dispatcher_type: "alltoall" (what EP training uses) or "allgather"
+    moe_token_dispatcher: str = "alltoall"
+    #: load-balancing aux loss coefficient (router type "aux_loss"); deterministic, topology-independent
+    moe_aux_loss_coeff: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
 
     def padded_vocab_size(self, tp: int) -> int:
         """The embedding/output rows a model built at TP `tp` holds: Megatron-LM's
@@ -110,6 +130,20 @@ ZOO: dict[str, AnyModel] = {
         ModelSpec(
             "gpt-150m", "gpt-gqa shape at ~150M params: the save-memory benchmark",
             num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=4096, vocab_size=16384,
+        ),
+        # MoE with expert parallelism: 4 experts (ep 1, 2, 4), expert ffn 32 (etp 1, 2, 4), top-2,
+        # the alltoall token dispatcher and a load-balancing aux loss, gpt-gqa's attention.
+        ModelSpec(
+            "gpt-moe", "MoE: router + 4 SequentialMLP experts (ffn 32, SwiGLU), top-2, alltoall dispatcher, aux loss 1e-2",
+            num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+        ),
+        ModelSpec(
+            "gpt-moe-shared", "gpt-moe plus a shared expert (ffn 64, split by TP)",
+            num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_shared_expert_size=64,
+        ),
+        ModelSpec(
+            "gpt-moe-grouped", "gpt-moe with grouped GEMM experts (TEGroupedMLP: needs Transformer-Engine)",
+            num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_grouped_gemm=True,
         ),
         HFModelSpec("hf-llama", "Llama: GQA (8 heads, 4 kv heads), SwiGLU, RMSNorm, untied", "llama"),
         HFModelSpec("hf-qwen2", "Qwen2: GQA with q/k/v biases, untied", "qwen2"),

@@ -171,3 +171,44 @@ def test_every_case_declares_its_contract():
         assert case.model_kind in ("gpt", "hf")
     assert [c.name for c in all_cases().values() if c.refusable] == ["reshard-optimizer"]
 
+
+
+@pytest.fixture
+def tagged_backend():
+    from harness.backends import register, unregister
+
+    register("tagged_dist", "harness.doubles:TaggedDist")
+    yield
+    unregister("tagged_dist")
+
+
+def test_backend_options_are_typed_varied_by_axes_and_travel_in_the_ref(tmp_path, tagged_backend):
+    from harness.backends import get_backend
+
+    path = _write(tmp_path, "entries: [{case: reshard-weights, models: [gpt-gqa], backends: [tagged_dist], pairs: ['tp1 -> tp2'], "
+                            "backend_options: {copies: 2}, axes: {backend.tag: [a, b]}}]")
+    specs = load_matrix(path).cases
+    assert [s.id for s in specs] == ["reshard-weights[tagged_dist-gpt-gqa-tp1pp1dp1cp1->tp2pp1dp1cp1-a]",
+                                     "reshard-weights[tagged_dist-gpt-gqa-tp1pp1dp1cp1->tp2pp1dp1cp1-b]"]
+    backend = get_backend(specs[1].backend_ref)
+    assert (backend.options.tag, backend.options.copies) == ("b", 2)
+    assert get_backend("tagged_dist").options.tag == "plain"  # the registered instance is not mutated
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("backend_options: {copies: two}", "option 'copies': expected int"),
+    ("backend_options: {nope: 1}", "backend tagged_dist takes tag, copies; unknown option"),
+    ("axes: {backend.nope: [1]}", "unknown option"),
+])
+def test_bad_backend_options_name_the_entry_and_option(tmp_path, tagged_backend, extra, message):
+    path = _write(tmp_path, "entries: [{case: reshard-weights, models: [gpt-gqa], backends: [tagged_dist], pairs: ['tp1 -> tp2'], "
+                            + extra + "}]")
+    with pytest.raises(MatrixError, match=message) as exc:
+        load_matrix(path)
+    assert "entries[0]" in str(exc.value)
+
+
+def test_a_backend_without_options_refuses_any(tmp_path):
+    path = _write(tmp_path, "entries: [{case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2'], backend_options: {x: 1}}]")
+    with pytest.raises(MatrixError, match="backend mcore_dist takes no options"):
+        load_matrix(path)

@@ -10,6 +10,7 @@ from harness.topology import Topology
 from harness.world import WorldError, choose_start_method, launch
 
 backends.register("test_noop_load_sm", "harness.doubles:NoopLoad")
+backends.register("test_tagged_sm", "harness.doubles:TaggedDist")
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
@@ -17,7 +18,10 @@ def test_a_registered_double_and_a_rank_hook_reach_the_rank(tmp_path, method):
     path = backends.resolve("test_noop_load_sm")  # the parent resolves; the path travels in the phase
     (out,) = launch(backend_and_hook, path, 1, tmp_path, backend="gloo", start_method=method,
                     hooks=("harness.probes:mark_hook",), timeout_s=120)
-    assert out == {"backend": "NoopLoad", "hook": "ran"}
+    assert out == {"backend": "NoopLoad", "options": {}, "hook": "ran"}
+    ref = backends.resolve("test_tagged_sm", {"tag": "x", "copies": 3})  # backend options travel with the path
+    (out,) = launch(backend_and_hook, ref, 1, tmp_path / "tagged", backend="gloo", start_method=method, timeout_s=120)
+    assert out == {"backend": "TaggedDist", "options": {"tag": "x", "copies": 3}, "hook": ""}
 
 
 def test_start_method_choice():

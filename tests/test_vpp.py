@@ -63,8 +63,8 @@ def _spec(src: str, dst: str) -> CaseSpec:
 def test_dp_reshardable_refusal_meaning_names_a_vpp_change():
     opts = TrainOptions(sharding="dp_reshardable")
     assert "VPP change at the same PP" in reshard_optimizer.refusal_meaning(_spec("pp2vpp2", "pp2"), opts)
-    assert "TP/PP and VPP change" in reshard_optimizer.refusal_meaning(_spec("pp2vpp2", "pp4"), opts)
-    assert reshard_optimizer.refusal_meaning(_spec("tp2", "tp1"), opts).endswith("a TP/PP change needs fully_reshardable")
+    assert "TP/PP/EP/ETP and VPP change" in reshard_optimizer.refusal_meaning(_spec("pp2vpp2", "pp4"), opts)
+    assert reshard_optimizer.refusal_meaning(_spec("tp2", "tp1"), opts).endswith("a TP/PP/EP/ETP change needs fully_reshardable")
     assert reshard_optimizer.refusal_meaning(_spec("pp2vpp2dp2", "pp2vpp2"), opts) == ""
     assert reshard_optimizer.refusal_meaning(_spec("pp2vpp2", "pp2"), TrainOptions(sharding="fully_reshardable")) == ""
 

@@ -10,6 +10,11 @@ matrix line naming it; or, outside this package, an entry point in the group
 `register(name, "module:attr")` in the process that runs the matrix (tests use this for
 fault-injecting doubles, see harness/doubles.py).
 
+A backend may take options (`Options`, a frozen dataclass like a case's: matrix
+`backend_options: {...}` or axes `backend.<name>: [...]`, typed and validated at load). They
+travel with the import path in a `BackendRef`, and `get_backend(ref)` returns the backend
+configured with them (`self.options`).
+
 Ranks never look a backend up by name in a registry they may not share: the parent resolves a
 name to its import path (`resolve`) and the path travels inside the phase, so the same backend
 is found under fork, spawn, forkserver and torchrun alike.
@@ -17,7 +22,11 @@ is found under fork, spawn, forkserver and torchrun alike.
 A backend declares what it can do (`capabilities`, read by matrix validation against what each
 case needs):
   weights         save/load a Megatron module's sharded state dict (`save`, `load`)
-  training_state  save/load any sharded state dict, model + optimizer (`save_state`, `load_state`)
+  training_state  save/load a live training job: model chunks + optimizer (+ LR scheduler)
+                  (`save_training`, `load_training`). A format backend gets them for free from
+                  `save_state`/`load_state` of the job's sharded state dict; a client backend
+                  (verl's MegatronCheckpointManager builds its own sharded dicts and loads into
+                  the live objects) overrides them: both fit one interface, no runner special case.
   read_plain      `read_full`: every tensor unsharded, with no model (an independent reader)
   hf_export       write an HF checkpoint from a Bridge model (`save`); `hf_import` reads one (`load`)
   adapter_export  write an HF PEFT adapter from a Bridge model with LoRA (`save`)
@@ -25,24 +34,51 @@ case needs):
 
 from __future__ import annotations
 
+import copy
 import importlib
 import pkgutil
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
+from harness.options import NoOptions, parse_options
 from harness.world import RankContext
 
 CAPABILITIES = frozenset({"weights", "training_state", "read_plain", "hf_export", "hf_import", "adapter_export"})
 ENTRY_POINT_GROUP = "ckpt_harness.backends"
 
 
+class TrainingState(Protocol):
+    """A live training job at one rank, as a backend sees it (harness.training.TrainingJob)."""
+
+    chunks: list  # the DDP-wrapped model chunks (one without virtual pipelining)
+    optimizer: Any  # megatron-core MegatronOptimizer
+    scheduler: Any  # megatron-core OptimizerParamScheduler, or None
+
+    def sharded_state(self, is_loading: bool) -> dict:
+        """{"model": ..., "optimizer": ...} as megatron-core's sharded state dicts."""
+
+    def restore(self, state: dict) -> None:
+        """Put a loaded `sharded_state` into the live model and optimizer."""
+
+
 class Backend(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    Options: ClassVar[type] = NoOptions
+
+    def __init__(self, options: Any = None) -> None:
+        self.options = options if options is not None else self.Options()
+
+    def configured(self, options: Any) -> "Backend":
+        """A copy of this backend with `options` (an instance of `Options`)."""
+        other = copy.copy(self)
+        other.options = options
+        return other
 
     @abstractmethod
     def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
@@ -57,6 +93,14 @@ class Backend(ABC):
 
     def load_state(self, ctx: RankContext, sharded_state: dict, directory: Path) -> dict:
         raise NotImplementedError(f"backend {self.name} cannot load training state")
+
+    def save_training(self, ctx: RankContext, job: TrainingState, directory: Path) -> None:
+        """Collective: save the live job (model chunks + optimizer) to `directory`."""
+        self.save_state(ctx, job.sharded_state(is_loading=False), directory)
+
+    def load_training(self, ctx: RankContext, job: TrainingState, directory: Path) -> None:
+        """Collective: fill the live job (built for this world's topology) from `directory`."""
+        job.restore(self.load_state(ctx, job.sharded_state(is_loading=True), directory))
 
     @abstractmethod
     def read_full(self, ctx: RankContext | None, directory: Path) -> dict[str, torch.Tensor]:
@@ -94,26 +138,44 @@ def available() -> list[str]:
     return sorted(_table())
 
 
-def resolve(name: str) -> str:
-    """The import path of backend `name` (a path is returned as it is)."""
+@dataclass(frozen=True)
+class BackendRef:
+    """What a phase carries to its ranks: the backend's import path and its raw options."""
+
+    path: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __str__(self) -> str:
+        return self.path + (f"{dict(self.options)}" if self.options else "")
+
+
+def resolve(name: str | BackendRef, options: dict[str, Any] | None = None) -> BackendRef:
+    """The reference to backend `name` (a name, an import path, or a ref) with `options`."""
+    if isinstance(name, BackendRef):
+        return name if options is None else BackendRef(name.path, tuple(sorted(options.items())))
+    opts = tuple(sorted((options or {}).items()))
     if ":" in name:
-        return name
+        return BackendRef(name, opts)
     table = _table()
     if name not in table:
         raise KeyError(f"unknown backend {name!r}; available: {sorted(table)}")
-    return table[name]
+    return BackendRef(table[name], opts)
 
 
-def get_backend(name_or_path: str) -> Backend:
-    """The backend, by name (parent side) or by the import path a phase carries (rank side)."""
-    module_name, _, attr = resolve(name_or_path).partition(":")
+def get_backend(ref: str | BackendRef) -> Backend:
+    """The backend, by name (parent side) or by the ref a phase carries (rank side), configured
+    with the ref's options (ValueError naming the option when they do not parse)."""
+    ref = resolve(ref)
+    module_name, _, attr = ref.path.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
-        raise KeyError(f"backend {name_or_path!r}: cannot import {module_name}:{attr}: {exc}") from None
+        raise KeyError(f"backend {ref.path!r}: cannot import {module_name}:{attr}: {exc}") from None
     backend = obj() if isinstance(obj, type) else obj
     if not isinstance(backend, Backend):
-        raise KeyError(f"backend {name_or_path!r}: {module_name}:{attr} is not a Backend")
+        raise KeyError(f"backend {ref.path!r}: {module_name}:{attr} is not a Backend")
+    if ref.options or backend.Options is not NoOptions:
+        backend = backend.configured(parse_options(backend.Options, dict(ref.options), f"backend {backend.name}"))
     return backend

@@ -82,11 +82,16 @@ def untrainable_reason(spec: ModelSpec, topo: Topology) -> str | None:
     training unless sequence_parallel is on (transformer/moe/moe_layer.py:629); the harness's
     local-spec build does not turn it on, and could not without Apex: the torch norms the local spec
     falls back to refuse sequence_parallel (transformer/torch_norm.py:50). Expert TP (etp) > 1
-    under tp 1 trains."""
+    under tp 1 trains. vpp: the interleaved schedule's micro-batch groups must fit the global batch."""
     if getattr(spec, "is_moe", False) and topo.tp > 1:
         return (f"{topo.id}: a MoE model trains at tp > 1 only with sequence parallelism (megatron-core MoELayer.forward "
                 "raises otherwise), which the harness's local-spec build leaves off (its torch norms refuse it without "
                 "Apex, torch_norm.py); train MoE at tp1 (ep, etp, dp, pp change freely) or reshard weights only")
+    micro = GLOBAL_BATCH // topo.dp  # micro-batches per step and DP rank (one sequence each)
+    if topo.vpp > 1 and (micro < topo.pp or micro % topo.pp):
+        return (f"{topo.id}: the interleaved schedule needs a multiple of PP={topo.pp} micro-batches per step and DP rank "
+                f"(megatron-core schedules.py:1133-1153, microbatch_group_size_per_vp_stage = PP); the harness trains "
+                f"{GLOBAL_BATCH} sequences per step, {micro} per DP rank here")
     return None
 
 

@@ -4,6 +4,7 @@ The vpp matrix cases themselves (and the batched-p2p defect) run with the smoke 
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from cases import reshard_optimizer, reshard_weights
@@ -150,3 +151,14 @@ def test_chunks_at_rotated_layer_offsets_only_the_logits_see():
     assert r.status == "failed", r.failure_text()
     assert statuses == {"source-canonical": "passed", "checkpoint-canonical": "passed", "loaded-canonical": "passed",
                         "resave-plain": "passed", "logits": "failed"}
+
+
+def test_vpp_training_that_the_interleaved_schedule_refuses_is_a_matrix_load_error(tmp_path):
+    """pp4vpp2 at dp2 leaves 2 micro-batches per DP rank, fewer than PP: named at load, not a run error."""
+    from harness.matrix import MatrixError
+
+    path = tmp_path / "m.yaml"
+    path.write_text("defaults: {max_world_size: 8}\nentries: [{case: resume, models: [gpt-gqa-8l], "
+                    "pairs: ['pp4vpp2dp2 -> pp4'], options: {sharding: fully_reshardable}}]")
+    with pytest.raises(MatrixError, match="interleaved schedule needs a multiple of PP=4"):
+        load_matrix(path)

@@ -2,8 +2,9 @@
 
 Saves and loads any sharded state dict (model weights, or model + optimizer for training
 checkpoints, or adapters only); a model is a chunk list (harness.models: one chunk, or one per
-virtual pipeline stage under `model0`, `model1`, ... as Megatron-LM lays them out); loads are strict (RAISE_ALL): a key the state expects but the
-checkpoint lacks, or the reverse, is an error, never a silently kept initial value.
+virtual pipeline stage under `model0`, `model1`, ... as Megatron-LM lays them out). Loads are
+strict (RAISE_ALL): a key the state expects but the checkpoint lacks, or the reverse, is an error,
+never a silently kept initial value.
 """
 
 from __future__ import annotations

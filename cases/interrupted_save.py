@@ -145,7 +145,7 @@ def _rank_save(ctx: RankContext, p: _SavePhase) -> int:
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     try:
         if p.interruption == "async-not-finalized":
-            _async_save_without_finalize(ctx, model.sharded_state_dict(), target)
+            _async_save_without_finalize(ctx, models.sharded_state_dict(model), target)
         else:
             if p.interruption == "write-error" and last:
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -40,9 +40,18 @@ class Options(TrainOptions):
 
 
 def refusal_meaning(spec: CaseSpec, opts: TrainOptions) -> str:
+    """What a dp_reshardable refusal means: its optimizer state is one flat buffer per DDP bucket of
+    each model chunk (keyed by chunk buffer index, sharded by DP rank), laid out by the TP/PP/EP/ETP/VPP split."""
+    src, dst = spec.source, spec.target
+    if opts.sharding != "dp_reshardable":
+        return ""
     layout = lambda t: (t.tp, t.pp, t.ep, t.etp)  # noqa: E731
-    if opts.sharding == "dp_reshardable" and layout(spec.source) != layout(spec.target):
-        return "a dp_reshardable optimizer checkpoint can change DP only; a TP/PP/EP/ETP change needs fully_reshardable"
+    vpp = " and VPP" if src.vpp != dst.vpp else ""
+    if layout(src) != layout(dst):
+        return f"a dp_reshardable optimizer checkpoint can change DP only; a TP/PP/EP/ETP{vpp} change needs fully_reshardable"
+    if vpp:
+        return ("a dp_reshardable optimizer checkpoint can change DP only; a VPP change at the same PP regroups the layers "
+                "into other model chunks, each with its own DDP buffers (what dp_reshardable saves), and needs fully_reshardable")
     return ""
 
 
@@ -95,7 +104,7 @@ class ReshardOptimizer(Case):
         ckpt = env.case_dir / "ckpt"
         src, dst = spec.source.id, spec.target.id
         model, backend = get_model(spec.model, "gpt"), spec.backend_ref
-        result.notes += workaround_notes(opts)
+        result.notes += workaround_notes(opts, spec.source, spec.target)
         saved = env.launch(result, "save", train_phase,
                            phase_of(model, opts, backend, topo=spec.source, save_to=str(ckpt), steps_before_save=opts.steps), spec.source)
         finalized = finalize_gate(get_backend(backend), saved, [str(ckpt)])

@@ -112,7 +112,7 @@ def _rank_phase(ctx: RankContext, p: _Phase) -> WeightsOut:
         with track("load"):
             backend.load(ctx, model, Path(p.load_from))
     shards = models.local_shards(model)
-    logits = models.forward_logits(model, truth.fixed_batch(p.model), p.model.hidden_size, ctx.device) if p.logits else None
+    logits = models.forward_logits(model, truth.fixed_batch(p.model), ctx.device) if p.logits else None
     out = WeightsOut(shards, logits, sum(s.data.numel() * s.data.element_size() for s in shards))
     if p.save_to is not None:
         with track("save"):

@@ -170,7 +170,7 @@ class Resume(Case):
         k, ckpt = opts.steps, env.case_dir / "ckpt"
         later = tuple(str(env.case_dir / f"ckpt{i}") for i in range(2, opts.saves + 1))
         model, backend = get_model(spec.model, "gpt"), spec.backend_ref
-        result.notes += workaround_notes(opts)
+        result.notes += workaround_notes(opts, spec.source, spec.target)
         # bf16 also records model + optimizer views (the reference's at its save, the resumed job's
         # right after its load: steps_before_save is 0 there) for weights-match-main-params.
         views = ("final", "optimizer") if opts.dtype == "bf16" else ("final",)

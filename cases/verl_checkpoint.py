@@ -135,8 +135,7 @@ def build_job(p: _Phase, decoy: bool):
     cfg = p.opts.config
     bm = None
     if p.model.kind == "gpt":
-        ddp, optimizer = build_training(p.model, p.topo, cfg, truth.DECOY_SEED_OFFSET if decoy else 0)
-        chunks = [ddp]
+        chunks, optimizer = build_training(p.model, p.topo, cfg, truth.DECOY_SEED_OFFSET if decoy else 0)
     else:
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -159,9 +158,8 @@ def _views(out: VerlOut, job) -> None:
     from harness.models import local_shards
     from harness.training import optimizer_view, scheduler_view
 
-    ddp = job.chunks[0]
-    out.model_shards = local_shards(ddp.module)
-    out.optimizer_shards, out.steps = optimizer_view(ddp, job.optimizer)
+    out.model_shards = local_shards(job.chunks)
+    out.optimizer_shards, out.steps = optimizer_view(job.chunks, job.optimizer)
     out.scheduler = scheduler_view(job.scheduler, job.optimizer)
 
 
@@ -175,7 +173,7 @@ def _rank(ctx: RankContext, p: _Phase) -> VerlOut:
     backend = get_backend(p.backend)
     job = build_job(p, decoy=p.load)
     out = VerlOut([], [], [], coords=(parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()))
-    ddp, opts = job.chunks[0], p.opts
+    ddp, opts = job.chunks, p.opts
     if p.load:
         set_rng(DECOY_RNG_SEED)
         load_training(ctx, backend, job, Path(p.ckpt), opts.workarounds)

@@ -247,7 +247,7 @@ def ddp_propagation(bm: BridgeModel, asked: dict[str, Any], dtype: str = "fp32")
 def megatron_logits(bm: BridgeModel, spec: HFModelSpec, device) -> torch.Tensor | None:
     from harness.models import forward_logits
 
-    logits = forward_logits(forward_module(bm), truth.hf_batch(spec), spec.hidden_size, device)
+    logits = forward_logits(forward_module(bm), truth.hf_batch(spec), device)
     # a padded vocab (spec.pad_vocab) adds columns no token maps to; transformers has none
     return None if logits is None else logits[..., : spec.vocab_size].contiguous()
 

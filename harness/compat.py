@@ -237,6 +237,13 @@ WORKAROUNDS: dict[str, str] = {
     "unshare_adam_step": "megatron-core 0.19.2 DistributedOptimizer.load_state_dict without Apex/TE puts ONE step tensor in "
     "every param's torch Adam state; Adam increments it once per param per step (3 -> 30 after one step with 27 "
     "params), corrupting bias correction after every resume; the harness gives each param its own copy",
+    "vpp_overlap_p2p": "megatron-core 0.19.2 TransformerConfig defaults to batch_p2p_comm=True, overlap_p2p_comm=False "
+    "and accepts them with the interleaved schedule at PP=2, where next and previous stage are the same rank: "
+    "_batched_p2p_ops (pipeline_parallel/p2p_communication.py:27-49) posts send_prev and send_next to that rank in one "
+    "batch_isend_irecv, sends and receives between two ranks match in posting order, so each stage receives the "
+    "other's gradient as its activation and the reverse, silently (Megatron-LM asserts PP > 2 for this, "
+    "training/arguments.py:972); the harness builds vpp models with Megatron-LM's and Megatron-Bridge's vpp setting, "
+    "overlap_p2p_comm=True, batch_p2p_comm=False (harness.models.VPP_P2P)",
 }
 DEFAULT_WORKAROUNDS = tuple(WORKAROUNDS)
 

@@ -21,7 +21,10 @@ from harness.backends.mcore_dist import McoreDist
 
 
 def flip_first_bit(model) -> str:
-    name, param = next(iter(model.named_parameters()))
+    """Flip the lowest bit of the first parameter of the first chunk; its name."""
+    from harness.models import as_chunks
+
+    name, param = next(iter(as_chunks(model)[0].named_parameters()))
     with torch.no_grad():
         param.data.view(-1).view(torch.int32)[0] ^= 1
     return name
@@ -71,6 +74,24 @@ class NoopLoad(McoreDist):
 
     def load(self, ctx, model, directory):
         pass
+
+
+class LoadFirstChunkOnly(McoreDist):
+    """A load written for one module and handed a virtual-pipeline chunk list: it loads `model[0]`
+    alone, leniently (StrictHandling.IGNORE_ALL and validate_access_integrity=False: the layers of
+    the later chunks are asked by nobody). Every later chunk keeps its pre-load (decoy) weights.
+    (megatron-core's defaults refuse such a load: the ranks' requests do not cover the tensors.)"""
+
+    def load(self, ctx, model, directory):
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        from harness.models import as_chunks
+
+        chunk = as_chunks(model)[0]
+        state = dist_checkpointing.load(chunk.sharded_state_dict(), str(directory), strict=StrictHandling.IGNORE_ALL,
+                                       validate_access_integrity=False)
+        chunk.load_state_dict(state, strict=True)
 
 
 class RaisingLoad(McoreDist):
@@ -123,7 +144,9 @@ class CorruptExpertAfterLoad(McoreDist):
     def load(self, ctx, model, directory):
         super().load(ctx, model, directory)
         if ctx.rank == ctx.world_size - 1:
-            _flip_lowest_bit(next(p for n, p in model.named_parameters() if ".local_experts." in n))
+            from harness.models import as_chunks
+
+            _flip_lowest_bit(next(p for c in as_chunks(model) for n, p in c.named_parameters() if ".local_experts." in n))
 
 
 class CorruptExpertMainParamAfterLoad(McoreDist):
@@ -256,10 +279,32 @@ def drop_distributed_optimizer_knob() -> None:
 
     real = training.build_training
 
-    def build(spec, topo, cfg, seed_offset=0):
-        return real(spec, topo, dataclasses.replace(cfg, use_distributed_optimizer=True), seed_offset)
+    def build(spec, topo, cfg, seed_offset=0, **config_overrides):
+        return real(spec, topo, dataclasses.replace(cfg, use_distributed_optimizer=True), seed_offset, **config_overrides)
 
     training.build_training = build
+
+
+def rotate_vpp_chunks() -> None:
+    """Virtual-pipeline chunk i takes chunk (i+1) % vpp's layer offset (a builder whose layer
+    numbering is off by one virtual stage): with pp2vpp2, pp rank 0 holds layer 2 in chunk 0 and
+    layer 0 in chunk 1. Every layer is still held exactly once and saved/loaded under its own key, so
+    the weight checks stay green: only the forward pass (layers run in the wrong order) can see it.
+    Patches megatron-core 0.19.2's `get_transformer_layer_offset` where TransformerLayer (layer
+    numbers) and TransformerBlock (sharded-state offsets) look it up; without vpp nothing changes.
+    (Giving every chunk the same offset instead is refused by megatron-core itself: duplicate
+    `_extra_state` ShardedObject keys, overlapping torch DCP shards.)"""
+    from megatron.core.transformer import transformer_block, transformer_layer
+
+    real = transformer_layer.get_transformer_layer_offset
+
+    def offset(config, vp_stage=None, pp_rank=None):
+        if vp_stage is not None:
+            vp_stage = (vp_stage + 1) % config.virtual_pipeline_model_parallel_size
+        return real(config, vp_stage, pp_rank)
+
+    transformer_layer.get_transformer_layer_offset = offset
+    transformer_block.get_transformer_layer_offset = offset
 
 
 def corrupt_mcore_loads() -> None:

@@ -23,6 +23,14 @@ FUSIONS = (
 )
 
 
+#: Megatron-LM's pipeline p2p setting for the interleaved schedule (training/arguments.py:
+#: `--overlap-p2p-communication` is on by default, `batch_p2p_comm = not overlap_p2p_comm`; Megatron-
+#: Bridge's CommOverlapConfig sets the same whenever vpp > 1). megatron-core's own TransformerConfig
+#: defaults (MCORE_P2P_DEFAULTS) train wrong at PP=2 with vpp: compat.WORKAROUNDS["vpp_overlap_p2p"].
+VPP_P2P: dict[str, bool] = {"overlap_p2p_comm": True, "batch_p2p_comm": False}
+MCORE_P2P_DEFAULTS: dict[str, bool] = {"overlap_p2p_comm": False, "batch_p2p_comm": True}
+
+
 #: The precision a GPT zoo model is built in (the `dtype` option of the GPT-zoo cases).
 DType = Literal["fp32", "bf16"]
 #: The transformer layer a GPT zoo model is built from (the `layer_spec` option of the GPT-zoo
@@ -101,7 +109,8 @@ def transformer_config(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", l
     """The TransformerConfig of a zoo model at `topo`. bf16 sets what Megatron-LM's `--bf16` sets
     (bf16=True, params_dtype and pipeline_dtype bfloat16): params are created in bf16 and the
     pipeline sends bf16 activations between stages. The model config carries CP>1 only with the
-    TE layer spec (see below)."""
+    TE layer spec (see below). vpp sets the virtual pipeline size and Megatron-LM's p2p setting for
+    the interleaved schedule (VPP_P2P)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -118,6 +127,7 @@ def transformer_config(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", l
         add_qkv_bias=spec.add_qkv_bias,
         tensor_model_parallel_size=topo.tp,
         pipeline_model_parallel_size=topo.pp,
+        virtual_pipeline_model_parallel_size=topo.vpp if topo.vpp > 1 else None,
         # The local (non-TE) DotProductAttention asserts context_parallel_size == 1. CP>1 is
         # exercised through parallel_state only, which is what decides shard and replica ids.
         context_parallel_size=topo.cp if layer_spec == "te" else 1,
@@ -128,6 +138,7 @@ def transformer_config(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", l
         hidden_dropout=0.0,
         attention_dropout=0.0,
         **dict.fromkeys(FUSIONS, False),
+        **(VPP_P2P if topo.vpp > 1 else {}),
     )
     kwargs.update(moe_config(spec, topo))
     kwargs.update(overrides)
@@ -146,10 +157,18 @@ def layer_spec_module(spec: ModelSpec, layer_spec: LayerSpec):
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization=spec.normalization, **moe)
 
 
-def build_gpt(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", layer_spec: LayerSpec = "local", **config_overrides: Any):
-    """A megatron-core GPTModel (local or Transformer-Engine layer spec) for this rank's pipeline stage.
+def build_gpt(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", layer_spec: LayerSpec = "local", **config_overrides: Any) -> list:
+    """This rank's model chunks, a list as Megatron-LM's `get_model` builds it: one megatron-core
+    GPTModel (local or Transformer-Engine layer spec) per virtual pipeline stage, `topo.vpp` of
+    them (one without vpp).
 
-    fp32: the bare GPTModel. bf16: the GPTModel in bf16 wrapped in megatron-core's
+    Chunk `i` is built with `vp_stage=i`, so megatron-core's `get_transformer_layer_offset` gives
+    it layers `i * num_layers / vpp + pp_rank * layers_per_chunk ...`: with pp2vpp2 and 4 layers,
+    pp rank 0 holds layers 0 and 2, pp rank 1 layers 1 and 3. The embedding is on the first chunk
+    of the first stage, the output layer on the last chunk of the last stage. Checkpoint keys use
+    global layer numbers, so they are the same at pp1, pp4 and pp2vpp2.
+
+    fp32: the bare GPTModels. bf16: each GPTModel in bf16 wrapped in megatron-core's
     `Float16Module`, as Megatron-LM's `get_model` does under `--bf16` (and as verl's engine does):
     the wrapper casts float inputs to bf16 on the first stage and logits back to fp32 on the last,
     and megatron's optimizer pairs each bf16 param with an fp32 main param only through it (a bare
@@ -160,6 +179,7 @@ def build_gpt(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", layer_spec
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
 
     from harness.compat import seed_model_parallel
 
@@ -168,22 +188,53 @@ def build_gpt(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", layer_spec
         raise RuntimeError(f"model {spec.name!r}: {unavailable}")
     seed_model_parallel(spec.seed)
     config = transformer_config(spec, topo, dtype, layer_spec, **config_overrides)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec_module(spec, layer_spec),
-        vocab_size=spec.padded_vocab_size(topo.tp),  # == vocab_size unless the spec asks for padding
-        max_sequence_length=spec.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type=spec.position_embedding,
-    )
-    model = model.to(rank_device())  # built on CPU (use_cpu_initialization), used where the rank runs
-    if dtype == "bf16":
-        from megatron.core.transformer.module import Float16Module
+    chunks = []
+    for vp_stage in range(topo.vpp) if topo.vpp > 1 else (None,):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec_module(spec, layer_spec),
+            vocab_size=spec.padded_vocab_size(topo.tp),  # == vocab_size unless the spec asks for padding
+            max_sequence_length=spec.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=spec.tied_embeddings,
+            position_embedding_type=spec.position_embedding,
+            vp_stage=vp_stage,
+        )
+        model = model.to(rank_device())  # built on CPU (use_cpu_initialization), used where the rank runs
+        chunks.append(Float16Module(config, model) if dtype == "bf16" else model)
+    return chunks
 
-        return Float16Module(config, model)
-    return model
+
+def as_chunks(model: Any) -> list:
+    """A model as its list of chunks: `build_gpt`'s list, a list of DDP-wrapped chunks (each
+    unwrapped to the module it holds, as Megatron-LM's checkpointing unwraps DDP), or one module (a
+    Bridge model's, a chunk list of one)."""
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    return [c.module if isinstance(c, _BaseDataParallel) else c for c in chunks]
+
+
+def sharded_state_dict(model: Any) -> dict:
+    """The model's sharded state dict in Megatron-LM's layout (training/checkpointing.py
+    `generate_state_dict`): one chunk's as it is, several under `model0`, `model1`, ... The
+    ShardedTensor keys inside carry global layer numbers, so what lands on disk does not depend on
+    how the layers were split into chunks."""
+    chunks = as_chunks(model)
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def load_state_dict(model: Any, state: dict) -> None:
+    """Put a loaded `sharded_state_dict(model)`-shaped state into every chunk (strict)."""
+    chunks = as_chunks(model)
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state, strict=True)
+        return
+    for i, c in enumerate(chunks):
+        c.load_state_dict(state[f"model{i}"], strict=True)
 
 
 def _expand(sharded: dict) -> tuple[dict, dict]:
@@ -210,8 +261,8 @@ def _sharded_tensors(tree: Any) -> Iterator[Any]:
 
 
 def fill_canonical(model, spec: ModelSpec) -> None:
-    """Set every parameter to its slice of the canonical tensors, through the model's own
-    sharding metadata (the same mapping dist_checkpointing uses, not its storage).
+    """Set every parameter of every chunk to its slice of the canonical tensors, through the
+    chunk's own sharding metadata (the same mapping dist_checkpointing uses, not its storage).
 
     Each tensor is asked of harness.truth in the dtype the model holds it in: for a bf16 model that
     is the canonical fp32 tensor cast to bf16 (round to nearest even) inside `truth.canonical_tensor`,
@@ -219,7 +270,6 @@ def fill_canonical(model, spec: ModelSpec) -> None:
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
 
-    sharded, factories = _expand(model.sharded_state_dict())
     cache: dict[str, torch.Tensor] = {}
 
     def to_plain(x):
@@ -231,9 +281,10 @@ def fill_canonical(model, spec: ModelSpec) -> None:
             return x.data
         return x
 
-    dict_list_map_inplace(to_plain, sharded)
-    state = apply_factory_merges(sharded, factories)
-    model.load_state_dict(state, strict=True)
+    for chunk in as_chunks(model):
+        sharded, factories = _expand(chunk.sharded_state_dict())
+        dict_list_map_inplace(to_plain, sharded)
+        chunk.load_state_dict(apply_factory_merges(sharded, factories), strict=True)
 
 
 def shards_of(sharded_tree: Any, keep=lambda sh: True) -> list[Shard]:
@@ -256,8 +307,9 @@ def shards_of(sharded_tree: Any, keep=lambda sh: True) -> list[Shard]:
 
 
 def local_shards(model) -> list[Shard]:
-    """This rank's view of every checkpointed model tensor: key, where it sits globally, its data."""
-    return shards_of(model.sharded_state_dict())
+    """This rank's view of every checkpointed model tensor, every chunk: key, where it sits
+    globally, its data."""
+    return shards_of(sharded_state_dict(model))
 
 
 def cp_positions(seq_length: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -281,21 +333,30 @@ def cp_unshard(parts: list[torch.Tensor], seq_length: int, dim: int = 1) -> torc
 
 
 @torch.no_grad()
-def forward_logits(model, batch: dict[str, torch.Tensor], hidden_size: int, device: torch.device) -> torch.Tensor | None:
+def forward_logits(model, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor | None:
     """Full-vocabulary logits of `batch`, returned on every last-stage TP-rank-0 rank.
 
+    Forward-only through megatron-core's own schedule, as Megatron-LM evaluates
+    (`get_forward_backward_func()(..., forward_only=True, collect_non_loss_data=True)`): no
+    pipelining at pp1, 1F1B across stages, the interleaved schedule (chunk 0 of every stage, then
+    chunk 1, ...) with vpp. The activations travel in the config's pipeline_dtype (bf16 for a bf16
+    model); logits come back in fp32 either way (Float16Module upcasts on the last stage).
     With CP>1 (TE layer spec) each CP rank feeds its `cp_positions` of the sequence, as megatron's
     training does, and the logits are gathered across the CP group back into sequence order.
 
-    Pipeline stages hand activations on with plain send/recv so the forward pass does not
-    depend on megatron's schedules (which have their own CUDA assumptions); the activations
-    travel in the config's pipeline_dtype (bf16 for a bf16 model, as megatron's schedules send
-    them). Logits come back in fp32 either way (Float16Module upcasts on the last stage).
+    The interleaved schedule refuses fewer micro-batches than `microbatch_group_size_per_vp_stage`
+    (default PP; megatron-core 0.19.2 schedules.py forward_backward_pipelining_with_interleaving), so
+    the whole batch goes in as that many identical micro-batches and every copy's logits must agree
+    bitwise (one micro-batch otherwise: the batch shape, hence every reduction, is the same at
+    every topology).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model.eval()
+    chunks = as_chunks(model)
+    for c in chunks:
+        c.eval()
     batch = {k: v.to(device) for k, v in batch.items()}
     seq_length = batch["input_ids"].shape[1]
     cp = parallel_state.get_context_parallel_world_size()
@@ -304,16 +365,25 @@ def forward_logits(model, batch: dict[str, torch.Tensor], hidden_size: int, devi
         batch = {"input_ids": batch["input_ids"][:, idx], "position_ids": batch["position_ids"][:, idx],
                  "attention_mask": batch["attention_mask"][:, :, idx, :]}
     b, s = batch["input_ids"].shape
-    if not parallel_state.is_pipeline_first_stage():
-        pipeline_dtype = getattr(model.config, "pipeline_dtype", None) or torch.float32
-        recv = torch.empty((s, b, hidden_size), dtype=pipeline_dtype, device=device)
-        dist.recv(recv, src=parallel_state.get_pipeline_model_parallel_prev_rank())
-        model.set_input_tensor(recv)
-    out = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"])
+    config = chunks[0].config
+    copies = config.microbatch_group_size_per_vp_stage if len(chunks) > 1 else 1
+
+    def forward_step(data_iterator, chunk):
+        mb = next(data_iterator)
+        return chunk(mb["input_ids"], mb["position_ids"], mb["attention_mask"]), lambda out, non_loss_data=False: out
+
+    iterators = [iter([batch] * copies) for _ in chunks]
+    outs = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0], model=chunks,
+        num_microbatches=copies, seq_length=s, micro_batch_size=b, forward_only=True, collect_non_loss_data=True,
+    )
     if not parallel_state.is_pipeline_last_stage():
-        dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
         return None
-    logits = tensor_parallel.gather_from_tensor_model_parallel_region(out)
+    logits = [tensor_parallel.gather_from_tensor_model_parallel_region(o) for o in outs]
+    if len(logits) != copies or any(not torch.equal(logits[0], x) for x in logits[1:]):
+        raise RuntimeError(f"forward_logits: {len(logits)} micro-batch outputs for {copies} identical micro-batches, "
+                           "or copies that disagree")
+    logits = logits[0]
     if cp > 1:
         parts = [torch.empty_like(logits) for _ in range(cp)]
         dist.all_gather(parts, logits.contiguous(), group=parallel_state.get_context_parallel_group())

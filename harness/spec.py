@@ -33,6 +33,7 @@ MARKERS: dict[str, str] = {
     "verl": "verl 0.9.1's MegatronCheckpointManager (backend verl_manager; matrices/verl.yaml and smoke entries)",
     "strategies": "mcore_dist save/load strategies (fully-parallel, async save + finalize, metadata caching)",
     "buckets": "DDP gradient buckets as real runs have them (overlap_grad_reduce / overlap_param_gather, bucket_size)",
+    "vpp": "virtual pipeline parallelism (model chunks, the interleaved schedule)",
     "slow": "heavier cases, not in the default suite",
     "memory": "host-memory cases and budgets (heavier)",
     "gpu": "needs CUDA devices",

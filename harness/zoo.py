@@ -137,6 +137,9 @@ ZOO: dict[str, AnyModel] = {
             num_query_groups=8, swiglu=False, normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True,
             tied_embeddings=True, position_embedding="learned_absolute",
         ),
+        # gpt-gqa with 8 layers: virtual pipelines with more than one layer per chunk or more chunks
+        # than pp2vpp2 (pp2vpp4, pp4vpp2, pp2vpp2 with 2 layers per chunk); the 4-layer models keep their ids.
+        ModelSpec("gpt-gqa-8l", "gpt-gqa with 8 layers (virtual pipelines: pp2vpp4, pp4vpp2)", num_layers=8),
         # Heavier models for memory budgets and the save-memory benchmark (not in the smoke matrix).
         ModelSpec(
             "gpt-25m", "gpt-gqa shape at ~25M params: memory-tier cases",

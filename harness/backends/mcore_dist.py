@@ -1,8 +1,10 @@
 """megatron-core dist_checkpointing, `torch_dist` format (what verl and Megatron-LM save).
 
 Saves and loads any sharded state dict (model weights, or model + optimizer for training
-checkpoints, or adapters only); loads are strict (RAISE_ALL): a key the state expects but the
-checkpoint lacks, or the reverse, is an error, never a silently kept initial value.
+checkpoints, or adapters only); a model is a chunk list (harness.models: one chunk, or one per
+virtual pipeline stage under `model0`, `model1`, ... as Megatron-LM lays them out). Loads are
+strict (RAISE_ALL): a key the state expects but the checkpoint lacks, or the reverse, is an error,
+never a silently kept initial value.
 
 Options (matrix `backend_options` or axes `backend.<option>`), each wired as Megatron-LM's
 megatron/training/checkpointing.py wires it (save_checkpoint / _load_global_dist_base_checkpoint):
@@ -380,10 +382,14 @@ class McoreDist(Backend):
         return state
 
     def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
-        self.save_state(ctx, model.sharded_state_dict(), directory)
+        from harness.models import sharded_state_dict
+
+        self.save_state(ctx, sharded_state_dict(model), directory)
 
     def load(self, ctx: RankContext, model: Any, directory: Path) -> None:
-        model.load_state_dict(self.load_state(ctx, model.sharded_state_dict(), directory), strict=True)
+        from harness.models import load_state_dict, sharded_state_dict
+
+        load_state_dict(model, self.load_state(ctx, sharded_state_dict(model), directory))
 
     def read_full(self, ctx: RankContext | None, directory: Path) -> dict[str, torch.Tensor]:
         from megatron.core import dist_checkpointing

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 MARKERS: dict[str, str] = {
     "reshard": "a ckpt-harness matrix case (save -> reshard -> reload); every case has it",
     "smoke": "in the CPU smoke matrix",
+    "extended": "in matrices/extended.yaml: more pairs and models of the smoke scenarios (default suite, not scripts/smoke)",
     "optimizer": "checks optimizer state",
     "resume": "checks training resume",
     "refusal": "a load that must refuse cleanly",

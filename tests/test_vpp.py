@@ -32,9 +32,9 @@ register("test_first_chunk_only", "harness.doubles:LoadFirstChunkOnly")
 
 
 def test_vpp_case_ids_are_stable():
-    cases = load_matrix(ROOT / "matrices" / "smoke.yaml").cases
-    ids = [c.id for c in cases if "vpp" in c.id]
-    assert ids == [
+    cases = [c for m in ("smoke.yaml", "extended.yaml") for c in load_matrix(ROOT / "matrices" / m).cases]
+    ids = sorted(c.id for c in cases if "vpp" in c.id)
+    assert ids == sorted([
         "reshard-weights[mcore_dist-gpt-gqa-tp1pp2dp1cp1vpp2->tp1pp4dp1cp1]",
         "reshard-weights[mcore_dist-gpt-gqa-tp1pp4dp1cp1->tp1pp2dp1cp1vpp2]",
         "reshard-weights[mcore_dist-gpt-gqa-tp1pp1dp1cp1->tp1pp2dp1cp1vpp2]",
@@ -49,7 +49,7 @@ def test_vpp_case_ids_are_stable():
         "resume[mcore_dist-gpt-gqa-8l-tp1pp2dp1cp1vpp2->tp1pp2dp1cp1vpp4-fully_reshardable]",
         "resume[mcore_dist-gpt-gqa-tp1pp1dp1cp1->tp1pp2dp1cp1vpp2-fully_reshardable-bf16]",
         "resume[mcore_dist-gpt-gqa-tp1pp2dp1cp1->tp1pp2dp1cp1vpp2-defect-vpp-batched-p2p]",
-    ]
+    ])
     vpp_cases = [c for c in cases if c.source.vpp > 1 or c.target.vpp > 1]
     assert len(vpp_cases) == len(ids) and all("vpp" in c.markers for c in vpp_cases)
 

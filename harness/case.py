@@ -143,7 +143,7 @@ class Case(ABC):
         if model.kind == "gpt":
             from harness.models import unavailable_reason
 
-            why_not = unavailable_reason(model)
+            why_not = unavailable_reason(model, getattr(opts, "layer_spec", "local"))
             if why_not:
                 raise ValueError(f"model {spec.model!r} cannot be built in this environment: {why_not}")
         try:

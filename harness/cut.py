@@ -4,11 +4,11 @@ The rule, applied to each topology above N ranks: reduce dp first, then cp, then
 each to the largest divisor of its value that makes the world fit (or 1, then the next dim).
 Data parallelism goes first because it changes the least of what a checkpoint must reshard
 (replicas, not shards); tensor parallelism last because it splits every tensor. Other fields of
-the topology (vpp, ep, ...) are kept as they are, except an expert-tensor-parallel size that
-followed tp (megatron-core's default, etp == tp) follows it down. A cut that leaves them invalid
-(e.g. ep no longer dividing the world) raises Topology's own error, which the matrix loader
-reports naming the entry and the cut. Every value only shrinks to a divisor of itself, so a cut
-topology still divides every model dimension the original divided.
+the topology are kept where they still fit: an expert-tensor-parallel size that followed tp
+(megatron-core's default, etp == tp) follows it down; ep (then etp) shrinks to the largest
+divisor of itself with which the experts still split the cut world (world % (etp*ep*pp) == 0);
+vpp goes to 1 when pp does (interleaving needs a pipeline). Every value only shrinks to a divisor
+of itself, so a cut topology still divides every model dimension the original divided.
 """
 
 from __future__ import annotations
@@ -31,7 +31,21 @@ def cut(topo: Topology, max_world: int) -> Topology:
         rest = topo.world_size // value
         fits = [d for d in range(value, 0, -1) if value % d == 0 and rest * d <= max_world]
         changes = {dim: fits[0] if fits else 1}
-        if dim == "tp" and getattr(topo, "etp", None) == topo.tp:  # etp defaulted to tp: it follows
+        if dim == "tp" and topo.etp == topo.tp:  # etp defaulted to tp: it follows
             changes["etp"] = changes["tp"]
-        topo = replace(topo, **changes)
+        topo = _fitted(topo, changes)
     return topo
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def _fitted(topo: Topology, changes: dict[str, int]) -> Topology:
+    """`topo` with `changes`, and ep/etp/vpp shrunk (largest divisors first) to what the new world holds."""
+    v = {f: getattr(topo, f) for f in ("tp", "pp", "dp", "cp", "vpp", "ep", "etp")} | changes
+    world = v["tp"] * v["pp"] * v["dp"] * v["cp"]
+    if v["pp"] == 1:
+        v["vpp"] = 1
+    v["ep"], v["etp"] = next((e, t) for t in _divisors(v["etp"]) for e in _divisors(v["ep"]) if world % (t * e * v["pp"]) == 0)
+    return replace(topo, **v)

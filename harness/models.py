@@ -66,22 +66,18 @@ def init_parallel(topo: Topology) -> None:
 
 
 def grouped_gemm_unavailable() -> str:
-    """Why a zoo model with `moe_grouped_gemm` cannot be built here (it never can yet: the reason)."""
-    import importlib.util
-
-    why = ("grouped GEMM experts not available: megatron-core 0.19.2 builds them only as TEGroupedMLP "
-           "(Transformer-Engine grouped linears); its legacy GroupedMLP (grouped_gemm package) is gone, and the local "
-           "layer spec ignores moe_grouped_gemm and silently builds SequentialMLP (models/backends.py "
-           "LocalSpecProvider.grouped_mlp_modules)")
-    if importlib.util.find_spec("transformer_engine") is None:
-        return why + "; Transformer-Engine is not installed here"
-    return why + "; the harness builds the local (non-TE) layer spec only"
+    """Why a zoo model with `moe_grouped_gemm` cannot be built with the local layer spec."""
+    return ("grouped GEMM experts need layer_spec: te: megatron-core 0.19.2 builds them only as TEGroupedMLP "
+            "(Transformer-Engine grouped linears); its legacy GroupedMLP (grouped_gemm package) is gone, and the local "
+            "layer spec ignores moe_grouped_gemm and silently builds SequentialMLP (models/backends.py "
+            "LocalSpecProvider.grouped_mlp_modules)")
 
 
-def unavailable_reason(spec: ModelSpec) -> str | None:
-    """Why this zoo model cannot be built in this environment (None: it can). Matrix validation
-    refuses such an entry with this reason instead of dropping it or building something else."""
-    if getattr(spec, "moe_grouped_gemm", False):
+def unavailable_reason(spec: ModelSpec, layer_spec: LayerSpec = "local") -> str | None:
+    """Why this zoo model cannot be built with `layer_spec` (None: it can). Matrix validation refuses
+    such an entry with this reason instead of building something else; with `te` a grouped-GEMM
+    model builds (and the case needs te: not-run where Transformer-Engine is absent)."""
+    if getattr(spec, "moe_grouped_gemm", False) and layer_spec != "te":
         return grouped_gemm_unavailable()
     return None
 
@@ -183,7 +179,7 @@ def build_gpt(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", layer_spec
 
     from harness.compat import seed_model_parallel
 
-    unavailable = unavailable_reason(spec)
+    unavailable = unavailable_reason(spec, layer_spec)
     if unavailable:
         raise RuntimeError(f"model {spec.name!r}: {unavailable}")
     seed_model_parallel(spec.seed)

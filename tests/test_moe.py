@@ -98,7 +98,7 @@ def test_expert_topologies_the_model_cannot_take_are_named():
     ("{case: reshard-weights, models: [gpt-moe], pairs: ['dp2 -> dp3ep3'], backends: [mcore_dist]}",
      "num_moe_experts=4 is not divisible by ep=3"),
     ("{case: reshard-weights, models: [gpt-moe-grouped], pairs: ['dp2ep2 -> dp1'], backends: [mcore_dist]}",
-     "grouped GEMM experts not available: megatron-core 0.19.2 builds them only as TEGroupedMLP"),
+     "grouped GEMM experts need layer_spec: te: megatron-core 0.19.2 builds them only as TEGroupedMLP"),
     ("{case: resume, models: [gpt-moe], pairs: ['tp2 -> dp2ep2'], backends: [mcore_dist]}",
      "a MoE model trains at tp > 1 only with sequence parallelism"),
     ("{case: reshard-optimizer, models: [gpt-moe], pairs: ['dp2ep2 -> tp2ep2etp1'], backends: [mcore_dist]}",
@@ -128,3 +128,19 @@ def test_smoke_matrix_covers_every_kind_of_expert_change():
     shardings = {dict(c.options).get("sharding") for c in cases if c.case == "reshard-optimizer" and c.source.ep != c.target.ep}
     assert shardings >= {"fully_reshardable", "dp_reshardable"}
     assert any(dict(c.options).get("dtype") == "bf16" for c in cases)
+
+
+def test_grouped_gemm_experts_build_with_the_te_spec_and_are_not_run_without_te(tmp_path):
+    """Grouped GEMM (TEGroupedMLP) exists only with the TE layer spec: with it the entry loads and
+    needs te (not-run on a machine without Transformer-Engine, naming it); nothing is built instead."""
+    from harness.matrix import load_matrix
+    from harness.requires import probe
+    from harness.runner import RunOptions, run_case
+
+    path = tmp_path / "m.yaml"
+    path.write_text("entries: [{case: reshard-weights, models: [gpt-moe-grouped], pairs: ['dp2ep2 -> dp1'], options: {layer_spec: te}}]\n")
+    (spec,) = load_matrix(path).cases
+    assert set(spec.requires) == {"cuda", "te"}
+    if probe().te_missing:
+        r = run_case(spec, RunOptions(dist_backend="gloo"))
+        assert r.status == "not-run" and "Transformer-Engine" in r.not_run_reason and not r.memory

@@ -36,14 +36,14 @@ def _needs_gpu(spec) -> bool:
 def test_nightly_matrix_expands_with_stable_unique_ids_and_gpu_requirements():
     m = load_matrix(NIGHTLY)
     ids = [c.id for c in m.cases]
-    assert len(ids) == len(set(ids)) == 60 and ids == [c.id for c in load_matrix(NIGHTLY).cases]
+    assert len(ids) == len(set(ids)) == 80 and ids == [c.id for c in load_matrix(NIGHTLY).cases]
     assert all("gpu" in c.markers for c in m.cases)
     assert max(max(c.source.world_size, c.target.world_size) for c in m.cases) == 8
     origins = Counter(c.origin for c in m.cases)
     raw_entries = NIGHTLY.read_text().count("\n  - case:")
     assert len(origins) == raw_entries  # every entry contributes cases
     for c in m.cases:
-        if c.tag == "te":
+        if c.opts.get("layer_spec") == "te":
             assert set(c.requires) == {"cuda", "te"} and c.opts["layer_spec"] == "te", c.id
         elif c.model == "gpt-1b":
             assert c.requires == ("cuda", "host-memory-gib>=64") and c.budgets, c.id

@@ -155,7 +155,8 @@ def _cross_process_results_queue() -> None:
     filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
 
 
-#: The on-demand shim an mcore_dist backend with `async_save: mcore` asks for (`require`).
+#: The on-demand shim every async save asks for (`require`): mcore_dist with `async_save: mcore`
+#: and verl_manager with `async_save` (verl's saves go through the same megatron-core writer).
 ASYNC_RESULTS_QUEUE = "mcore_dist async_save: cross-process write-results queue"
 
 SHIMS: tuple[Shim, ...] = (
@@ -462,9 +463,6 @@ VERL_SHIMS: dict[str, str] = {
     "verl: CPU RNG tracker holds a state": "C1 on CPU megatron's RNG tracker is the inference tracker (no states, set_states a "
     "no-op), and verl's load_rng_states raises a bare KeyError on an empty tracker state; the shim gives it one CPU generator "
     "state (seed + 2718 + tp rank, as model_parallel_cuda_manual_seed) and a set_states that keeps what it is given",
-    "verl: cross-process async write results": "mcore's async writer runs in a forked process: the in-process write-results "
-    "queue above cannot carry its results back (RuntimeError 'results_queue should not be empty'); async saves get a "
-    "fork-context Manager queue",
 }
 
 
@@ -482,18 +480,6 @@ def verl_rng_tracker_state(seed: int) -> None:
     tracker.states_ = {"model-parallel-rng": gen.get_state()}
     tracker.set_states = types.MethodType(CudaRNGStatesTracker.set_states, tracker)
     _note("verl: CPU RNG tracker holds a state")
-
-
-def verl_async_results_queue() -> None:
-    import multiprocessing as mp
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if not getattr(filesystem_async._results_queue, "_ckpt_harness_cross_process", False):
-        q = mp.get_context("fork").Manager().Queue()
-        q._ckpt_harness_cross_process = True
-        filesystem_async._results_queue = q
-    _note("verl: cross-process async write results")
 
 
 def apply_verl_workaround(name: str) -> None:

@@ -94,7 +94,7 @@ class VerlManager(Backend):
             if o.async_save or not w.startswith("verl_async"):
                 compat.apply_verl_workaround(w)
         if o.async_save:
-            compat.verl_async_results_queue()
+            compat.require(compat.ASYNC_RESULTS_QUEUE)  # the same writer as mcore_dist's async saves
         from megatron.core import tensor_parallel
 
         if not tensor_parallel.get_cuda_rng_tracker().get_states():

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
 from harness import world
-from harness.options import NoOptions, option_defaults, parse_options  # noqa: F401 (the case contract's typed options)
+from harness.options import NoOptions, parse_options
 from harness.backends import STRATEGY_CHECK
 from harness.result import CaseResult
 from harness.spec import CaseSpec, check_base

@@ -8,7 +8,7 @@ imports the other for it.
 from __future__ import annotations
 
 import typing
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Literal
 
 
@@ -69,7 +69,3 @@ def parse_options(cls: type, raw: dict[str, Any], owner: str) -> Any:
         return cls(**{k: _coerce(k, v, hints[k]) for k, v in raw.items()})
     except TypeError as exc:  # a required field without a default
         raise ValueError(f"{owner}: {exc}") from None
-
-
-def option_defaults(cls: type) -> dict[str, Any]:
-    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}

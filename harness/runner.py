@@ -85,6 +85,8 @@ _UPSTREAM = (("megatron.bridge", "megatron-bridge"), ("megatron", "megatron-core
 _API_ERRORS = ("ImportError", "ModuleNotFoundError", "AttributeError")
 _NAMED_MODULE = re.compile(r"No module named '([\w.]+)'|cannot import name '\w+' from '([\w.]+)'|module '([\w.]+)' has no attribute")
 _FRAME = re.compile(r'File ".*?site-packages/([\w/]+)\.py"')
+# An attribute missing on a builtin value (None where a dict was expected) is bad data, not a moved API.
+_DATA_OBJECT = re.compile(r"^'(NoneType|dict|list|tuple|str|bytes|int|float|bool)' object has no attribute")
 
 
 def api_unavailable(exc_type: str, message: str, traceback_text: str) -> str | None:
@@ -93,7 +95,7 @@ def api_unavailable(exc_type: str, message: str, traceback_text: str) -> str | N
     The package is the module the message names, else the last upstream frame of the traceback."""
     from importlib import metadata
 
-    if exc_type not in _API_ERRORS:
+    if exc_type not in _API_ERRORS or (exc_type == "AttributeError" and _DATA_OBJECT.match(message)):
         return None
     named = _NAMED_MODULE.search(message)
     frames = _FRAME.findall(traceback_text)

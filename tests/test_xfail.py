@@ -86,6 +86,9 @@ def test_other_errors_are_not_called_api_changes():
 
     assert api_unavailable("KeyError", "'step'", "") is None
     assert api_unavailable("AttributeError", "'Foo' object has no attribute 'x'", 'File "/work/harness/case.py", line 1') is None
+    # verl reading a corrupt checkpoint: megatron-core got None where the common state should be
+    tb = 'File "/v/lib/python3.12/site-packages/megatron/core/dist_checkpointing/serialization.py", line 340'
+    assert api_unavailable("AttributeError", "'NoneType' object has no attribute 'get'", tb) is None
 
 
 def test_megatron_training_belongs_to_megatron_core():

@@ -140,10 +140,11 @@ def build_job(p: _Phase, decoy: bool):
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from harness import bridge as mb
+        from harness.backends import get_backend
 
         ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=cfg.use_distributed_optimizer)
-        bm = mb.build(p.hf_dir, p.model, p.topo, load_weights=not decoy, ddp_config=ddp_config)  # decoy: the provider's init
+        # the backend builds it as its client does (verl: Megatron-Bridge's provider, or mbridge); decoy: the model's own init
+        bm = get_backend(p.backend).build_bridge_model(p.hf_dir, p.model, p.topo, load_weights=not decoy, ddp_config=ddp_config)
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.lr / 100 if cfg.lr_schedule != "none" else None, weight_decay=cfg.weight_decay,
             use_distributed_optimizer=cfg.use_distributed_optimizer, bf16=False, fp16=False, params_dtype=torch.float32, clip_grad=1.0,
@@ -252,7 +253,7 @@ def read_disk(root: Path, last: int) -> OnDisk:
     complete = {e: bool(check_is_distributed_checkpoint(str(actor / e))) for e in entries if e.endswith("/dist_ckpt")}
     manifest = json.loads((actor / "ckpt_contents.json").read_text()) if (actor / "ckpt_contents.json").exists() else None
     hf = None
-    if (actor / "model" / "huggingface").is_dir():
+    if any((actor / "model" / "huggingface").glob("*.safetensors")):  # verl mkdirs the subtree even when it saves no HF tree
         from harness.backends._safetensors import read_safetensors
 
         hf = read_safetensors(actor / "model" / "huggingface")
@@ -432,6 +433,12 @@ class VerlCheckpoint(Case):
             raise ValueError("option 'refuse_with' only means something with expect: refuse")
         b = get_backend(spec.backend_ref).options
         hf = get_model(spec.model).kind == "hf"
+        if getattr(b, "bridge", "provider") == "vanilla":
+            from harness.mbridge import MBRIDGE_MODEL_TYPES
+
+            if not hf or get_model(spec.model).arch not in MBRIDGE_MODEL_TYPES:
+                raise ValueError(f"backend option bridge 'vanilla' (mbridge) needs an HF fixture of a model type mbridge 0.15.1 maps "
+                                 f"({', '.join(MBRIDGE_MODEL_TYPES)}), got {spec.model!r}")
         wants_hf = "hf_model" in b.save_contents + b.load_contents or (not b.use_dist_checkpointing and "model" in b.save_contents + b.load_contents)
         if wants_hf and not hf:
             raise ValueError("HF-format model contents (hf_model, or model without use_dist_checkpointing) need a Megatron-Bridge "

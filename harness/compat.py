@@ -456,14 +456,36 @@ VERL_WORKAROUNDS: dict[str, str] = {
     "megatron-core 0.19.2's FileSystemWriterAsync returns write results through ONE process-wide queue, taking the first "
     "(get_nowait) at finalize: a request can finalize with another tree's results, writing metadata for files it does not "
     "hold (a corrupt checkpoint, silent at save); the harness finalizes each async request before the next is scheduled",
+    "mbridge_encoder_and_decoder": "F6 verl 0.9.1's vanilla bridge (vanilla_mbridge=True) builds the model with mbridge 0.15.1 "
+    "(verl's own pin), whose get_model (mbridge/core/util.py:52,83) compares the model type with "
+    "ModelType.encoder_and_decoder, a member megatron-core 0.19.2 no longer has: AttributeError before any layer is "
+    "built; the harness gives megatron-core's ModelType that name (a value no model type equals)",
 }
 DEFAULT_VERL_WORKAROUNDS = tuple(VERL_WORKAROUNDS)
+#: the verl workarounds that matter only on one path: async saves, the vanilla (mbridge) bridge
+ASYNC_VERL_WORKAROUNDS = tuple(w for w in VERL_WORKAROUNDS if w.startswith("verl_async"))
+VANILLA_VERL_WORKAROUNDS = ("mbridge_encoder_and_decoder",)
 
 VERL_SHIMS: dict[str, str] = {
     "verl: CPU RNG tracker holds a state": "C1 on CPU megatron's RNG tracker is the inference tracker (no states, set_states a "
     "no-op), and verl's load_rng_states raises a bare KeyError on an empty tracker state; the shim gives it one CPU generator "
     "state (seed + 2718 + tp rank, as model_parallel_cuda_manual_seed) and a set_states that keeps what it is given",
+    "mbridge: TE layer spec from local modules": "C2 mbridge builds megatron-core's Transformer-Engine layer spec and maps "
+    "TE's parameter names (linear_qkv.layer_norm_weight); TE does not install on CPU, so its TESpecProvider is None: the "
+    "shim makes it local modules with the input norm folded into the column-parallel linear under TE's names "
+    "(harness.mbridge.LocalTESpecProvider); applied only without TE",
 }
+MBRIDGE_TE_SPEC = "mbridge: TE layer spec from local modules"
+
+
+def mbridge_te_spec() -> None:
+    """C2 (where Transformer-Engine is absent): see VERL_SHIMS."""
+    if _te_importable() or MBRIDGE_TE_SPEC in _installed:
+        return
+    from harness.mbridge import install_te_spec_stand_in
+
+    install_te_spec_stand_in()
+    _note(MBRIDGE_TE_SPEC)
 
 
 def verl_rng_tracker_state(seed: int) -> None:
@@ -538,6 +560,11 @@ def apply_verl_workaround(name: str) -> None:
 
         mcore_async_strategy._ckpt_harness = True
         dist_checkpointing.save = mcore_async_strategy
+    elif name == "mbridge_encoder_and_decoder":
+        from megatron.core.models.gpt.gpt_model import ModelType  # the enum mbridge imports
+
+        if not hasattr(ModelType, "encoder_and_decoder"):
+            ModelType.encoder_and_decoder = object()
     else:
         raise ValueError(f"unknown verl workaround {name!r}; known: {sorted(VERL_WORKAROUNDS)}")
 

@@ -8,8 +8,9 @@ The manager is built as verl's Megatron engine builds it (verl/workers/engine/me
 transformer_impl.py, `initialize`): an OmegaConf `{model.path, megatron.{dist_ckpt_optim_fully_reshardable,
 distrib_optim_fully_reshardable_mem_efficient}}`, an `McoreCheckpointConfig(save_contents,
 load_contents, async_save)`, the DDP-wrapped chunks, the megatron optimizer and scheduler, and for a
-Megatron-Bridge model its AutoBridge + provider (the provider path; verl's vanilla path needs the
-`mbridge` package's AutoBridge, not installed). The optimizer format follows the job: its
+Megatron-Bridge model its AutoBridge + provider (the provider path), or with option `bridge: vanilla`
+the `mbridge` package's AutoBridge and no provider (verl's deprecated vanilla_mbridge path: the model
+itself is then built by mbridge through verl's make_megatron_module, harness.mbridge). The optimizer format follows the job: its
 `sharding` fully_reshardable sets dist_ckpt_optim_fully_reshardable, `mem_efficient` the other.
 
 Layout, as verl's trainer lays it out: `<dir>/global_step_<N>/actor/` per save, the tracker
@@ -18,7 +19,8 @@ backend) and by the manager's finalize after an async one; a load resolves the t
 own `find_latest_ckpt_path`. One manager per job and rank, so `max_ckpt_to_keep` sees every save.
 
 Options (matrix `backend_options` / axes `backend.<name>`): `save_contents`, `load_contents`
-(subsets of model, optimizer, extra, hf_model), `use_dist_checkpointing`, `async_save`,
+(subsets of model, optimizer, extra, hf_model), `use_dist_checkpointing`, `async_save`, `bridge`
+(provider | vanilla: which bridge builds and converts a Bridge model),
 `max_ckpt_to_keep` (0: keep all), `use_checkpoint_opt_param_scheduler`, and `workarounds` (the verl
 defects of harness.compat.VERL_WORKAROUNDS stepped around; an entry that drops one shows it).
 """
@@ -56,6 +58,7 @@ class VerlOptions:
     async_save: bool = False
     max_ckpt_to_keep: int = 0  # 0: None (keep every checkpoint)
     use_checkpoint_opt_param_scheduler: bool = True
+    bridge: Literal["provider", "vanilla"] = "provider"  # verl's vanilla_mbridge False / True
     workarounds: tuple[str, ...] = compat.DEFAULT_VERL_WORKAROUNDS
 
     def __post_init__(self) -> None:
@@ -84,15 +87,42 @@ class VerlManager(Backend):
         return other
 
     def notes(self) -> list[str]:
-        return [f"verl workaround applied: {w}: {compat.VERL_WORKAROUNDS[w]}" for w in self.options.workarounds]
+        return [f"verl workaround applied: {w}: {compat.VERL_WORKAROUNDS[w]}" for w in self._workarounds()]
 
     # ------------------------------------------------------------------ the manager
 
+    def validate_case(self, case: Any, source: Any, target: Any, opts: Any) -> None:
+        if self.options.bridge == "vanilla" and case.name != "verl-checkpoint":
+            raise ValueError(f"backend option bridge 'vanilla' builds a Bridge model with mbridge from an HF fixture; case {case.name} "
+                             "trains a GPT zoo model (only verl-checkpoint builds Bridge models)")
+
+    def unavailable(self) -> str | None:
+        import importlib.util
+
+        if self.options.bridge == "vanilla" and importlib.util.find_spec("mbridge") is None:
+            return "backend option bridge 'vanilla' needs the mbridge package (requirements-nodeps.txt), which is not installed"
+        return None
+
+    def _workarounds(self) -> list[str]:
+        o = self.options
+        return [w for w in o.workarounds if (o.async_save or w not in compat.ASYNC_VERL_WORKAROUNDS)
+                and (o.bridge == "vanilla" or w not in compat.VANILLA_VERL_WORKAROUNDS)]
+
+    def build_bridge_model(self, hf_dir, spec, topo, *, load_weights: bool = True, ddp_config: Any = None) -> Any:
+        if self.options.bridge == "provider":
+            return super().build_bridge_model(hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config)
+        from harness import mbridge
+
+        for w in self._workarounds():
+            if w in compat.VANILLA_VERL_WORKAROUNDS:
+                compat.apply_verl_workaround(w)
+        compat.mbridge_te_spec()
+        return mbridge.build(hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config)
+
     def _prepare(self, job) -> None:
         o = self.options
-        for w in o.workarounds:
-            if o.async_save or not w.startswith("verl_async"):
-                compat.apply_verl_workaround(w)
+        for w in self._workarounds():
+            compat.apply_verl_workaround(w)
         if o.async_save:
             compat.require(compat.ASYNC_RESULTS_QUEUE)  # the same writer as mcore_dist's async saves
         from megatron.core import tensor_parallel
@@ -181,7 +211,9 @@ def build_manager(job, o: VerlOptions):
         from transformers import AutoTokenizer
 
         bridge, provider = bm.bridge, bm.provider
-        hf_config = bm.bridge.hf_pretrained.config
+        from harness.mbridge import hf_config_of
+
+        hf_config = hf_config_of(bm.bridge)
         processing_class = AutoTokenizer.from_pretrained(bm.base_path)
         arch = hf_config.architectures[0]
     return MegatronCheckpointManager(

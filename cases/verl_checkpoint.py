@@ -1,7 +1,9 @@
 """verl-checkpoint: what only a manager-style training checkpoint has (issue 10), through a backend
 with the `manager` capability (verl_manager: verl 0.9.1's MegatronCheckpointManager).
 
-A job (GPT zoo model, or a Megatron-Bridge model from an HF fixture) with a real LR scheduler
+A job (GPT zoo model, or a Megatron-Bridge model from an HF fixture, optionally with LoRA adapters:
+option `adapter`, then the base comes from the fixture on both sides, as verl's engine loads it, and
+only the adapters, at known values at S and decoys at D, travel in the checkpoint) with a real LR scheduler
 trains `steps` steps at S and is saved `saves` times (one more step between saves) the way verl's
 trainer saves: `<ckpt>/global_step_<N>/actor`, then the tracker. The RNG state is set to a known,
 step-derived value right before the last save. A fresh job at D (decoy weights, a scheduler at step
@@ -26,6 +28,10 @@ Checks:
   hf-export       (HF tree saved, Bridge model, untrained) the HF tree's safetensors equal the
                   fixture's, bitwise (keys, dtypes, bytes)
   weights-match-main-params   (bf16) bf16 weights == fp32 main params cast down, at S and after the load
+  peft-load, adapter-config, logits   (option `adapter`: a LoRA/CanonicalLoRA job, verl's `peft_cls`, with
+                  the HF tree saved) the adapter verl exported (model/huggingface/adapter) loads into
+                  transformers+PEFT without missing/unexpected keys, declares the r / lora_alpha /
+                  targets asked, and gives Megatron+LoRA's logits at S (as case peft-export)
   refusal         (expect: refuse) the resume raised one of `refuse_with`
 """
 
@@ -34,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -63,6 +69,7 @@ class Options(TrainOptions):
     lr_schedule: Literal["none", "warmup-cosine"] = "warmup-cosine"
     saves: int = 1  # consecutive saves through one manager, a step apart (max_ckpt_to_keep)
     refuse_with: tuple[str, ...] = ("CheckpointingException",)
+    adapter: Literal["none", "lora", "canonical_lora"] = "none"  # a PEFT job (Bridge model): verl's peft_cls
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,6 +97,7 @@ class VerlOut(TrainOut):
     scheduler: dict | None = None
     rng: dict[str, str] = field(default_factory=dict)
     saved_steps: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # (adapter) Megatron+LoRA logits at S, on the rank that has them
 
 
 def set_rng(seed: int) -> None:
@@ -126,6 +134,15 @@ def rng_digest() -> dict[str, str]:
             "torch": h(torch.get_rng_state().tolist()), "tracker": h(tracker)}
 
 
+def adapter_spec(model: Any, kind: str):
+    """The Bridge adapter of option `adapter` (None for `none`), as case peft-export builds it."""
+    if kind == "none":
+        return None
+    from cases.peft_export import PeftOptions
+
+    return PeftOptions(adapter=kind).spec(model)
+
+
 def build_job(p: _Phase, decoy: bool):
     """The job at this rank: GPT zoo (harness.training) or a Bridge model (provider path), with the
     case's optimizer knobs and LR scheduler. A decoy job starts from other weights."""
@@ -143,8 +160,15 @@ def build_job(p: _Phase, decoy: bool):
         from harness.backends import get_backend
 
         ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=cfg.use_distributed_optimizer)
-        # the backend builds it as its client does (verl: Megatron-Bridge's provider, or mbridge); decoy: the model's own init
-        bm = get_backend(p.backend).build_bridge_model(p.hf_dir, p.model, p.topo, load_weights=not decoy, ddp_config=ddp_config)
+        # the backend builds it as its client does (verl: Megatron-Bridge's provider, or mbridge); decoy: the model's own init,
+        # except with adapters: verl's engine loads the HF base at build, only the adapters come from the checkpoint
+        adapter = adapter_spec(p.model, p.opts.adapter)
+        bm = get_backend(p.backend).build_bridge_model(p.hf_dir, p.model, p.topo, load_weights=not decoy or adapter is not None,
+                                                       ddp_config=ddp_config, adapter=adapter)
+        if adapter is not None:
+            from harness import bridge as mb
+
+            mb.fill_adapters(bm, p.model, replace(adapter, seed=adapter.seed + 1) if decoy else adapter)
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.lr / 100 if cfg.lr_schedule != "none" else None, weight_decay=cfg.weight_decay,
             use_distributed_optimizer=cfg.use_distributed_optimizer, bf16=False, fp16=False, params_dtype=torch.float32, clip_grad=1.0,
@@ -187,6 +211,10 @@ def _rank(ctx: RankContext, p: _Phase) -> VerlOut:
         step = opts.steps
     elif "prime_adam" in opts.workarounds:  # megatron-core: a never-stepped torch Adam cannot be saved either
         prime_optimizer_state(job.optimizer)
+    if opts.adapter != "none":
+        from harness import bridge as mb
+
+        out.logits = mb.megatron_logits(job.bridge, p.model, ctx.device)
     for i in range(opts.saves):
         if i:
             if p.model.kind == "gpt":
@@ -263,17 +291,21 @@ def read_disk(root: Path, last: int) -> OnDisk:
 # --------------------------------------------------------------------------- judging
 
 
-def expected(save_contents: tuple[str, ...], use_dist: bool, bridge: bool, scheduler: bool) -> tuple[set[str], set[str]]:
+def expected(save_contents: tuple[str, ...], use_dist: bool, bridge: bool, scheduler: bool, peft: bool = False) -> tuple[set[str], set[str]]:
     """(entries under the step directory, manifest contents keys) that verl 0.9.1 documents for a
-    save (MegatronCheckpointManager.save_checkpoint docstring and _build_checkpoint_manifest)."""
+    save (MegatronCheckpointManager.save_checkpoint docstring and _build_checkpoint_manifest). A PEFT
+    job saving HF also writes its adapter shards to model/dist_ckpt (manifest key peft_adapters)."""
     hf = "hf_model" in save_contents or ("model" in save_contents and not use_dist)
     dist_model = "model" in save_contents and use_dist
     entries, keys = {"ckpt_contents.json"}, set()
     if dist_model or hf:
         entries.add("model")
-    if dist_model:
+    if dist_model or (hf and peft):
         entries.add("model/dist_ckpt")
+    if dist_model:
         keys.add("model")
+    if hf and peft:
+        keys.add("peft_adapters")
     if hf:
         entries.add("model/huggingface")
         keys |= {"hf_config"} | ({"tokenizer"} if bridge else set())
@@ -305,6 +337,7 @@ class Judged:
     keep: int
     trained: bool
     dtype: str = "fp32"
+    adapter: str = "none"
 
 
 def _not_run(name: str, why: str) -> Check:
@@ -312,7 +345,7 @@ def _not_run(name: str, why: str) -> Check:
 
 
 def layout_checks(a: Judged, disk: OnDisk, last: int) -> list[Check]:
-    want_entries, want_keys = expected(a.save_contents, a.use_dist, a.bridge, a.scheduler)
+    want_entries, want_keys = expected(a.save_contents, a.use_dist, a.bridge, a.scheduler, a.adapter != "none")
     got = set(disk.entries)
     top_level_or_listed = {e for e in got if "/" not in e or e.split("/")[0] in ("model", "optimizer", "extra")}
     missing, extra = sorted(want_entries - got), sorted(top_level_or_listed - want_entries)
@@ -332,8 +365,9 @@ def layout_checks(a: Judged, disk: OnDisk, last: int) -> list[Check]:
             if m.get(k) != v:
                 wrong.append(f"{k}={m.get(k)!r}, expected {v!r}")
         backend = m.get("backend", {})
-        if backend.get("use_dist_checkpointing") != a.use_dist or backend.get("has_bridge") != a.bridge:
-            wrong.append(f"backend={backend}, expected use_dist_checkpointing={a.use_dist} has_bridge={a.bridge}")
+        peft = a.adapter != "none"
+        if backend.get("use_dist_checkpointing") != a.use_dist or backend.get("has_bridge") != a.bridge or backend.get("peft", False) != peft:
+            wrong.append(f"backend={backend}, expected use_dist_checkpointing={a.use_dist} has_bridge={a.bridge} peft={peft}")
         keys = set(m.get("contents", {}))
         if keys != want_keys:
             wrong.append(f"contents {sorted(keys)}, expected {sorted(want_keys)}")
@@ -402,7 +436,9 @@ def judge(a: Judged, saved: list[VerlOut], loaded: list[VerlOut], disk: OnDisk, 
         why = f"load_contents {list(a.load_contents)} has no optimizer"
         checks += [_not_run("optimizer-state", why), _not_run("step", why), _not_run("scheduler", why)]
     checks.append(rng_check(saved, loaded) if "extra" in a.load_contents else _not_run("rng", f"load_contents {list(a.load_contents)} has no extra"))
-    if disk.hf is None:
+    if a.adapter != "none":
+        checks.append(_not_run("hf-export", "a PEFT job's HF tree is its adapter (checks peft-load, adapter-config, logits)"))
+    elif disk.hf is None:
         checks.append(_not_run("hf-export", "no HF tree saved (model/huggingface)"))
     elif fixture is None or a.trained:
         checks.append(_not_run("hf-export", "the saved weights are trained: the fixture is no longer their truth"))
@@ -423,7 +459,7 @@ class VerlCheckpoint(Case):
     Options = Options
     needs = frozenset({"training_state", "manager"})
     checks = ("layout", "manifest", "tracker", "retention", "model-weights", "optimizer-state", "step", "scheduler", "rng",
-              "hf-export", WEIGHTS_MATCH_MAIN_PARAMS, "refusal")
+              "hf-export", WEIGHTS_MATCH_MAIN_PARAMS, "peft-load", "adapter-config", "logits", "refusal")
     refusable = True
 
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
@@ -443,6 +479,9 @@ class VerlCheckpoint(Case):
         if wants_hf and not hf:
             raise ValueError("HF-format model contents (hf_model, or model without use_dist_checkpointing) need a Megatron-Bridge "
                              f"model (an HF fixture), got {spec.model!r}")
+        if opts.adapter != "none" and (not hf or getattr(b, "bridge", "provider") != "provider"):
+            raise ValueError(f"option adapter {opts.adapter!r} (verl's peft_cls) needs a Megatron-Bridge model built by the provider "
+                             f"(an HF fixture, backend option bridge: provider), got {spec.model!r}")
         if hf and opts.dtype != "fp32":
             raise ValueError("a Bridge model is built fp32 (harness.bridge); dtype bf16 takes a GPT zoo model")
         if hf and opts.steps:
@@ -483,8 +522,36 @@ class VerlCheckpoint(Case):
 
                 fixture = read_safetensors(hf_dir)
             a = Judged(spec.source.id, spec.target.id, b.options.save_contents, b.options.load_contents, b.options.use_dist_checkpointing,
-                       model.kind == "hf", opts.lr_schedule != "none", opts.saves, b.options.max_ckpt_to_keep, opts.steps > 0, opts.dtype)
+                       model.kind == "hf", opts.lr_schedule != "none", opts.saves, b.options.max_ckpt_to_keep, opts.steps > 0, opts.dtype,
+                       opts.adapter)
             result.checks.extend(judge(a, saved, loaded, disk, fixture))
+            actor = ckpt / f"global_step_{max(saved[0].saved_steps)}" / "actor"
+            result.checks.extend(adapter_checks(model, opts, hf_dir, actor / "model" / "huggingface" / "adapter", saved, spec.source.id))
+
+
+def adapter_checks(model: Any, opts: Options, hf_dir: Path, adapter_dir: Path, saved: list[VerlOut], src: str) -> list[Check]:
+    """The HF PEFT adapter verl exported, as a user loads it (case peft-export's checks): peft-load,
+    adapter-config (r, lora_alpha, targets, base model), logits (transformers+PEFT vs Megatron+LoRA at S)."""
+    from cases.peft_export import PeftOptions, _peft_load_problems, config_check, hf_target_modules, logits_check
+    from harness import truth
+    from harness.hf_models import hf_logits
+
+    names = ("peft-load", "adapter-config", "logits")
+    if opts.adapter == "none":
+        return [_not_run(n, "no adapter (option adapter: none)") for n in names]
+    if not (adapter_dir / "adapter_config.json").exists():
+        return [_not_run(n, f"no HF adapter exported ({adapter_dir.name} under model/huggingface: hf_model not saved)") for n in names]
+    po = PeftOptions(adapter=opts.adapter)
+    problems = _peft_load_problems(hf_dir, adapter_dir)
+    asked = {"r": po.dim, "lora_alpha": po.alpha, "target_modules": hf_target_modules(model), "base_model_name_or_path": str(hf_dir)}
+    ids = truth.fixed_input_ids(model)
+    meg = next((o.logits for o in saved if o.logits is not None), None)
+    return [
+        Check("peft-load", "failed" if problems else "passed", "; ".join(problems[:8]) or "no missing or unexpected keys", tolerance="exact"),
+        config_check(json.loads((adapter_dir / "adapter_config.json").read_text()), asked),
+        logits_check(hf_logits(hf_dir, ids, adapter=adapter_dir), hf_logits(hf_dir, ids), meg, src) if meg is not None
+        else Check("logits", "failed", "no rank returned Megatron+LoRA logits"),
+    ]
 
 
 def refusal_meaning(spec: CaseSpec, b: Any, opts: Options) -> str:

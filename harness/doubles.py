@@ -458,6 +458,38 @@ class VerlWeightOffMainParam(VerlManager):
             _flip_lowest_bit(p.data)
 
 
+class VerlAdapterWrongAlpha(VerlManager):
+    """The HF adapter verl exported declares lora_alpha twice what was trained (rank 0 rewrites its
+    adapter_config.json after the save): a LoRA adapter that loads into PEFT with the wrong alpha."""
+
+    def save_training(self, ctx, job, directory):
+        import torch.distributed as dist
+
+        from harness.backends.verl_manager import step_dir
+
+        super().save_training(ctx, job, directory)
+        path = step_dir(directory, job.step) / "model" / "huggingface" / "adapter" / "adapter_config.json"
+        if ctx.rank == 0 and path.exists():
+            cfg = json.loads(path.read_text())
+            cfg["lora_alpha"] *= 2
+            path.write_text(json.dumps(cfg))
+        dist.barrier()
+
+
+class VerlAdapterNotRestored(VerlManager):
+    """A PEFT resume that restores the base and the optimizer but leaves the adapters at the resuming
+    job's own (decoy) values."""
+
+    def load_training(self, ctx, job, directory):
+        chunk = job.chunks[0]
+        kept = {n: p.detach().clone() for n, p in chunk.named_parameters() if ".adapter." in n}
+        super().load_training(ctx, job, directory)
+        with torch.no_grad():
+            for n, p in chunk.named_parameters():
+                if n in kept:
+                    p.copy_(kept[n])
+
+
 class VerlAsyncModelTreeWritesLast(VerlManager):
     """Not a fault: makes F5's race deterministic. The async writer process of the model tree
     (model/dist_ckpt) starts writing 3 s late, so the optimizer's and extra's write results reach

@@ -22,6 +22,8 @@ register("test_verl_skip_rng", "harness.doubles:VerlSkipRngRestore")
 register("test_verl_corrupt_main", "harness.doubles:VerlCorruptMainParam")
 register("test_verl_weight_off_main", "harness.doubles:VerlWeightOffMainParam")
 register("test_verl_async_model_last", "harness.doubles:VerlAsyncModelTreeWritesLast")
+register("test_verl_adapter_wrong_alpha", "harness.doubles:VerlAdapterWrongAlpha")
+register("test_verl_adapter_not_restored", "harness.doubles:VerlAdapterNotRestored")
 
 
 # --------------------------------------------------------------------------- options and contract
@@ -130,8 +132,9 @@ def _checks(r):
 def test_every_check_passes_and_the_case_records_its_workarounds():
     r = run_case(_spec(src="dp2", dst="dp1"))
     assert r.status == "passed", r.failure_text()
-    assert _checks(r) == {**dict.fromkeys(["layout", "manifest", "tracker", "model-weights", "optimizer-state", "step", "scheduler",
-                                           "rng"], "passed"), **dict.fromkeys(["retention", "hf-export", "weights-match-main-params"], "not-run")}
+    passed = ["layout", "manifest", "tracker", "model-weights", "optimizer-state", "step", "scheduler", "rng"]
+    not_run = ["retention", "hf-export", "weights-match-main-params", "peft-load", "adapter-config", "logits"]
+    assert _checks(r) == {**dict.fromkeys(passed, "passed"), **dict.fromkeys(not_run, "not-run")}
     assert any(n.startswith("verl workaround applied: verl_fresh_model_sd") for n in r.notes)
     assert "verl: CPU RNG tracker holds a state" in r.compat_shims
 
@@ -176,7 +179,8 @@ def test_bf16_through_verl_keeps_weights_equal_to_main_params():
 
 def test_the_doubles_are_the_real_backend_with_one_fault():
     # the doubles are the real backend with one step skipped: same options, same capabilities
-    for name in ("test_verl_skip_scheduler", "test_verl_skip_rng", "test_verl_corrupt_main", "test_verl_weight_off_main"):
+    for name in ("test_verl_skip_scheduler", "test_verl_skip_rng", "test_verl_corrupt_main", "test_verl_weight_off_main",
+                 "test_verl_adapter_wrong_alpha", "test_verl_adapter_not_restored"):
         b = get_backend(name)
         assert b.capabilities == get_backend("verl_manager").capabilities and b.Options is get_backend("verl_manager").Options
 
@@ -197,3 +201,36 @@ def test_f5_concurrent_async_saves_take_each_others_write_results():
     # state), so the test pins the fact, not the message: the save world succeeded (the load world ran),
     # the load of what it wrote did not, and no moved API is blamed
     assert not r.error.startswith("API not available"), r.error[-2000:]
+
+
+def _peft_spec(backend="verl_manager", **backend_options):
+    bo = {"save_contents": ["model", "optimizer", "hf_model"], "load_contents": ["model", "optimizer"], **backend_options}
+    return CaseSpec("verl-checkpoint", "hf-llama", backend, Topology.parse("tp1"), Topology.parse("tp1"),
+                    options=(("adapter", "lora"), ("sharding", "fully_reshardable"), ("steps", 0)),
+                    backend_options=tuple(sorted(bo.items())), timeout_s=180)
+
+
+@needs_verl
+def test_a_peft_job_round_trips_its_adapters_and_exports_what_peft_loads():
+    r = run_case(_peft_spec())
+    assert r.status == "passed", r.failure_text()
+    assert {c: _checks(r)[c] for c in ("model-weights", "optimizer-state", "peft-load", "adapter-config", "logits")} == dict.fromkeys(
+        ("model-weights", "optimizer-state", "peft-load", "adapter-config", "logits"), "passed")
+    assert "adapter moves logits by" in r.check("logits").detail  # not a no-op adapter
+
+
+@needs_verl
+def test_an_exported_adapter_with_the_wrong_alpha_fails_config_and_logits():
+    r = run_case(_peft_spec("test_verl_adapter_wrong_alpha"))
+    assert r.status == "failed"
+    assert [n for n, s in _checks(r).items() if s == "failed"] == ["adapter-config", "logits"], r.failure_text()
+    assert "lora_alpha: asked 8, exported 16" in r.check("adapter-config").detail
+
+
+@needs_verl
+def test_adapters_not_restored_on_resume_fail_model_weights():
+    r = run_case(_peft_spec("test_verl_adapter_not_restored"))
+    assert r.status == "failed"
+    # fp32: the optimizer's main params are the adapter weights themselves, so its state shows it too
+    assert [n for n, s in _checks(r).items() if s == "failed"] == ["model-weights", "optimizer-state"], r.failure_text()
+    assert all(".adapter." in m.key for m in r.check("model-weights").mismatches)

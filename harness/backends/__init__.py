@@ -159,12 +159,14 @@ class Backend(ABC):
         A synchronous backend has nothing pending."""
         return []
 
-    def build_bridge_model(self, hf_dir: Path | str, spec: Any, topo: Any, *, load_weights: bool = True, ddp_config: Any = None) -> Any:
-        """A Megatron-Bridge model at this rank, built as this backend's client builds it (a
-        harness.bridge.BridgeModel): Megatron-Bridge's provider unless the backend knows another way."""
+    def build_bridge_model(self, hf_dir: Path | str, spec: Any, topo: Any, *, load_weights: bool = True, ddp_config: Any = None,
+                           adapter: Any = None) -> Any:
+        """A Megatron-Bridge model at this rank (with `adapter`, a harness.bridge.AdapterSpec, its PEFT
+        adapters), built as this backend's client builds it (a harness.bridge.BridgeModel):
+        Megatron-Bridge's provider unless the backend knows another way."""
         from harness import bridge
 
-        return bridge.build(hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config)
+        return bridge.build(hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config, adapter=adapter)
 
     def save_training(self, ctx: RankContext, job: TrainingState, directory: Path) -> None:
         """Collective: save the live job (model chunks + optimizer) to `directory`."""

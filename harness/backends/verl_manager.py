@@ -108,10 +108,13 @@ class VerlManager(Backend):
         return [w for w in o.workarounds if (o.async_save or w not in compat.ASYNC_VERL_WORKAROUNDS)
                 and (o.bridge == "vanilla" or w not in compat.VANILLA_VERL_WORKAROUNDS)]
 
-    def build_bridge_model(self, hf_dir, spec, topo, *, load_weights: bool = True, ddp_config: Any = None) -> Any:
+    def build_bridge_model(self, hf_dir, spec, topo, *, load_weights: bool = True, ddp_config: Any = None, adapter: Any = None) -> Any:
         if self.options.bridge == "provider":
-            return super().build_bridge_model(hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config)
+            return super().build_bridge_model(hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config, adapter=adapter)
         from harness import mbridge
+
+        if adapter is not None:
+            raise ValueError("verl's vanilla bridge (mbridge 0.15.1) has no PEFT: verl builds LoRA only on the provider path")
 
         for w in self._workarounds():
             if w in compat.VANILLA_VERL_WORKAROUNDS:
@@ -235,6 +238,7 @@ def build_manager(job, o: VerlOptions):
         use_dist_checkpointing=o.use_dist_checkpointing,
         bridge=bridge,
         provider=provider,
+        peft_cls=bm.peft if bm is not None else None,  # the Bridge PEFT object (LoRA/CanonicalLoRA), as verl's engine passes it
     )
 
 

@@ -55,7 +55,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
                       + (f"  ({escape(r.not_run_reason or '')})" if r.status == "not-run" else ""), highlight=False)
 
     # Plain lines, no live display: a refresh thread in the parent is unsafe when ranks fork.
-    results = run_cases(specs, options, on_result=progress)
+    if args.jobs < 1:
+        console.print(f"[red]--jobs must be >= 1, got {args.jobs}[/]")
+        return 2
+    try:
+        results = run_cases(specs, options, on_result=progress, jobs=args.jobs)
+    except ValueError as exc:  # jobs > 1 with NCCL or torchrun
+        console.print(f"[red]{escape(str(exc))}[/]")
+        return 2
     wall = time.perf_counter() - start
     code = _summarize(results, f"{matrix.name} ({args.matrix})", wall, report_path, str(args.matrix), console,
                       fail_on_not_run=args.fail_on_not_run)
@@ -210,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--rank-hook", action="append", default=[], metavar="MODULE:FUNCTION",
                      help="run this function in every rank before the case (fault injection, plugins; repeatable)")
     _add_max_world(run)
+    run.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
+                     help="run N cases at once in forked workers (gloo + mp launcher only; scripts/smoke uses 2)")
     run.add_argument("--fail-on-not-run", action="store_true",
                      help="exit 3 when a case is not-run (the machine lacks CUDA devices, NCCL, TE, memory): a GPU job whose runner lost its GPUs goes red")
     run.set_defaults(func=_cmd_run)

@@ -192,8 +192,16 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
 
 
 def run_cases(
-    specs: Iterable[CaseSpec], options: RunOptions | None = None, on_result: Callable[[CaseResult], None] | None = None
+    specs: Iterable[CaseSpec], options: RunOptions | None = None, on_result: Callable[[CaseResult], None] | None = None,
+    jobs: int = 1,
 ) -> list[CaseResult]:
+    """Every case, in matrix order in the returned list; `on_result` as each finishes. With `jobs` > 1
+    the cases are spread over that many worker processes forked from this one (after the imports
+    every case needs, so workers start warm): a case is still a world per phase, run the same way,
+    and most worlds here are 1-2 ranks that leave a 2-core machine half idle between phases."""
+    specs = list(specs)
+    if jobs > 1 and len(specs) > 1:
+        return _run_parallel(specs, options or RunOptions(), on_result, jobs)
     results = []
     for spec in specs:
         r = run_case(spec, options)
@@ -201,3 +209,46 @@ def run_cases(
         if on_result:
             on_result(r)
     return results
+
+
+def _run_parallel(specs: list[CaseSpec], options: RunOptions, on_result, jobs: int) -> list[CaseResult]:
+    import multiprocessing
+    import threading
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from harness.backends import get_backend
+    from harness.preload import warm
+    from harness.zoo import get_model
+
+    if options.dist_backend == "nccl" or options.launcher == "torchrun":
+        raise ValueError("jobs > 1 runs several worlds at once on this machine: gloo worlds from the mp launcher only "
+                         f"(got dist backend {options.dist_backend!r}, launcher {options.launcher!r}); GPUs take one world at a time")
+    preload: set[str] = set()
+    for spec in specs:
+        try:
+            preload.update(get_backend(spec.backend_ref).preload)
+        except (KeyError, ValueError):
+            pass  # run_case reports the invalid spec
+    if threading.active_count() == 1:
+        warm(bridge=any(_is_hf(spec, get_model) for spec in specs), modules=tuple(sorted(preload)))
+    results: dict[int, CaseResult] = {}
+    # fork when this process has one thread (the CLI): the workers inherit the imports above. A caller
+    # with threads (pytest-xdist's execnet, an embedding program) gets forkserver workers instead, which
+    # import for themselves: a fork taken while another thread holds a lock (stdout, logging) hangs
+    # the worker on it. A worker is not a daemon, so its cases can start ranks.
+    method = "fork" if threading.active_count() == 1 else "forkserver"
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(method)) as pool:
+        futures = {pool.submit(run_case, spec, options): i for i, spec in enumerate(specs)}
+        for done in as_completed(futures):
+            i = futures[done]
+            results[i] = done.result()
+            if on_result:
+                on_result(results[i])
+    return [results[i] for i in range(len(specs))]
+
+
+def _is_hf(spec: CaseSpec, get_model) -> bool:
+    try:
+        return get_model(spec.model).kind == "hf"
+    except KeyError:
+        return False

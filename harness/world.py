@@ -306,6 +306,21 @@ def _wait(ctx, workdir: Path, world_size: int, timeout_s: float, pids: list[int]
             raise WorldTimeout(f"world of {world_size} rank(s) still running after {timeout_s:.0f}s; killed ({_states(ctx)})")
 
 
+def _start(spec: _WorldSpec, world_size: int, start_method: str):
+    """Start the ranks. Under fork, with the parent's objects frozen out of the garbage collector
+    (gc.freeze): a rank's collections would otherwise walk and write every object it inherited,
+    copying the parent's whole heap page by page (the preloaded megatron/transformers imports)."""
+    if start_method != "fork":
+        return tmp.start_processes(_mp_entry, args=(spec,), nprocs=world_size, join=False, start_method=start_method)
+    import gc
+
+    gc.freeze()
+    try:
+        return tmp.start_processes(_mp_entry, args=(spec,), nprocs=world_size, join=False, start_method=start_method)
+    finally:
+        gc.unfreeze()  # the parent collects as before; the ranks keep their inherited objects frozen
+
+
 def launch(
     fn: RankFn,
     arg: Any,
@@ -333,7 +348,7 @@ def launch(
     workdir.mkdir(parents=True, exist_ok=True)
     store_file = workdir / f"rendezvous-{os.getpid()}-{time.monotonic_ns()}"
     spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), str(store_file), timeout_s, hooks=hooks)
-    ctx = tmp.start_processes(_mp_entry, args=(spec,), nprocs=world_size, join=False, start_method=start_method)
+    ctx = _start(spec, world_size, start_method)
     pids = ctx.pids()
     seen: set[psutil.Process] = set()
     try:

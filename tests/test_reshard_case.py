@@ -121,3 +121,61 @@ def test_memory_is_recorded_per_phase_and_rank_and_budgets_fail_with_numbers():
     assert r.status == "failed"
     (c,) = [c for c in r.checks if c.name.startswith("memory-budget")]
     assert c.status == "failed" and "MiB > budget -1.0 MiB" in c.detail
+
+
+_JOBS_SCRIPT = """
+import json, sys
+from harness.backends import register
+from harness.runner import run_cases
+from harness.spec import CaseSpec
+from harness.topology import Topology
+register("test_corrupt_load", "harness.doubles:CorruptAfterLoad")
+specs = [CaseSpec("reshard-weights", "gpt-gqa", b, Topology.parse(s), Topology.parse(d), timeout_s=120)
+         for b, s, d in (("mcore_dist", "tp1", "tp2"), ("test_corrupt_load", "tp2", "tp1"), ("mcore_dist", "pp2", "tp1"))]
+seen = []
+results = run_cases(specs, jobs=2, on_result=lambda r: seen.append(r.id))
+print(json.dumps({"specs": [s.id for s in specs], "ids": [r.id for r in results], "seen": seen,
+                  "status": [r.status for r in results], "failed": [c.name for c in results[1].checks if c.status == "failed"]}))
+"""
+
+
+def test_jobs_fork_warm_workers_from_a_single_threaded_caller_and_keep_matrix_order():
+    # the CLI's situation (one thread: fork), in a subprocess because pytest-xdist's worker has threads
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _JOBS_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["ids"] == got["specs"] and sorted(got["seen"]) == sorted(got["specs"])
+    assert got["status"] == ["passed", "failed", "passed"]
+    assert "loaded-canonical" in got["failed"]  # the double reaches the ranks of a worker
+
+
+def test_jobs_from_a_threaded_caller_use_forkserver_workers():
+    import threading
+
+    from harness.runner import run_cases
+
+    assert threading.active_count() >= 1
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, daemon=True)
+    t.start()  # this process now has a second thread: the workers must not be forked from it
+    try:
+        specs = [_spec(src="tp1", dst="tp2"), _spec(src="tp2", dst="tp1")]
+        results = run_cases(specs, jobs=2)
+    finally:
+        stop.set()
+    assert [r.id for r in results] == [s.id for s in specs]
+    assert [r.status for r in results] == ["passed", "passed"], [r.failure_text() for r in results]
+
+
+def test_jobs_refuse_nccl_and_torchrun_with_a_clear_error(capsys):
+    import pytest
+
+    from harness.runner import RunOptions, run_cases
+
+    for opts in (RunOptions(dist_backend="nccl"), RunOptions(launcher="torchrun")):
+        with pytest.raises(ValueError, match="gloo worlds from the mp launcher only"):
+            run_cases([_spec(), _spec(src="tp1", dst="tp2")], opts, jobs=2)
+    assert main(["run", "matrices/smoke.yaml", "-k", "reshard-weights", "-j", "0"]) == 2

@@ -180,3 +180,19 @@ def test_torchrun_ranks_get_the_case_timeout_and_hooks(tmp_path):
     dump_spec(tmp_path / "spec.pkl", allreduce_ranks, 1.0, 42.0, ("harness.probes:mark_hook",))
     spec = pickle.loads((tmp_path / "spec.pkl").read_bytes())
     assert spec["timeout_s"] == 42.0 and spec["hooks"] == ("harness.probes:mark_hook",) and spec["fn"] is allreduce_ranks
+
+
+def _gc_state(ctx, _):
+    import gc
+
+    return gc.get_freeze_count()
+
+
+def test_ranks_inherit_the_parent_heap_frozen_and_the_parent_collects_as_before(tmp_path):
+    import gc
+
+    # forked ranks keep the parent's objects out of their collections (no copy-on-write of the
+    # whole heap by the collector); the parent's own collector is back to normal after the start
+    counts = launch(_gc_state, None, 2, tmp_path, timeout_s=60)
+    assert all(c > 1000 for c in counts), counts
+    assert gc.get_freeze_count() == 0

@@ -95,6 +95,11 @@ class VerlManager(Backend):
         if self.options.bridge == "vanilla" and case.name != "verl-checkpoint":
             raise ValueError(f"backend option bridge 'vanilla' builds a Bridge model with mbridge from an HF fixture; case {case.name} "
                              "trains a GPT zoo model (only verl-checkpoint builds Bridge models)")
+        if self.options.bridge == "vanilla":
+            for topo in (source, target):
+                if topo.vpp > 1 or topo.ep > 1 or topo.cp > 1:
+                    raise ValueError(f"backend option bridge 'vanilla': harness.mbridge builds TP/PP/DP models, got {topo.id} "
+                                     "(vpp, ep, cp > 1 are not built on the vanilla path here)")
 
     def unavailable(self) -> str | None:
         import importlib.util

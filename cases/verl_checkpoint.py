@@ -248,10 +248,15 @@ class OnDisk:
     empty: list[str] = field(default_factory=list)  # empty directories (contents not saved)
 
 
+def actor_dir(root: Path, step: int) -> Path:
+    """Where verl's trainer puts the actor's checkpoint of global step `step`."""
+    return root / f"global_step_{step}" / "actor"
+
+
 def read_disk(root: Path, last: int) -> OnDisk:
     from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
 
-    actor = root / f"global_step_{last}" / "actor"
+    actor = actor_dir(root, last)
     # what a resume can use: verl's retention removes a step's actor directory (the trainer's
     # global_step_<N>/ itself, which also holds its data.pt, stays)
     steps = sorted(int(d.name.removeprefix("global_step_")) for d in root.glob("global_step_*") if (d / "actor").is_dir())
@@ -469,7 +474,8 @@ class VerlCheckpoint(Case):
             raise ValueError("option 'refuse_with' only means something with expect: refuse")
         b = get_backend(spec.backend_ref).options
         hf = get_model(spec.model).kind == "hf"
-        if getattr(b, "bridge", "provider") == "vanilla":
+        vanilla = getattr(b, "bridge", "provider") == "vanilla"
+        if vanilla:
             from harness.mbridge import MBRIDGE_MODEL_TYPES
 
             if not hf or get_model(spec.model).arch not in MBRIDGE_MODEL_TYPES:
@@ -479,7 +485,7 @@ class VerlCheckpoint(Case):
         if wants_hf and not hf:
             raise ValueError("HF-format model contents (hf_model, or model without use_dist_checkpointing) need a Megatron-Bridge "
                              f"model (an HF fixture), got {spec.model!r}")
-        if opts.adapter != "none" and (not hf or getattr(b, "bridge", "provider") != "provider"):
+        if opts.adapter != "none" and (not hf or vanilla):
             raise ValueError(f"option adapter {opts.adapter!r} (verl's peft_cls) needs a Megatron-Bridge model built by the provider "
                              f"(an HF fixture, backend option bridge: provider), got {spec.model!r}")
         if hf and opts.dtype != "fp32":
@@ -515,7 +521,8 @@ class VerlCheckpoint(Case):
         elif error is not None:
             raise error
         with timed(result, "compare"):
-            disk = read_disk(ckpt, max(saved[0].saved_steps))
+            last = max(saved[0].saved_steps)
+            disk = read_disk(ckpt, last)
             fixture = None
             if hf_dir is not None:
                 from harness.backends._safetensors import read_safetensors
@@ -525,8 +532,8 @@ class VerlCheckpoint(Case):
                        model.kind == "hf", opts.lr_schedule != "none", opts.saves, b.options.max_ckpt_to_keep, opts.steps > 0, opts.dtype,
                        opts.adapter)
             result.checks.extend(judge(a, saved, loaded, disk, fixture))
-            actor = ckpt / f"global_step_{max(saved[0].saved_steps)}" / "actor"
-            result.checks.extend(adapter_checks(model, opts, hf_dir, actor / "model" / "huggingface" / "adapter", saved, spec.source.id))
+            adapter_dir = actor_dir(ckpt, last) / "model" / "huggingface" / "adapter"
+            result.checks.extend(adapter_checks(model, opts, hf_dir, adapter_dir, saved, spec.source.id))
 
 
 def adapter_checks(model: Any, opts: Options, hf_dir: Path, adapter_dir: Path, saved: list[VerlOut], src: str) -> list[Check]:

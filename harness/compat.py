@@ -327,7 +327,7 @@ def require(name: str) -> None:
         raise KeyError(f"no on-demand shim {name!r}")
     if name not in _installed:
         shim.apply()
-        _installed.append(name)
+        _note(name)
 
 
 def seed_model_parallel(seed: int) -> None:
@@ -439,8 +439,8 @@ def import_megatron_bridge():
 
 
 # ------------------------------------------------------------------ verl 0.9.1 (backend verl_manager)
-# Kept apart from the megatron-core entries above: the verl_manager backend installs its shims in
-# its own ranks only (`install_verl`), and a verl workaround is switched by the backend's option
+# Kept apart from the megatron-core entries above: the verl_manager backend applies its shims in
+# its own ranks only (when its code needs them), and a verl workaround is switched by the backend's option
 # `workarounds`, never by a training case's (whose defaults stay the four megatron-core ones).
 
 VERL_WORKAROUNDS: dict[str, str] = {
@@ -466,16 +466,17 @@ DEFAULT_VERL_WORKAROUNDS = tuple(VERL_WORKAROUNDS)
 ASYNC_VERL_WORKAROUNDS = tuple(w for w in VERL_WORKAROUNDS if w.startswith("verl_async"))
 VANILLA_VERL_WORKAROUNDS = ("mbridge_encoder_and_decoder",)
 
+VERL_RNG_TRACKER = "verl: CPU RNG tracker holds a state"
+MBRIDGE_TE_SPEC = "mbridge: TE layer spec from local modules"
 VERL_SHIMS: dict[str, str] = {
-    "verl: CPU RNG tracker holds a state": "C1 on CPU megatron's RNG tracker is the inference tracker (no states, set_states a "
+    VERL_RNG_TRACKER: "C1 on CPU megatron's RNG tracker is the inference tracker (no states, set_states a "
     "no-op), and verl's load_rng_states raises a bare KeyError on an empty tracker state; the shim gives it one CPU generator "
     "state (seed + 2718 + tp rank, as model_parallel_cuda_manual_seed) and a set_states that keeps what it is given",
-    "mbridge: TE layer spec from local modules": "C2 mbridge builds megatron-core's Transformer-Engine layer spec and maps "
+    MBRIDGE_TE_SPEC: "C2 mbridge builds megatron-core's Transformer-Engine layer spec and maps "
     "TE's parameter names (linear_qkv.layer_norm_weight); TE does not install on CPU, so its TESpecProvider is None: the "
     "shim makes it local modules with the input norm folded into the column-parallel linear under TE's names "
     "(harness.mbridge.LocalTESpecProvider); applied only without TE",
 }
-MBRIDGE_TE_SPEC = "mbridge: TE layer spec from local modules"
 
 
 def mbridge_te_spec() -> None:
@@ -501,7 +502,7 @@ def verl_rng_tracker_state(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 2718 + parallel_state.get_tensor_model_parallel_rank())
     tracker.states_ = {"model-parallel-rng": gen.get_state()}
     tracker.set_states = types.MethodType(CudaRNGStatesTracker.set_states, tracker)
-    _note("verl: CPU RNG tracker holds a state")
+    _note(VERL_RNG_TRACKER)
 
 
 def apply_verl_workaround(name: str) -> None:

@@ -223,14 +223,15 @@ def _run_parallel(specs: list[CaseSpec], options: RunOptions, on_result, jobs: i
     if options.dist_backend == "nccl" or options.launcher == "torchrun":
         raise ValueError("jobs > 1 runs several worlds at once on this machine: gloo worlds from the mp launcher only "
                          f"(got dist backend {options.dist_backend!r}, launcher {options.launcher!r}); GPUs take one world at a time")
-    preload: set[str] = set()
-    for spec in specs:
-        try:
-            preload.update(get_backend(spec.backend_ref).preload)
-        except (KeyError, ValueError):
-            pass  # run_case reports the invalid spec
-    if threading.active_count() == 1:
-        warm(bridge=any(_is_hf(spec, get_model) for spec in specs), modules=tuple(sorted(preload)))
+    if threading.active_count() == 1:  # what run_case would import, once here, for every worker
+        bridge, preload = False, set()
+        for spec in specs:
+            try:
+                bridge |= get_model(spec.model).kind == "hf"
+                preload.update(get_backend(spec.backend_ref).preload)
+            except (KeyError, ValueError):
+                pass  # run_case reports the invalid spec
+        warm(bridge=bridge, modules=tuple(sorted(preload)))
     results: dict[int, CaseResult] = {}
     # fork when this process has one thread (the CLI): the workers inherit the imports above. A caller
     # with threads (pytest-xdist's execnet, an embedding program) gets forkserver workers instead, which
@@ -245,10 +246,3 @@ def _run_parallel(specs: list[CaseSpec], options: RunOptions, on_result, jobs: i
             if on_result:
                 on_result(results[i])
     return [results[i] for i in range(len(specs))]
-
-
-def _is_hf(spec: CaseSpec, get_model) -> bool:
-    try:
-        return get_model(spec.model).kind == "hf"
-    except KeyError:
-        return False

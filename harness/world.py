@@ -310,15 +310,16 @@ def _start(spec: _WorldSpec, world_size: int, start_method: str):
     """Start the ranks. Under fork, with the parent's objects frozen out of the garbage collector
     (gc.freeze): a rank's collections would otherwise walk and write every object it inherited,
     copying the parent's whole heap page by page (the preloaded megatron/transformers imports)."""
-    if start_method != "fork":
-        return tmp.start_processes(_mp_entry, args=(spec,), nprocs=world_size, join=False, start_method=start_method)
     import gc
 
-    gc.freeze()
+    fork = start_method == "fork"
+    if fork:
+        gc.freeze()
     try:
         return tmp.start_processes(_mp_entry, args=(spec,), nprocs=world_size, join=False, start_method=start_method)
     finally:
-        gc.unfreeze()  # the parent collects as before; the ranks keep their inherited objects frozen
+        if fork:
+            gc.unfreeze()  # the parent collects as before; the ranks keep their inherited objects frozen
 
 
 def launch(

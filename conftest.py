@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.world import live_children
+from harness.run.world import live_children
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +20,7 @@ def matrix_error(tmp_path):
     what a case's contract refuses at load time."""
     import textwrap
 
-    from harness.matrix import MatrixError, load_matrix
+    from harness.orchestration.matrix import MatrixError, load_matrix
 
     def load(entry: str) -> str:
         path = tmp_path / "m.yaml"

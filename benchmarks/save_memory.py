@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.memory import MiB, track
-from harness.topology import Topology
-from harness.world import RankContext, WorldError, launch
+from harness.core.context import RankContext
+from harness.core.memory import MiB, track
+from harness.core.topology import Topology
+from harness.run.world import WorldError, launch
 
 VARIANTS = (("dp_reshardable", False), ("fully_reshardable", False), ("fully_reshardable", True))
 
@@ -38,12 +39,13 @@ class _Job:
 
 def _save(ctx: RankContext, job: _Job) -> dict:
     """One variant per fresh world: freed-but-kept heap from an earlier save cannot hide a peak."""
-    from harness import models, training
     from harness.backends import get_backend
-    from harness.zoo import get_model
+    from harness.core.zoo import get_model
+    from harness.models import training
+    from harness.models.parallel import init_parallel
 
     spec = get_model(job.model, "gpt")
-    models.init_parallel(job.topo)
+    init_parallel(job.topo)
     ddp, optimizer = training.build_training(spec, job.topo, training.TrainConfig())
     training.train_steps(ddp, optimizer, spec, 0, 1)  # real, non-zero optimizer state
     with track("save", interval_s=0.002) as m:
@@ -53,8 +55,8 @@ def _save(ctx: RankContext, job: _Job) -> dict:
 
 
 def run(model: str, dps: list[int], out: Path, merge: bool = False) -> list[dict]:
-    from harness.preload import warm
-    from harness.zoo import get_model
+    from harness.core.zoo import get_model
+    from harness.run.preload import warm
 
     warm()
     spec = get_model(model, "gpt")

@@ -14,9 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.preload import warm
-from harness.probes import allreduce_ranks
-from harness.world import launch
+from harness.run.preload import warm
+from harness.run.probes import allreduce_ranks
+from harness.run.world import launch
 
 
 def measure(method: str, ranks: int, repeat: int) -> tuple[float, list[float]]:

@@ -11,7 +11,7 @@ import importlib
 import pkgutil
 from importlib import metadata
 
-from harness.case import Case
+from cases.contract import Case
 
 ENTRY_POINT_GROUP = "ckpt_harness.cases"
 

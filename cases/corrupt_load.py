@@ -1,17 +1,17 @@
 """corrupt-load: save a good checkpoint at S, damage it in one named way, load it, classify.
 
 The expensive checkpoint bug is not a load that fails but one that succeeds on a broken or foreign
-checkpoint. The damage kinds are harness/damage.py (`damage`, a matrix axis):
+checkpoint. The damage kinds are harness/faults/damage.py (`damage`, a matrix axis):
 
   dist checkpoint (a GPT zoo model, backend mcore_dist; loaded at D through the backend):
     truncate-shard, missing-shard, missing-metadata, missing-metadata-json, flip-byte, empty-dir,
     other-hidden / other-layers / other-vocab / other-groups (the checkpoint of the same model with
-    that dimension changed, harness.damage.OTHER_MODEL), missing-common (refused at matrix load on
+    that dimension changed, harness.faults.damage.OTHER_MODEL), missing-common (refused at matrix load on
     megatron-core >= 0.19: its torch_dist format writes no common.pt, there is nothing to delete)
   HF export (an HF fixture, backend bridge_hf; exported at S by the backend, loaded with
   transformers AutoModelForCausalLM.from_pretrained in the parent, as users do; S == D):
     truncate-safetensors, missing-indexed-shard (the tiny export is one file: split into two shards
-    with an index first, harness.damage.split_export)
+    with an index first, harness.faults.damage.split_export)
   HF PEFT adapter (an HF fixture, backend bridge_peft; loaded with peft.PeftModel.from_pretrained
   over the fixture; S == D): adapter-no-config, adapter-config-mismatch (r disagrees with the
   tensors), adapter-config-targets (target_modules lacks a module the tensors hold)
@@ -38,19 +38,24 @@ from typing import Literal, get_args
 
 import torch
 
-from harness import bridge as mb
-from harness import damage, models, peft_mapping, truth
-from harness.backends import BackendRef, get_backend
-from harness.case import Case, RunEnv, timed
-from harness.checks import assembled, state_check
-from harness.damage import Damage
-from harness.hf_models import quiet_hf, write_fixture
-from harness.parity import Mismatch, Shard
-from harness.result import CaseResult, Check
-from harness.spec import CaseSpec
-from harness.topology import Topology
-from harness.world import RankContext, WorldError, WorldTimeout, exception_of
-from harness.zoo import HFModelSpec, ModelSpec, get_model
+from cases.contract import Case
+from harness.backends import BackendRef, get_backend, ref_of
+from harness.core import truth
+from harness.core.context import RankContext
+from harness.core.parity import Mismatch, Shard
+from harness.core.result import CaseResult, Check
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.core.zoo import HFModelSpec, ModelSpec, get_model
+from harness.faults import damage
+from harness.faults.damage import Damage
+from harness.judge.checks import assembled, state_check
+from harness.models import bridge as mb
+from harness.models import mcore as models
+from harness.models import peft_mapping
+from harness.models.hf import quiet_hf, write_fixture
+from harness.run.envelope import RunEnv, timed
+from harness.run.world import WorldError, WorldTimeout, exception_of
 
 DamageKind = Literal[
     "truncate-shard", "missing-shard", "missing-metadata", "missing-metadata-json", "missing-common", "flip-byte",
@@ -278,7 +283,7 @@ class CorruptLoad(Case):
     def _run_dist(self, spec: CaseSpec, kind: str, env: RunEnv, result: CaseResult) -> list[Check]:
         model = get_model(spec.model, "gpt")
         src, dst = spec.source, spec.target
-        backend = spec.backend_ref
+        backend = ref_of(spec)
         ckpt = env.case_dir / "ckpt"
         saved = damage.other_model(model, kind) if kind in damage.OTHER_MODEL else model
         env.launch(result, "save", _rank_dist, _Phase(saved, src, backend, save_to=str(ckpt)), src)
@@ -305,7 +310,7 @@ class CorruptLoad(Case):
         adapter = mb.AdapterSpec() if kind in ADAPTER_KINDS else None
         with timed(result, "fixture"):
             write_fixture(model, hf_dir)
-        outs = env.launch(result, "save", _rank_hf, _HFPhase(model, str(hf_dir), spec.source, spec.backend_ref, str(out), adapter),
+        outs = env.launch(result, "save", _rank_hf, _HFPhase(model, str(hf_dir), spec.source, ref_of(spec), str(out), adapter),
                           spec.source)
         with timed(result, "damage"):
             dmg = damage.FUNCTIONS[kind](out)

@@ -27,19 +27,20 @@ from typing import Any
 
 import torch
 
-from harness import bridge as mb
-from harness import truth
-from harness.backends import BackendRef, get_backend, resolve
-from harness.case import Case, RunEnv, timed
-from harness.checks import knob_check, state_check, tensor_check
-from harness.hf_models import config_dtype, hf_logits, write_fixture
-from harness.models import DType
-from harness.parity import Tolerance
-from harness.result import CaseResult, Check
-from harness.spec import CaseSpec
-from harness.topology import Topology
-from harness.world import RankContext
-from harness.zoo import HFModelSpec, get_model
+from cases.contract import Case
+from harness.backends import BackendRef, get_backend, ref_of, resolve
+from harness.core import truth
+from harness.core.context import RankContext
+from harness.core.parity import Tolerance
+from harness.core.result import CaseResult, Check
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.core.zoo import HFModelSpec, get_model
+from harness.judge.checks import knob_check, state_check, tensor_check
+from harness.models import bridge as mb
+from harness.models.hf import config_dtype, hf_logits, write_fixture
+from harness.models.mcore import DType
+from harness.run.envelope import RunEnv, timed
 
 # Megatron's and transformers' fp32 kernels differ (fused QKV, vocab-parallel logits, RoPE in a
 # different order); measured max |diff| on the fixtures ~2e-7 (notes: ~1e-7).
@@ -167,13 +168,13 @@ class HFRoundtrip(Case):
     checks = ("export-bitwise", "hf-logits", "megatron-logits", "propagation", "export-dtype")
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
-        run_roundtrip(get_model(spec.model, "hf"), spec.source, spec.target, spec.backend_ref, opts, env, result)
+        run_roundtrip(get_model(spec.model, "hf"), spec.source, spec.target, ref_of(spec), opts, env, result)
 
 
 def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backend: BackendRef, opts: DdpKnobs, env: RunEnv,
                   result: CaseResult) -> None:
     """The fixture, the worlds (export at S, or save at S -> load at D -> export) and the judge, for
-    any HFModelSpec: the matrix case and harness.explore (which draws shapes outside the zoo) run this.
+    any HFModelSpec: the matrix case and harness.orchestration.explore (which draws shapes outside the zoo) run this.
     `opts`: DdpKnobs (fp32) or Options (knobs and dtype)."""
     dtype = getattr(opts, "dtype", "fp32")
     opts = opts.knobs() if isinstance(opts, Options) else opts

@@ -8,7 +8,7 @@ case writes on rank 0 only once a save is complete: after a sync save returns, o
 function of an async request, as Megatron-LM does):
 
   kill-after-shard     the last rank SIGKILLs itself at the start of torch_dist's finalize step
-                       (harness.doubles.kill_last_rank_before_save_finalize): every rank's .distcp
+                       (harness.faults.hooks.kill_last_rank_before_save_finalize): every rank's .distcp
                        files are on disk, the coordinator's `.metadata` and megatron-core's
                        `metadata.json` are not
   async-not-finalized  `dist_checkpointing.save(..., async_sharded_save=True)` (mcore async
@@ -41,16 +41,19 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from cases import corrupt_load as cl
-from harness import models, truth
-from harness.backends import BackendRef, get_backend
-from harness.case import Case, RunEnv, timed
-from harness.checks import assembled
-from harness.damage import Damage
-from harness.result import CaseResult, Check
-from harness.spec import CaseSpec
-from harness.topology import Topology
-from harness.world import RankContext, WorldError, WorldTimeout
-from harness.zoo import ModelSpec, get_model
+from cases.contract import Case
+from harness.backends import BackendRef, get_backend, ref_of
+from harness.core import truth
+from harness.core.context import RankContext
+from harness.core.result import CaseResult, Check
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.core.zoo import ModelSpec, get_model
+from harness.faults.damage import Damage
+from harness.judge.checks import assembled
+from harness.models import mcore as models
+from harness.run.envelope import RunEnv, timed
+from harness.run.world import WorldError, WorldTimeout
 
 Interruption = Literal["kill-after-shard", "async-not-finalized", "write-error"]
 
@@ -60,7 +63,7 @@ GOOD_STEP, INTERRUPTED_STEP = 1, 2
 #: RLIMIT_FSIZE of the write-error rank: far below one tiny-model shard (400 KB per rank for
 #: gpt-gqa at tp2, measured), above the rank's own log and record files.
 FSIZE_LIMIT = 64 * 1024
-KILL_HOOK = "harness.doubles:kill_last_rank_before_save_finalize"
+KILL_HOOK = "harness.faults.hooks:kill_last_rank_before_save_finalize"
 
 
 @dataclass(frozen=True)
@@ -298,13 +301,13 @@ class InterruptedSave(Case):
 
         if spec.source.world_size < 2:
             raise ValueError("interrupted-save interrupts the last rank while rank 0 coordinates: give a source of >= 2 ranks")
-        if not isinstance(get_backend(spec.backend_ref), McoreDist):
+        if not isinstance(get_backend(ref_of(spec)), McoreDist):
             raise ValueError(f"interrupted-save drives megatron-core's dist_checkpointing save; backend {spec.backend!r} is not mcore_dist")
 
     def run(self, spec: CaseSpec, opts: InterruptedOptions, env: RunEnv, result: CaseResult) -> None:
         model = get_model(spec.model, "gpt")
         src, dst = spec.source, spec.target
-        backend = spec.backend_ref
+        backend = ref_of(spec)
         kind = opts.interruption
         root = env.case_dir / "checkpoints"
         target = step_dir(root, INTERRUPTED_STEP)

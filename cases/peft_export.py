@@ -1,6 +1,6 @@
 """peft-export: LoRA / CanonicalLoRA on a Bridge model, exported as an HF PEFT adapter.
 
-S == D: export at S. S != D: the adapter-only dist checkpoint (the state harness.bridge.adapter_state
+S == D: export at S. S != D: the adapter-only dist checkpoint (the state harness.models.bridge.adapter_state
 selects, as verl saves it) goes from S to D through mcore_dist, and the adapter exported at D must
 equal the one exported directly at S.
 
@@ -31,19 +31,21 @@ from typing import Any, Literal
 
 import torch
 
-from harness import bridge as mb
-from harness import peft_mapping, truth
-from harness.backends import BackendRef, get_backend, resolve
-from harness.case import Case, RunEnv, timed
-from harness.checks import state_check
-from harness.hf_models import HF_DTYPES, hf_logits, write_fixture
-from harness.models import DType
-from harness.parity import Tolerance, compare_tensors, max_abs_diff
-from harness.result import CaseResult, Check
-from harness.spec import CaseSpec
-from harness.topology import Topology
-from harness.world import RankContext
-from harness.zoo import HFModelSpec, get_model
+from cases.contract import Case
+from harness.backends import BackendRef, get_backend, ref_of, resolve
+from harness.core import truth
+from harness.core.context import RankContext
+from harness.core.parity import Tolerance, compare_tensors, max_abs_diff
+from harness.core.result import CaseResult, Check
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.core.zoo import HFModelSpec, get_model
+from harness.judge.checks import state_check
+from harness.models import bridge as mb
+from harness.models import peft_mapping
+from harness.models.hf import HF_DTYPES, hf_logits, write_fixture
+from harness.models.mcore import DType
+from harness.run.envelope import RunEnv, timed
 
 PEFT_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-5, why="Megatron+LoRA vs transformers+PEFT fp32 kernels")
 # bf16: MEGATRON_HF_TOLERANCE_BF16's reasons plus the LoRA branch, which the two sides compute in
@@ -243,7 +245,7 @@ class PeftExport(Case):
         d = env.case_dir
         hf_dir, direct, merged, ckpt = d / "hf-base", d / "adapter@source", d / "merged@source", d / "adapter-dist-ckpt"
         dtype = opts.dtype
-        paths = dict(export_backend=spec.backend_ref, dist_backend=resolve("mcore_dist"), merge_backend=resolve("bridge_hf"), dtype=dtype)
+        paths = dict(export_backend=ref_of(spec), dist_backend=resolve("mcore_dist"), merge_backend=resolve("bridge_hf"), dtype=dtype)
         with timed(result, "fixture"):
             write_fixture(model, hf_dir, dtype)
         resharded = src != dst
@@ -254,7 +256,7 @@ class PeftExport(Case):
             again = env.launch(result, "load", _rank, _Phase(
                 model, str(hf_dir), dst, adapter, False, adapter_load=str(ckpt), export_to=str(d / "adapter@target"), **paths), dst)
         with timed(result, "compare"):
-            export = get_backend(spec.backend_ref)
+            export = get_backend(ref_of(spec))
             ids = truth.fixed_input_ids(model)
             ex = Exported(
                 _peft_load_problems(hf_dir, direct, dtype), export.read_full(None, direct),

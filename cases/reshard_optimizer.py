@@ -20,17 +20,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.case import Case, RunEnv, timed
-from harness.backends import get_backend
-from harness.checks import (
-    ASYNC_FINALIZE, WEIGHTS_MATCH_MAIN_PARAMS, assembled, finalize_gate, knob_check, not_run_checks, refusal_check, state_check,
+from cases._train_phase import TrainOut, phase_of, train_phase
+from cases.contract import Case
+from harness.backends import get_backend, ref_of
+from harness.core.result import CaseResult, Check
+from harness.core.spec import CaseSpec
+from harness.core.zoo import get_model
+from harness.judge.checks import (
+    ASYNC_FINALIZE,
+    WEIGHTS_MATCH_MAIN_PARAMS,
+    assembled,
+    finalize_gate,
+    knob_check,
+    not_run_checks,
+    refusal_check,
+    state_check,
     weights_match_main_params,
 )
-from harness.result import CaseResult, Check
-from harness.spec import CaseSpec
-from harness.training import TrainOptions, TrainOut, cp_rule, phase_of, train_phase, untrainable, workaround_notes
-from harness.world import WorldError, exception_of
-from harness.zoo import get_model
+from harness.models.training import (
+    TrainOptions,
+    cp_rule,
+    untrainable,
+    workaround_notes,
+)
+from harness.run.envelope import RunEnv, timed
+from harness.run.world import WorldError, exception_of
 
 
 @dataclass(frozen=True)
@@ -103,7 +117,7 @@ class ReshardOptimizer(Case):
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         ckpt = env.case_dir / "ckpt"
         src, dst = spec.source.id, spec.target.id
-        model, backend = get_model(spec.model, "gpt"), spec.backend_ref
+        model, backend = get_model(spec.model, "gpt"), ref_of(spec)
         result.notes += workaround_notes(opts, spec.source, spec.target)
         saved = env.launch(result, "save", train_phase,
                            phase_of(model, opts, backend, topo=spec.source, save_to=str(ckpt), steps_before_save=opts.steps), spec.source)

@@ -7,7 +7,7 @@ Checks (each can fail on its own; tests/test_judges.py and tests/test_reshard_ca
                         bitwise; nothing missing, extra, uncovered, or disagreeing between replicas
   resave-plain          Megatron-LM's own pattern: re-save at D, load_plain_tensors of both
                         checkpoints, exact equality
-  vocab-padding         only for a model with make_vocab_size_divisible_by (harness.explore): the
+  vocab-padding         only for a model with make_vocab_size_divisible_by (harness.orchestration.explore): the
                         other checks compare the first vocab_size rows of the vocab tensors; this
                         one reports the padded shapes at S and D and what the padding rows hold
   logits                logits of a fixed batch at D equal those at S; bitwise when TP is
@@ -34,18 +34,20 @@ from pathlib import Path
 
 import torch
 
-from harness import models, truth
-from harness.backends import get_backend
-from harness.case import Case, RunEnv, timed
-from harness.models import TORCH_DTYPES, DType, LayerSpec
-from harness.checks import assembled, replicated, state_check, tensor_check
-from harness.memory import track
-from harness.parity import Shard, Tolerance
-from harness.result import CaseResult, Check
-from harness.spec import CaseSpec
-from harness.topology import Topology
-from harness.world import RankContext
-from harness.zoo import ModelSpec, get_model
+from cases.contract import Case
+from harness.backends import get_backend, ref_of
+from harness.core import truth
+from harness.core.context import RankContext
+from harness.core.memory import track
+from harness.core.parity import Shard, Tolerance
+from harness.core.result import CaseResult, Check
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.core.zoo import ModelSpec, get_model
+from harness.judge.checks import assembled, replicated, state_check, tensor_check
+from harness.models import mcore as models
+from harness.models.mcore import TORCH_DTYPES, DType, LayerSpec
+from harness.run.envelope import RunEnv, timed
 
 # A TP change splits row-parallel matmuls into partial sums reduced across ranks and splits the
 # vocab-parallel output layer: fp32 results then differ in the last bits. Measured on the zoo:
@@ -235,7 +237,7 @@ def judge(
 def run_weights(model: ModelSpec, src: Topology, dst: Topology, backend: str, dtype: DType, env: RunEnv,
                 result: CaseResult, layer_spec: LayerSpec = "local") -> None:
     """The three worlds (save at S, load and re-save at D, read both checkpoints) and the judge,
-    for any ModelSpec: the matrix case and harness.explore (which draws models outside the zoo)
+    for any ModelSpec: the matrix case and harness.orchestration.explore (which draws models outside the zoo)
     run exactly this."""
     ckpt_a, ckpt_b = env.case_dir / "ckpt-source", env.case_dir / "ckpt-resaved"
     logits = cp_forward(src, dst, layer_spec)
@@ -254,7 +256,7 @@ class ReshardWeights(Case):
     checks = ("source-canonical", "checkpoint-canonical", "loaded-canonical", "resave-plain", "logits", "vocab-padding")
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
-        run_weights(get_model(spec.model, "gpt"), spec.source, spec.target, spec.backend_ref, opts.dtype, env, result,
+        run_weights(get_model(spec.model, "gpt"), spec.source, spec.target, ref_of(spec), opts.dtype, env, result,
                     opts.layer_spec)
 
 

@@ -22,17 +22,31 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.case import Case, RunEnv, timed
-from harness.backends import get_backend
-from harness.checks import (
-    ASYNC_FINALIZE, WEIGHTS_MATCH_MAIN_PARAMS, assembled, finalize_gate, knob_check, not_run_checks, state_check, tensor_check,
+from cases._train_phase import TrainOut, phase_of, train_phase
+from cases.contract import Case
+from harness.backends import get_backend, ref_of
+from harness.core.parity import Tolerance
+from harness.core.result import CaseResult, Check
+from harness.core.spec import CaseSpec
+from harness.core.zoo import get_model
+from harness.judge.checks import (
+    ASYNC_FINALIZE,
+    WEIGHTS_MATCH_MAIN_PARAMS,
+    assembled,
+    finalize_gate,
+    knob_check,
+    not_run_checks,
+    state_check,
+    tensor_check,
     weights_match_main_params,
 )
-from harness.parity import Tolerance
-from harness.result import CaseResult, Check
-from harness.spec import CaseSpec
-from harness.training import TrainOptions, TrainOut, cp_rule, phase_of, train_phase, untrainable, workaround_notes
-from harness.zoo import get_model
+from harness.models.training import (
+    TrainOptions,
+    cp_rule,
+    untrainable,
+    workaround_notes,
+)
+from harness.run.envelope import RunEnv, timed
 
 RESUME_TOLERANCE = Tolerance(atol=2e-5, rtol=1e-4, why="topology change reorders fp32 reductions (TP matmul partial sums, DP grad sums)")
 # bf16 (dtype bf16, grad_reduce_in_fp32 false): grads are bf16 and reduced in bf16 across DP, and
@@ -169,7 +183,7 @@ class Resume(Case):
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         k, ckpt = opts.steps, env.case_dir / "ckpt"
         later = tuple(str(env.case_dir / f"ckpt{i}") for i in range(2, opts.saves + 1))
-        model, backend = get_model(spec.model, "gpt"), spec.backend_ref
+        model, backend = get_model(spec.model, "gpt"), ref_of(spec)
         result.notes += workaround_notes(opts, spec.source, spec.target)
         # bf16 also records model + optimizer views (the reference's at its save, the resumed job's
         # right after its load: steps_before_save is 0 there) for weights-match-main-params.

@@ -46,16 +46,25 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from harness.case import Case, RunEnv, timed
-from harness.checks import WEIGHTS_MATCH_MAIN_PARAMS, assembled, refusal_check, state_check, weights_match_main_params
-from harness.result import CaseResult, Check
-from harness.spec import CaseSpec
-from harness.topology import Topology
-from harness.training import TrainOptions, TrainOut
-from harness.world import RankContext, WorldError, exception_of
-from harness.zoo import get_model
-
+from cases._train_phase import TrainOut
+from cases.contract import Case
 from cases.reshard_optimizer import step_check
+from harness.backends import ref_of
+from harness.core.context import RankContext
+from harness.core.result import CaseResult, Check
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.core.zoo import get_model
+from harness.judge.checks import (
+    WEIGHTS_MATCH_MAIN_PARAMS,
+    assembled,
+    refusal_check,
+    state_check,
+    weights_match_main_params,
+)
+from harness.models.training import TrainOptions
+from harness.run.envelope import RunEnv, timed
+from harness.run.world import WorldError, exception_of
 
 RNG_SEED = 424242  # + the step: the RNG state the last save carries
 DECOY_RNG_SEED = 777  # what the resuming job holds before its load
@@ -144,10 +153,10 @@ def adapter_spec(model: Any, kind: str):
 
 
 def build_job(p: _Phase, decoy: bool):
-    """The job at this rank: GPT zoo (harness.training) or a Bridge model (provider path), with the
+    """The job at this rank: GPT zoo (harness.models.training) or a Bridge model (provider path), with the
     case's optimizer knobs and LR scheduler. A decoy job starts from other weights."""
-    from harness import truth
-    from harness.training import TrainingJob, build_scheduler, build_training
+    from harness.core import truth
+    from harness.models.training import TrainingJob, build_scheduler, build_training
 
     cfg = p.opts.config
     bm = None
@@ -166,7 +175,7 @@ def build_job(p: _Phase, decoy: bool):
         bm = get_backend(p.backend).build_bridge_model(p.hf_dir, p.model, p.topo, load_weights=not decoy or adapter is not None,
                                                        ddp_config=ddp_config, adapter=adapter)
         if adapter is not None:
-            from harness import bridge as mb
+            from harness.models import bridge as mb
 
             mb.fill_adapters(bm, p.model, replace(adapter, seed=adapter.seed + 1) if decoy else adapter)
         optimizer = get_megatron_optimizer(OptimizerConfig(
@@ -180,8 +189,8 @@ def build_job(p: _Phase, decoy: bool):
 
 
 def _views(out: VerlOut, job) -> None:
-    from harness.models import local_shards
-    from harness.training import optimizer_view, scheduler_view
+    from harness.models.mcore import local_shards
+    from harness.models.training import optimizer_view, scheduler_view
 
     out.model_shards = local_shards(job.chunks)
     out.optimizer_shards, out.steps = optimizer_view(job.chunks, job.optimizer)
@@ -192,8 +201,12 @@ def _rank(ctx: RankContext, p: _Phase) -> VerlOut:
     from megatron.core import parallel_state
 
     from harness.backends import get_backend
-    from harness.memory import track
-    from harness.training import load_training, prime_optimizer_state, train_steps
+    from harness.core.memory import track
+    from harness.models.training import (
+        load_training,
+        prime_optimizer_state,
+        train_steps,
+    )
 
     backend = get_backend(p.backend)
     job = build_job(p, decoy=p.load)
@@ -212,7 +225,7 @@ def _rank(ctx: RankContext, p: _Phase) -> VerlOut:
     elif "prime_adam" in opts.workarounds:  # megatron-core: a never-stepped torch Adam cannot be saved either
         prime_optimizer_state(job.optimizer)
     if opts.adapter != "none":
-        from harness import bridge as mb
+        from harness.models import bridge as mb
 
         out.logits = mb.megatron_logits(job.bridge, p.model, ctx.device)
     for i in range(opts.saves):
@@ -472,11 +485,11 @@ class VerlCheckpoint(Case):
 
         if spec.expect != "refuse" and "refuse_with" in spec.opts:
             raise ValueError("option 'refuse_with' only means something with expect: refuse")
-        b = get_backend(spec.backend_ref).options
+        b = get_backend(ref_of(spec)).options
         hf = get_model(spec.model).kind == "hf"
         vanilla = getattr(b, "bridge", "provider") == "vanilla"
         if vanilla:
-            from harness.mbridge import MBRIDGE_MODEL_TYPES
+            from harness.models.mbridge import MBRIDGE_MODEL_TYPES
 
             if not hf or get_model(spec.model).arch not in MBRIDGE_MODEL_TYPES:
                 raise ValueError(f"backend option bridge 'vanilla' (mbridge) needs an HF fixture of a model type mbridge 0.15.1 maps "
@@ -489,16 +502,16 @@ class VerlCheckpoint(Case):
             raise ValueError(f"option adapter {opts.adapter!r} (verl's peft_cls) needs a Megatron-Bridge model built by the provider "
                              f"(an HF fixture, backend option bridge: provider), got {spec.model!r}")
         if hf and opts.dtype != "fp32":
-            raise ValueError("a Bridge model is built fp32 (harness.bridge); dtype bf16 takes a GPT zoo model")
+            raise ValueError("a Bridge model is built fp32 (harness.models.bridge); dtype bf16 takes a GPT zoo model")
         if hf and opts.steps:
             raise ValueError("a Bridge model is saved untrained here (steps: 0): the HF tree is then checked against the fixture")
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         from harness.backends import get_backend
-        from harness.hf_models import write_fixture
-        from harness.training import workaround_notes
+        from harness.models.hf import write_fixture
+        from harness.models.training import workaround_notes
 
-        model, ref = get_model(spec.model), spec.backend_ref
+        model, ref = get_model(spec.model), ref_of(spec)
         b = get_backend(ref)
         result.notes += workaround_notes(opts)
         ckpt, hf_dir = env.case_dir / "ckpt", None
@@ -539,9 +552,15 @@ class VerlCheckpoint(Case):
 def adapter_checks(model: Any, opts: Options, hf_dir: Path, adapter_dir: Path, saved: list[VerlOut], src: str) -> list[Check]:
     """The HF PEFT adapter verl exported, as a user loads it (case peft-export's checks): peft-load,
     adapter-config (r, lora_alpha, targets, base model), logits (transformers+PEFT vs Megatron+LoRA at S)."""
-    from cases.peft_export import PeftOptions, _peft_load_problems, config_check, hf_target_modules, logits_check
-    from harness import truth
-    from harness.hf_models import hf_logits
+    from cases.peft_export import (
+        PeftOptions,
+        _peft_load_problems,
+        config_check,
+        hf_target_modules,
+        logits_check,
+    )
+    from harness.core import truth
+    from harness.models.hf import hf_logits
 
     names = ("peft-load", "adapter-config", "logits")
     if opts.adapter == "none":

@@ -17,7 +17,7 @@ from rich.markup import escape
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from harness.matrix import load_matrix
+    from harness.orchestration.matrix import load_matrix
 
     m = load_matrix(args.matrix, args.max_world)
     for spec in m.select(args.k):
@@ -26,9 +26,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from harness import report
-    from harness.matrix import load_matrix
-    from harness.runner import RunOptions, run_cases
+    from harness.orchestration.matrix import load_matrix
+    from harness.orchestration.runner import RunOptions, run_cases
+    from harness.report import results as report
 
     console = _console()
     matrix = load_matrix(args.matrix, args.max_world)
@@ -67,7 +67,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     code = _summarize(results, f"{matrix.name} ({args.matrix})", wall, report_path, str(args.matrix), console,
                       fail_on_not_run=args.fail_on_not_run)
     if args.html:
-        from harness import html_report
+        from harness.report import html as html_report
 
         doc = report.document(results, str(args.matrix), wall)
         console.print(f"html: {html_report.write(doc, args.html, f'{matrix.name} ({args.matrix})')}")
@@ -84,8 +84,8 @@ def _summarize(results, title: str, wall: float, report_path: Path | None, label
                fail_on_not_run: bool = False) -> int:
     """The summary table, results.json when asked, and the exit code: 0 when every case is green or
     not-run (1 on a failure or error; 3 when a case was not run and `fail_on_not_run`)."""
-    from harness import report
-    from harness.result import GREEN
+    from harness.core.result import GREEN
+    from harness.report import results as report
 
     console = console or _console()
     report.print_summary(results, title, wall, console)
@@ -100,8 +100,8 @@ def _summarize(results, title: str, wall: float, report_path: Path | None, label
 
 
 def _cmd_golden(args: argparse.Namespace) -> int:
-    from harness import golden
-    from harness.runner import RunOptions
+    from harness.gate import golden
+    from harness.orchestration.runner import RunOptions
 
     start = time.perf_counter()
     options = RunOptions(dist_backend=args.dist_backend)
@@ -118,8 +118,8 @@ def _cmd_golden(args: argparse.Namespace) -> int:
 
 
 def _cmd_gate(args: argparse.Namespace) -> int:
-    from harness import envspec
-    from harness.gate import run_gate
+    from harness.gate import envspec
+    from harness.gate.bump import run_gate
 
     cache = args.cache or envspec._default_cache()
     return run_gate(args.candidate, args.baseline, args.matrix, args.k, args.out, cache, _thresholds(args), cross=not args.skip_cross,
@@ -129,12 +129,12 @@ def _cmd_gate(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     import json
 
-    from harness import report
+    from harness.report import results as report
 
     try:
         doc = json.loads(args.results.read_text())
         if args.html:
-            from harness import html_report
+            from harness.report import html as html_report
 
             title = f"ckpt-harness: {doc.get('matrix') or args.results}"
             print(f"html: {html_report.write(doc, args.html, title)}")
@@ -148,7 +148,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def _add_max_world(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-world", type=int, default=None, metavar="N",
-                   help="cut every topology above N ranks to fit (dp first, then cp, pp, tp; harness/cut.py); "
+                   help="cut every topology above N ranks to fit (dp first, then cp, pp, tp; harness/core/cut.py); "
                         "cases that collapse run once, each notes the pair it was written as")
 
 
@@ -159,13 +159,13 @@ def _add_thresholds(p: argparse.ArgumentParser) -> None:
 
 
 def _thresholds(args: argparse.Namespace):
-    from harness import compare
+    from harness.gate import compare
 
     return compare.Thresholds(args.memory_pct, args.memory_mib, args.diff_factor)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from harness import compare
+    from harness.gate import compare
 
     try:
         code, md = compare.run(args.base, args.candidate, args.out, _thresholds(args))
@@ -178,7 +178,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def _cmd_explore(args: argparse.Namespace) -> int:
     """Exit 0 when every drawn triple passed, 1 when one failed (the minimal one is printed)."""
-    from harness.explore import explore
+    from harness.orchestration.explore import explore
 
     def progress(n, ex) -> None:
         print(f"[{n}] {ex.status.upper():7} {ex.model['name']} {ex.source} -> {ex.target}  {ex.seconds:.1f}s", flush=True)
@@ -191,7 +191,7 @@ def _cmd_explore(args: argparse.Namespace) -> int:
         return 0
     m = rep.minimal
     print(f"minimal failing triple: {m.source} -> {m.target} with {m.model}\n{m.failure}")
-    print(f"add to harness/zoo.py ZOO:\n    {rep.zoo_entry}\nthen this matrix entry reproduces it:\n{rep.matrix_entry}")
+    print(f"add to harness/core/zoo.py ZOO:\n    {rep.zoo_entry}\nthen this matrix entry reproduces it:\n{rep.matrix_entry}")
     return 1
 
 
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="hf: never draw pad_vocab (look past the known Bridge export defect, README)")
     exp.set_defaults(func=_cmd_explore)
     args = parser.parse_args(argv)
-    from harness.matrix import MatrixError
+    from harness.orchestration.matrix import MatrixError
 
     try:
         return args.func(args)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.matrix import MatrixError, load_matrix
-from harness.result import CaseResult
-from harness.spec import MARKERS, CaseSpec
+from harness.core.result import CaseResult
+from harness.core.spec import MARKERS, CaseSpec
+from harness.orchestration.matrix import MatrixError, load_matrix
 
 
 class CaseFailure(Exception):
@@ -35,7 +35,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--ckpt-start-method", default="auto", choices=("auto", "fork", "spawn", "forkserver"),
                     help="how ranks start (auto: fork for gloo, spawn for NCCL)")
     group.addoption("--ckpt-max-world", type=int, default=None, metavar="N",
-                    help="cut every matrix topology above N ranks to fit (harness/cut.py): ckpt-harness run --max-world")
+                    help="cut every matrix topology above N ranks to fit (harness/core/cut.py): ckpt-harness run --max-world")
     group.addoption("--ckpt-rank-hook", action="append", default=[], metavar="MODULE:FUNCTION",
                     help="run this function in every rank before the case (repeatable)")
 
@@ -70,7 +70,7 @@ class CaseItem(pytest.Item):
         self.spec = spec
 
     def runtest(self) -> None:
-        from harness.runner import RunOptions, run_case
+        from harness.orchestration.runner import RunOptions, run_case
 
         cfg = self.config
         options = RunOptions(

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from harness import compare as cmp
 from harness.cli import main
+from harness.gate import compare as cmp
 
 MiB = 2**20
 TOL = "atol=1e-05 rtol=1e-05 (TP change reorders fp32 reductions)"
@@ -225,7 +225,7 @@ def test_cli_unreadable_input_exits_2_naming_the_file(tmp_path, capsys, content)
 
 
 def test_a_moved_api_is_a_regression_not_a_refusal():
-    from harness.compare import compare
+    from harness.gate.compare import compare
 
     base = {"versions": {}, "results": [{"id": "c", "status": "passed", "checks": []}]}
     cand = {"versions": {}, "results": [{"id": "c", "status": "error", "checks": [], "error":

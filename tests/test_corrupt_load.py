@@ -6,14 +6,14 @@ import json
 import pytest
 import torch
 
-from harness import damage
 from harness.backends import register
-from harness.runner import run_case
-from harness.spec import CaseSpec
-from harness.topology import Topology
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.faults import damage
+from harness.orchestration.runner import run_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-register("test_swallow_load_errors", "harness.doubles:SwallowLoadErrors")
+register("test_swallow_load_errors", "doubles:SwallowLoadErrors")
 
 
 def _dcp(directory):
@@ -63,8 +63,8 @@ def test_file_damage_stays_inside_the_directory(tmp_path):
 def test_split_export_is_the_same_model_and_a_lost_shard_is_named(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from harness.hf_models import write_fixture
-    from harness.zoo import get_model
+    from harness.core.zoo import get_model
+    from harness.models.hf import write_fixture
 
     src = write_fixture(get_model("hf-llama"), tmp_path / "hf")
     whole = AutoModelForCausalLM.from_pretrained(str(src), torch_dtype=torch.float32).state_dict()

@@ -9,9 +9,9 @@ import textwrap
 import pytest
 
 from harness.cli import main
-from harness.cut import cut
-from harness.matrix import MatrixError, load_matrix
-from harness.topology import Topology
+from harness.core.cut import cut
+from harness.core.topology import Topology
+from harness.orchestration.matrix import MatrixError, load_matrix
 
 pytest_plugins = ["pytester"]
 
@@ -122,12 +122,12 @@ def test_cases_of_different_entries_colliding_after_the_cut_are_an_error_unless_
 def test_a_cut_topology_that_cannot_exist_is_a_matrix_error_naming_the_entry(tmp_path, monkeypatch):
     """E.g. an EP topology whose world no longer divides by ep*etp*pp once dp is cut (ep is kept):
     Topology raises, the loader names the entry."""
-    import harness.cut
-    from harness.topology import TopologyError
+    import harness.core.cut
+    from harness.core.topology import TopologyError
 
     def impossible(topo, n):
         raise TopologyError(f"{topo.id}: world size 2 is not divisible by etp*ep*pp = 1*4*1")
 
-    monkeypatch.setattr(harness.cut, "cut", impossible)
+    monkeypatch.setattr(harness.core.cut, "cut", impossible)
     with pytest.raises(MatrixError, match=r"entries\[0\].*cannot be cut to --max-world 2: .*not divisible by etp\*ep\*pp"):
         load_matrix(_write(tmp_path, MATRIX), max_world=2)

@@ -1,4 +1,4 @@
-"""Environments as data (harness/envspec.py): every SPEC form, the resolved request (dropped pins,
+"""Environments as data (harness/gate/envspec.py): every SPEC form, the resolved request (dropped pins,
 no-deps), the baseline key == scripts/ensure-env's historical formula, and `ensure` with pip
 replaced by a stub (a real build takes minutes)."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import envspec
-from harness.envspec import EnvBuildError, parse_spec, resolve
+from harness.gate import envspec
+from harness.gate.envspec import EnvBuildError, parse_spec, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -32,7 +32,7 @@ def test_baseline_key_is_the_bash_formula():
 
 def test_cli_key_runs_stdlib_only_and_isolated():
     """scripts/ensure-env runs the file with `python -I` before any venv exists: no site-packages needed."""
-    r = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "harness" / "envspec.py"), "key", "megatron-core==0.18.1"],
+    r = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "harness" / "gate" / "envspec.py"), "key", "megatron-core==0.18.1"],
                        capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == resolve(ROOT, [parse_spec("megatron-core==0.18.1")]).key != resolve(ROOT, []).key
@@ -210,7 +210,7 @@ def test_ensure_failing_install_raises_with_the_pip_log_tail(tmp_path, monkeypat
     assert f"full log: {cache / f'install-{key}.log'}" in msg and (cache / f"install-{key}.log").exists()
     assert not (cache / f"venv-{key}" / ".complete").exists()
     # The CLI: exit 2 and the same text, no traceback.
-    r = subprocess.run([sys.executable, "-I", str(ROOT / "harness" / "envspec.py"), "ensure", "--cache", str(cache), "megatron-bridge==9.9.9"],
+    r = subprocess.run([sys.executable, "-I", str(ROOT / "harness" / "gate" / "envspec.py"), "ensure", "--cache", str(cache), "megatron-bridge==9.9.9"],
                        capture_output=True, text=True, check=False)
     assert r.returncode == 2 and "No matching distribution" in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
 
@@ -246,7 +246,7 @@ def test_ensure_builds_once_records_provenance_and_reuses(tmp_path, monkeypatch)
 
 def test_check_import_passes_and_fails_with_the_stderr_tail():
     venv = Path(sys.prefix)
-    envspec.check_import(venv, ("json", "harness.envspec"))
+    envspec.check_import(venv, ("json", "harness.gate.envspec"))
     with pytest.raises(EnvBuildError, match="ModuleNotFoundError: No module named 'no_such_module_xyz'") as e:
         envspec.check_import(venv, ("json", "no_such_module_xyz"))
     assert f"do not import in {venv}" in str(e.value)

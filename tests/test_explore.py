@@ -1,17 +1,17 @@
-"""harness.explore: the strategy draws only valid triples and the shapes the zoo lacks (in-process,
+"""harness.orchestration.explore: the strategy draws only valid triples and the shapes the zoo lacks (in-process,
 no worlds); the search shrinks a planted failure and prints what reproduces it (a stand-in for the
 worlds); a derandomised short profile runs real worlds; a longer one runs nightly (slow)."""
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 from hypothesis import HealthCheck, find, given, settings
 
-from harness import explore as ex
-from harness import truth
-from harness.topology import Topology
-from harness.zoo import ModelSpec
+from harness.core import truth
+from harness.core.topology import Topology
+from harness.core.zoo import ModelSpec
+from harness.orchestration import explore as ex
 
 
 def _pow2(n: int) -> bool:
@@ -80,7 +80,7 @@ def test_real_vocab_rows_do_not_depend_on_the_padded_size():
 def test_a_failure_shrinks_to_the_smallest_triple_and_prints_its_reproduction(tmp_path, monkeypatch):
     """A planted defect (any model of >= 3 layers loses at a TP change) stands in for the worlds:
     hypothesis shrinks to 3 layers and a one-step TP change, and the database keeps it."""
-    from harness.result import CaseResult
+    from harness.core.result import CaseResult
 
     def fake(model, src, dst, workdir, timeout_s=0.0):
         r = CaseResult("x", "reshard-weights", model.name, "mcore_dist", src.id, dst.id, status="passed")

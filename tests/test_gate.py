@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from harness import golden
-from harness.compare import Finding
-from harness.gate import Side, cross_findings, run_gate, verdict_markdown
-from harness.runner import RunOptions
+from harness.gate import golden
+from harness.gate.bump import Side, cross_findings, run_gate, verdict_markdown
+from harness.gate.compare import Finding
+from harness.orchestration.runner import RunOptions
 
 
 def _doc(*results):
@@ -68,7 +68,7 @@ def test_golden_corpus_integrity_and_a_corrupted_load(tmp_path):
     assert set(manifest["artefacts"]) == {"model-dist"} and manifest["versions"]["megatron-core"]
     (good,) = golden.check(corpus, k="model-dist")
     assert good.status == "passed" and {c.name for c in good.checks} == {"checkpoint-canonical", "loaded-canonical"}
-    (bad,) = golden.check(corpus, RunOptions(rank_hooks=("harness.doubles:corrupt_mcore_loads",)), k="model-dist")
+    (bad,) = golden.check(corpus, RunOptions(rank_hooks=("doubles:corrupt_mcore_loads",)), k="model-dist")
     assert bad.status == "failed" and {c.name: c.status for c in bad.checks}["loaded-canonical"] == "failed"
     shard = sorted((corpus / "model-dist" / "ckpt").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))
@@ -94,7 +94,7 @@ def _planted_bridge():
     from importlib import util
     from pathlib import Path
 
-    from harness.envspec import _default_cache
+    from harness.gate.envspec import _default_cache
 
     src = Path(util.find_spec("megatron.bridge").origin).parent
     tree = _default_cache() / "test-trees" / "megatron-bridge-planted"
@@ -118,7 +118,7 @@ def _planted_bridge():
 def test_the_gate_catches_a_planted_bridge_defect(tmp_path):
     from pathlib import Path
 
-    from harness.envspec import _default_cache
+    from harness.gate.envspec import _default_cache
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gate"
@@ -142,7 +142,7 @@ def test_an_artefact_the_writer_could_not_make_is_named_not_lost():
 
 
 def test_the_verdict_quotes_the_exception_a_rank_raised():
-    from harness.gate import reason
+    from harness.gate.bump import reason
 
     tb = ("rank 1 of 2 raised:\nTraceback (most recent call last):\n  File \"x.py\", line 1, in f\n    raise CheckpointingException(m)\n"
           "megatron.core.dist_checkpointing.core.CheckpointingException: Common file /c/common.pt does not exist\n\n"
@@ -153,9 +153,9 @@ def test_the_verdict_quotes_the_exception_a_rank_raised():
 
 def test_results_are_written_as_they_come(tmp_path, monkeypatch):
     """A run that dies on its second case still leaves the first result in results.json."""
-    from harness import runner
     from harness.cli import main
-    from harness.result import CaseResult
+    from harness.core.result import CaseResult
+    from harness.orchestration import runner
 
     matrix = tmp_path / "m.yaml"
     matrix.write_text("name: t\nentries:\n  - {case: reshard-weights, models: [gpt-gqa], pairs: ['tp1 -> tp2', 'tp2 -> tp1']}\n")
@@ -177,8 +177,8 @@ def test_results_are_written_as_they_come(tmp_path, monkeypatch):
 def test_junit_xml_has_one_testcase_per_case_with_its_outcome(tmp_path):
     import xml.etree.ElementTree as ET
 
-    from harness.report import write_junit
-    from harness.result import CaseResult, Check
+    from harness.core.result import CaseResult, Check
+    from harness.report.results import write_junit
 
     ok = CaseResult("a[x]", "reshard-weights", "m", "b", "s", "t", status="passed", phases={"total": 1.5})
     bad = CaseResult("b[x]", "reshard-weights", "m", "b", "s", "t", status="failed", checks=[Check("logits", "failed", "off by 1e-2")])

@@ -4,9 +4,9 @@ one flipped bit in a lora_B, an adapter file missing a tensor, a lost lora_alpha
 import pytest
 
 from harness import backends
-from harness.runner import run_case
-from harness.spec import CaseSpec
-from harness.topology import Topology
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.orchestration.runner import run_case
 
 
 @pytest.fixture
@@ -16,7 +16,7 @@ def override():
 
     def use(cls):
         name = f"test_{cls.lower()}"
-        backends.register(name, f"harness.doubles:{cls}")
+        backends.register(name, f"doubles:{cls}")
         names.append(name)
         return name
 

@@ -2,7 +2,7 @@
 
 from html.parser import HTMLParser
 
-from harness import html_report
+from harness.report import html as html_report
 
 
 class _Collect(HTMLParser):

@@ -1,17 +1,17 @@
 """interrupted-save in real worlds, shown to go red: a save protocol that marks the directory
-complete before writing (harness.doubles:mark_checkpoint_complete_first) fails
+complete before writing (doubles:mark_checkpoint_complete_first) fails
 recognised-incomplete, and a backend that swallows load errors (SwallowLoadErrors) makes the load
 of the interrupted directory silent, which fails outcome. The green runs are matrices/faults.yaml."""
 
 import pytest
 
 from harness.backends import register
-from harness.runner import RunOptions, run_case
-from harness.spec import CaseSpec
-from harness.topology import Topology
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.orchestration.runner import RunOptions, run_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-register("test_swallow_load_errors", "harness.doubles:SwallowLoadErrors")
+register("test_swallow_load_errors", "doubles:SwallowLoadErrors")
 
 
 def _spec(backend, kind):
@@ -20,7 +20,7 @@ def _spec(backend, kind):
 
 
 def test_a_directory_marked_complete_before_the_write_turns_the_case_red():
-    r = run_case(_spec("mcore_dist", "kill-after-shard"), RunOptions(rank_hooks=("harness.doubles:mark_checkpoint_complete_first",)))
+    r = run_case(_spec("mcore_dist", "kill-after-shard"), RunOptions(rank_hooks=("doubles:mark_checkpoint_complete_first",)))
     assert r.status == "failed", r.failure_text()
     assert r.check("recognised-incomplete").status == "failed"
     assert "calls the interrupted directory a checkpoint" in r.check("recognised-incomplete").detail

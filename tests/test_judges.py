@@ -5,13 +5,13 @@ naming the key and the side, on one planted fault. No world, no megatron: second
 import pytest
 import torch
 
-from cases import hf_roundtrip, peft_export, reshard_optimizer, resume, reshard_weights
-from harness import truth
-from harness.checks import knob_check, refusal_check, weights_match_main_params
-from harness.parity import Shard, compare_tensors
-from harness.topology import Topology
-from harness.training import TrainOut
-from harness.zoo import get_model
+from cases import hf_roundtrip, peft_export, reshard_optimizer, reshard_weights, resume
+from cases._train_phase import TrainOut
+from harness.core import truth
+from harness.core.parity import Shard, compare_tensors
+from harness.core.topology import Topology
+from harness.core.zoo import get_model
+from harness.judge.checks import knob_check, refusal_check, weights_match_main_params
 
 GQA = get_model("gpt-gqa")
 KEYS = {"embedding.word_embeddings.weight": (128, 64), "decoder.layers.self_attention.linear_qkv.weight": (4, 128, 64)}
@@ -334,7 +334,7 @@ def test_peft_config_logits_and_reshard_judges():
 def test_peft_mapping_splits_a_gated_fc1_and_keeps_a_non_gated_one():
     """At TP 2 a SwiGLU fc1's lora_B shards are [gate_r; up_r] and must be de-interleaved into
     gate_proj/up_proj; a non-gated fc1 (Nemotron) is up_proj alone, a plain column-parallel concat."""
-    from harness import peft_mapping
+    from harness.models import peft_mapping
 
     name = "decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight"
     rows = torch.arange(8.0).unsqueeze(1)  # global rows 0..7; rank r holds rows 4r..4r+3
@@ -351,8 +351,8 @@ def test_peft_mapping_splits_a_gated_fc1_and_keeps_a_non_gated_one():
 def test_expert_adapters_get_global_expert_indices_and_per_expert_hf_names():
     """An expert's adapter on EP rank 1 of ep2 (local expert 0 of 2 per rank) is global expert 2; its
     fused SwiGLU fc1 lora_B splits into that expert's gate_proj/up_proj, fc2 is its down_proj."""
-    from harness import peft_mapping
-    from harness.bridge import global_name
+    from harness.models import peft_mapping
+    from harness.models.bridge import global_name
 
     local = "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.adapter.linear_out.weight"
     name = global_name(local, offset=2, expert_offset=2)
@@ -390,7 +390,7 @@ class _FakeModel(torch.nn.Module):
 
 
 def test_bridge_propagation_names_a_wrong_dtype_and_unsplit_experts():
-    from harness import bridge as mb
+    from harness.models import bridge as mb
 
     def bad(records):
         return sorted(r["knob"] for r in records if not r["ok"])

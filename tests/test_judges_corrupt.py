@@ -5,8 +5,8 @@ intact passes naming the file never read, a crash or a hang fails."""
 import torch
 
 from cases import corrupt_load as cl
-from harness.damage import Damage
-from harness.world import WorldError, WorldTimeout
+from harness.faults.damage import Damage
+from harness.run.world import WorldError, WorldTimeout
 
 DMG = Damage("missing-shard", ("__1_0.distcp",), ("__1_0.distcp",), "__1_0.distcp deleted")
 TRUTH = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4)}

@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.matrix import MatrixError, load_matrix
-from harness.topology import Topology
+from harness.backends import ref_of
+from harness.core.topology import Topology
+from harness.orchestration.matrix import MatrixError, load_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,7 +179,7 @@ def test_every_case_declares_its_contract():
 def tagged_backend():
     from harness.backends import register, unregister
 
-    register("tagged_dist", "harness.doubles:TaggedDist")
+    register("tagged_dist", "doubles:TaggedDist")
     yield
     unregister("tagged_dist")
 
@@ -191,7 +192,7 @@ def test_backend_options_are_typed_varied_by_axes_and_travel_in_the_ref(tmp_path
     specs = load_matrix(path).cases
     assert [s.id for s in specs] == ["reshard-weights[tagged_dist-gpt-gqa-tp1pp1dp1cp1->tp2pp1dp1cp1-a]",
                                      "reshard-weights[tagged_dist-gpt-gqa-tp1pp1dp1cp1->tp2pp1dp1cp1-b]"]
-    backend = get_backend(specs[1].backend_ref)
+    backend = get_backend(ref_of(specs[1]))
     assert (backend.options.tag, backend.options.copies) == ("b", 2)
     assert get_backend("tagged_dist").options.tag == "plain"  # the registered instance is not mutated
 

@@ -1,4 +1,4 @@
-"""verl's vanilla bridge (harness.mbridge, verl_manager option `bridge: vanilla`): the model mbridge
+"""verl's vanilla bridge (harness.models.mbridge, verl_manager option `bridge: vanilla`): the model mbridge
 builds through verl's make_megatron_module on CPU computes what transformers computes (so the
 TE-named stand-in layers are the HF model, not just the right names), a planted fault turns that
 red, and the option's contract is checked at matrix load."""
@@ -10,10 +10,10 @@ import importlib.util
 import pytest
 
 from harness.backends import get_backend, resolve
-from harness.case import RunEnv
-from harness.result import CaseResult
-from harness.spec import CaseSpec
-from harness.topology import Topology
+from harness.core.result import CaseResult
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.run.envelope import RunEnv
 
 needs_mbridge = pytest.mark.skipif(importlib.util.find_spec("mbridge") is None or importlib.util.find_spec("verl") is None,
                                    reason="mbridge/verl not installed (requirements-nodeps.txt)")
@@ -23,8 +23,8 @@ VANILLA = {"bridge": "vanilla"}
 def _build_and_forward(ctx, arg):
     import torch
 
-    from harness import bridge as mb
-    from harness.zoo import get_model
+    from harness.core.zoo import get_model
+    from harness.models import bridge as mb
 
     hf_dir, topo, fault = arg
     spec = get_model("hf-llama")
@@ -38,11 +38,11 @@ def _build_and_forward(ctx, arg):
 
 def _logits_vs_transformers(tmp_path, tp: int, fault: bool = False):
     from cases.hf_roundtrip import MEGATRON_HF_TOLERANCE
-    from harness import truth
-    from harness.hf_models import hf_logits, write_fixture
-    from harness.checks import tensor_check
-    from harness.preload import warm
-    from harness.zoo import get_model
+    from harness.core import truth
+    from harness.core.zoo import get_model
+    from harness.judge.checks import tensor_check
+    from harness.models.hf import hf_logits, write_fixture
+    from harness.run.preload import warm
 
     spec = get_model("hf-llama")
     hf_dir = tmp_path / "hf"

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from harness.memory import MiB, Budget, PhaseMemory, track
+from harness.core.memory import Budget, MiB, PhaseMemory, track
 
 
 def test_tracker_sees_a_200_mib_allocation():
@@ -31,7 +31,7 @@ def test_budgets_fail_with_numbers():
 
 
 def test_the_timeline_is_decimated_but_keeps_first_last_and_peak():
-    from harness.memory import decimate
+    from harness.core.memory import decimate
 
     points = [(i * 0.01, 100 + (5000 if i == 777 else i % 7)) for i in range(2000)]
     got = decimate(points, 48)
@@ -53,7 +53,7 @@ def test_tracker_records_the_host_wide_peak_it_samples(monkeypatch):
     the recorded peak is its maximum, the baseline its first value."""
     import time
 
-    from harness import memory
+    from harness.core import memory
 
     values = [(1000 * MiB, v * MiB) for v in (300, 310, 700, 420)]
     calls = [0]
@@ -72,7 +72,7 @@ def test_tracker_records_the_host_wide_peak_it_samples(monkeypatch):
 
 
 def test_host_used_reads_this_machine():
-    from harness.memory import host_used
+    from harness.core.memory import host_used
 
     total, used = host_used()
     assert total > used > 0

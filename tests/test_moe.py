@@ -8,15 +8,15 @@ from dataclasses import replace
 import pytest
 
 from harness.backends import register, resolve
-from harness.case import RunEnv
-from harness.result import CaseResult
-from harness.runner import run_case
-from harness.spec import CaseSpec
-from harness.topology import Topology, TopologyError
-from harness.zoo import get_model
+from harness.core.result import CaseResult
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology, TopologyError
+from harness.core.zoo import get_model
+from harness.orchestration.runner import run_case
+from harness.run.envelope import RunEnv
 
-register("test_corrupt_expert", "harness.doubles:CorruptExpertAfterLoad")
-register("test_corrupt_expert_main_param", "harness.doubles:CorruptExpertMainParamAfterLoad")
+register("test_corrupt_expert", "doubles:CorruptExpertAfterLoad")
+register("test_corrupt_expert_main_param", "doubles:CorruptExpertMainParamAfterLoad")
 
 EXPERT_FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
 
@@ -111,7 +111,7 @@ def test_moe_entries_that_cannot_run_here_are_matrix_load_errors(matrix_error, e
 def test_smoke_matrix_covers_every_kind_of_expert_change():
     from pathlib import Path
 
-    from harness.matrix import load_matrix
+    from harness.orchestration.matrix import load_matrix
 
     matrices = Path(__file__).parent.parent / "matrices"  # the default suite runs both
     cases = [c for m in ("smoke.yaml", "extended.yaml") for c in load_matrix(matrices / m).cases if "moe" in c.markers]
@@ -133,9 +133,9 @@ def test_smoke_matrix_covers_every_kind_of_expert_change():
 def test_grouped_gemm_experts_build_with_the_te_spec_and_are_not_run_without_te(tmp_path):
     """Grouped GEMM (TEGroupedMLP) exists only with the TE layer spec: with it the entry loads and
     needs te (not-run on a machine without Transformer-Engine, naming it); nothing is built instead."""
-    from harness.matrix import load_matrix
-    from harness.requires import probe
-    from harness.runner import RunOptions, run_case
+    from harness.core.requires import probe
+    from harness.orchestration.matrix import load_matrix
+    from harness.orchestration.runner import RunOptions, run_case
 
     path = tmp_path / "m.yaml"
     path.write_text("entries: [{case: reshard-weights, models: [gpt-moe-grouped], pairs: ['dp2ep2 -> dp1'], options: {layer_spec: te}}]\n")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.matrix import load_matrix
-from harness.requires import unmet
+from harness.core.requires import unmet
+from harness.orchestration.matrix import load_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 NIGHTLY = ROOT / "matrices" / "nightly-gpu.yaml"
@@ -97,7 +97,7 @@ def _run_sampling_tree_rss(cmd: list[str], **kw) -> tuple[subprocess.CompletedPr
 def test_nightly_matrix_runs_on_cpu_with_gloo_cut_to_four_ranks(tmp_path):
     """The CPU variant, end to end through the CLI (what docs/nightly-gpu.md says to run). Prints
     its wall time and the peak summed RSS of the run's process tree (measured, never asserted)."""
-    from harness.requires import probe
+    from harness.core.requires import probe
 
     rep = tmp_path / "rep"
     cmd = [sys.executable, "-m", "harness.cli", "run", str(NIGHTLY), "--dist-backend", "gloo", "--max-world", str(MAX_WORLD_CPU),

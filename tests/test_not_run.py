@@ -9,14 +9,16 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from harness import compare as cmp
-from harness import html_report, report, requires
 from harness.cli import main
-from harness.matrix import MatrixError, load_matrix
-from harness.result import CaseResult
-from harness.runner import RunOptions, run_case
-from harness.spec import CaseSpec
-from harness.topology import Topology
+from harness.core import requires
+from harness.core.result import CaseResult
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.gate import compare as cmp
+from harness.orchestration.matrix import load_matrix
+from harness.orchestration.runner import RunOptions, run_case
+from harness.report import html as html_report
+from harness.report import results as report
 
 pytest_plugins = ["pytester"]
 
@@ -70,7 +72,7 @@ def test_a_case_requiring_cuda_on_a_cpu_machine_is_not_run_and_one_without_runs(
 
 
 def test_forcing_nccl_is_a_requirement_and_xfail_never_turns_a_not_run_into_xpass(monkeypatch):
-    from harness.spec import XFail
+    from harness.core.spec import XFail
 
     monkeypatch.setattr(requires, "probe", lambda: NO_GPU)
     r = run_case(_spec(xfail=XFail("some defect")), RunOptions(dist_backend="nccl"))

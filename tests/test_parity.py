@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.parity import Shard, Tolerance, assemble, bitwise_equal, compare_state
+from harness.core.parity import Shard, Tolerance, assemble, bitwise_equal, compare_state
 
 
 def _state(seed=0):

@@ -5,14 +5,14 @@ import json
 
 from harness.backends import register
 from harness.cli import main
-from harness.runner import run_case
-from harness.spec import CaseSpec, XFail
-from harness.topology import Topology
+from harness.core.spec import CaseSpec, XFail
+from harness.core.topology import Topology
+from harness.orchestration.runner import run_case
 
 # Doubles travel to the ranks by import path, so they work under any start method.
 for name, cls in (("test_corrupt_load", "CorruptAfterLoad"), ("test_corrupt_save", "CorruptBeforeSave"),
                   ("test_noop_load", "NoopLoad"), ("test_raising_load", "RaisingLoad")):
-    register(name, f"harness.doubles:{cls}")
+    register(name, f"doubles:{cls}")
 
 
 def _spec(backend="mcore_dist", src="tp2pp1", dst="tp1pp2", xfail=None, model="gpt-gqa"):
@@ -109,7 +109,7 @@ def test_cli_reports_matrix_errors_and_exit_2(tmp_path, capsys):
 
 
 def test_memory_is_recorded_per_phase_and_rank_and_budgets_fail_with_numbers():
-    from harness.memory import Budget
+    from harness.core.memory import Budget
 
     ok = run_case(_spec(src="tp2", dst="pp2"))
     assert set(ok.memory) >= {"save", "load"} and set(ok.memory["save"]) == {"0", "1"}
@@ -126,10 +126,10 @@ def test_memory_is_recorded_per_phase_and_rank_and_budgets_fail_with_numbers():
 _JOBS_SCRIPT = """
 import json, sys
 from harness.backends import register
-from harness.runner import run_cases
-from harness.spec import CaseSpec
-from harness.topology import Topology
-register("test_corrupt_load", "harness.doubles:CorruptAfterLoad")
+from harness.orchestration.runner import run_cases
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+register("test_corrupt_load", "doubles:CorruptAfterLoad")
 specs = [CaseSpec("reshard-weights", "gpt-gqa", b, Topology.parse(s), Topology.parse(d), timeout_s=120)
          for b, s, d in (("mcore_dist", "tp1", "tp2"), ("test_corrupt_load", "tp2", "tp1"), ("mcore_dist", "pp2", "tp1"))]
 seen = []
@@ -155,7 +155,7 @@ def test_jobs_fork_warm_workers_from_a_single_threaded_caller_and_keep_matrix_or
 def test_jobs_from_a_threaded_caller_use_forkserver_workers():
     import threading
 
-    from harness.runner import run_cases
+    from harness.orchestration.runner import run_cases
 
     assert threading.active_count() >= 1
     stop = threading.Event()
@@ -173,7 +173,7 @@ def test_jobs_from_a_threaded_caller_use_forkserver_workers():
 def test_jobs_refuse_nccl_and_torchrun_with_a_clear_error(capsys):
     import pytest
 
-    from harness.runner import RunOptions, run_cases
+    from harness.orchestration.runner import RunOptions, run_cases
 
     for opts in (RunOptions(dist_backend="nccl"), RunOptions(launcher="torchrun")):
         with pytest.raises(ValueError, match="gloo worlds from the mp launcher only"):

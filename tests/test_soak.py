@@ -14,9 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.matrix import load_matrix
-from harness.memory import MiB
-from harness.runner import RunOptions, run_cases
+from harness.core.memory import MiB
+from harness.orchestration.matrix import load_matrix
+from harness.orchestration.runner import RunOptions, run_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 RSS_SLACK_MIB = 64  # allocator and import-cache noise between identical runs; a per-case leak of the

@@ -1,23 +1,23 @@
 """Faults and plugins reach the ranks by value under every start method, not by fork inheritance."""
 
 import pytest
+from doubles import backend_and_hook
 
 from harness import backends
-from harness.probes import backend_and_hook
-from harness.runner import RunOptions, run_case
-from harness.spec import CaseSpec
-from harness.topology import Topology
-from harness.world import WorldError, choose_start_method, launch
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.orchestration.runner import RunOptions, run_case
+from harness.run.world import WorldError, choose_start_method, launch
 
-backends.register("test_noop_load_sm", "harness.doubles:NoopLoad")
-backends.register("test_tagged_sm", "harness.doubles:TaggedDist")
+backends.register("test_noop_load_sm", "doubles:NoopLoad")
+backends.register("test_tagged_sm", "doubles:TaggedDist")
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_a_registered_double_and_a_rank_hook_reach_the_rank(tmp_path, method):
     path = backends.resolve("test_noop_load_sm")  # the parent resolves; the path travels in the phase
     (out,) = launch(backend_and_hook, path, 1, tmp_path, backend="gloo", start_method=method,
-                    hooks=("harness.probes:mark_hook",), timeout_s=120)
+                    hooks=("harness.run.probes:mark_hook",), timeout_s=120)
     defaults = {"save_strategy": "default", "load_strategy": "default", "async_save": "none", "cache_metadata": False}
     assert out == {"backend": "NoopLoad", "options": defaults, "hook": "ran"}  # mcore_dist's strategy options, defaulted
     ref = backends.resolve("test_tagged_sm", {"tag": "x", "copies": 3})  # backend options travel with the path

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from harness import memory
-from harness.backends import get_backend, register
+from harness.backends import get_backend, ref_of, register
 from harness.backends.mcore_dist import McoreDistOptions, _event_problems
-from harness.checks import async_finalize_check
-from harness.matrix import MatrixError, load_matrix
-from harness.runner import RunOptions, run_case
-from harness.spec import CaseSpec
-from harness.topology import Topology
+from harness.core import memory
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.judge.checks import async_finalize_check
+from harness.orchestration.matrix import MatrixError, load_matrix
+from harness.orchestration.runner import RunOptions, run_case
 
-register("test_skip_async_finalize", "harness.doubles:SkipAsyncFinalize")
-register("test_default_strategies", "harness.doubles:DefaultStrategies")
-register("test_corrupt_second_save", "harness.doubles:CorruptSecondSave")
+register("test_skip_async_finalize", "doubles:SkipAsyncFinalize")
+register("test_default_strategies", "doubles:DefaultStrategies")
+register("test_corrupt_second_save", "doubles:CorruptSecondSave")
 
 
 def _write(tmp_path, body: str):
@@ -72,7 +72,7 @@ def test_nvrx_without_nvidia_resiliency_ext_is_not_run_with_the_reason_and_never
     import importlib.util
 
     from harness.backends import mcore_dist
-    from harness.runner import RunOptions, not_run_reason
+    from harness.orchestration.runner import RunOptions, not_run_reason
 
     real = importlib.util.find_spec
     monkeypatch.setattr(mcore_dist.importlib.util, "find_spec", lambda name, *a: None if name == mcore_dist.NVRX_MODULE else real(name, *a))
@@ -128,7 +128,7 @@ def test_strategy_event_judge_names_every_mismatch():
     assert "validate_access_integrity=True" in _event_problems(cached, {**levels[1], "validated": True})[0]
     assert "async_save none, asked mcore" in _event_problems(McoreDistOptions(async_save="mcore"),
                                                              _save_event(strategy="default", distribution=None))[0]
-    backend = get_backend(_spec(backend_options={"async_save": "mcore"}).backend_ref)
+    backend = get_backend(ref_of(_spec(backend_options={"async_save": "mcore"})))
     assert backend.strategy_check({}).status == "failed" and "no save ran" in backend.strategy_check({}).detail
 
 
@@ -184,5 +184,5 @@ def test_saves_without_megatrons_param_sync_under_overlap_param_gather_fail():
                 sharding="dp_reshardable", workarounds=["prime_adam", "load_no_grad", "unshare_adam_step"])
     good = run_case(_spec(**opts))
     assert _checks(good)["model-weights"] == "passed" and _checks(good)["propagation"] == "passed", good.failure_text()
-    bad = run_case(_spec(**opts), RunOptions(rank_hooks=("harness.doubles:skip_param_sync",)))
+    bad = run_case(_spec(**opts), RunOptions(rank_hooks=("doubles:skip_param_sync",)))
     assert _checks(bad)["model-weights"] == "failed", bad.failure_text()

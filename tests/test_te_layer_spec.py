@@ -7,11 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases.reshard_weights import LOGITS_CP_TOLERANCE, WeightsOut, logits_check, logits_tolerance
-from harness import requires
-from harness.models import cp_positions, cp_unshard
-from harness.runner import RunOptions, run_case
-from harness.topology import Topology
+from cases.reshard_weights import (
+    LOGITS_CP_TOLERANCE,
+    WeightsOut,
+    logits_check,
+    logits_tolerance,
+)
+from harness.core import requires
+from harness.core.topology import Topology
+from harness.models.mcore import cp_positions, cp_unshard
+from harness.orchestration.runner import RunOptions, run_case
 
 
 @pytest.mark.parametrize("seq, cp", [(16, 1), (16, 2), (16, 4), (128, 8)])
@@ -25,7 +30,7 @@ def test_cp_split_is_megatrons_zigzag_and_gathers_back(seq, cp):
 
 
 def test_te_entries_derive_te_and_cuda(tmp_path, matrix_error):
-    from harness.matrix import load_matrix
+    from harness.orchestration.matrix import load_matrix
 
     p = tmp_path / "m.yaml"
     p.write_text("entries:\n  - {case: reshard-weights, models: [gpt-gqa], pairs: ['cp2 -> cp1'], options: {layer_spec: te}}\n"
@@ -39,7 +44,7 @@ def test_te_entries_derive_te_and_cuda(tmp_path, matrix_error):
 
 
 def test_a_te_case_without_transformer_engine_is_not_run_naming_the_module(monkeypatch):
-    from harness.spec import CaseSpec
+    from harness.core.spec import CaseSpec
 
     monkeypatch.setattr(requires, "probe", lambda: requires.Machine(8, True, "No module named 'transformer_engine'", 512.0))
     spec = CaseSpec("reshard-weights", "gpt-gqa", "mcore_dist", Topology(cp=2), Topology(), options=(("layer_spec", "te"),))

@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.zoo import ZOO, get_model
-from harness.topology import Topology, TopologyError
+from harness.core.topology import Topology, TopologyError
+from harness.core.zoo import ZOO, get_model
 
 dims = st.integers(min_value=1, max_value=16)
 

@@ -4,9 +4,9 @@ a load that should have refused, an expected failure that fails for another reas
 import dataclasses
 
 from harness.backends import register
-from harness.runner import RunOptions, run_case
-from harness.spec import CaseSpec, XFail
-from harness.topology import Topology
+from harness.core.spec import CaseSpec, XFail
+from harness.core.topology import Topology
+from harness.orchestration.runner import RunOptions, run_case
 
 
 def _spec(case="reshard-optimizer", src="dp2", dst="dp1", expect="pass", **opts):
@@ -19,8 +19,8 @@ def _checks(r):
     return {c.name: c.status for c in r.checks}
 
 
-register("test_corrupt_optimizer", "harness.doubles:CorruptOptimizerAfterLoad")
-register("test_weight_off_main", "harness.doubles:ModelWeightOffMainParam")
+register("test_corrupt_optimizer", "doubles:CorruptOptimizerAfterLoad")
+register("test_weight_off_main", "doubles:ModelWeightOffMainParam")
 
 
 def test_fully_reshardable_dp_change_passes_every_check():
@@ -41,7 +41,7 @@ def test_one_bit_of_exp_avg_flipped_after_load_fails_optimizer_state():
 
 def test_a_config_knob_that_never_reaches_ddp_fails_propagation():
     # the knob is dropped on the way to DDP, as in verl PR #5775: a rank hook (by import path) breaks the build
-    r = run_case(_spec(use_distributed_optimizer=False), RunOptions(rank_hooks=("harness.doubles:drop_distributed_optimizer_knob",)))
+    r = run_case(_spec(use_distributed_optimizer=False), RunOptions(rank_hooks=("doubles:drop_distributed_optimizer_knob",)))
     assert _checks(r)["propagation"] == "failed"
     assert "use_distributed_optimizer asked False, built True" in r.check("propagation").detail
 

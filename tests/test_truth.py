@@ -1,17 +1,17 @@
-"""The truth never comes from the code under test: harness/truth.py imports no module of the harness."""
+"""The truth never comes from the code under test: harness/core/truth.py imports no module of the harness."""
 
 import ast
 from pathlib import Path
 
 import torch
 
-from harness import truth
+from harness.core import truth
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_truth_imports_only_torch_and_the_standard_library():
-    tree = ast.parse((ROOT / "harness" / "truth.py").read_text())
+    tree = ast.parse((ROOT / "harness" / "core" / "truth.py").read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
     assert imported <= {"__future__", "hashlib", "typing", "torch"}, imported

@@ -1,6 +1,6 @@
 """The verl_manager backend (verl 0.9.1's MegatronCheckpointManager) and the verl-checkpoint case:
 options and matrix contract in-process, the judges on synthetic outputs, and real worlds that turn
-each new check red with a planted fault (harness/doubles.py): a scheduler not restored, an RNG
+each new check red with a planted fault (tests/doubles.py): a scheduler not restored, an RNG
 state not restored, a corrupted main param, a bf16 weight off its main param."""
 
 from __future__ import annotations
@@ -11,19 +11,19 @@ import pytest
 
 from cases import verl_checkpoint as vc
 from harness.backends import get_backend, register, resolve
-from harness.runner import run_case
-from harness.spec import CaseSpec
-from harness.topology import Topology
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.orchestration.runner import run_case
 
 needs_verl = pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl not installed (requirements-verl.txt)")
 
-register("test_verl_skip_scheduler", "harness.doubles:VerlSkipSchedulerLoad")
-register("test_verl_skip_rng", "harness.doubles:VerlSkipRngRestore")
-register("test_verl_corrupt_main", "harness.doubles:VerlCorruptMainParam")
-register("test_verl_weight_off_main", "harness.doubles:VerlWeightOffMainParam")
-register("test_verl_async_model_last", "harness.doubles:VerlAsyncModelTreeWritesLast")
-register("test_verl_adapter_wrong_alpha", "harness.doubles:VerlAdapterWrongAlpha")
-register("test_verl_adapter_not_restored", "harness.doubles:VerlAdapterNotRestored")
+register("test_verl_skip_scheduler", "doubles:VerlSkipSchedulerLoad")
+register("test_verl_skip_rng", "doubles:VerlSkipRngRestore")
+register("test_verl_corrupt_main", "doubles:VerlCorruptMainParam")
+register("test_verl_weight_off_main", "doubles:VerlWeightOffMainParam")
+register("test_verl_async_model_last", "doubles:VerlAsyncModelTreeWritesLast")
+register("test_verl_adapter_wrong_alpha", "doubles:VerlAdapterWrongAlpha")
+register("test_verl_adapter_not_restored", "doubles:VerlAdapterNotRestored")
 
 
 # --------------------------------------------------------------------------- options and contract

@@ -8,24 +8,24 @@ import pytest
 import torch
 
 from cases import reshard_optimizer, reshard_weights
-from harness import truth
 from harness.backends import register
-from harness.case import RunEnv
-from harness.matrix import load_matrix
-from harness.parity import Shard
-from harness.preload import warm
-from harness.result import CaseResult
-from harness.runner import RunOptions, run_case
-from harness.spec import CaseSpec
-from harness.topology import Topology
-from harness.training import TrainOptions, workaround_notes
-from harness.zoo import get_model
+from harness.core import truth
+from harness.core.parity import Shard
+from harness.core.result import CaseResult
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.core.zoo import get_model
+from harness.models.training import TrainOptions, workaround_notes
+from harness.orchestration.matrix import load_matrix
+from harness.orchestration.runner import RunOptions, run_case
+from harness.run.envelope import RunEnv
+from harness.run.preload import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 GQA = get_model("gpt-gqa")
 QKV = "decoder.layers.self_attention.linear_qkv.weight"  # layer-stacked: global shape (layers, 128, 64)
 
-register("test_first_chunk_only", "harness.doubles:LoadFirstChunkOnly")
+register("test_first_chunk_only", "doubles:LoadFirstChunkOnly")
 
 
 # --------------------------------------------------------------------------- ids
@@ -108,7 +108,7 @@ def test_a_chunk_at_the_wrong_layer_offset_turns_loaded_canonical_red():
 
 
 def _layout(ctx, arg) -> list[tuple]:
-    from harness import models
+    from harness.models import mcore as models
 
     spec, topo = arg
     return [(i, s.key, s.global_shape, s.index[0] if s.key.startswith("decoder.layers.") else None)
@@ -146,7 +146,7 @@ def test_a_load_that_fills_only_the_first_chunk_is_caught():
 def test_chunks_at_rotated_layer_offsets_only_the_logits_see():
     """Every layer held once under its own key, in the wrong chunk: the weight checks cannot see it
     (the checkpoint is self-consistent), the forward pass through the interleaved schedule does."""
-    r = run_case(_weights(), RunOptions(rank_hooks=("harness.doubles:rotate_vpp_chunks",)))
+    r = run_case(_weights(), RunOptions(rank_hooks=("doubles:rotate_vpp_chunks",)))
     statuses = {c.name: c.status for c in r.checks}
     assert r.status == "failed", r.failure_text()
     assert statuses == {"source-canonical": "passed", "checkpoint-canonical": "passed", "loaded-canonical": "passed",
@@ -155,7 +155,7 @@ def test_chunks_at_rotated_layer_offsets_only_the_logits_see():
 
 def test_vpp_training_that_the_interleaved_schedule_refuses_is_a_matrix_load_error(tmp_path):
     """pp4vpp2 at dp2 leaves 2 micro-batches per DP rank, fewer than PP: named at load, not a run error."""
-    from harness.matrix import MatrixError
+    from harness.orchestration.matrix import MatrixError
 
     path = tmp_path / "m.yaml"
     path.write_text("defaults: {max_world_size: 8}\nentries: [{case: resume, models: [gpt-gqa-8l], "

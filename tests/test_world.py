@@ -10,8 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.preload import warm
-from harness.world import WorldError, WorldTimeout, choose_backend, launch, live_children
+from harness.run.preload import warm
+from harness.run.world import (
+    WorldError,
+    WorldTimeout,
+    choose_backend,
+    launch,
+    live_children,
+)
 
 warm()  # as the runner does: ranks fork from a parent that already imported megatron-core
 
@@ -138,7 +144,7 @@ def test_backend_choice_on_this_machine():
 
 
 def test_exception_of_reads_multiline_messages():
-    from harness.world import exception_of
+    from harness.run.world import exception_of
 
     tb = (
         "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    raise E\n"
@@ -151,9 +157,8 @@ def test_exception_of_reads_multiline_messages():
 
 @pytest.mark.slow  # torchrun starts fresh interpreters: ~60 s per world on 2 cores
 def test_the_same_rank_body_runs_under_torchrun(tmp_path):
-    from harness.world import launch_torchrun
-
-    from harness.probes import allreduce_ranks
+    from harness.run.probes import allreduce_ranks
+    from harness.run.world import launch_torchrun
 
     out = launch_torchrun(allreduce_ranks, 3.0, 2, tmp_path, timeout_s=240)
     assert [o["rank"] for o in out] == [0, 1] and all(o["sum"] == 3.0 and o["backend"] == "gloo" for o in out)
@@ -161,9 +166,8 @@ def test_the_same_rank_body_runs_under_torchrun(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_rank_under_torchrun_is_reported(tmp_path):
-    from harness.world import launch_torchrun
-
-    from harness.probes import raise_on_rank
+    from harness.run.probes import raise_on_rank
+    from harness.run.world import launch_torchrun
 
     with pytest.raises(WorldError, match="boom on rank 1") as exc:
         launch_torchrun(raise_on_rank, 1, 2, tmp_path, timeout_s=240)
@@ -174,12 +178,12 @@ def test_torchrun_ranks_get_the_case_timeout_and_hooks(tmp_path):
     """rank_entry used to run with run_from_env's default 1800 s whatever the case asked."""
     import pickle
 
-    from harness.probes import allreduce_ranks
-    from harness.world import dump_spec
+    from harness.run.probes import allreduce_ranks
+    from harness.run.world import dump_spec
 
-    dump_spec(tmp_path / "spec.pkl", allreduce_ranks, 1.0, 42.0, ("harness.probes:mark_hook",))
+    dump_spec(tmp_path / "spec.pkl", allreduce_ranks, 1.0, 42.0, ("harness.run.probes:mark_hook",))
     spec = pickle.loads((tmp_path / "spec.pkl").read_bytes())
-    assert spec["timeout_s"] == 42.0 and spec["hooks"] == ("harness.probes:mark_hook",) and spec["fn"] is allreduce_ranks
+    assert spec["timeout_s"] == 42.0 and spec["hooks"] == ("harness.run.probes:mark_hook",) and spec["fn"] is allreduce_ranks
 
 
 def _gc_state(ctx, _):

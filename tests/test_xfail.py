@@ -1,11 +1,11 @@
-"""The strict expected-failure policy (harness.spec.XFail), judged in-process on synthetic results."""
+"""The strict expected-failure policy (harness.core.spec.XFail), judged in-process on synthetic results."""
 
 import pytest
 
-from harness.result import CaseResult, Check
-from harness.runner import apply_xfail
-from harness.spec import CaseSpec, XFail
-from harness.topology import Topology
+from harness.core.result import CaseResult, Check
+from harness.core.spec import CaseSpec, XFail
+from harness.core.topology import Topology
+from harness.orchestration.runner import apply_xfail
 
 
 def _result(failed=(), status="failed", error=None):
@@ -75,24 +75,24 @@ def test_apply_xfail_statuses():
     ],
 )
 def test_a_moved_upstream_api_is_named_with_package_and_version(exc_type, message, tb, package):
-    from harness.runner import api_unavailable
+    from harness.orchestration.runner import api_unavailable
 
     got = api_unavailable(exc_type, message, tb)
     assert got.startswith(f"API not available in {package} ") and message.split("'")[1] in got
 
 
 def test_other_errors_are_not_called_api_changes():
-    from harness.runner import api_unavailable
+    from harness.orchestration.runner import api_unavailable
 
     assert api_unavailable("KeyError", "'step'", "") is None
-    assert api_unavailable("AttributeError", "'Foo' object has no attribute 'x'", 'File "/work/harness/case.py", line 1') is None
+    assert api_unavailable("AttributeError", "'Foo' object has no attribute 'x'", 'File "/work/harness/run/envelope.py", line 1') is None
     # verl reading a corrupt checkpoint: megatron-core got None where the common state should be
     tb = 'File "/v/lib/python3.12/site-packages/megatron/core/dist_checkpointing/serialization.py", line 340'
     assert api_unavailable("AttributeError", "'NoneType' object has no attribute 'get'", tb) is None
 
 
 def test_megatron_training_belongs_to_megatron_core():
-    from harness.runner import api_unavailable
+    from harness.orchestration.runner import api_unavailable
 
     got = api_unavailable("ModuleNotFoundError", "No module named 'megatron.training.models.gpt'", "")
     assert got.startswith("API not available in megatron-core ")

@@ -1,14 +1,14 @@
 """Checkpoint backends: one file each, one small interface, no knowledge of each other.
 
 A backend is a *format*: how state goes to disk and back. Which state (model weights, model +
-optimizer, adapters only) is chosen by the builders (harness.models, harness.training,
-harness.bridge) and handed in as a sharded state dict or a model.
+optimizer, adapters only) is chosen by the builders (harness.models, harness.models.training,
+harness.models.bridge) and handed in as a sharded state dict or a model.
 
 Adding one: a module `harness/backends/<name>.py` exposing `BACKEND` (a `Backend` instance) and a
 matrix line naming it; or, outside this package, an entry point in the group
 `ckpt_harness.backends` (`name = "package.module:attr"`), the way pytest finds plugins; or
 `register(name, "module:attr")` in the process that runs the matrix (tests use this for
-fault-injecting doubles, see harness/doubles.py).
+fault-injecting doubles, see tests/doubles.py).
 
 A backend may take options (`Options`, a frozen dataclass like a case's: matrix
 `backend_options: {...}` or axes `backend.<name>: [...]`, typed and validated at load). They
@@ -49,15 +49,15 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from harness.options import NoOptions, parse_options
-from harness.world import RankContext
+from harness.core.context import RankContext
+from harness.core.options import NoOptions, parse_options
 
 CAPABILITIES = frozenset({"weights", "training_state", "read_plain", "hf_export", "hf_import", "adapter_export", "manager"})
 ENTRY_POINT_GROUP = "ckpt_harness.backends"
 
 
 class TrainingState(Protocol):
-    """A live training job at one rank, as a backend sees it (harness.training.TrainingJob)."""
+    """A live training job at one rank, as a backend sees it (harness.models.training.TrainingJob)."""
 
     chunks: list  # the DDP-wrapped model chunks (one without virtual pipelining)
     optimizer: Any  # megatron-core MegatronOptimizer
@@ -70,30 +70,11 @@ class TrainingState(Protocol):
         """Put a loaded `sharded_state` into the live model and optimizer."""
 
 
-#: What backends did in this process (which strategy a save or load really ran, whether a cache
-#: served it): appended by `record_event`, collected per rank by the case envelope (harness.case)
-#: into CaseResult.backend_events, and judged by the backend's `strategy_check` after the case.
-_events: list[dict] = []
-
-
-def record_event(event: dict) -> None:
-    _events.append(dict(event))
-
-
-def drain_events() -> list[dict]:
-    out = list(_events)
-    _events.clear()
-    return out
-
-
-STRATEGY_CHECK = "strategy"
-
-
 class Backend(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[frozenset[str]] = frozenset()
     Options: ClassVar[type] = NoOptions
-    #: Modules the parent imports before forking ranks (harness.preload.warm), when a case uses
+    #: Modules the parent imports before forking ranks (harness.run.preload.warm), when a case uses
     #: this backend: a backend whose library is slow to import (verl: ~11 s) pays it once.
     preload: ClassVar[tuple[str, ...]] = ()
 
@@ -143,7 +124,7 @@ class Backend(ABC):
         return None
 
     def strategy_check(self, events: dict[str, dict[str, list[dict]]]) -> Any:
-        """A `strategy` Check (harness.result.Check): what the backend's options asked is what
+        """A `strategy` Check (harness.core.result.Check): what the backend's options asked is what
         every save and load ran (`events`: per world phase, per rank, what `record_event`
         recorded), or None when the options ask nothing to check."""
         return None
@@ -161,10 +142,10 @@ class Backend(ABC):
 
     def build_bridge_model(self, hf_dir: Path | str, spec: Any, topo: Any, *, load_weights: bool = True, ddp_config: Any = None,
                            adapter: Any = None) -> Any:
-        """A Megatron-Bridge model at this rank (with `adapter`, a harness.bridge.AdapterSpec, its PEFT
-        adapters), built as this backend's client builds it (a harness.bridge.BridgeModel):
+        """A Megatron-Bridge model at this rank (with `adapter`, a harness.models.bridge.AdapterSpec, its PEFT
+        adapters), built as this backend's client builds it (a harness.models.bridge.BridgeModel):
         Megatron-Bridge's provider unless the backend knows another way."""
-        from harness import bridge
+        from harness.models import bridge
 
         return bridge.build(hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config, adapter=adapter)
 
@@ -234,6 +215,11 @@ def resolve(name: str | BackendRef, options: dict[str, Any] | None = None) -> Ba
     if name not in table:
         raise KeyError(f"unknown backend {name!r}; available: {sorted(table)}")
     return BackendRef(table[name], opts)
+
+
+def ref_of(spec: Any) -> BackendRef:
+    """The reference a case spec's worlds receive: its backend's import path + its backend options."""
+    return resolve(spec.backend, spec.backend_opts)
 
 
 def get_backend(ref: str | BackendRef) -> Backend:

@@ -1,6 +1,6 @@
 """Megatron-Bridge HF export/import: `save_hf_pretrained` out, `load_hf_weights` in.
 
-The model is a harness.bridge.BridgeModel (the AutoBridge and the Megatron modules it built).
+The model is a harness.models.bridge.BridgeModel (the AutoBridge and the Megatron modules it built).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from harness.backends import Backend
 from harness.backends._safetensors import read_safetensors
-from harness.world import RankContext
+from harness.core.context import RankContext
 
 
 class BridgeHF(Backend):

@@ -3,7 +3,7 @@ adapter_model.safetensors, loadable by peft.PeftModel.from_pretrained).
 
 Megatron-Bridge 0.6.2 exports adapters but has no HF-adapter import, so this backend cannot load:
 adapters travel between topologies as adapter-only dist checkpoints (mcore_dist over the state
-harness.bridge.adapter_state selects, as verl does).
+harness.models.bridge.adapter_state selects, as verl does).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from harness.backends import Backend
 from harness.backends._safetensors import read_safetensors
-from harness.world import RankContext
+from harness.core.context import RankContext
 
 
 class BridgePeft(Backend):

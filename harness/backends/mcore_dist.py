@@ -31,7 +31,7 @@ megatron/training/checkpointing.py wires it (save_checkpoint / _load_global_dist
                   metadata (`TorchDistLoadShardedStrategy(cache_metadata=True)`); only repeated
                   saves in one job use the cache, so the case must save more than once
 
-Strategy objects live as long as the backend instance (one per rank function: harness.training
+Strategy objects live as long as the backend instance (one per rank function: harness.models.training
 gets it once per job), as Megatron-LM keeps them in its checkpointing_context.
 """
 
@@ -46,8 +46,10 @@ from typing import Any, Iterator, Literal
 import torch
 import torch.distributed as dist
 
-from harness.backends import STRATEGY_CHECK, Backend, record_event
-from harness.world import RankContext
+from harness.backends import Backend
+from harness.core.context import RankContext
+from harness.judge.checks import STRATEGY_CHECK
+from harness.run.events import record_event
 
 NVRX_MODULE = "nvidia_resiliency_ext"
 
@@ -84,7 +86,7 @@ def _tracked_exchange(calls: list) -> Iterator[None]:
     count it in `calls`."""
     from megatron.core.dist_checkpointing.strategies import fully_parallel
 
-    from harness.memory import track
+    from harness.core.memory import track
 
     original = fully_parallel.exchange_by_distribution
 
@@ -195,10 +197,14 @@ class McoreDist(Backend):
         if o.save_strategy == "default" and not o.cache_metadata:
             return None
         if self._save_strategy is None:
-            from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-            from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+            from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+                FullyParallelSaveStrategyWrapper,
+            )
+            from megatron.core.dist_checkpointing.strategies.torch import (
+                TorchDistSaveShardedStrategy,
+            )
 
-            from harness.memory import track
+            from harness.core.memory import track
 
             strategy = TorchDistSaveShardedStrategy()
             if o.cache_metadata:
@@ -226,8 +232,12 @@ class McoreDist(Backend):
         if o.load_strategy == "default" and not o.cache_metadata:
             return None
         if self._load_strategy is None:
-            from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
-            from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+            from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+                FullyParallelLoadStrategyWrapper,
+            )
+            from megatron.core.dist_checkpointing.strategies.torch import (
+                TorchDistLoadShardedStrategy,
+            )
 
             strategy = TorchDistLoadShardedStrategy(cache_metadata=o.cache_metadata)
             if o.load_strategy == "fully_parallel":
@@ -279,7 +289,9 @@ class McoreDist(Backend):
         reuse = None
         if base is not None and getattr(base, "use_cached_ckpt_structure", False):
             reuse = 2 if (base.validated_cache_reuse and base.cached_central_plan is not None) else int(base.cached_local_plan is not None)
-        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
 
         group = getattr(strategy, "parallelization_group", None)
         return {
@@ -292,7 +304,9 @@ class McoreDist(Backend):
 
     def _async_queue(self):
         if self._calls is None:
-            from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+            from megatron.core.dist_checkpointing.strategies.torch import (
+                get_async_strategy,
+            )
 
             _, modules = get_async_strategy(self.strategy.async_save)
             self._calls = modules["AsyncCallsQueue"]()
@@ -314,7 +328,7 @@ class McoreDist(Backend):
         from the cached central plan and global metadata, the fully-parallel distribution is
         cached from save 2) and that each load cached the checkpoint's metadata. None when every
         option is at its default (nothing was asked)."""
-        from harness.result import Check
+        from harness.core.result import Check
 
         o = self.strategy
         if o == McoreDistOptions():
@@ -357,11 +371,11 @@ class McoreDist(Backend):
         return [{"directory": str(d), "complete_before": b, "complete_after": is_complete(d)} for d, b in zip(pending, before)]
 
     def load_state(self, ctx: RankContext, sharded_state: dict, directory: Path) -> dict:
-        from megatron.core import dist_checkpointing
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelLoadStrategyWrapper,
+        )
         from megatron.core.dist_checkpointing.validation import StrictHandling
-
-        from megatron.core import parallel_state
-        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
         strategy = self._load_strategy_obj()
         group = getattr(strategy, "parallelization_group", None)
@@ -382,12 +396,12 @@ class McoreDist(Backend):
         return state
 
     def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
-        from harness.models import sharded_state_dict
+        from harness.models.mcore import sharded_state_dict
 
         self.save_state(ctx, sharded_state_dict(model), directory)
 
     def load(self, ctx: RankContext, model: Any, directory: Path) -> None:
-        from harness.models import load_state_dict, sharded_state_dict
+        from harness.models.mcore import load_state_dict, sharded_state_dict
 
         load_state_dict(model, self.load_state(ctx, sharded_state_dict(model), directory))
 

@@ -10,7 +10,7 @@ distrib_optim_fully_reshardable_mem_efficient}}`, an `McoreCheckpointConfig(save
 load_contents, async_save)`, the DDP-wrapped chunks, the megatron optimizer and scheduler, and for a
 Megatron-Bridge model its AutoBridge + provider (the provider path), or with option `bridge: vanilla`
 the `mbridge` package's AutoBridge and no provider (verl's deprecated vanilla_mbridge path: the model
-itself is then built by mbridge through verl's make_megatron_module, harness.mbridge). The optimizer format follows the job: its
+itself is then built by mbridge through verl's make_megatron_module, harness.models.mbridge). The optimizer format follows the job: its
 `sharding` fully_reshardable sets dist_ckpt_optim_fully_reshardable, `mem_efficient` the other.
 
 Layout, as verl's trainer lays it out: `<dir>/global_step_<N>/actor/` per save, the tracker
@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 from harness import compat
 from harness.backends import Backend
-from harness.world import RankContext
+from harness.core.context import RankContext
 
-compat.quiet_verl_noise()  # before verl is imported (harness.preload, in the parent; forked ranks inherit it)
+compat.quiet_verl_noise()  # before verl is imported (harness.run.preload, in the parent; forked ranks inherit it)
 
 Content = Literal["model", "optimizer", "extra", "hf_model"]
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -98,7 +98,7 @@ class VerlManager(Backend):
         if self.options.bridge == "vanilla":
             for topo in (source, target):
                 if topo.vpp > 1 or topo.ep > 1 or topo.cp > 1:
-                    raise ValueError(f"backend option bridge 'vanilla': harness.mbridge builds TP/PP/DP models, got {topo.id} "
+                    raise ValueError(f"backend option bridge 'vanilla': harness.models.mbridge builds TP/PP/DP models, got {topo.id} "
                                      "(vpp, ep, cp > 1 are not built on the vanilla path here)")
 
     def unavailable(self) -> str | None:
@@ -116,7 +116,7 @@ class VerlManager(Backend):
     def build_bridge_model(self, hf_dir, spec, topo, *, load_weights: bool = True, ddp_config: Any = None, adapter: Any = None) -> Any:
         if self.options.bridge == "provider":
             return super().build_bridge_model(hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config, adapter=adapter)
-        from harness import mbridge
+        from harness.models import mbridge
 
         if adapter is not None:
             raise ValueError("verl's vanilla bridge (mbridge 0.15.1) has no PEFT: verl builds LoRA only on the provider path")
@@ -194,10 +194,12 @@ class VerlManager(Backend):
 def build_manager(job, o: VerlOptions):
     """verl/workers/engine/megatron/transformer_impl.py `initialize`, with the job's objects."""
     from omegaconf import OmegaConf
-    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+    from verl.utils.checkpoint.megatron_checkpoint_manager import (
+        MegatronCheckpointManager,
+    )
     from verl.workers.config.checkpoint import McoreCheckpointConfig
 
-    from harness.training import _leaf_optimizers
+    from harness.models.training import _leaf_optimizers
 
     bm = job.bridge
     config = OmegaConf.create({
@@ -219,7 +221,7 @@ def build_manager(job, o: VerlOptions):
         from transformers import AutoTokenizer
 
         bridge, provider = bm.bridge, bm.provider
-        from harness.mbridge import hf_config_of
+        from harness.models.mbridge import hf_config_of
 
         hf_config = hf_config_of(bm.bridge)
         processing_class = AutoTokenizer.from_pretrained(bm.base_path)

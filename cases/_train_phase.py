@@ -1,0 +1,130 @@
+"""The training phase the training cases share (reshard-optimizer, resume, verl-checkpoint) and the
+golden corpus reuses: one job at one topology built by harness.models.training, saved and loaded
+through a backend. It sits with the cases, above the backends it drives; the builders below it
+know no backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.backends import BackendRef, get_backend
+from harness.core import truth
+from harness.core.context import RankContext
+from harness.core.memory import track
+from harness.core.parity import Shard
+from harness.core.topology import Topology
+from harness.core.zoo import ModelSpec
+
+# module access: rank hooks (tests/doubles.py) patch training's functions in the rank
+from harness.models import training
+from harness.models.mcore import MCORE_P2P_DEFAULTS, local_shards
+
+
+@dataclass
+class TrainOut:
+    """One rank's record of a training phase (shard lists are None when the view was not asked)."""
+
+    propagation: list[dict[str, Any]]
+    losses_before_save: list[float | None]
+    losses_after: list[float | None]
+    optimizer_shards: list[Shard] | None = None
+    steps: dict[str, Any] | None = None
+    model_shards: list[Shard] | None = None
+    final_shards: list[Shard] | None = None
+    shard_bytes: int = 0
+    #: the later segments (TrainPhase.resave_to / reload_from): per segment, losses and final weights
+    losses_more: list[list[float | None]] = field(default_factory=list)
+    final_more: list[list[Shard]] = field(default_factory=list)
+    #: one record per save the backend finalized (async saves: harness.backends.Backend.finalize_saves)
+    finalized_saves: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TrainPhase:
+    """One job at one topology: build, optionally load a training checkpoint, train, record the
+    optimizer view, save, train on. `backend` is the import path harness.backends.resolve gave.
+
+    A job that checkpoints again (each of `resave_to`, after `steps_after` more steps) or resumes
+    again (each of `reload_from`, likewise) then trains `steps_after` more steps: each such
+    segment's losses and final weights go to `losses_more` and `final_more`. All run with the
+    same backend instance, so the strategies it keeps (metadata caches) serve the later saves
+    and loads, as in a Megatron-LM job that checkpoints every N steps."""
+
+    model: ModelSpec
+    topo: Topology
+    cfg: training.TrainConfig
+    backend: BackendRef
+    sharding: str
+    mem_efficient: bool
+    workarounds: tuple[str, ...]
+    load_from: str | None = None
+    save_to: str | None = None
+    steps_before_save: int = 0
+    steps_after: int = 0
+    first_step: int = 0
+    views: tuple[str, ...] = field(default=("optimizer",))
+    resave_to: tuple[str, ...] = ()
+    reload_from: tuple[str, ...] = ()
+
+
+def phase_of(model: ModelSpec, opts: training.TrainOptions, backend: BackendRef, **kw: Any) -> TrainPhase:
+    """A TrainPhase with the model, DDP/optimizer knobs, format and workarounds of `opts`."""
+    return TrainPhase(model=model, cfg=opts.config, backend=backend, sharding=opts.sharding, mem_efficient=opts.mem_efficient,
+                      workarounds=opts.workarounds, **kw)
+
+
+def _finalize(ctx: RankContext, backend, out: TrainOut) -> None:
+    """Complete the backend's pending (async) saves, in their own memory phase `finalize`."""
+    if backend.pending_saves():
+        with track("finalize"):
+            out.finalized_saves.extend(backend.finalize_saves(ctx))
+
+
+def _save(ctx: RankContext, backend, job: "training.TrainingJob", step: int, directory: str, out: TrainOut) -> None:
+    _finalize(ctx, backend, out)  # Megatron-LM: a save first waits for the previous async save
+    job.step = step
+    with track("save"):
+        backend.save_training(ctx, job, Path(directory))
+
+
+def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
+    backend = get_backend(p.backend)
+    p2p = {} if "vpp_overlap_p2p" in p.workarounds else MCORE_P2P_DEFAULTS  # megatron-core's own, to show the defect
+    ddp, optimizer = training.build_training(p.model, p.topo, p.cfg, truth.DECOY_SEED_OFFSET if p.load_from else 0, **p2p)
+    propagated = training.propagation(ddp, optimizer, p.cfg)
+    scheduler = training.build_scheduler(optimizer, p.cfg)  # after propagation: a warmup changes the optimizer's lr
+    job = training.TrainingJob(ddp, optimizer, scheduler, sharding=p.sharding, mem_efficient=p.mem_efficient, step=p.first_step,
+                      seed=p.model.seed)
+    step = p.first_step
+    if p.load_from is not None:
+        training.load_training(ctx, backend, job, Path(p.load_from), p.workarounds)
+    before = training.train_steps(ddp, optimizer, p.model, step, p.steps_before_save, scheduler)
+    step += p.steps_before_save
+    training.sync_params(ddp, optimizer, p.cfg)
+    out = TrainOut(propagated, before, [])
+    if "optimizer" in p.views:
+        out.optimizer_shards, out.steps = training.optimizer_view(ddp, optimizer)
+        out.model_shards = local_shards(ddp)
+    if p.save_to is not None:
+        out.shard_bytes = training.rank_state_bytes(ddp, optimizer)
+        _save(ctx, backend, job, step, p.save_to, out)
+    out.losses_after = training.train_steps(ddp, optimizer, p.model, step, p.steps_after, scheduler)
+    step += p.steps_after
+    training.sync_params(ddp, optimizer, p.cfg)
+    if "final" in p.views:
+        out.final_shards = local_shards(ddp)
+    if p.resave_to and p.reload_from:
+        raise ValueError("a job either saves again or loads again, not both")
+    for again in p.resave_to or p.reload_from:
+        if p.resave_to:
+            _save(ctx, backend, job, step, again, out)
+        else:
+            training.load_training(ctx, backend, job, Path(again), p.workarounds)
+        out.losses_more.append(training.train_steps(ddp, optimizer, p.model, step, p.steps_after, scheduler))
+        step += p.steps_after
+        training.sync_params(ddp, optimizer, p.cfg)
+        out.final_more.append(local_shards(ddp))
+    _finalize(ctx, backend, out)  # the end of the job: Megatron-LM finalizes what is pending
+    return out

@@ -1,6 +1,0 @@
-"""Imported by the forkserver before it forks ranks (multiprocessing.set_forkserver_preload takes
-module names). megatron-core only: a Bridge rank imports the Bridge itself (harness.bridge.build)."""
-
-from harness.preload import warm
-
-warm(bridge=False)

@@ -1,0 +1,80 @@
+"""What a case run produced: the record that reports, the CLI and the pytest plugin all read."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from harness.core.parity import Mismatch
+
+#: Case statuses, in the order reports list them. `not-run`: the machine lacks what the case
+#: requires (harness.core.requires); its reason is in `not_run_reason`, and it is never counted green.
+STATUSES = ("passed", "failed", "error", "xfailed", "not-run")
+#: Statuses a run counts as green.
+GREEN = ("passed", "xfailed")
+
+
+@dataclass
+class Check:
+    """One assertion of a case: passed, failed, or not run with the reason why (never silently)."""
+
+    name: str
+    status: str  # passed | failed | not-run
+    detail: str = ""
+    max_abs_diff: float | None = None
+    tolerance: str = "bitwise"
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failed"
+
+
+@dataclass
+class CaseResult:
+    id: str
+    case: str
+    model: str
+    backend: str
+    source: str
+    target: str
+    options: dict[str, Any] = field(default_factory=dict)
+    status: str = "error"
+    checks: list[Check] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds, per phase
+    error: str | None = None
+    xfail_reason: str | None = None
+    not_run_reason: str | None = None
+    notes: list[str] = field(default_factory=list)
+    compat_shims: list[str] = field(default_factory=list)
+    memory: dict[str, Any] = field(default_factory=dict)
+    backend_options: dict[str, Any] = field(default_factory=dict)  # the backend's options (its strategy)
+    #: what the backend recorded it ran, per world phase and rank (harness.backends.record_event)
+    backend_events: dict[str, Any] = field(default_factory=dict)
+
+    def check(self, name: str) -> Check | None:
+        return next((c for c in self.checks if c.name == name), None)
+
+    @property
+    def failed_checks(self) -> list[Check]:
+        return [c for c in self.checks if c.failed]
+
+    @property
+    def mismatches(self) -> list[Mismatch]:
+        return [m for c in self.checks for m in c.mismatches]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The results.json record; mismatches sit under the check that found them (once)."""
+        return asdict(self)
+
+    def failure_text(self) -> str:
+        lines = [f"{self.id}: {self.status}"]
+        if self.error:
+            lines.append(self.error.rstrip())
+        lines.extend(n for n in self.notes if n.startswith("failed, but"))
+        for c in self.failed_checks:
+            lines.append(f"check {c.name} failed ({c.tolerance}): {c.detail}")
+            lines.extend(f"  {m}" for m in c.mismatches[:10])
+            if len(c.mismatches) > 10:
+                lines.append(f"  ... and {len(c.mismatches) - 10} more")
+        return "\n".join(lines)

@@ -1,0 +1,135 @@
+"""What one matrix case is, and how its expected failure is judged: the values every layer shares.
+
+This module sits below the matrix reader, the case registry and the runner (it imports only
+topology and memory values), so none of them needs another to know what a case spec is.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from harness.core.memory import Budget
+from harness.core.topology import Topology
+
+if TYPE_CHECKING:
+    from harness.core.result import CaseResult
+
+#: Every marker a matrix entry may carry, with its pytest help (the plugin registers exactly these).
+MARKERS: dict[str, str] = {
+    "reshard": "a ckpt-harness matrix case (save -> reshard -> reload); every case has it",
+    "smoke": "in the CPU smoke matrix",
+    "extended": "in matrices/extended.yaml: more pairs and models of the smoke scenarios (default suite, not scripts/smoke)",
+    "optimizer": "checks optimizer state",
+    "resume": "checks training resume",
+    "refusal": "a load that must refuse cleanly",
+    "faults": "a damaged or foreign checkpoint: the load must refuse, never load it silently (matrices/faults.yaml)",
+    "hf": "Megatron-Bridge HF export/import",
+    "peft": "Megatron-Bridge HF PEFT adapters",
+    "cp": "uses context parallelism",
+    "tied": "tied embeddings",
+    "moe": "mixture-of-experts models (gpt-moe*): expert parallelism (ep/etp) and expert-data-parallel optimizer state",
+    "bf16": "bf16 mixed precision (dtype bf16: Float16Module, fp32 main params)",
+    "verl": "verl 0.9.1's MegatronCheckpointManager (backend verl_manager; matrices/verl.yaml and smoke entries)",
+    "strategies": "mcore_dist save/load strategies (fully-parallel, async save + finalize, metadata caching)",
+    "buckets": "DDP gradient buckets as real runs have them (overlap_grad_reduce / overlap_param_gather, bucket_size)",
+    "vpp": "virtual pipeline parallelism (model chunks, the interleaved schedule)",
+    "slow": "heavier cases, not in the default suite",
+    "memory": "host-memory cases and budgets (heavier)",
+    "gpu": "needs CUDA devices",
+}
+
+
+@dataclass(frozen=True)
+class XFail:
+    """A named upstream defect the case is expected to show (strict: a pass fails the case).
+
+    The policy lives with the data, as Megatron's StrictHandling keeps its rules beside its values:
+    `match` (a regex over the failure text) and `checks` (the checks that must fail, and the only
+    ones that may) say which failure is the known one. The short form (a reason alone) accepts only
+    failed checks, never an error: a harness bug, a crash or a timeout must not pass as the defect.
+    """
+
+    reason: str
+    match: str | None = None
+    checks: tuple[str, ...] = ()
+
+    def explains(self, result: "CaseResult") -> str:
+        """Why `result` is NOT the expected failure ("" when it is)."""
+        if result.status not in ("failed", "error"):
+            return f"the case {result.status}"
+        if self.match and not re.search(self.match, result.failure_text()):
+            return f"no match for {self.match!r}"
+        if not self.match and not self.checks and result.status == "error":
+            return "the case errored; an xfail without `match` or `checks` accepts only failed checks, never an error"
+        if self.checks:
+            if result.status == "error":
+                return f"the case errored instead of failing checks {list(self.checks)}"
+            failed = {c.name for c in result.checks if c.status == "failed"}
+            extra = sorted(n for n in failed if not self.names(n))
+            if extra:
+                return f"check(s) {extra} failed too, beyond the expected {list(self.checks)}"
+            if not any(self.names(n) for n in failed):
+                return f"none of the expected checks {list(self.checks)} failed"
+        return ""
+
+    def names(self, check_name: str) -> bool:
+        """Whether `check_name` is one of the expected checks (a `@topology` suffix is ignored)."""
+        return check_name in self.checks or check_base(check_name) in self.checks
+
+
+def check_base(name: str) -> str:
+    """`megatron-logits@tp1pp2dp1cp1` -> `megatron-logits`: a check recorded once per topology."""
+    return name.split("@")[0]
+
+
+#: An axis named `backend.<option>` varies a backend option rather than a case option.
+BACKEND_AXIS = "backend."
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """One case of a matrix: a scenario, a model, a backend, a topology pair and its options."""
+
+    case: str
+    model: str
+    backend: str
+    source: Topology
+    target: Topology
+    options: tuple[tuple[str, Any], ...] = ()
+    axes: tuple[str, ...] = ()  # option names that vary in this entry (shown in the id); `backend.X` names a backend option
+    tag: str = ""  # an entry's own suffix, to tell apart entries that differ only in fixed options
+    expect: str = "pass"  # pass | refuse
+    xfail: XFail | None = None
+    markers: tuple[str, ...] = ()
+    timeout_s: float = 300.0
+    budgets: tuple[Budget, ...] = ()
+    origin: str = ""  # file:entry, for messages
+    backend_options: tuple[tuple[str, Any], ...] = ()  # the backend's own options (its `Options`)
+    #: What the machine must offer (harness.core.requires): the entry's `requires` plus what the case's
+    #: options imply; unmet -> the case is `not-run` with the reasons.
+    requires: tuple[str, ...] = ()
+    #: Lines every result of this spec carries (e.g. the original pair of a topology cut by --max-world).
+    notes: tuple[str, ...] = ()
+
+    @property
+    def opts(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    @property
+    def backend_opts(self) -> dict[str, Any]:
+        return dict(self.backend_options)
+
+    def axis_value(self, axis: str) -> Any:
+        return self.backend_opts[axis[len(BACKEND_AXIS):]] if axis.startswith(BACKEND_AXIS) else self.opts[axis]
+
+    @property
+    def id(self) -> str:
+        def part(a: str) -> str:
+            v = self.axis_value(a)
+            return f"-{v}" if isinstance(v, str) else f"-{a.removeprefix(BACKEND_AXIS)}={v}"
+
+        axes = "".join(part(a) for a in self.axes)
+        tag = f"-{self.tag}" if self.tag else ""
+        return f"{self.case}[{self.backend}-{self.model}-{self.source.id}->{self.target.id}{axes}{tag}]"

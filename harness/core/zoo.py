@@ -1,0 +1,198 @@
+"""The model zoo: every model a matrix can name, GPT (built by megatron-core) or HF (a fixture the
+Megatron-Bridge cases import), in one table with one lookup.
+
+Sizes are chosen so that every topology the matrices use (tp, pp, 2*cp in {1, 2, 4}) divides them.
+Values only: building a model is harness.models (GPT) or harness.models.bridge (HF); the weights a model
+should hold are harness.core.truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar, Union
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A megatron-core GPTModel configuration (local layer spec)."""
+
+    kind: ClassVar[str] = "gpt"
+    name: str
+    description: str
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 8
+    num_query_groups: int = 4
+    ffn_hidden_size: int = 128
+    vocab_size: int = 128
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    swiglu: bool = True
+    normalization: str = "RMSNorm"
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    tied_embeddings: bool = False
+    position_embedding: str = "rope"
+    seed: int = 1234
+    #: Megatron-LM's `--make-vocab-size-divisible-by`: None (every zoo model) builds the vocab as is;
+    #: a value pads it to `padded_vocab_size(tp)`, which changes with TP (harness.orchestration.explore draws it).
+    make_vocab_size_divisible_by: int | None = None
+    # MoE (all None/off: a dense model, every existing zoo model). Every layer's MLP becomes a
+    # MoELayer: a router (`decoder.layers.mlp.router.weight`), `num_moe_experts` experts of width
+    # `moe_ffn_hidden_size` (SequentialMLP on the local spec: checkpoint keys
+    # `decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight` with a global expert axis, so every
+    # EP size writes the same keys), top-`moe_router_topk` routing, and with
+    # `moe_shared_expert_size` a shared expert (a dense MLP split by TP, not EP) beside them.
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int = 2
+    moe_shared_expert_size: int | None = None
+    #: TEGroupedMLP (Transformer-Engine); harness.models.grouped_gemm_unavailable says why not here.
+    moe_grouped_gemm: bool = False
+    #: megatron-core's moe_token_dispatcher_type: "alltoall" (what EP training uses) or "allgather"
+    moe_token_dispatcher: str = "alltoall"
+    #: load-balancing aux loss coefficient (router type "aux_loss"); deterministic, topology-independent
+    moe_aux_loss_coeff: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """The embedding/output rows a model built at TP `tp` holds: Megatron-LM's
+        `_vocab_size_with_padding` (ceil(vocab / (divisible_by * tp)) * divisible_by * tp), so the
+        checkpoint key's global shape depends on the TP it was saved at; `vocab_size` unpadded."""
+        if self.make_vocab_size_divisible_by is None:
+            return self.vocab_size
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def with_seed(self, seed: int) -> "ModelSpec":
+        return replace(self, seed=seed)
+
+
+@dataclass(frozen=True)
+class HFModelSpec:
+    """A tiny HF checkpoint written locally (harness.models.hf.write_fixture), no hub."""
+
+    kind: ClassVar[str] = "hf"
+    name: str
+    description: str
+    arch: str  # "llama" | "qwen2" | "nemotron" | "qwen3_moe"
+    tied: bool = False
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    intermediate_size: int = 128
+    vocab_size: int = 128
+    seq_length: int = 16
+    seed: int = 4321
+    #: Megatron-Bridge's `provider.should_pad_vocab` (False, its default, for every zoo fixture):
+    #: True pads the Megatron vocab to a multiple of the Bridge's divisor times TP, so the padded
+    #: size changes with TP and the HF export must drop the padded rows (harness.orchestration.explore draws it).
+    pad_vocab: bool = False
+    #: MoE (arch qwen3_moe): routed experts per layer (every layer an MoE layer), each expert's
+    #: ffn size, experts per token. None: a dense model.
+    num_experts: int | None = None
+    moe_intermediate_size: int = 32
+    num_experts_per_tok: int = 2
+
+    # what Topology.validate reads
+    @property
+    def num_moe_experts(self) -> int | None:
+        return self.num_experts
+
+    @property
+    def moe_ffn_hidden_size(self) -> int:
+        return self.moe_intermediate_size
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        return self.intermediate_size
+
+    @property
+    def gated(self) -> bool:
+        """A gated (SwiGLU) MLP: Megatron's fc1 holds [gate; up]; Nemotron's squared ReLU has no gate."""
+        return self.arch != "nemotron"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+AnyModel = Union[ModelSpec, HFModelSpec]
+
+ZOO: dict[str, AnyModel] = {
+    m.name: m
+    for m in (
+        ModelSpec("gpt-gqa", "GQA (8 heads, 4 query groups) + SwiGLU + RoPE + RMSNorm, untied embeddings"),
+        ModelSpec(
+            "gpt-tied",
+            "MHA + GeLU + LayerNorm + linear biases + learned positions, tied embeddings",
+            num_query_groups=8, swiglu=False, normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True,
+            tied_embeddings=True, position_embedding="learned_absolute",
+        ),
+        # gpt-gqa with 8 layers: virtual pipelines with more than one layer per chunk or more chunks
+        # than pp2vpp2 (pp2vpp4, pp4vpp2, pp2vpp2 with 2 layers per chunk); the 4-layer models keep their ids.
+        ModelSpec("gpt-gqa-8l", "gpt-gqa with 8 layers (virtual pipelines: pp2vpp4, pp4vpp2)", num_layers=8),
+        # Heavier models for memory budgets and the save-memory benchmark (not in the smoke matrix).
+        ModelSpec(
+            "gpt-25m", "gpt-gqa shape at ~25M params: memory-tier cases",
+            num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=2048, vocab_size=8192,
+        ),
+        ModelSpec(
+            "gpt-150m", "gpt-gqa shape at ~150M params: the save-memory benchmark",
+            num_layers=8, hidden_size=1024, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=4096, vocab_size=16384,
+        ),
+        # MoE with expert parallelism: 4 experts (ep 1, 2, 4), expert ffn 32 (etp 1, 2, 4), top-2,
+        # the alltoall token dispatcher and a load-balancing aux loss, gpt-gqa's attention.
+        ModelSpec(
+            "gpt-moe", "MoE: router + 4 SequentialMLP experts (ffn 32, SwiGLU), top-2, alltoall dispatcher, aux loss 1e-2",
+            num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+        ),
+        ModelSpec(
+            "gpt-moe-shared", "gpt-moe plus a shared expert (ffn 64, split by TP)",
+            num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_shared_expert_size=64,
+        ),
+        ModelSpec(
+            "gpt-moe-grouped", "gpt-moe with grouped GEMM experts (TEGroupedMLP: needs Transformer-Engine)",
+            num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_grouped_gemm=True,
+        ),
+        # The nightly GPU tier's save that takes real time (matrices/nightly-gpu.yaml): ~1.14B params
+        # (16 x 62.9M per layer + 2 x 65.5M untied embedding/output), Llama-3.2-1B-like. Divides every
+        # tp, pp in {1, 2, 4, 8} and 2*cp up to 128. Too heavy for the 2-core CPU box (the judge holds
+        # ~8 full copies of the weights in the parent): its entries require host-memory-gib>=64.
+        ModelSpec(
+            "gpt-1b", "gpt-gqa shape at ~1.1B params (16 heads, 8 query groups): the nightly GPU tier's timed saves",
+            num_layers=16, hidden_size=2048, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=8192,
+            vocab_size=32000, seq_length=128,
+        ),
+        HFModelSpec("hf-llama", "Llama: GQA (8 heads, 4 kv heads), SwiGLU, RMSNorm, untied", "llama"),
+        HFModelSpec("hf-qwen2", "Qwen2: GQA with q/k/v biases, untied", "qwen2"),
+        HFModelSpec("hf-llama-tied", "Llama with tied input/output embeddings", "llama", tied=True),
+        HFModelSpec("hf-qwen3moe", "Qwen3-MoE: 4 routed SwiGLU experts per layer (top-2, ffn 32), QK RMSNorm, GQA, untied; "
+                    "transformers 5 keeps the experts fused in memory (gate_up_proj [E, 2F, H]) and per expert on disk",
+                    "qwen3_moe", num_experts=4),
+        HFModelSpec("hf-nemotron", "Nemotron: non-gated squared-ReLU MLP, LayerNorm1p (zero-centered gamma) with biases, "
+                    "partial RoPE (0.5), GQA, untied", "nemotron"),
+        # Found by `ckpt-harness explore --kind hf` (docs/measurements.md): the Bridge provider's
+        # vocab padding (should_pad_vocab) pads 96 rows to 96 at tp1 and 128 at tp2.
+        HFModelSpec("hf-llama-padvocab", "Llama, vocab 96 padded by the Bridge provider (should_pad_vocab)", "llama",
+                    vocab_size=96, pad_vocab=True),
+    )
+}
+
+
+def get_model(name: str, kind: str | None = None) -> AnyModel:
+    """The zoo model `name`; with `kind`, it must be of that kind ("gpt" or "hf")."""
+    if name not in ZOO:
+        raise KeyError(f"unknown model {name!r}; the zoo has {sorted(ZOO)}")
+    model = ZOO[name]
+    if kind is not None and model.kind != kind:
+        raise KeyError(f"model {name!r} is a{'n' if model.kind == 'hf' else ''} {model.kind} model, not {kind}")
+    return model

@@ -1,0 +1,248 @@
+"""The bump gate: is a candidate Megatron-Bridge / Megatron-Core safe to bump to?
+
+    ckpt-harness gate --candidate megatron-core==0.19.0 [--candidate SPEC ...] [--baseline SPEC ...]
+                      [MATRIX] [-k WORDS] --out DIR
+
+1. Builds (or reuses) the baseline environment (the pins, plus any --baseline overrides) and the
+   candidate (the pins plus --candidate overrides) through harness/gate/envspec.py, and imports
+   megatron-core and Megatron-Bridge in each. A candidate that does not install or import ends the
+   gate: exit 2, the pip or import error tail in DIR/verdict.md.
+2. Runs the same matrix, with the same harness code, in each (DIR/baseline, DIR/candidate): each run
+   writes its results.json case by case, and a case whose upstream API moved is an `error` naming the
+   package and version, not the end of the run.
+3. Cross-version (DIR/cross): the baseline writes the golden corpus and the candidate loads it
+   (must be bit-exact); the candidate writes one and the baseline loads it (a rollback: a refusal
+   is allowed if it is a named exception, a crash or a wrong value is not).
+4. Compares (harness/gate/compare.py) and writes DIR/verdict.md (regressions first) and DIR/gate.json.
+Exit 0: safe to bump; 1: regressions (listed first); 2: could not run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.core.result import GREEN
+from harness.gate import compare, envspec
+from harness.gate.golden import NOT_WRITTEN
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class GateError(Exception):
+    """The gate could not run (an environment, a matrix, a subprocess); exit 2 with this message."""
+
+
+@dataclass
+class Side:
+    name: str  # baseline | candidate
+    specs: list[str]
+    venv: Path | None = None
+    build_s: float = 0.0
+    versions: dict[str, Any] = field(default_factory=dict)
+
+
+def _tail(text: str, n: int = 30) -> str:
+    return "\n".join(text.rstrip().splitlines()[-n:])
+
+
+def _harness(side: Side, args: list[str], log: Path) -> int:
+    """`ckpt-harness ARGS` in the side's venv, from this checkout (the same harness code in both)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.run([str(side.venv / "bin" / "python"), "-m", "harness.cli", *args], cwd=ROOT, stdout=out,
+                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
+    return proc.returncode
+
+
+def _build(side: Side, cache: Path) -> None:
+    start = time.perf_counter()
+    try:
+        side.venv = envspec.ensure(side.specs, cache, ROOT)
+        envspec.check_import(side.venv, root=ROOT)
+    except (envspec.EnvBuildError, ValueError) as exc:
+        raise GateError(f"the {side.name} environment ({' '.join(side.specs) or 'the pins'}) could not be built or imported:\n{exc}") from None
+    side.build_s = time.perf_counter() - start
+    r = subprocess.run([str(side.venv / "bin" / "python"), "-c", "import json; from harness.report import versions; print(json.dumps(versions()))"],
+                       cwd=ROOT, capture_output=True, text=True, check=False)
+    side.versions = json.loads(r.stdout) if r.returncode == 0 else {}
+
+
+def _run_matrix(side: Side, matrix: Path, k: str | None, out: Path) -> float:
+    start = time.perf_counter()
+    rc = _harness(side, ["run", str(matrix), "--report", str(out), *(["-k", k] if k else [])], out / "run.log")
+    if rc not in (0, 1) or not (out / "results.json").exists():
+        raise GateError(f"the {side.name} matrix run exited {rc} without results:\n{_tail((out / 'run.log').read_text(errors='replace'))}")
+    return time.perf_counter() - start
+
+
+def _cross(writer: Side, reader: Side, out: Path, rollback: bool) -> tuple[Path, float]:
+    """`writer` makes a corpus, `reader` checks it; returns the reader's report dir."""
+    start = time.perf_counter()
+    corpus = out / f"written-by-{writer.name}"
+    report = out / f"{writer.name}-to-{reader.name}"
+    rc = _harness(writer, ["golden", "make", str(corpus)], out / f"make-{writer.name}.log")
+    if rc not in (0, 1) or not (corpus / "manifest.json").exists():
+        raise GateError(f"the {writer.name} could not write the golden corpus (exit {rc}):\n"
+                        f"{_tail((out / f'make-{writer.name}.log').read_text(errors='replace'))}")
+    args = ["golden", "check", str(corpus), "--report", str(report), "--direction", f"{writer.name}->{reader.name}"]
+    rc = _harness(reader, args + (["--allow-refusal"] if rollback else []), out / f"check-{reader.name}.log")
+    if rc not in (0, 1) or not (report / "results.json").exists():
+        raise GateError(f"the {reader.name} could not check the {writer.name}'s corpus (exit {rc}):\n"
+                        f"{_tail((out / f'check-{reader.name}.log').read_text(errors='replace'))}")
+    return report, time.perf_counter() - start
+
+
+def cross_findings(doc: dict[str, Any], rollback: bool) -> list[compare.Finding]:
+    """A cross-version artefact that does not load green is a regression of the bump: the
+    candidate cannot read what the baseline wrote, or (rollback) the baseline crashes on or
+    silently misreads what the candidate wrote."""
+    what = "rollback: the baseline reading candidate-written files" if rollback else "the candidate reading baseline-written files"
+    out = []
+    for r in doc["results"]:
+        if r["status"] in GREEN:
+            continue
+        if (r.get("error") or "").startswith(NOT_WRITTEN):
+            # the writer's failure; when the writer is the candidate, its matrix run already shows it
+            kind = "disappeared" if rollback else "regression"
+            out.append(compare.Finding(r["id"], kind, f"{what}: {r['error'].splitlines()[0]}", "written", "not written"))
+            continue
+        failed = [c["name"] for c in r.get("checks", []) if c["status"] == "failed"]
+        detail = f"{what}: {r['status']}" + (f" (checks {', '.join(failed)})" if failed else "") + (
+            f": {reason(r.get('error'))}" if r.get("error") else "")
+        out.append(compare.Finding(r["id"], "regression", detail, "loads", r["status"]))
+    return out
+
+
+def reason(error: str | None) -> str:
+    """The line of an error a reader needs: the 'API not available' line, else the exception a
+    rank raised (not the 'rank N of M raised:' header), else the first line."""
+    from harness.run.world import exception_of
+
+    lines = (error or "").strip().splitlines()
+    if not lines:
+        return ""
+    if lines[0].startswith("API not available in ") or lines[0].startswith(NOT_WRITTEN):
+        return lines[0]
+    exc_type, message = exception_of(error or "")
+    return f"{exc_type}: {message.splitlines()[0] if message else ''}" if exc_type else lines[0]
+
+
+def _side_table(sides: list[Side]) -> list[str]:
+    rows = ["| | specs | venv | megatron-core | megatron-bridge | torch | transformers | peft | env build s |", "|---|---|---|---|---|---|---|---|---:|"]
+    for s in sides:
+        v = s.versions
+        rows.append(f"| {s.name} | {' '.join(f'`{x}`' for x in s.specs) or 'the pins'} | `{s.venv.name if s.venv else '-'}` | "
+                    f"{v.get('megatron-core')} | {v.get('megatron-bridge')} | {v.get('torch')} | {v.get('transformers')} | {v.get('peft')} | {s.build_s:.0f} |")
+    return rows
+
+
+def _results_rows(doc: dict[str, Any]) -> list[str]:
+    rows = ["| artefact | status | checks | note |", "|---|---|---|---|"]
+    for r in doc["results"]:
+        checks = r.get("checks", [])
+        bad = [c["name"] for c in checks if c["status"] != "passed"]
+        note = reason(r.get("error"))[:200] if r.get("error") else "; ".join(
+            c["detail"][:160] for c in checks if c["name"] == "refusal")
+        rows.append(f"| `{r['id']}` | {r['status']} | {sum(c['status'] == 'passed' for c in checks)}/{len(checks)}"
+                    f"{' (' + ', '.join(bad) + ')' if bad else ''} | {note.replace('|', '/')} |")
+    return rows
+
+
+def _stored_corpus(reader: Side, corpus: Path, out: Path) -> tuple[Path, float]:
+    """The candidate reads a corpus written earlier (CI caches one per baseline pin hash)."""
+    start = time.perf_counter()
+    report = out / f"stored-to-{reader.name}"
+    rc = _harness(reader, ["golden", "check", str(corpus), "--report", str(report), "--direction", f"stored->{reader.name}"],
+                  out / f"check-stored-{reader.name}.log")
+    if rc not in (0, 1) or not (report / "results.json").exists():
+        raise GateError(f"the {reader.name} could not check the stored corpus {corpus} (exit {rc}):\n"
+                        f"{_tail((out / f'check-stored-{reader.name}.log').read_text(errors='replace'))}")
+    return report, time.perf_counter() - start
+
+
+def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str | None, out: Path, cache: Path,
+             thresholds: compare.Thresholds = compare.Thresholds(), cross: bool = True, corpus: Path | None = None) -> int:
+    if out.exists() and any(out.iterdir()):
+        print(f"ckpt-harness: {out} is not empty; the gate writes a new directory (it never overwrites or deletes)", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    sides = [Side("baseline", baselines), Side("candidate", candidates)]
+    timings: dict[str, float] = {}
+    findings: list[compare.Finding] = []
+    cross_docs: list[tuple[str, dict]] = []
+    base = cand = None
+    start = time.perf_counter()
+    try:
+        if not candidates:
+            raise GateError("give at least one --candidate SPEC (a version, a VCS URL at a commit, a source tree or a wheel)")
+        for s in sides:  # every spec parsed before anything is built: a typo costs nothing
+            for spec in s.specs:
+                try:
+                    envspec.parse_spec(spec)
+                except ValueError as exc:
+                    raise GateError(f"--{s.name} {spec!r}: {exc}") from None
+        for s in sides:
+            _build(s, cache)
+        for s in sides:
+            timings[f"{s.name} matrix"] = _run_matrix(s, matrix, k, out / s.name)
+        base, cand = compare.load(out / "baseline"), compare.load(out / "candidate")
+        findings = compare.compare(base, cand, thresholds)
+        if cross:
+            for writer, reader, rollback in ((sides[0], sides[1], False), (sides[1], sides[0], True)):
+                report, secs = _cross(writer, reader, out / "cross", rollback)
+                timings[f"cross {writer.name}->{reader.name}"] = secs
+                doc = compare.load(report)
+                cross_docs.append((f"{writer.name} writes, {reader.name} reads" + (" (rollback)" if rollback else ""), doc))
+                findings += cross_findings(doc, rollback)
+        if corpus is not None:
+            report, timings["stored corpus -> candidate"] = _stored_corpus(sides[1], corpus, out / "cross")
+            doc = compare.load(report)
+            cross_docs.append((f"stored corpus {corpus} ({doc['results'][0]['notes'][0] if doc['results'] else ''}), candidate reads", doc))
+            findings += cross_findings(doc, rollback=False)
+        code = compare.exit_code(findings)
+        error = None
+    except (GateError, compare.CompareInputError) as exc:
+        code, error = 2, str(exc)
+    timings["total"] = time.perf_counter() - start
+    for s in sides:
+        timings[f"{s.name} env build"] = s.build_s
+    md = verdict_markdown(sides, findings, base, cand, cross_docs, timings, error)
+    (out / "verdict.md").write_text(md + "\n")
+    (out / "gate.json").write_text(json.dumps({
+        "exit_code": code, "error": error, "sides": [{**asdict(s), "venv": str(s.venv)} for s in sides],
+        "timings_s": {k: round(v, 1) for k, v in timings.items()}, "findings": [f.to_dict() for f in findings],
+    }, indent=2, default=str) + "\n")
+    print(md)
+    return code
+
+
+def verdict_markdown(sides: list[Side], findings: list[compare.Finding], base: dict | None, cand: dict | None,
+                     cross_docs: list[tuple[str, dict]], timings: dict[str, float], error: str | None) -> str:
+    if error:
+        head = "# Bump gate: COULD NOT RUN (exit 2)"
+    elif compare.exit_code(findings):
+        head = f"# Bump gate: NOT SAFE, {len([f for f in findings if f.failing])} regression finding(s) (exit 1)"
+    else:
+        head = "# Bump gate: SAFE TO BUMP (exit 0)"
+    lines = [head, "", *_side_table(sides), ""]
+    if error:
+        lines += ["```", error.strip(), "```", ""]
+    failing = [f for f in findings if f.failing]
+    if failing:
+        lines += ["## Regressions", "", "| case | class | detail |", "|---|---|---|"]
+        lines += [f"| `{f.case}` | {f.kind} | {f.detail.replace('|', '/').replace(chr(10), ' ')} |" for f in failing]
+        lines.append("")
+    if base is not None and cand is not None:
+        matrix_findings = [f for f in findings if not f.case.startswith("golden[")]
+        lines += [compare.markdown(base, cand, matrix_findings, ("baseline", "candidate")).replace("## ckpt-harness compare", "## Matrix"), ""]
+    for title, doc in cross_docs:
+        lines += [f"## Cross-version: {title}", "", *_results_rows(doc), ""]
+    lines += ["## Wall time", "", "| step | s |", "|---|---:|", *[f"| {k} | {v:.0f} |" for k, v in timings.items()]]
+    return "\n".join(lines)

@@ -1,0 +1,305 @@
+"""Compare two runs (baseline vs candidate results.json): what a bump broke, fixed, or moved.
+
+The bump gate's verdict: `ckpt-harness compare BASE CAND` exits 1 when the candidate regresses a
+case the baseline had green (or as a named xfail), 0 otherwise, 2 when an input cannot be read.
+Everything here is a pure function over parsed results.json documents (report.write_json), so a
+verdict can be recomputed from stored reports and tested on hand-made ones.
+
+Classes of finding (one case can have several):
+
+| class | when | fails the gate |
+|---|---|---|
+| regression | passed/xfailed -> failed/error; or a check that passed on base fails on the candidate (named) | yes |
+| new-refusal | base passed, candidate failed/error and its error or failed-check text names an exception (`...Error`, `...Exception`): the candidate raised where the baseline loaded (replaces `regression` for that case) | yes |
+| diff-growth | a toleranced check's max abs diff grew past the tolerance's atol, by more than `diff_factor` x, or from 0 to > 0 | yes |
+| memory-growth | a phase's per-rank peak delta grew by more than `memory_pct` % AND more than `memory_mib` MiB | yes |
+| fixed-upstream | base xfailed -> candidate fails with XPASS(strict): the defect is fixed, drop the xfail | no |
+| disappeared | a case on base is absent on the candidate, or a check that passed on base is absent or not run in a candidate case that passed/xfailed: coverage lost | no (warning) |
+| appeared | a case only on the candidate | no |
+| fixed | base failed/error -> candidate passed | no |
+| not-run | a case ran on base and is `not-run` on the candidate (its reason: the machine lacked CUDA, TE, ...), or the reverse: coverage moved with the machine, not the code | no (listed) |
+| time-growth | phases.total grew > 1.5x and > 5 s | no |
+
+A disappeared case only warns: a renamed or re-tagged matrix entry disappears and appears under
+another id, and the gate cannot tell that from lost coverage, so it says so loudly and lets a
+person decide.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.report.results import (
+    _shows_diff,  # the one predicate for "this check's diff is toleranced"
+)
+
+FAILING = ("regression", "new-refusal", "diff-growth", "memory-growth")
+WARNING = ("disappeared",)
+ORDER = (*FAILING, "fixed-upstream", *WARNING, "not-run", "appeared", "fixed", "time-growth")
+OK = ("passed", "xfailed")
+BAD = ("failed", "error")
+MiB = 2**20
+TIME_FACTOR, TIME_MIN_S = 1.5, 5.0
+_EXCEPTION = re.compile(r"\b([A-Z][A-Za-z0-9_]*(?:Exception|Error))\b")
+_ATOL = re.compile(r"\batol=([0-9.eE+-]+)")
+
+
+class CompareInputError(Exception):
+    """An input is not a readable results.json; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    memory_pct: float = 10.0
+    memory_mib: float = 32.0
+    diff_factor: float = 10.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    case: str
+    kind: str  # one of ORDER; "class" in compare.json
+    detail: str
+    base: Any = None
+    candidate: Any = None
+
+    @property
+    def failing(self) -> bool:
+        return self.kind in FAILING
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["class"] = d.pop("kind")
+        d["failing"] = self.failing
+        return {k: d[k] for k in ("case", "class", "failing", "detail", "base", "candidate")}
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A results.json (or a report dir holding one), checked enough that compare cannot crash on it."""
+    file = path / "results.json" if path.is_dir() else path
+    try:
+        doc = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CompareInputError(f"{file}: not a readable results.json ({exc})") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
+        raise CompareInputError(f"{file}: not a results.json (no 'results' list)")
+    seen: set[str] = set()
+    for i, r in enumerate(doc["results"]):
+        if not isinstance(r, dict) or not isinstance(r.get("id"), str) or not isinstance(r.get("status"), str):
+            raise CompareInputError(f"{file}: results[{i}] has no string 'id' and 'status'")
+        if r["id"] in seen:
+            raise CompareInputError(f"{file}: case {r['id']!r} appears twice")
+        seen.add(r["id"])
+    return doc
+
+
+def _checks(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in r.get("checks") or [] if isinstance(c, dict) and "name" in c}
+
+
+def _failure_text(r: dict[str, Any]) -> str:
+    parts = [r.get("error") or ""] + [n for n in r.get("notes") or [] if str(n).startswith("failed, but")]
+    parts += [c.get("detail") or "" for c in _checks(r).values() if c.get("status") == "failed"]
+    return "\n".join(parts)
+
+
+def _raised(r: dict[str, Any]) -> tuple[str, str] | None:
+    """(exception, its line) a failed case reports, if any: the last one named, as a traceback ends."""
+    for line in reversed(_failure_text(r).splitlines()):
+        if names := _EXCEPTION.findall(line):
+            return names[-1], _first_line(line)
+    return None
+
+
+def _first_line(text: str | None, limit: int = 160) -> str:
+    line = next((ln.strip() for ln in (text or "").splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _status_findings(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Finding]:
+    bs, cs = b["status"], c["status"]
+    if "not-run" in (bs, cs) and bs != cs:
+        side, reason = ("candidate", c.get("not_run_reason")) if cs == "not-run" else ("base", b.get("not_run_reason"))
+        return [Finding(cid, "not-run", f"{bs} -> {cs}: not run on the {side} ({reason or 'no reason recorded'}); "
+                        "neither a regression nor a pass", bs, cs)]
+    bc, cc = _checks(b), _checks(c)
+    newly_failed = [n for n, ch in cc.items() if ch.get("status") == "failed" and bc.get(n, {}).get("status") == "passed"]
+    named = f" (checks that passed on base now fail: {', '.join(newly_failed)})" if newly_failed else ""
+    if bs == "xfailed" and cs == "failed" and "XPASS(strict)" in (c.get("error") or ""):
+        return [Finding(cid, "fixed-upstream", "known defect no longer reproduces: drop the xfail from the matrix "
+                        f"(was: {b.get('xfail_reason') or 'xfail'}); not a regression", bs, cs)]
+    api = next((ln.strip() for ln in (c.get("error") or "").splitlines() if ln.startswith("API not available in ")), None)
+    if bs in OK and cs in BAD and api:  # not a refusal: the candidate removed or moved an API the stack calls
+        return [Finding(cid, "regression", f"{bs} -> {cs}{named}: {_first_line(api, 200)}", bs, cs)]
+    if bs == "passed" and cs in BAD and (raised := _raised(c)):
+        return [Finding(cid, "new-refusal", f"candidate raises {raised[0]} where base passed{named}: {raised[1]}", bs, cs)]
+    if (bs in OK and cs in BAD) or newly_failed:
+        why = _first_line(_failure_text(c)) if cs in BAD else ""
+        return [Finding(cid, "regression", f"{bs} -> {cs}{named}" + (f": {why}" if why else ""), bs, cs)]
+    if bs in BAD and cs == "passed":
+        return [Finding(cid, "fixed", f"{bs} -> passed", bs, cs)]
+    return []
+
+
+def _lost_checks(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Finding]:
+    """Checks a green candidate case no longer runs (a failed or errored case is a regression already)."""
+    if c["status"] not in OK:
+        return []
+    cc = _checks(c)
+    lost = [n for n, ch in _checks(b).items() if ch.get("status") == "passed" and cc.get(n, {}).get("status") in (None, "not-run")]
+    return [Finding(cid, "disappeared", f"check {n} passed on base, "
+                    f"{'absent' if n not in cc else 'not run'} on the candidate: coverage lost", "passed",
+                    cc.get(n, {}).get("status")) for n in lost]
+
+
+def _atol(tolerance: str) -> float | None:
+    m = _ATOL.search(tolerance)
+    try:
+        return float(m.group(1)) if m else None
+    except ValueError:
+        return None
+
+
+def _diff_findings(cid: str, b: dict[str, Any], c: dict[str, Any], t: Thresholds) -> list[Finding]:
+    """Toleranced checks only: a bitwise check with any diff is already a failed check."""
+    out = []
+    bc = _checks(b)
+    for name, ch in _checks(c).items():
+        d, tol = ch.get("max_abs_diff"), ch.get("tolerance") or ""
+        if not isinstance(d, (int, float)) or not _shows_diff(name, tol) or tol in ("bitwise", "exact"):
+            continue
+        bd = bc.get(name, {}).get("max_abs_diff")
+        bd = bd if isinstance(bd, (int, float)) else None
+        if bd is not None and d <= bd:
+            continue  # not growth, whatever its size (an over-atol diff on base is base's problem)
+        atol, why = _atol(tol), ""
+        if atol is not None and d > atol:
+            why = f"exceeds atol={atol:g}"
+        elif bd is not None and bd > 0 and d > t.diff_factor * bd:
+            why = f"grew {d / bd:.1f}x (> {t.diff_factor:g}x)"
+        elif bd == 0 and d > 0:
+            why = "was 0 on base"
+        if why:
+            out.append(Finding(cid, "diff-growth", f"check {name} ({tol.split(' (')[0]}): max abs diff "
+                               f"{'-' if bd is None else f'{bd:.1e}'} -> {d:.1e}, {why}", bd, d))
+    return out
+
+
+def _memory_findings(cid: str, b: dict[str, Any], c: dict[str, Any], t: Thresholds) -> list[Finding]:
+    out = []
+    bm = b.get("memory") or {}
+    for phase, ranks in sorted((c.get("memory") or {}).items()):
+        for rank, m in sorted((ranks or {}).items()):
+            bv = ((bm.get(phase) or {}).get(rank) or {}).get("peak_delta")
+            cv = (m or {}).get("peak_delta")
+            if not isinstance(bv, (int, float)) or not isinstance(cv, (int, float)):
+                continue
+            grew = cv - bv
+            if grew > t.memory_mib * MiB and grew > abs(bv) * t.memory_pct / 100:
+                pct = f"+{100 * grew / bv:.0f}%" if bv > 0 else "from <= 0"
+                out.append(Finding(cid, "memory-growth", f"{phase}@rank{rank} peak RSS delta {bv / MiB:.1f} -> "
+                                   f"{cv / MiB:.1f} MiB (+{grew / MiB:.1f} MiB, {pct})", bv, cv))
+    return out
+
+
+def _time_findings(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Finding]:
+    bt, ct = (b.get("phases") or {}).get("total"), (c.get("phases") or {}).get("total")
+    if isinstance(bt, (int, float)) and isinstance(ct, (int, float)) and ct > TIME_FACTOR * bt and ct - bt > TIME_MIN_S:
+        return [Finding(cid, "time-growth", f"total {bt:.1f} s -> {ct:.1f} s (reported, never failing)", bt, ct)]
+    return []
+
+
+def compare(base: dict[str, Any], cand: dict[str, Any], thresholds: Thresholds = Thresholds()) -> list[Finding]:
+    """Every finding, in ORDER (failing classes first), then by case id."""
+    b = {r["id"]: r for r in base["results"]}
+    c = {r["id"]: r for r in cand["results"]}
+    out: list[Finding] = []
+    for cid in sorted(b.keys() | c.keys()):
+        if cid not in c:
+            out.append(Finding(cid, "disappeared", f"case ran on base ({b[cid]['status']}) but not on the candidate: "
+                               "coverage lost (renamed? check the matrix)", b[cid]["status"], None))
+        elif cid not in b:
+            out.append(Finding(cid, "appeared", f"new case on the candidate: {c[cid]['status']}", None, c[cid]["status"]))
+        else:
+            bb, cc = b[cid], c[cid]
+            out += _status_findings(cid, bb, cc) + _lost_checks(cid, bb, cc)
+            out += _diff_findings(cid, bb, cc, thresholds) + _memory_findings(cid, bb, cc, thresholds)
+            out += _time_findings(cid, bb, cc)
+    return sorted(out, key=lambda f: (ORDER.index(f.kind), f.case))
+
+
+def exit_code(findings: list[Finding]) -> int:
+    return 1 if any(f.failing for f in findings) else 0
+
+
+def verdict(findings: list[Finding]) -> str:
+    failing = [f for f in findings if f.failing]
+    fixed = sum(f.kind == "fixed-upstream" for f in findings)
+    warn = sum(f.kind in WARNING for f in findings)
+    not_run = sum(f.kind == "not-run" for f in findings)
+    tail = "".join([f", {fixed} fixed upstream defect(s) (drop their xfail)" if fixed else "",
+                    f", {warn} warning(s)" if warn else "",
+                    f", {not_run} case(s) run on one side only (not-run, listed)" if not_run else ""])
+    if failing:
+        cases = len({f.case for f in failing})
+        return f"**NOT SAFE**: {len(failing)} regression finding(s) in {cases} case(s){tail}."
+    return f"**SAFE**: no regression{tail}."
+
+
+def _versions_table(base: dict[str, Any], cand: dict[str, Any]) -> list[str]:
+    bv, cv = base.get("versions") or {}, cand.get("versions") or {}
+    rows = ["| package | base | candidate |", "|---|---|---|"]
+    for name in list(dict.fromkeys([*bv, *cv])):
+        x, y = bv.get(name), cv.get(name)
+        mark = " **(changed)**" if x != y else ""
+        rows.append(f"| {name} | {x or '-'} | {y or '-'}{mark} |")
+    return rows
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding], names: tuple[str, str] = ("base", "candidate")) -> str:
+    """The verdict for people: versions compared, regressions first, fixed upstream defects, the rest."""
+    lines = [f"## ckpt-harness compare: `{names[0]}` vs `{names[1]}`", "", *_versions_table(base, cand), ""]
+    lines.append(f"{len(base['results'])} base cases, {len(cand['results'])} candidate cases.")
+    sections = (
+        ("Regressions", [f for f in findings if f.failing]),
+        ("Fixed upstream defects (drop the xfail; not regressions)", [f for f in findings if f.kind == "fixed-upstream"]),
+        ("Other findings (not failing)", [f for f in findings if not f.failing and f.kind != "fixed-upstream"]),
+    )
+    for title, items in sections:
+        if items:
+            lines += ["", f"### {title}", "", "| case | class | detail |", "|---|---|---|"]
+            lines += [f"| `{f.case}` | {f.kind} | {_cell(f.detail)} |" for f in items]
+    lines += ["", verdict(findings)]
+    return "\n".join(lines)
+
+
+def to_json(base_path: str, cand_path: str, base: dict[str, Any], cand: dict[str, Any], findings: list[Finding], t: Thresholds) -> dict[str, Any]:
+    return {
+        "base": {"path": base_path, "versions": base.get("versions"), "matrix": base.get("matrix")},
+        "candidate": {"path": cand_path, "versions": cand.get("versions"), "matrix": cand.get("matrix")},
+        "thresholds": asdict(t),
+        "exit_code": exit_code(findings),
+        "verdict": verdict(findings),
+        "findings": [f.to_dict() for f in findings],
+    }
+
+
+def run(base_path: Path, cand_path: Path, out: Path | None = None, thresholds: Thresholds = Thresholds()) -> tuple[int, str]:
+    """Load, compare, write DIR/compare.{json,md} when asked: (exit code, Markdown). Raises CompareInputError."""
+    base, cand = load(base_path), load(cand_path)
+    findings = compare(base, cand, thresholds)
+    md = markdown(base, cand, findings, (str(base_path), str(cand_path)))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        doc = to_json(str(base_path), str(cand_path), base, cand, findings, thresholds)
+        (out / "compare.json").write_text(json.dumps(doc, indent=2, default=str))
+        (out / "compare.md").write_text(md + "\n")
+    return exit_code(findings), md

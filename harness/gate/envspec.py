@@ -1,0 +1,396 @@
+"""Environments as data: the pinned baseline, or a candidate = the baseline plus overrides.
+
+Stdlib only: scripts/ensure-env runs this file with a bare Python 3.12 before any venv exists.
+
+    python3.12 harness/gate/envspec.py ensure [--cache DIR] [--check-import] [SPEC ...]   # prints the venv path
+    python3.12 harness/gate/envspec.py key [SPEC ...]                                      # prints the env key
+
+A SPEC overrides one package (names are PEP 503-normalised):
+
+    megatron-bridge==0.6.0                                            a released version
+    megatron-bridge @ git+https://github.com/NVIDIA-NeMo/Megatron-Bridge@<sha>   a VCS URL at a commit
+    ./Megatron-Bridge  or  /abs/path/Megatron-Bridge                  a local source tree (pyproject.toml)
+    /path/megatron_bridge-0.6.2-py3-none-any.whl                      a wheel file
+
+The resolved request is requirements.txt, requirements-nodeps.txt, constraints.txt and
+requirements-verl.txt (the verl_manager backend's deps, installed with requirements.txt) with every
+overridden package's pin dropped and the overrides added (to requirements-nodeps.txt when the
+package is installed --no-deps there, e.g. megatron-bridge, whose declared deps are CUDA-only).
+Its sha256 (12 hex) keys the venv, `cache/venv-<key>`: with no override the request is the four
+files verbatim (`cat requirements.txt requirements-nodeps.txt constraints.txt requirements-verl.txt
+| sha256sum`), so a fresh clone finds the cached baseline venv again. A source tree's and a wheel's content hash is part of the request, so an
+edited tree gets a new venv instead of a stale one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REQUIREMENTS, NODEPS, CONSTRAINTS = "requirements.txt", "requirements-nodeps.txt", "constraints.txt"
+VERL = "requirements-verl.txt"  # the verl_manager backend's deps: installed with REQUIREMENTS, part of the key
+ENV_JSON = "ckpt-env.json"
+REQUEST_DIR = ".ckpt-request"  # inside the venv: the exact files pip was given
+TAIL = 30
+_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
+_VERSION = re.compile(rf"^({_NAME})\s*==\s*([A-Za-z0-9][A-Za-z0-9.+!_-]*)$")
+_VCS = re.compile(rf"^({_NAME})\s*@\s*(git\+(?:https?|ssh|file)://\S+)$")
+_LINE_NAME = re.compile(rf"^\s*({_NAME})")
+_COMMIT = re.compile(r"^[0-9a-fA-F]{7,40}$")
+# Build products pip/setuptools write into a source tree when installing it: not part of its identity.
+_BUILD_ARTEFACTS = {".git", "__pycache__", "build", "dist", ".eggs", ".tox", ".venv", ".pytest_cache"}
+
+
+class EnvBuildError(Exception):
+    """A candidate environment could not be installed or imported; the message is for the user."""
+
+
+def normalize(name: str) -> str:
+    """PEP 503: `Megatron_Bridge` and `megatron-bridge` are one package."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@dataclass(frozen=True)
+class Override:
+    spec: str  # as given
+    kind: str  # version | vcs | tree | wheel
+    name: str  # normalised
+    requirement: str  # the line pip gets
+    version: str | None = None
+    url: str | None = None
+    commit: str | None = None
+    path: str | None = None
+    digest: str | None = None  # sha256 of a wheel file / of a tree's files
+
+
+def _git(d: Path, *args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", "-C", str(d), *args], capture_output=True, text=True, check=False)
+    except OSError:
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def _file_sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with p.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _skipped(rel: str) -> bool:
+    parts = rel.split("/")
+    return any(p in _BUILD_ARTEFACTS or p.endswith(".egg-info") for p in parts) or rel.endswith(".pyc")
+
+
+def tree_digest(d: Path, git: bool) -> str:
+    """sha256 over (path, content) of a tree's files: git-tracked plus untracked-not-ignored in a
+    checkout (edits not yet committed count), every file otherwise; build products excluded."""
+    if git:
+        listed = _git(d, "ls-files", "-z", "--cached", "--others", "--exclude-standard") or ""
+        rels = sorted({r for r in listed.split("\0") if r})
+    else:
+        rels = []
+        for top, dirs, files in os.walk(d):
+            dirs[:] = [x for x in dirs if not _skipped(x)]  # never walk into build/, .venv/, ...
+            rels += [str((Path(top) / f).relative_to(d)) for f in files]
+        rels.sort()
+    h = hashlib.sha256()
+    for rel in rels:
+        p = d / rel
+        if _skipped(rel):
+            continue
+        if p.is_symlink():
+            content = "link:" + os.readlink(p)
+        elif p.is_file():
+            content = _file_sha256(p)
+        else:  # a submodule (gitlink) or a tracked file deleted in the work tree
+            continue
+        h.update(f"{rel}\0{content}\n".encode())
+    return h.hexdigest()
+
+
+def _vcs_commit(url: str, spec: str) -> str:
+    rest = url.split("#", 1)[0].split("://", 1)[1]
+    path = rest.split("/", 1)[1] if "/" in rest else ""
+    ref = path.rsplit("@", 1)[1] if "@" in path else ""
+    if not _COMMIT.match(ref):
+        raise ValueError(f"{spec!r}: a VCS URL must end in @<commit sha> (got {ref or 'no ref'!r}): "
+                         "a branch or tag moves, and the venv keyed on the URL would go stale")
+    return ref
+
+
+def _wheel(spec: str, p: Path) -> Override:
+    if not p.is_file():
+        raise ValueError(f"{spec!r}: no such wheel file {p}")
+    parts = p.name[: -len(".whl")].split("-")
+    if len(parts) not in (5, 6) or not all(parts):
+        raise ValueError(f"{spec!r}: not a wheel filename (NAME-VERSION[-BUILD]-PY-ABI-PLATFORM.whl)")
+    name = normalize(parts[0])
+    return Override(spec, "wheel", name, f"{name} @ {p.as_uri()}", version=parts[1], path=str(p), digest=_file_sha256(p))
+
+
+def _tree(spec: str, d: Path) -> Override:
+    if not d.is_dir():
+        raise ValueError(f"{spec!r}: no such directory {d} (a SPEC is NAME==VERSION, NAME @ git+URL@COMMIT, a source directory or a .whl file)")
+    try:
+        name = tomllib.loads((d / "pyproject.toml").read_text())["project"]["name"]
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{spec!r}: {d} has no readable pyproject.toml with [project].name ({exc!r})") from exc
+    top = _git(d, "rev-parse", "--show-toplevel")
+    git = top is not None and Path(top.strip()).resolve() == d
+    commit = ((_git(d, "rev-parse", "HEAD") or "").strip() or None) if git else None
+    name = normalize(name)
+    return Override(spec, "tree", name, f"{name} @ {d.as_uri()}", commit=commit, path=str(d), digest=tree_digest(d, git))
+
+
+def parse_spec(spec: str, cwd: Path | None = None) -> Override:
+    """One SPEC -> Override; ValueError naming the spec when it is none of the four forms."""
+    s = spec.strip()
+    if m := _VCS.match(s):
+        name, url = normalize(m[1]), m[2]
+        return Override(spec, "vcs", name, f"{name} @ {url}", url=url, commit=_vcs_commit(url, spec))
+    if m := _VERSION.match(s):
+        name = normalize(m[1])
+        return Override(spec, "version", name, f"{name}=={m[2]}", version=m[2])
+    if s.startswith("git+"):
+        raise ValueError(f"{spec!r}: name the package: NAME @ git+URL@COMMIT")
+    if s and (s.endswith(".whl") or "/" in s or s.startswith((".", "~"))):
+        p = Path(s).expanduser()
+        p = (p if p.is_absolute() else (cwd or Path.cwd()) / p).resolve()
+        return _wheel(spec, p) if s.endswith(".whl") else _tree(spec, p)
+    raise ValueError(f"{spec!r}: not a SPEC: expected NAME==VERSION, NAME @ git+URL@COMMIT, "
+                     "a source directory (./path or /path) or a .whl file")
+
+
+def _names(text: str) -> set[str]:
+    return {normalize(m[1]) for line in text.splitlines() if (m := _LINE_NAME.match(line))}
+
+
+def _drop(text: str, names: set[str]) -> str:
+    """The file without the lines pinning `names` (comments, options and other pins kept verbatim)."""
+    return "".join(ln for ln in text.splitlines(keepends=True) if not ((m := _LINE_NAME.match(ln)) and normalize(m[1]) in names))
+
+
+def _append(text: str, lines: list[str]) -> str:
+    if not lines:
+        return text
+    sep = "" if not text or text.endswith("\n") else "\n"
+    return text + sep + "# candidate overrides (harness/gate/envspec.py)\n" + "".join(f"{ln}\n" for ln in lines)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What pip is asked for: the four files' resolved texts, plus the overrides they came from."""
+
+    requirements: str
+    nodeps: str
+    constraints: str
+    overrides: tuple[Override, ...] = ()
+    verl: str = ""
+
+    @property
+    def text(self) -> str:
+        body = self.requirements + self.nodeps + self.constraints + self.verl
+        if not self.overrides:
+            return body  # == `cat requirements.txt requirements-nodeps.txt constraints.txt requirements-verl.txt`
+        return body + "".join(f"# {o.kind} {o.name}: commit={o.commit} sha256={o.digest}\n" for o in self.overrides)
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()[:12]
+
+
+def _read(root: Path, name: str) -> str:
+    return (root / name).read_bytes().decode("utf-8")  # bytes as `cat` sees them (no newline translation)
+
+
+def resolve(root: Path, overrides: list[Override]) -> Request:
+    names = [o.name for o in overrides]
+    if dup := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"{', '.join(dup)}: overridden more than once")
+    req, nodeps, cons = _read(root, REQUIREMENTS), _read(root, NODEPS), _read(root, CONSTRAINTS)
+    verl = _read(root, VERL) if (root / VERL).exists() else ""
+    if not overrides:
+        return Request(req, nodeps, cons, verl=verl)
+    dropped, no_deps = set(names), _names(nodeps)
+    return Request(
+        _append(_drop(req, dropped), [o.requirement for o in overrides if o.name not in no_deps]),
+        _append(_drop(nodeps, dropped), [o.requirement for o in overrides if o.name in no_deps]),
+        _drop(cons, dropped),
+        tuple(overrides),
+        verl=_drop(verl, dropped),
+    )
+
+
+def pip_command(venv: Path) -> list[str]:
+    """Every pip call goes through here; CKPT_HARNESS_PIP (a command line) replaces it, so tests can
+    point it at a stub instead of spending minutes on real installs."""
+    if stub := os.environ.get("CKPT_HARNESS_PIP"):
+        return shlex.split(stub)
+    return [str(venv / "bin" / "python"), "-m", "pip"]
+
+
+def _tail(text: str, n: int = TAIL) -> str:
+    return "\n".join(text.rstrip().splitlines()[-n:])
+
+
+def _run_logged(cmd: list[str], log: Path) -> None:
+    with log.open("a") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False).returncode
+        except OSError as exc:
+            f.write(f"{exc}\n")
+            rc = -1
+    if rc != 0:
+        raise EnvBuildError(f"{_tail(log.read_text(errors='replace'))}\n"
+                            f"ckpt-harness: environment install failed ({shlex.join(cmd)} exited {rc}); full log: {log}")
+
+
+def _has_requirements(text: str) -> bool:
+    return any(_LINE_NAME.match(ln) for ln in text.splitlines())
+
+
+def _write_env_json(venv: Path, specs: list[str], req: Request) -> None:
+    """Provenance next to the venv: what was asked (specs, overrides) and what pip installed."""
+    r = subprocess.run([*pip_command(venv), "freeze"], capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise EnvBuildError(f"{_tail(r.stdout + r.stderr)}\nckpt-harness: pip freeze failed in {venv}")
+    freeze = r.stdout.splitlines()
+    installed = {normalize(m[1]): ln for ln in freeze if (m := _LINE_NAME.match(ln))}
+    doc = {
+        "specs": specs,
+        "key": req.key,
+        "overrides": [{**asdict(o), "installed": installed.get(o.name)} for o in req.overrides],
+        "pip_freeze": freeze,
+    }
+    (venv / ENV_JSON).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def _python(python: str | None) -> str:
+    if python:
+        return python
+    if sys.version_info[:2] == (3, 12):
+        return sys.executable
+    raise EnvBuildError(f"ckpt-harness: building a venv needs Python 3.12 (megatron-bridge 0.6.x requires it), this is "
+                        f"{sys.version.split()[0]}: run this file with python3.12 (scripts/ensure-env finds one; CKPT_HARNESS_PYTHON names it)")
+
+
+def _build(venv: Path, req: Request, specs: list[str], cache: Path, python: str) -> None:
+    shutil.rmtree(venv, ignore_errors=True)  # only ever our own half-built venv under the cache dir
+    print(f"ckpt-harness: building environment {venv} (first run: ~5 min, ~6 GB)", file=sys.stderr)
+    log = cache / f"install-{req.key}.log"
+    log.write_text("")
+    _run_logged([python, "-m", "venv", str(venv)], log)
+    files = venv / REQUEST_DIR
+    files.mkdir()
+    for name, text in ((REQUIREMENTS, req.requirements), (NODEPS, req.nodeps), (CONSTRAINTS, req.constraints), (VERL, req.verl)):
+        (files / name).write_text(text)
+    pip = pip_command(venv)
+    _run_logged([*pip, "install", "--upgrade", "pip"], log)
+    extra = ["-r", str(files / VERL)] if _has_requirements(req.verl) else []
+    _run_logged([*pip, "install", "-r", str(files / REQUIREMENTS), *extra, "-c", str(files / CONSTRAINTS)], log)
+    if _has_requirements(req.nodeps):
+        _run_logged([*pip, "install", "--no-deps", "-r", str(files / NODEPS)], log)
+    _write_env_json(venv, specs, req)
+    (venv / ".complete").touch()
+
+
+_POINTS_AT = ("import sys, pathlib, harness; sys.exit(0 if pathlib.Path(harness.__file__).resolve().parent.parent"
+              " == pathlib.Path(sys.argv[1]).resolve() else 1)")
+
+
+def _ensure_editable(venv: Path, root: Path, cache: Path, key: str) -> None:
+    """The harness itself, editable, pointed at this checkout (cheap; re-pointed when the clone moves)."""
+    py = venv / "bin" / "python"
+    if (venv / "bin" / "ckpt-harness").exists() and subprocess.run(
+        [str(py), "-I", "-c", _POINTS_AT, str(root)], capture_output=True, check=False
+    ).returncode == 0:
+        return
+    log = cache / f"editable-{key}.log"
+    log.write_text("")
+    try:
+        _run_logged([*pip_command(venv), "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(root)], log)
+    except EnvBuildError as exc:
+        raise EnvBuildError(f"{exc}\nckpt-harness: the editable harness install failed") from None
+
+
+def ensure(specs: list[str], cache: Path, root: Path, python: str | None = None) -> Path:
+    """Build (once) or reuse the venv of baseline + `specs`; returns its path. Raises ValueError for a
+    bad spec, EnvBuildError when pip fails (with the log tail and the log's path)."""
+    req = resolve(root, [parse_spec(s) for s in specs])
+    cache.mkdir(parents=True, exist_ok=True)
+    venv = cache / f"venv-{req.key}"
+    with open(cache / f".lock-{req.key}", "w") as lock:  # same lock file and flock(2) as the old bash
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (venv / ".complete").exists():
+            _build(venv, req, specs, cache, _python(python))
+        elif not (venv / ENV_JSON).exists():  # built before this file existed
+            _write_env_json(venv, specs, req)
+        _ensure_editable(venv, root, cache, req.key)
+    return venv
+
+
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def check_import(venv: Path, modules: tuple[str, ...] = ("megatron.core", "megatron.bridge"), root: Path | None = None) -> None:
+    """Import `modules` in the venv's own python; EnvBuildError with the stderr tail when one fails.
+    megatron.bridge goes through harness.compat's import (Bridge 0.6.x imports Transformer-Engine
+    unguarded; the harness answers that import with a stub on CPU), as the cases do."""
+    if bad := [m for m in modules if not _MODULE.match(m)]:
+        raise ValueError(f"not module names: {bad}")
+    code = [f"import {m}" for m in modules]
+    if any(m == "megatron.bridge" or m.startswith("megatron.bridge.") for m in modules):
+        code.insert(0, "from harness.compat import import_megatron_bridge; import_megatron_bridge()")
+    r = subprocess.run([str(venv / "bin" / "python"), "-W", "ignore", "-c", "\n".join(code)], capture_output=True, text=True,
+                       cwd=root or Path(__file__).resolve().parents[2], check=False)
+    if r.returncode != 0:
+        raise EnvBuildError(f"{_tail(r.stderr)}\nckpt-harness: {', '.join(modules)} do not import in {venv}")
+
+
+def _default_cache() -> Path:
+    return Path(os.environ.get("CKPT_HARNESS_HOME") or Path.home() / ".cache" / "ckpt-harness")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="envspec.py", description="Build or reuse the venv of the pins plus SPEC overrides.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for cmd in ("ensure", "key"):
+        p = sub.add_parser(cmd, help="print the venv path (building it once)" if cmd == "ensure" else "print the env key")
+        p.add_argument("specs", nargs="*", metavar="SPEC")
+        p.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2], help="the harness checkout")
+        if cmd == "ensure":
+            p.add_argument("--cache", type=Path, default=_default_cache(), help="default: $CKPT_HARNESS_HOME or ~/.cache/ckpt-harness")
+            p.add_argument("--check-import", action="store_true", help="also import megatron.core and megatron.bridge in it")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "key":
+            print(resolve(args.root, [parse_spec(s) for s in args.specs]).key)
+            return 0
+        venv = ensure(args.specs, args.cache, args.root)  # built with the python running this (3.12)
+        if args.check_import:
+            check_import(venv, root=args.root)
+    except (EnvBuildError, ValueError, OSError) as exc:
+        print(f"ckpt-harness: {exc}" if isinstance(exc, ValueError) else str(exc), file=sys.stderr)
+        return 2
+    print(venv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Judging and recording a check: one family of functions every case uses.
+
+Each takes plain values (tensors, shard lists, knob records, an exception) and returns a `Check`,
+so a case's judge is a pure function of its worlds' outputs and is tested without a process
+(tests/test_judges.py). The comparisons themselves are harness.core.parity.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from harness.core.parity import (
+    Mismatch,
+    Shard,
+    Tolerance,
+    assemble,
+    compare_state,
+    compare_tensors,
+    max_abs_diff,
+)
+from harness.core.result import Check
+
+
+def label_of(tolerance: Tolerance | None) -> str:
+    return "bitwise" if tolerance is None else str(tolerance)
+
+
+def _max_diff(expected: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor]) -> float:
+    diffs = [max_abs_diff(expected[k], actual[k]) for k in expected if k in actual]
+    return max(diffs, default=0.0)
+
+
+def state_check(
+    name: str,
+    expected: Mapping[str, torch.Tensor],
+    actual: Mapping[str, torch.Tensor],
+    expected_label: str,
+    actual_label: str,
+    detail_ok: str,
+    tolerance: Tolerance | None = None,
+    problems: Sequence[Mismatch] = (),
+) -> Check:
+    """Every key of both sides equal (bitwise, or within `tolerance`), plus any `problems` found on
+    the way (coverage holes, diverged replicas from `assemble`)."""
+    mismatches = list(problems) + compare_state(expected, actual, expected_label, actual_label, tolerance)
+    label = label_of(tolerance)
+    if mismatches:
+        worst = max((m.max_abs_diff for m in mismatches if m.max_abs_diff is not None), default=None)
+        kinds = sorted({m.kind for m in mismatches})
+        return Check(name, "failed", f"{len(mismatches)} mismatch(es): {', '.join(kinds)}", worst, label, mismatches)
+    return Check(name, "passed", detail_ok, 0.0 if tolerance is None else _max_diff(expected, actual), label)
+
+
+def tensor_check(
+    name: str,
+    expected: torch.Tensor,
+    actual: torch.Tensor,
+    expected_label: str,
+    actual_label: str,
+    detail_ok: str,
+    tolerance: Tolerance | None = None,
+) -> Check:
+    m = compare_tensors(name, expected, actual, expected_label, actual_label, tolerance)
+    diff = max_abs_diff(expected, actual)
+    if m is None:
+        return Check(name, "passed", detail_ok, diff, label_of(tolerance))
+    return Check(name, "failed", str(m), diff, label_of(tolerance), [m])
+
+
+def assembled(outs: Iterable[Any], field: str, label: str) -> tuple[dict[str, torch.Tensor], list[Mismatch]]:
+    """Full tensors from the `field` shard lists of every rank's output (see parity.assemble)."""
+    shards: list[Shard] = [s for o in outs for s in (getattr(o, field) or ())]
+    return assemble(shards, label)
+
+
+def replicated(outs: Iterable[Any], field: str) -> tuple[Any, bool]:
+    """The value of `field` that ranks produced (None where a rank has none, e.g. off the last
+    pipeline stage), and whether every rank that produced one agrees bitwise (DP/CP replicas)."""
+    found = [getattr(o, field) for o in outs if getattr(o, field) is not None]
+    if not found:
+        return None, True
+    first = found[0]
+    return first, all(torch.equal(first.view(torch.uint8), f.view(torch.uint8)) for f in found[1:])
+
+
+def knob_check(name: str, sides: Sequence[tuple[str, Sequence[Sequence[Mapping[str, Any]]]]], detail_ok: str) -> Check:
+    """Every configuration knob a case asked is what the built objects use, on every rank of
+    every side: `sides` is [(label, [per-rank list of {knob, asked, actual, ok}])]."""
+    bad = [
+        f"{label} rank {rank}: {k['knob']} asked {k['asked']!r}, built {k['actual']!r}"
+        for label, ranks in sides
+        for rank, knobs in enumerate(ranks)
+        for k in knobs
+        if not k["ok"]
+    ]
+    if bad:
+        return Check(name, "failed", "; ".join(bad[:6]), tolerance="exact")
+    return Check(name, "passed", detail_ok, tolerance="exact")
+
+
+def refusal_check(exc_type: str | None, message: str, allowed: Sequence[str], change: str, meaning: str = "") -> Check:
+    """An `expect: refuse` load: it must raise one of `allowed`. A load that completes fails (the
+    checkpoint was accepted where it should not be), and so does a refusal through another
+    exception (the user gets no clear reason). `exc_type` None means the load completed."""
+    meaning = f" (meaning: {meaning})" if meaning else ""
+    if exc_type is None:
+        return Check("refusal", "failed", f"the load across {change} was expected to refuse but completed{meaning}", tolerance="-")
+    first = message.splitlines()[0][:240] if message else ""
+    if exc_type in allowed:
+        return Check("refusal", "passed", f"refused across {change}: {exc_type}: {first}{meaning}", tolerance="-")
+    return Check(
+        "refusal", "failed",
+        f"refused across {change}, but with {exc_type or 'an unrecognised error'}: {first!r}; not one of {list(allowed)}, "
+        "so a user gets no clear reason",
+        tolerance="-",
+    )
+
+
+#: Where megatron's optimizer sharded state dict (model-space form, the one harness.models.training's
+#: optimizer view asks for) puts the main param of a model tensor, megatron-core 0.19.2: the
+#: distributed optimizer's fully_reshardable form names it `param`, the non-distributed
+#: Float16OptimizerWithFloat16Params (and the distributed optimizer's fully_sharded_model_space
+#: form) `fp32_param`. Under bf16 both hold the fp32 main params.
+MAIN_PARAM_PREFIXES = ("optimizer.state.param.", "optimizer.state.fp32_param.")
+WEIGHTS_MATCH_MAIN_PARAMS = "weights-match-main-params"
+
+
+def weights_match_main_params(
+    sides: Sequence[tuple[str, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]], dtype: str,
+) -> Check:
+    """Mixed precision keeps two copies of every weight: the bf16 model param and the optimizer's
+    fp32 main param, which the optimizer steps and copies down (round to nearest even) after every
+    step. A load that restores one and not the other (the model section from one checkpoint, the
+    optimizer from another, or a load path that skips the copy) trains on silently from weights
+    the optimizer does not hold. So: every bf16 model weight equals its fp32 main param cast to
+    bf16, bitwise, on every side; a weight without a main param, or the reverse, fails too.
+
+    `sides` is [(label, full model tensors by key, full optimizer tensors by
+    `optimizer.state.<kind>.<key>`)], as harness.judge.checks.assembled gives them. fp32 training has no
+    such split (the optimizer steps the model params themselves): recorded not-run, with why."""
+    name = WEIGHTS_MATCH_MAIN_PARAMS
+    if dtype != "bf16":
+        return Check(name, "not-run", f"dtype {dtype}: the optimizer steps the model params themselves, there is no "
+                     "separate fp32 main copy to match", tolerance="-")
+    mismatches: list[Mismatch] = []
+    total = 0
+    for label, weights, optimizer in sides:
+        expected_label, actual_label = f"fp32 main params@{label} cast to bf16", f"bf16 weights@{label}"
+        mains: dict[str, torch.Tensor] = {}
+        for k, v in optimizer.items():
+            prefix = next((p for p in MAIN_PARAM_PREFIXES if k.startswith(p)), None)
+            if prefix is None:
+                continue
+            if v.dtype != torch.float32:  # a "main" param that is not fp32 is no main copy at all
+                mismatches.append(Mismatch(k, "dtype", expected_label, actual_label, detail=f"main param is {v.dtype}, expected torch.float32"))
+            mains[k[len(prefix):]] = v.to(torch.bfloat16)
+        total += len(weights)
+        mismatches += compare_state(mains, weights, expected_label, actual_label)
+    if mismatches:
+        worst = max((m.max_abs_diff for m in mismatches if m.max_abs_diff is not None), default=None)
+        kinds = sorted({m.kind for m in mismatches})
+        return Check(name, "failed", f"{len(mismatches)} mismatch(es): {', '.join(kinds)}; first: {mismatches[0]}", worst,
+                     "bitwise", mismatches)
+    labels = ", ".join(label for label, _, _ in sides)
+    return Check(name, "passed", f"{total} bf16 weights equal their fp32 main params cast to bf16 (at {labels})", 0.0, "bitwise")
+
+
+#: The check a backend records when its options ask a strategy (Backend.strategy_check).
+STRATEGY_CHECK = "strategy"
+ASYNC_FINALIZE = "async-finalize"
+
+
+def async_finalize_check(records: Sequence[Sequence[Mapping[str, Any]]], directories: Sequence[str],
+                         complete_now: Mapping[str, bool | None]) -> Check:
+    """An async save counts as done only after its finalize step. For every checkpoint the job
+    saved (`directories`, in order): every rank finalized it (`records`: per rank, the backend's
+    finalize records), it was NOT a complete checkpoint just before the finalize (else the step
+    proved nothing: the save was not asynchronous), it was complete right after, and it is
+    complete now, as the next job finds it (`complete_now`, the parent's look, None = unknown).
+    A job that skips the finalize leaves shards without metadata: this check fails, and the case
+    does not load what was never completed."""
+    problems = []
+    for d in directories:
+        seen = [[r for r in rank if r.get("directory") == d] for rank in records]
+        missing = [i for i, s in enumerate(seen) if not s]
+        if missing:
+            problems.append(f"{d}: never finalized on rank(s) {missing}")
+            continue
+        if any(r["complete_before"] for s in seen for r in s):
+            problems.append(f"{d}: already a complete checkpoint before its finalize step (not an async save)")
+        if not all(r["complete_after"] for s in seen for r in s):
+            problems.append(f"{d}: not a complete checkpoint after its finalize step")
+    for d in directories:
+        if complete_now.get(d) is False:
+            problems.append(f"{d}: not a complete checkpoint when the job ended (no metadata.json/.metadata)")
+    n = len(directories)
+    if problems:
+        return Check(ASYNC_FINALIZE, "failed", "; ".join(problems), tolerance="exact")
+    return Check(ASYNC_FINALIZE, "passed", f"{n} async save(s): incomplete until finalize on every rank, complete after",
+                 tolerance="exact")
+
+
+def not_run_checks(names: Iterable[str], why: str) -> list[Check]:
+    """Checks a case could not get to, each recorded not-run with why."""
+    return [Check(n, "not-run", why, tolerance="-") for n in names]
+
+
+def finalize_gate(backend: Any, outs: Sequence[Any], directories: Sequence[str]) -> Check | None:
+    """The async-finalize check of a training job's saves when `backend` saves asynchronously
+    (None for a synchronous backend: its save returns complete). `outs`: the save world's
+    TrainOut records (their `finalized_saves`)."""
+    if not backend.saves_async:
+        return None
+    from pathlib import Path
+
+    records = [getattr(o, "finalized_saves", []) for o in outs]
+    return async_finalize_check(records, directories, {d: backend.checkpoint_complete(Path(d)) for d in directories})

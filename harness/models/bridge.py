@@ -1,0 +1,266 @@
+"""Rank side of the Megatron-Bridge cases: build a Bridge model at a topology on CPU, give its
+LoRA adapters known weights, and hand out raw adapter shards for an independent derivation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.core import truth
+from harness.core.topology import Topology
+from harness.core.zoo import HFModelSpec
+from harness.models.mcore import FUSIONS
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+CANONICAL_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate", "linear_fc2")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    kind: str = "lora"  # lora | canonical_lora
+    dim: int = 4
+    alpha: int = 8
+    targets: tuple[str, ...] = field(default=LORA_TARGETS)
+    seed: int = 77
+
+    def make(self):
+        if self.kind == "lora":
+            from megatron.bridge.peft.lora import LoRA
+
+            return LoRA(target_modules=list(self.targets), dim=self.dim, alpha=self.alpha, dropout=0.0)
+        if self.kind == "canonical_lora":
+            from megatron.bridge.peft.canonical_lora import CanonicalLoRA
+
+            return CanonicalLoRA(target_modules=list(self.targets), dim=self.dim, alpha=self.alpha, dropout=0.0)
+        raise ValueError(f"adapter kind must be lora or canonical_lora, got {self.kind!r}")
+
+
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """LayerNorm with a zero-centered gamma (y = norm(x) * (1 + weight) + bias): what megatron-core's
+    `layernorm_zero_centered_gamma` means and transformers' NemotronLayerNorm1P computes. A CPU
+    stand-in: megatron-core 0.19.2's local norm (`WrappedTorchNorm`, torch_norm.py) asserts
+    `not config.layernorm_zero_centered_gamma` and the fused one needs Apex or Transformer-Engine,
+    so the Nemotron provider (which sets it) builds on neither without this."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        for p in self.parameters():
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+def zero_centered_local_spec(config, vp_stage: int | None = None):
+    """The local layer spec with every norm (input, pre-MLP and the block's final one) a
+    ZeroCenteredLayerNorm, as the block submodules of this pipeline stage."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = get_gpt_layer_local_spec(normalization="LayerNorm")
+    layer.submodules.input_layernorm = ZeroCenteredLayerNorm
+    layer.submodules.pre_mlp_layernorm = ZeroCenteredLayerNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=ZeroCenteredLayerNorm)
+
+
+@dataclass
+class BridgeModel:
+    bridge: Any
+    modules: list  # what the provider returns: one chunk per virtual stage (one here)
+    peft: Any = None
+    ddp_config: Any = None
+    base_path: str = ""
+    local_experts_asked: int | None = None  # num_experts / ep for an MoE fixture
+    provider: Any = None  # the GPTModelProvider that built `modules`
+
+
+def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights: bool = True,
+          adapter: AdapterSpec | None = None, ddp_config=None, dtype: str = "fp32") -> BridgeModel:
+    """AutoBridge -> provider (local layer spec, fusions off) -> model at this rank.
+
+    Megatron-Bridge's default layer spec is Transformer-Engine's and its finalize() asserts on
+    apply_rope_fusion: a CPU build needs the local spec and every fusion off.
+
+    `dtype` bf16 is what the provider itself sets for a bf16 HF config (bf16=True, params_dtype
+    bfloat16) plus pipeline_dtype bfloat16, and the model wrapped in megatron-core's Float16Module
+    (the provider's default mixed_precision_wrapper), as Megatron-LM's --bf16 builds it.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+
+    from harness.compat import import_megatron_bridge
+    from harness.models.hf import HF_DTYPES
+    from harness.models.parallel import seed_model_parallel
+
+    import_megatron_bridge()
+    from megatron.bridge import AutoBridge
+
+    seed_model_parallel(spec.seed)
+    torch_dtype = HF_DTYPES[dtype]
+    bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=torch_dtype)
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
+    provider.tensor_model_parallel_size = topo.tp
+    provider.pipeline_model_parallel_size = topo.pp
+    provider.transformer_layer_spec = (
+        zero_centered_local_spec if getattr(provider, "layernorm_zero_centered_gamma", False)
+        else get_gpt_layer_local_spec(num_experts=getattr(spec, "num_experts", None), moe_grouped_gemm=False,
+                                      qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm")
+    )
+    if getattr(spec, "num_experts", None):
+        # SequentialMLP (local experts one by one): grouped GEMM and permute fusion need TE/CUDA kernels.
+        # The provider's alltoall dispatcher stays: harness.compat's shims run it on CPU/gloo.
+        provider.expert_model_parallel_size = topo.ep
+        provider.expert_tensor_parallel_size = topo.etp
+        provider.moe_grouped_gemm = False
+        provider.moe_permute_fusion = False
+    for name in FUSIONS:
+        setattr(provider, name, False)
+    provider.params_dtype = torch_dtype
+    provider.pipeline_dtype = torch_dtype
+    provider.fp16 = False
+    provider.bf16 = dtype == "bf16"
+    if getattr(spec, "pad_vocab", False):  # the Bridge's default (no padding) otherwise
+        provider.should_pad_vocab = True
+    peft = None
+    if adapter is not None:
+        peft = adapter.make()
+        provider.register_pre_wrap_hook(lambda m: peft(m, training=True))
+    provider.finalize()
+    modules = provider.provide_distributed_model(
+        ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None, use_cpu_initialization=True,
+        mixed_precision_wrapper=Float16Module if dtype == "bf16" else None,
+    )
+    experts = getattr(spec, "num_experts", None)
+    return BridgeModel(bridge, modules, peft, ddp_config, str(hf_dir), experts // topo.ep if experts else None, provider)
+
+
+def forward_module(bm: BridgeModel):
+    """The module a forward pass runs: the DDP wrapper peeled off, Float16Module kept (it casts
+    inputs to bf16 on the first stage and logits back to fp32 on the last)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    m = bm.modules[0]
+    return m.module if isinstance(m, DistributedDataParallel) else m
+
+
+def unwrapped(bm: BridgeModel):
+    """The bare GPTModel under DDP and Float16Module (whose state dicts delegate without prefix)."""
+    from megatron.core.transformer.module import Float16Module
+
+    m = forward_module(bm)
+    return m.module if isinstance(m, Float16Module) else m
+
+
+def _layer_offset(spec: HFModelSpec) -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_rank() * (spec.num_layers // parallel_state.get_pipeline_model_parallel_world_size())
+
+
+_EXPERT = ".mlp.experts.local_experts."
+
+
+def global_name(local: str, offset: int, expert_offset: int = 0) -> str:
+    """decoder.layers.<local>.… -> decoder.layers.<global>.…, and an expert's
+    mlp.experts.local_experts.<local>.… -> its global expert index (EP rank x experts per rank + local)."""
+    parts = local.split(".")
+    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers" and parts[2].isdigit():
+        parts[2] = str(int(parts[2]) + offset)
+    if _EXPERT in local:
+        i = parts.index("local_experts") + 1
+        parts[i] = str(int(parts[i]) + expert_offset)
+    return ".".join(parts)
+
+
+def _expert_offset(spec: HFModelSpec) -> int:
+    from megatron.core import parallel_state
+
+    experts = getattr(spec, "num_experts", None)
+    if not experts:
+        return 0
+    return parallel_state.get_expert_model_parallel_rank() * (experts // parallel_state.get_expert_model_parallel_world_size())
+
+
+def _tp_of(name: str) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel group that splits this parameter: expert-TP for an expert's."""
+    from megatron.core import parallel_state as ps
+
+    if _EXPERT in name:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+@torch.no_grad()
+def fill_adapters(bm: BridgeModel, spec: HFModelSpec, adapter: AdapterSpec) -> int:
+    """Give every adapter parameter its truth.adapter_tensor values (non-zero, per TP rank; an
+    expert's per expert-TP rank, under its global expert index)."""
+    offset, eoffset, n = _layer_offset(spec), _expert_offset(spec), 0
+    for name, p in unwrapped(bm).named_parameters():
+        if ".adapter." in name:
+            p.copy_(truth.adapter_tensor(adapter.seed, global_name(name, offset, eoffset), _tp_of(name)[0], tuple(p.shape)))
+            n += 1
+    return n
+
+
+def adapter_pieces(bm: BridgeModel, spec: HFModelSpec) -> list[dict]:
+    """This rank's adapter tensors as they are, with where they sit (global name, (expert-)TP rank)."""
+    offset, eoffset = _layer_offset(spec), _expert_offset(spec)
+    out = []
+    for n, p in unwrapped(bm).named_parameters():
+        if ".adapter." in n:
+            tp_rank, tp = _tp_of(n)
+            out.append({"name": global_name(n, offset, eoffset), "tp_rank": tp_rank, "tp": tp, "data": p.detach().clone().cpu()})
+    return out
+
+
+def ddp_propagation(bm: BridgeModel, asked: dict[str, Any], dtype: str = "fp32") -> list[dict[str, Any]]:
+    """Asked DDP knobs vs the built DDP module's ddp_config (verl PR #5775 on the provider path),
+    and the precision asked vs the built model's: its parameter dtypes and, for bf16, the
+    Float16Module wrapper (a bf16 case that silently built fp32 would prove nothing about bf16)."""
+    from megatron.core.transformer.module import Float16Module
+
+    from harness.models.hf import HF_DTYPES
+
+    built = getattr(bm.modules[0], "ddp_config", None)
+    records = [
+        {"knob": k, "asked": v, "actual": getattr(built, k, "no DDP wrapper"), "ok": getattr(built, k, None) == v}
+        for k, v in asked.items()
+    ]
+    want = str(HF_DTYPES[dtype]).removeprefix("torch.")
+    held = sorted({str(p.dtype).removeprefix("torch.") for p in unwrapped(bm).parameters()})
+    wrapped = isinstance(forward_module(bm), Float16Module)
+    records.append({"knob": "params_dtype", "asked": want, "actual": ",".join(held), "ok": held == [want]})
+    records.append({"knob": "Float16Module", "asked": dtype == "bf16", "actual": wrapped, "ok": wrapped == (dtype == "bf16")})
+    if bm.local_experts_asked is not None:  # the provider really split the experts over EP
+        import re
+
+        local = {m.group(1) for n, _ in unwrapped(bm).named_parameters() if (m := re.search(r"layers\.\d+\.mlp\.experts\.local_experts\.(\d+)\.", n))}
+        records.append({"knob": "local experts (num_experts/ep)", "asked": bm.local_experts_asked, "actual": len(local),
+                        "ok": len(local) == bm.local_experts_asked})
+    return records
+
+
+def megatron_logits(bm: BridgeModel, spec: HFModelSpec, device) -> torch.Tensor | None:
+    from harness.models.mcore import forward_logits
+
+    logits = forward_logits(forward_module(bm), truth.hf_batch(spec), device)
+    # a padded vocab (spec.pad_vocab) adds columns no token maps to; transformers has none
+    return None if logits is None else logits[..., : spec.vocab_size].contiguous()
+
+
+def adapter_state(bm: BridgeModel) -> dict:
+    """The adapter-only sharded state dict, filtered with the Bridge's own
+    apply_peft_adapter_filter_to_state_dict, as verl saves PEFT checkpoints."""
+    from megatron.bridge.training.checkpointing import (
+        apply_peft_adapter_filter_to_state_dict,
+    )
+
+    return apply_peft_adapter_filter_to_state_dict({"model": unwrapped(bm).sharded_state_dict()}, bm.peft)

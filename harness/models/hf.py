@@ -1,0 +1,125 @@
+"""Tiny HF checkpoints made locally (no hub): config, safetensors weights and a tokenizer, and
+transformers' logits of such a checkpoint.
+
+Weights are harness.core.truth.canonical_hf_state (norms 1 + noise, non-zero biases, so a mapping that
+drops or swaps a norm or a bias shows up); the models are harness.core.zoo's HF entries.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from harness.core.truth import canonical_hf_state
+from harness.core.zoo import HFModelSpec
+
+#: The precision an HF fixture is written in (the `dtype` option of hf-roundtrip and peft-export).
+HF_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def hf_config(spec: HFModelSpec):
+    from transformers import LlamaConfig, NemotronConfig, Qwen2Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=4 * spec.seq_length,
+        tie_word_embeddings=spec.tied,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if spec.arch == "llama":
+        return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+    if spec.arch == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    if spec.arch == "nemotron":  # non-gated squared-ReLU MLP (up_proj, down_proj), LayerNorm1p with biases
+        common.pop("rms_norm_eps")
+        return NemotronConfig(**common, norm_eps=1e-5, hidden_act="relu2", attention_bias=False, mlp_bias=False)
+    if spec.arch == "qwen3_moe":  # every layer MoE (decoder_sparse_step 1), top-k probabilities renormalised
+        return Qwen3MoeConfig(**common, head_dim=spec.head_dim, attention_bias=False, num_experts=spec.num_experts,
+                              num_experts_per_tok=spec.num_experts_per_tok, moe_intermediate_size=spec.moe_intermediate_size,
+                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, use_sliding_window=False)
+    raise ValueError(f"unknown arch {spec.arch!r}")
+
+
+def write_tokenizer(spec: HFModelSpec, directory: Path) -> None:
+    """A word-level tokenizer over the model's vocabulary: enough for save_hf_pretrained."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, spec.vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+    fast.save_pretrained(directory)
+
+
+def quiet_hf() -> None:
+    """transformers draws a progress bar for every load and save; in a table of 90 cases they
+    drown the results (CKPT_HARNESS_VERBOSE=1 keeps them)."""
+    import os
+
+    if os.environ.get("CKPT_HARNESS_VERBOSE") == "1":
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def write_fixture(spec: HFModelSpec, directory: Path, dtype: str = "fp32") -> Path:
+    """Write config.json, model.safetensors and tokenizer files for `spec` into `directory`.
+
+    `dtype` bf16: the canonical fp32 weights cast to bf16 (round to nearest even, as
+    truth.canonical_tensor casts) and saved so, with the config's `dtype` bfloat16, as a bf16
+    checkpoint on the hub is."""
+    from transformers import AutoModelForCausalLM
+
+    quiet_hf()
+    directory.mkdir(parents=True, exist_ok=True)
+    config = hf_config(spec)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    state = canonical_hf_state(spec, shapes)
+    if spec.tied:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    if dtype != "fp32":
+        model.to(HF_DTYPES[dtype])
+        model.config.dtype = HF_DTYPES[dtype]
+    model.save_pretrained(directory, safe_serialization=True)
+    write_tokenizer(spec, directory)
+    return directory
+
+
+@torch.no_grad()
+def hf_logits(directory: Path, input_ids: torch.Tensor, adapter: Path | None = None, dtype: str = "fp32") -> torch.Tensor:
+    """Logits of transformers (optionally + a PEFT adapter) on CPU in `dtype`, returned as fp32."""
+    from transformers import AutoModelForCausalLM
+
+    quiet_hf()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=HF_DTYPES[dtype])
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    return model(input_ids=input_ids).logits.float()
+
+
+def config_dtype(directory: Path) -> str | None:
+    """The dtype an HF checkpoint's config.json declares (`dtype`, or transformers 4's
+    `torch_dtype`), e.g. "bfloat16"; None when it declares none."""
+    import json
+
+    cfg = json.loads((Path(directory) / "config.json").read_text())
+    return cfg.get("dtype") or cfg.get("torch_dtype")

@@ -1,0 +1,112 @@
+"""The harness's own Megatron -> HF PEFT adapter mapping, written from the layouts, not from the
+Bridge: TP shards are gathered here, Megatron's fused QKV (interleaved per query group) and fused
+SwiGLU fc1 ([gate; up] per TP rank) are split here; a non-gated fc1 (Nemotron's squared ReLU) is
+HF's up_proj as it is. Exported adapters are judged against this.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+
+from harness.core.zoo import HFModelSpec
+
+# Megatron base module -> is it column-parallel (output split across TP)?
+_COLUMN = {"linear_qkv": True, "linear_fc1": True, "linear_proj": False, "linear_fc2": False}
+_NAME = re.compile(
+    r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(?:experts\.local_experts\.(\d+)\.)?"
+    r"(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
+)
+_HF_MODULE = {"linear_proj": "self_attn.o_proj", "linear_fc2": "mlp.down_proj"}
+_CANONICAL = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
+
+
+def gather(pieces: list[dict], gated: bool = True) -> dict[str, torch.Tensor]:
+    """Full adapter tensors from every rank's pieces.
+
+    linear_in of a column-parallel base is split on its rank dim (0), of a row-parallel base on
+    its input dim (1); linear_out is split on its output dim (0). A fused SwiGLU fc1 (`gated`)
+    keeps [gate_r; up_r] on each TP rank, so its linear_out is de-interleaved into [gate; up]; a
+    non-gated fc1's linear_out is a plain column-parallel split.
+    Pipeline stages hold disjoint layers; DP/CP replicas must agree bitwise.
+    """
+    by_name: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    for p in pieces:
+        held = by_name[p["name"]].get(p["tp_rank"])
+        if held is not None and not torch.equal(held, p["data"]):
+            raise ValueError(f"{p['name']}: data-parallel replicas of TP rank {p['tp_rank']} differ")
+        by_name[p["name"]][p["tp_rank"]] = p["data"]
+    full = {}
+    for name, shards in by_name.items():
+        m = _NAME.match(name)
+        if not m:
+            raise ValueError(f"unrecognised adapter parameter {name}")
+        base, sub, which = m.group(4), m.group(5), m.group(6)
+        parts = [shards[r] for r in sorted(shards)]
+        if len(parts) == 1:
+            full[name] = parts[0]
+        elif which == "linear_in":
+            full[name] = torch.cat(parts, dim=0 if _COLUMN[base] else 1)
+        elif base == "linear_fc1" and sub is None and gated:
+            halves = [p.chunk(2, dim=0) for p in parts]
+            full[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        else:
+            full[name] = torch.cat(parts, dim=0)
+    return full
+
+
+def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec) -> dict[str, torch.Tensor]:
+    """HF PEFT keys (base_model.model.model.layers.N.<module>.lora_{A,B}.weight) -> tensors."""
+    hd, ng = spec.head_dim, spec.num_key_value_heads
+    q_per_group = spec.num_attention_heads // ng
+    out: dict[str, torch.Tensor] = {}
+
+    def put(layer: str, module: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        prefix = f"base_model.model.model.layers.{layer}.{module}"
+        if a is not None:
+            out[f"{prefix}.lora_A.weight"] = a
+        if b is not None:
+            out[f"{prefix}.lora_B.weight"] = b
+
+    for name, t in megatron.items():
+        layer, _, expert, base, sub, which = _NAME.match(name).groups()
+        is_a = which == "linear_in"
+        if expert is not None:  # a routed expert (global index): HF's per-expert modules
+            prefix = f"mlp.experts.{expert}"
+            if base == "linear_fc2":
+                put(layer, f"{prefix}.down_proj", t if is_a else None, None if is_a else t)
+            elif is_a:
+                put(layer, f"{prefix}.gate_proj", t, None)
+                put(layer, f"{prefix}.up_proj", t, None)
+            else:
+                gate, up = t.chunk(2, dim=0)
+                put(layer, f"{prefix}.gate_proj", None, gate.contiguous())
+                put(layer, f"{prefix}.up_proj", None, up.contiguous())
+        elif sub is not None:  # CanonicalLoRA: one adapter per q/k/v/gate/up
+            put(layer, _CANONICAL[sub], t if is_a else None, None if is_a else t)
+        elif base in _HF_MODULE:
+            put(layer, _HF_MODULE[base], t if is_a else None, None if is_a else t)
+        elif base == "linear_qkv":
+            if is_a:
+                for mod in ("q_proj", "k_proj", "v_proj"):
+                    put(layer, f"self_attn.{mod}", t, None)
+            else:
+                grouped = t.reshape(ng, (q_per_group + 2) * hd, -1)
+                q = grouped[:, : q_per_group * hd].reshape(ng * q_per_group * hd, -1)
+                k = grouped[:, q_per_group * hd : (q_per_group + 1) * hd].reshape(ng * hd, -1)
+                v = grouped[:, (q_per_group + 1) * hd :].reshape(ng * hd, -1)
+                for mod, b in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                    put(layer, f"self_attn.{mod}", None, b.contiguous())
+        elif base == "linear_fc1" and not spec.gated:  # squared ReLU: fc1 is up_proj alone
+            put(layer, "mlp.up_proj", t if is_a else None, None if is_a else t)
+        elif base == "linear_fc1":
+            if is_a:
+                put(layer, "mlp.gate_proj", t, None)
+                put(layer, "mlp.up_proj", t, None)
+            else:
+                gate, up = t.chunk(2, dim=0)
+                put(layer, "mlp.gate_proj", None, gate.contiguous())
+                put(layer, "mlp.up_proj", None, up.contiguous())
+    return out

@@ -1,0 +1,316 @@
+"""Matrices: which scenarios run on which topologies, read from YAML and validated up front.
+
+A matrix file:
+
+    name: smoke
+    defaults: {backends: [mcore_dist], timeout_s: 300, max_world_size: 4, markers: [smoke]}
+    entries:
+      - case: reshard-weights
+        models: [gpt-gqa, gpt-tied]
+        pairs: ["tp1 -> tp2", {source: tp2pp1, target: tp1pp2}]
+        cross: {sources: [tp2], targets: [pp2, dp2]}     # optional cross product
+        axes: {sharding: [dp_reshardable, fully_reshardable]}  # optional, crossed into options
+        options: {steps: 3}                              # fixed case options
+        tag: no-workaround                               # optional id suffix
+        expect: pass | refuse
+        xfail: "why (strict: an unexpected pass fails the case)"  # or {reason: ..., match: REGEX,
+                                                         #     checks: [step]}: only these may fail
+        markers: [optimizer]
+        memory_budgets: [{phase: save, rank: 0, max_peak_delta_mib: 512}]  # or max_peak_delta_x_shard
+        requires: [cuda, te, host-memory-gib>=64]   # what the machine must offer (harness.core.requires);
+                                                    # unmet -> not-run with the reason
+
+Every problem names the file, the entry and the key, and the whole file is checked before any
+case runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from harness.core.memory import Budget
+from harness.core.requires import RequirementError, closure
+from harness.core.requires import parse as parse_requirement
+from harness.core.spec import BACKEND_AXIS, MARKERS, CaseSpec, XFail
+from harness.core.topology import Topology, TopologyError
+
+_TOP_KEYS = {"name", "description", "defaults", "entries"}
+_DEFAULT_KEYS = {"backends", "timeout_s", "max_world_size", "markers"}
+_ENTRY_KEYS = {
+    "case", "models", "backends", "pairs", "cross", "axes", "options", "backend_options", "expect", "xfail", "markers", "timeout_s",
+    "memory_budgets", "tag", "requires",
+}
+
+
+class MatrixError(ValueError):
+    pass
+
+
+@dataclass
+class Matrix:
+    name: str
+    path: Path
+    description: str = ""
+    cases: list[CaseSpec] = field(default_factory=list)
+
+    def select(self, pattern: str | None) -> list[CaseSpec]:
+        """`-k`-like selection: every whitespace-separated word must appear in the id."""
+        if not pattern:
+            return list(self.cases)
+        words = pattern.split()
+        return [c for c in self.cases if all(w in c.id for w in words)]
+
+
+def _as_list(value: Any, where: str) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (str, dict)):
+        return [value]
+    if isinstance(value, list):
+        return value
+    raise MatrixError(f"{where}: expected a list, got {value!r}")
+
+
+def _strings(value: Any, where: str) -> list[str]:
+    items = _as_list(value, where)
+    bad = [v for v in items if not isinstance(v, str) or not v]
+    if bad:
+        raise MatrixError(f"{where}: expected names (strings), got {bad!r}")
+    return items
+
+
+def _number(value: Any, where: str, kind: type = float) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)) or value <= 0:
+        raise MatrixError(f"{where}: expected a positive {'integer' if kind is int else 'number'}, got {value!r}")
+    return kind(value)
+
+
+def _parse_pair(item: Any, where: str) -> tuple[Topology, Topology]:
+    try:
+        if isinstance(item, str):
+            if "->" not in item:
+                raise MatrixError(f"{where}: pair {item!r} must look like 'tp2pp1 -> tp1pp2'")
+            src, dst = (p.strip() for p in item.split("->", 1))
+            return Topology.parse(src), Topology.parse(dst)
+        if isinstance(item, dict) and set(item) == {"source", "target"}:
+            return Topology.parse(str(item["source"])), Topology.parse(str(item["target"]))
+    except TopologyError as exc:
+        raise MatrixError(f"{where}: {exc}") from None
+    raise MatrixError(f"{where}: a pair is 'SRC -> DST' or {{source: SRC, target: DST}}, got {item!r}")
+
+
+def _parse_xfail(raw: Any, where: str) -> XFail | None:
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        if not raw.strip():
+            raise MatrixError(f"{where}: give the reason (the upstream defect) as a string")
+        return XFail(raw)
+    if not isinstance(raw, dict) or set(raw) - {"reason", "match", "checks"} or "reason" not in raw:
+        raise MatrixError(f"{where}: expected a reason string or {{reason: ..., match: REGEX, checks: [NAME, ...]}}")
+    if not isinstance(raw["reason"], str) or not raw["reason"].strip():
+        raise MatrixError(f"{where}.reason: give the reason (the upstream defect) as a string")
+    match = raw.get("match")
+    if match is not None:
+        if not isinstance(match, str):
+            raise MatrixError(f"{where}.match: expected a regex string, got {match!r}")
+        try:
+            re.compile(match)
+        except re.error as exc:
+            raise MatrixError(f"{where}.match: bad regex: {exc}") from None
+    checks = raw.get("checks", [])
+    if not isinstance(checks, list) or not all(isinstance(c, str) and c for c in checks):
+        raise MatrixError(f"{where}.checks: expected a list of check names, got {checks!r}")
+    return XFail(raw["reason"], match, tuple(checks))
+
+
+def load_matrix(path: str | Path, max_world: int | None = None) -> Matrix:
+    """Read and validate a whole matrix file; every problem is a MatrixError naming file, entry and key.
+
+    `max_world` cuts every topology above that many ranks to one that fits (harness.core.cut's rule),
+    after the matrix is validated as written; cases that collapse to one id run once, and each
+    cut case's notes say which pair(s) it was written as."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise MatrixError(f"{path}: no such matrix file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MatrixError(f"{path}: cannot read: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise MatrixError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise MatrixError(f"{path}: a matrix is a mapping with 'entries', got {type(raw).__name__}")
+    unknown = set(raw) - _TOP_KEYS
+    if unknown:
+        raise MatrixError(f"{path}: unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    defaults = raw.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise MatrixError(f"{path}: defaults: expected a mapping of {sorted(_DEFAULT_KEYS)}, got {defaults!r}")
+    unknown = set(defaults) - _DEFAULT_KEYS
+    if unknown:
+        raise MatrixError(f"{path}: defaults: unknown key(s) {sorted(unknown)}; allowed: {sorted(_DEFAULT_KEYS)}")
+    entries = raw.get("entries")
+    if not isinstance(entries, list) or not entries:
+        raise MatrixError(f"{path}: 'entries' must be a non-empty list")
+    matrix = Matrix(name=str(raw.get("name", path.stem)), path=path, description=str(raw.get("description", "")))
+    file_max_world = _number(defaults["max_world_size"], f"{path}: defaults.max_world_size", int) if "max_world_size" in defaults else None
+    default_timeout = _number(defaults.get("timeout_s", 300), f"{path}: defaults.timeout_s")
+    default_backends = _strings(defaults.get("backends", ["mcore_dist"]), f"{path}: defaults.backends")
+    default_markers = _strings(defaults.get("markers"), f"{path}: defaults.markers")
+    seen: dict[str, str] = {}
+    for i, entry in enumerate(entries):
+        where = f"{path}: entries[{i}]"
+        for spec in _entry_specs(entry, where, default_backends, default_markers, default_timeout, file_max_world):
+            if spec.id in seen:
+                raise MatrixError(f"{where}: case {spec.id} is already defined by {seen[spec.id]}")
+            seen[spec.id] = where
+            matrix.cases.append(spec)
+    if max_world is not None:
+        matrix.cases = _cut_cases(matrix.cases, _number(max_world, "--max-world", int))
+    return matrix
+
+
+def _cut_cases(specs: list[CaseSpec], max_world: int) -> list[CaseSpec]:
+    """Each spec with its topologies cut to `max_world` ranks, re-validated (a cut the case refuses is
+    a MatrixError naming the entry and both pairs), deduplicated by id keeping the first."""
+    from cases import get_case
+    from harness.core.cut import cut
+    from harness.core.zoo import get_model
+
+    out: dict[str, CaseSpec] = {}
+    for spec in specs:
+        try:
+            src, dst = cut(spec.source, max_world), cut(spec.target, max_world)
+        except ValueError as exc:  # the cut topology cannot exist (TopologyError), e.g. ep no longer divides it
+            raise MatrixError(f"{spec.origin}: {spec.id} cannot be cut to --max-world {max_world}: {exc}") from None
+        if (src, dst) == (spec.source, spec.target):
+            out.setdefault(spec.id, spec)
+            continue
+        written = f"{spec.source.id} -> {spec.target.id}"
+        new = replace(spec, source=src, target=dst,
+                      notes=spec.notes + (f"cut to --max-world {max_world}: written as {written}",))
+        try:
+            if spec.expect == "refuse" and spec.source != spec.target and src == dst:
+                raise ValueError("the cut makes source and target the same topology: no reshard is left to refuse")
+            for topo in (src, dst):
+                topo.validate(get_model(spec.model))
+            get_case(spec.case).validate(new)
+        except ValueError as exc:  # TopologyError is a ValueError
+            raise MatrixError(f"{spec.origin}: {spec.id} cut to --max-world {max_world} as {src.id} -> {dst.id}: {exc}") from None
+        if new.id in out:
+            first = out[new.id]
+            if replace(first, origin="", notes=()) != replace(new, origin="", notes=()):
+                raise MatrixError(f"{spec.origin}: cut to --max-world {max_world}, {written} becomes {new.id}, which "
+                                  f"{first.origin} defines differently (options, expectation, budgets or requirements): "
+                                  "give one entry a `tag`")
+            out[new.id] = replace(first, notes=first.notes + (f"also covers {written} (same case after the cut)",))
+        else:
+            out[new.id] = new
+    return list(out.values())
+
+
+def _entry_specs(
+    entry: Any, where: str, default_backends: list[str], default_markers: list[str], default_timeout: float, max_world: int | None
+) -> list[CaseSpec]:
+    from cases import get_case
+    from harness.backends import available as available_backends
+    from harness.core.zoo import get_model
+
+    if not isinstance(entry, dict):
+        raise MatrixError(f"{where}: an entry is a mapping, got {entry!r}")
+    unknown = set(entry) - _ENTRY_KEYS
+    if unknown:
+        raise MatrixError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_ENTRY_KEYS)}")
+    if "case" not in entry:
+        raise MatrixError(f"{where}: missing required key 'case'")
+    try:
+        case = get_case(str(entry["case"]))
+    except KeyError as exc:
+        raise MatrixError(f"{where}.case: {exc.args[0]}") from None
+    models = _strings(entry.get("models"), f"{where}.models")
+    if not models:
+        raise MatrixError(f"{where}: missing required key 'models'")
+    for m in models:
+        try:
+            get_model(m)
+        except KeyError as exc:
+            raise MatrixError(f"{where}.models: {exc.args[0]}") from None
+    backends = _strings(entry["backends"], f"{where}.backends") if "backends" in entry else default_backends
+    for b in backends:
+        if b not in available_backends():
+            raise MatrixError(f"{where}.backends: unknown backend {b!r}; available: {available_backends()}")
+    pairs = [_parse_pair(p, f"{where}.pairs[{j}]") for j, p in enumerate(_as_list(entry.get("pairs"), f"{where}.pairs"))]
+    if "cross" in entry:
+        cross = entry["cross"]
+        if not isinstance(cross, dict) or set(cross) != {"sources", "targets"}:
+            raise MatrixError(f"{where}.cross: expected {{sources: [...], targets: [...]}}")
+        try:
+            srcs = [Topology.parse(t) for t in _strings(cross["sources"], f"{where}.cross.sources")]
+            dsts = [Topology.parse(t) for t in _strings(cross["targets"], f"{where}.cross.targets")]
+        except TopologyError as exc:
+            raise MatrixError(f"{where}.cross: {exc}") from None
+        pairs += [(s, d) for s in srcs for d in dsts]
+    if not pairs:
+        raise MatrixError(f"{where}: no topology pairs (give 'pairs' or 'cross')")
+    expect = entry.get("expect", "pass")
+    if expect not in ("pass", "refuse"):
+        raise MatrixError(f"{where}.expect: must be 'pass' or 'refuse', got {expect!r}")
+    xfail = _parse_xfail(entry.get("xfail"), f"{where}.xfail")
+    markers = tuple(default_markers) + tuple(_strings(entry.get("markers"), f"{where}.markers"))
+    bad = sorted(set(markers) - set(MARKERS))
+    if bad:
+        raise MatrixError(f"{where}.markers: unknown marker(s) {bad}; known: {sorted(MARKERS)}")
+    options = entry.get("options") or {}
+    backend_options = entry.get("backend_options") or {}
+    axes = entry.get("axes") or {}
+    if not isinstance(options, dict) or not isinstance(axes, dict) or not isinstance(backend_options, dict):
+        raise MatrixError(f"{where}: 'options', 'backend_options' and 'axes' are mappings")
+    for name, values in axes.items():
+        if not isinstance(values, list) or not values:
+            raise MatrixError(f"{where}.axes.{name}: expected a non-empty list of values")
+    try:
+        budgets = tuple(
+            Budget.parse(b, f"{where}.memory_budgets[{j}]")
+            for j, b in enumerate(_as_list(entry.get("memory_budgets"), f"{where}.memory_budgets"))
+        )
+    except (TypeError, ValueError) as exc:
+        raise MatrixError(str(exc)) from None
+    timeout_s = _number(entry["timeout_s"], f"{where}.timeout_s") if "timeout_s" in entry else default_timeout
+    try:
+        requires = tuple(parse_requirement(r) for r in _strings(entry.get("requires"), f"{where}.requires"))
+    except RequirementError as exc:
+        raise MatrixError(f"{where}.requires: {exc}") from None
+    tag = entry.get("tag", "")
+    if not isinstance(tag, str):
+        raise MatrixError(f"{where}.tag: expected a string, got {tag!r}")
+    axis_names = tuple(axes)
+    out = []
+    for combo in itertools.product(*(axes[a] for a in axis_names)) if axis_names else [()]:
+        chosen = dict(zip(axis_names, combo))
+        opts = {**options, **{a: v for a, v in chosen.items() if not a.startswith(BACKEND_AXIS)}}
+        bopts = {**backend_options, **{a[len(BACKEND_AXIS):]: v for a, v in chosen.items() if a.startswith(BACKEND_AXIS)}}
+        for model, backend, (src, dst) in itertools.product(models, backends, pairs):
+            spec = CaseSpec(
+                case=case.name, model=model, backend=backend, source=src, target=dst, options=tuple(sorted(opts.items())),
+                backend_options=tuple(sorted(bopts.items())),
+                axes=axis_names, expect=expect, xfail=xfail, markers=markers, timeout_s=timeout_s, budgets=budgets, tag=tag,
+                origin=where,
+            )
+            for topo in (src, dst):
+                try:
+                    topo.validate(get_model(model), available_ranks=max_world)
+                except TopologyError as exc:
+                    raise MatrixError(f"{where}: {exc}") from None
+            try:
+                typed = case.validate(spec)
+            except ValueError as exc:
+                raise MatrixError(f"{where}: {spec.id}: {exc}") from None
+            out.append(replace(spec, requires=closure(frozenset(requires) | case.machine_requirements(typed))))
+    return out

@@ -1,0 +1,249 @@
+"""Runs cases: matrix -> case -> world -> backend -> result. Owns status, timing and scratch dirs."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from harness.backends import ref_of
+from harness.core.memory import MiB, PhaseMemory
+from harness.core.result import CaseResult, Check
+from harness.core.spec import CaseSpec
+from harness.run.envelope import RunEnv
+from harness.run.world import WorldError, exception_of
+
+
+@dataclass
+class RunOptions:
+    dist_backend: str = "auto"
+    workdir: Path | None = None  # parent of the per-case scratch dirs; a fresh temp dir if None
+    keep: bool = False  # keep checkpoints and scratch dirs for inspection
+    launcher: str = "mp"
+    torchrun_template: str | None = None
+    start_method: str | None = None  # None/"auto": fork for gloo, spawn for NCCL (harness.run.world.choose_start_method)
+    rank_hooks: tuple[str, ...] = ()  # "module:function" run in every rank (fault injection, plugins)
+
+
+def _case_dirname(case_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in case_id)
+
+
+def budget_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
+    """One check per memory budget of the matrix entry, against what the case measured."""
+    checks = []
+    for b in spec.budgets:
+        m = result.memory.get(b.phase, {}).get(str(b.rank))
+        name = f"memory-budget:{b.phase}@rank{b.rank}"
+        if m is None:
+            checks.append(Check(name, "failed", f"the case measured no {b.phase!r} phase on rank {b.rank}"))
+            continue
+        fields = {k: v for k, v in m.items() if k in PhaseMemory.__dataclass_fields__}
+        violation = b.violation(PhaseMemory(**fields), m.get("shard_bytes", 0))
+        delta = m["peak_delta"] / MiB
+        checks.append(Check(name, "failed" if violation else "passed", violation or f"peak RSS delta {delta:.1f} MiB", tolerance="budget"))
+    return checks
+
+
+def strategy_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
+    """The backend's `strategy` check (its options asked what every save and load ran), if its
+    options ask anything."""
+    from harness.backends import get_backend
+
+    check = get_backend(ref_of(spec)).strategy_check(result.backend_events)
+    return [check] if check is not None else []
+
+
+def apply_xfail(spec: CaseSpec, result: CaseResult) -> None:
+    """Strict expected failure: the named failure becomes `xfailed`, another failure stays
+    `failed` (with why), and a pass becomes `failed` as XPASS(strict). A `not-run` case showed
+    nothing either way and stays `not-run`."""
+    if spec.xfail is None or result.status == "not-run":
+        return
+    if result.status in ("failed", "error"):
+        unexpected = spec.xfail.explains(result)
+        if unexpected:
+            result.notes.append(f"failed, but not as expected: {unexpected} ({spec.xfail.reason})")
+            result.status = "failed"
+        else:
+            result.status = "xfailed"
+        return
+    result.status = "failed"
+    result.error = (
+        f"XPASS(strict): expected to fail ({spec.xfail.reason}) but passed; "
+        "if upstream fixed it, remove the xfail from the matrix"
+    )
+
+
+# Top-level module path -> the distribution a user would bump.
+_UPSTREAM = (("megatron.bridge", "megatron-bridge"), ("megatron", "megatron-core"),  # megatron.core, megatron.training
+             ("transformers", "transformers"), ("peft", "peft"), ("torch", "torch"))
+_API_ERRORS = ("ImportError", "ModuleNotFoundError", "AttributeError")
+_NAMED_MODULE = re.compile(r"No module named '([\w.]+)'|cannot import name '\w+' from '([\w.]+)'|module '([\w.]+)' has no attribute")
+_FRAME = re.compile(r'File ".*?site-packages/([\w/]+)\.py"')
+# An attribute missing on a builtin value (None where a dict was expected) is bad data, not a moved API.
+_DATA_OBJECT = re.compile(r"^'(NoneType|dict|list|tuple|str|bytes|int|float|bool)' object has no attribute")
+
+
+def api_unavailable(exc_type: str, message: str, traceback_text: str) -> str | None:
+    """'API not available in <package> <version>: <what>' when an import or attribute lookup in an
+    upstream package failed (a candidate moved or removed an API the harness calls), else None.
+    The package is the module the message names, else the last upstream frame of the traceback."""
+    from importlib import metadata
+
+    if exc_type not in _API_ERRORS or (exc_type == "AttributeError" and _DATA_OBJECT.match(message)):
+        return None
+    named = _NAMED_MODULE.search(message)
+    frames = _FRAME.findall(traceback_text)
+    module = next((g for g in named.groups() if g), "") if named else (frames[-1].replace("/", ".") if frames else "")
+    dist = next((d for prefix, d in _UPSTREAM if module == prefix or module.startswith(prefix + ".")), None)
+    if dist is None:
+        return None
+    try:
+        version = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        version = "(not installed)"
+    return f"API not available in {dist} {version}: {exc_type}: {message.splitlines()[0] if message else ''}"
+
+
+def error_text(exc: Exception, tb: str | None = None) -> str:
+    """What a result's `error` says: a world's failure as the launcher reported it (the failing
+    rank's traceback), anything else as `Type: message` plus `tb` when given; both led by the
+    "API not available in <package> <version>" line when an upstream API moved."""
+    if isinstance(exc, WorldError):
+        api = api_unavailable(*exception_of(exc.rank_traceback or ""), exc.rank_traceback or "")
+        return f"{api}\n{exc}" if api else str(exc)
+    api = api_unavailable(type(exc).__name__, str(exc), tb or "")
+    return f"{api + chr(10) if api else ''}{type(exc).__name__}: {exc}" + (f"\n{tb}" if tb else "")
+
+
+def not_run_reason(spec: CaseSpec, options: RunOptions) -> str | None:
+    """Why this machine cannot run `spec` (harness.core.requires: the spec's requirements, plus NCCL when
+    the run forces it), or None when it can."""
+    from cases import get_case
+    from harness.backends import get_backend
+    from harness.core.requires import unmet
+
+    needs = spec.requires + (("nccl",) if options.dist_backend == "nccl" else ())
+    try:  # a spec built in code (not from a matrix) gets what its options imply, as the loader adds
+        case = get_case(spec.case)
+        needs += tuple(case.machine_requirements(case.validate(spec)))
+    except (KeyError, ValueError):
+        pass  # run_case reports the invalid spec as an error
+    reasons = unmet(needs, max(spec.source.world_size, spec.target.world_size), options.dist_backend)
+    try:  # a package the backend's options need (e.g. mcore_dist async_save nvrx: nvidia-resiliency-ext)
+        backend_reason = get_backend(ref_of(spec)).unavailable()
+    except (KeyError, ValueError):
+        backend_reason = None  # run_case reports the invalid spec as an error
+    return "; ".join(reasons + ([backend_reason] if backend_reason else [])) or None
+
+
+def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
+    from cases import get_case
+    from harness.backends import get_backend
+    from harness.core.zoo import get_model
+    from harness.run.preload import warm
+
+    options = options or RunOptions()
+    result = CaseResult(
+        id=spec.id, case=spec.case, model=spec.model, backend=spec.backend,
+        source=spec.source.id, target=spec.target.id, options=spec.opts, xfail_reason=spec.xfail.reason if spec.xfail else None,
+        notes=list(spec.notes), backend_options=spec.backend_opts,
+    )
+    reason = not_run_reason(spec, options)
+    if reason:  # decided before any world starts: nothing of the case ran
+        result.status, result.not_run_reason = "not-run", reason
+        result.phases["total"] = 0.0
+        return result
+    parent = Path(options.workdir) if options.workdir else None
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{_case_dirname(spec.id)[:80]}-", dir=parent))
+    env = RunEnv(
+        case_dir=scratch, dist_backend=options.dist_backend, timeout_s=spec.timeout_s, launcher=options.launcher,
+        torchrun_template=options.torchrun_template, start_method=options.start_method, hooks=tuple(options.rank_hooks),
+    )
+    start = time.perf_counter()
+    try:
+        case = get_case(spec.case)
+        opts = case.validate(spec)  # a spec built in code (not from a matrix) gets the same checks
+        backend = get_backend(ref_of(spec))
+        warm(bridge=get_model(spec.model).kind == "hf", modules=backend.preload)  # idempotent; forked ranks inherit the imports
+        result.notes += backend.notes()
+        case.run(spec, opts, env, result)
+        result.checks.extend(strategy_checks(spec, result))
+        result.checks.extend(budget_checks(spec, result))
+        result.status = "failed" if result.failed_checks else "passed"
+    except Exception as exc:  # a rank's or the harness's error is reported, not raised: the matrix goes on
+        result.status = "error"
+        result.error = error_text(exc, traceback.format_exc())
+    finally:
+        result.phases["total"] = round(time.perf_counter() - start, 3)
+        if options.keep:
+            result.notes.append(f"scratch kept at {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)  # our own mkdtemp, nothing else
+    apply_xfail(spec, result)
+    return result
+
+
+def run_cases(
+    specs: Iterable[CaseSpec], options: RunOptions | None = None, on_result: Callable[[CaseResult], None] | None = None,
+    jobs: int = 1,
+) -> list[CaseResult]:
+    """Every case, in matrix order in the returned list; `on_result` as each finishes. With `jobs` > 1
+    the cases are spread over that many worker processes forked from this one (after the imports
+    every case needs, so workers start warm): a case is still a world per phase, run the same way,
+    and most worlds here are 1-2 ranks that leave a 2-core machine half idle between phases."""
+    specs = list(specs)
+    if jobs > 1 and len(specs) > 1:
+        return _run_parallel(specs, options or RunOptions(), on_result, jobs)
+    results = []
+    for spec in specs:
+        r = run_case(spec, options)
+        results.append(r)
+        if on_result:
+            on_result(r)
+    return results
+
+
+def _run_parallel(specs: list[CaseSpec], options: RunOptions, on_result, jobs: int) -> list[CaseResult]:
+    import multiprocessing
+    import threading
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from harness.backends import get_backend
+    from harness.core.zoo import get_model
+    from harness.run.preload import warm
+
+    if options.dist_backend == "nccl" or options.launcher == "torchrun":
+        raise ValueError("jobs > 1 runs several worlds at once on this machine: gloo worlds from the mp launcher only "
+                         f"(got dist backend {options.dist_backend!r}, launcher {options.launcher!r}); GPUs take one world at a time")
+    if threading.active_count() == 1:  # what run_case would import, once here, for every worker
+        bridge, preload = False, set()
+        for spec in specs:
+            try:
+                bridge |= get_model(spec.model).kind == "hf"
+                preload.update(get_backend(ref_of(spec)).preload)
+            except (KeyError, ValueError):
+                pass  # run_case reports the invalid spec
+        warm(bridge=bridge, modules=tuple(sorted(preload)))
+    results: dict[int, CaseResult] = {}
+    # fork when this process has one thread (the CLI): the workers inherit the imports above. A caller
+    # with threads (pytest-xdist's execnet, an embedding program) gets forkserver workers instead, which
+    # import for themselves: a fork taken while another thread holds a lock (stdout, logging) hangs
+    # the worker on it. A worker is not a daemon, so its cases can start ranks.
+    method = "fork" if threading.active_count() == 1 else "forkserver"
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(method)) as pool:
+        futures = {pool.submit(run_case, spec, options): i for i, spec in enumerate(specs)}
+        for done in as_completed(futures):
+            i = futures[done]
+            results[i] = done.result()
+            if on_result:
+                on_result(results[i])
+    return [results[i] for i in range(len(specs))]

@@ -1,0 +1,453 @@
+"""Run one function on N ranks, with torch's own launchers, and leave nothing behind.
+
+Three ways in, one rank body (`_rank_body`):
+  * `launch(..., start_method="fork")`: torch.multiprocessing from a parent that has already
+    imported torch and megatron-core (a world starts in ~1 s on 2 cores instead of ~20 s);
+    the default for gloo/CPU worlds.
+  * `launch(..., start_method="spawn" | "forkserver")`: fresh interpreters (spawn, the NCCL
+    default, because a forked child cannot initialise CUDA), or children of a server that
+    preloaded megatron-core (harness.run.forkserver_preload) and never ran the parent's threads.
+  * `run_from_env()`: the body run by `torchrun`/`srun` (multi-node), `python -m harness.run.rank_entry`.
+
+Everything a rank needs travels by value in the pickled `_WorldSpec` (the function, its argument,
+the rank hooks as import paths), never through state the parent set up before forking, so every
+start method and torchrun run the same thing.
+
+Rendezvous goes through a FileStore in the world's own directory: no port to pick, so two worlds
+(pytest -n 2) never race for one, and no store-server thread in the parent. (With a TCPStore
+server in the parent, a rank forked while the server thread served its siblings could inherit a
+held lock and hang in its own TCPStore constructor: ~1 world in 20 of 4 ranks, measured.)
+Each rank's return value is written to the world's directory, never pickled
+through a pipe, so large results cost no extra copies.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shlex
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asking about GPUs must not init CUDA
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+from harness.core.context import RankContext, RankFn
+
+
+class WorldError(RuntimeError):
+    """A world that did not finish: a rank raised or died, or the world timed out."""
+
+    def __init__(self, message: str, rank: int | None = None, rank_traceback: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.rank_traceback = rank_traceback
+
+
+class WorldTimeout(WorldError):
+    pass
+
+
+@dataclass
+class _WorldSpec:
+    fn: RankFn
+    arg: Any
+    world_size: int
+    backend: str
+    workdir: str
+    store_file: str  # FileStore rendezvous of our own launcher; "" under torchrun/srun
+    timeout_s: float
+    threads: int = 1
+    hooks: tuple[str, ...] = ()  # "module:function" run in every rank before `fn` (fault injection, plugins)
+
+
+def choose_backend(world_size: int, requested: str = "auto") -> str:
+    """NCCL when every rank can have its own GPU, else gloo on CPU (NCCL refuses shared GPUs)."""
+    if requested not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"dist backend must be auto, gloo or nccl, got {requested!r}")
+    if requested != "auto":
+        if requested == "nccl" and torch.cuda.device_count() < world_size:
+            raise WorldError(
+                f"nccl requested for {world_size} ranks but {torch.cuda.device_count()} GPU(s) are visible"
+            )
+        return requested
+    return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+
+
+START_METHODS = ("fork", "spawn", "forkserver")
+
+
+def _import_path(path: str) -> Any:
+    import importlib
+
+    module, _, attr = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def choose_start_method(backend: str, requested: str | None = None) -> str:
+    """fork for gloo (measured fastest on 2 cores: the parent's imports are inherited), spawn for
+    NCCL (CUDA cannot be initialised in a forked child); any of START_METHODS when asked."""
+    if requested in (None, "auto"):
+        return "spawn" if backend == "nccl" else "fork"
+    if requested not in START_METHODS:
+        raise ValueError(f"start method must be auto or one of {START_METHODS}, got {requested!r}")
+    if requested == "fork" and backend == "nccl":
+        raise WorldError("start method fork cannot run NCCL ranks (CUDA cannot be initialised in a forked child)")
+    return requested
+
+
+def _result_path(workdir: str | Path, rank: int) -> Path:
+    return Path(workdir) / f"rank{rank}.result.pt"
+
+
+def _rank_body(spec: _WorldSpec, rank: int, local_rank: int) -> None:
+    from harness import compat
+    from harness.models.parallel import teardown_parallel_state
+
+    torch.set_num_threads(spec.threads)
+    if spec.backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    compat.install(device)
+    for hook in spec.hooks:
+        _import_path(hook)()
+    timeout = timedelta(seconds=spec.timeout_s)
+    if spec.store_file:  # our own launcher: a file in the world's dir
+        store = dist.FileStore(spec.store_file, spec.world_size)
+        store.set_timeout(timeout)
+        dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout)
+    else:  # torchrun/srun: MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE
+        dist.init_process_group(spec.backend, init_method="env://", rank=rank, world_size=spec.world_size, timeout=timeout)
+    ctx = RankContext(rank, spec.world_size, local_rank, spec.backend, Path(spec.workdir), device)
+    result = spec.fn(ctx, spec.arg)
+    torch.save(result, _result_path(spec.workdir, rank))
+    # Only on success: after an exception, teardown would block on peers; the process just exits.
+    teardown_parallel_state()
+    dist.destroy_process_group()
+
+
+def _log_path(workdir: str | Path, rank: int) -> Path:
+    return Path(workdir) / f"rank{rank}.log"
+
+
+def _capture_output(workdir: str, rank: int) -> None:
+    """Rank output is for failures: the libraries print per-rank banners and progress bars on every
+    build and export. Both fds go to the world's dir (CKPT_HARNESS_VERBOSE=1 keeps them on the
+    terminal); a failure report quotes the tail. SIGUSR1 dumps every thread's stack there, which
+    is how the parent shows where a hung rank sits.
+
+    sys.stdout/sys.stderr are reopened either way: a forked child inherits the parent's stream
+    objects, and a lock some parent thread held at fork time would block the child's first write.
+    """
+    import faulthandler
+
+    if os.environ.get("CKPT_HARNESS_VERBOSE") != "1":
+        fd = os.open(_log_path(workdir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
+def _dump_stacks(ctx, workdir: str | Path) -> str:
+    """Where the ranks that are still running sit (faulthandler, via SIGUSR1)."""
+    alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+    for r in alive:
+        try:
+            os.kill(ctx.processes[r].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if not alive:
+        return ""
+    time.sleep(1.0)
+    return f"\nstill running: rank(s) {alive}; their stacks:" + _log_tail(workdir, alive, 40)
+
+
+def _log_tail(workdir: str | Path, ranks: list[int] | range, lines: int = 15) -> str:
+    out = []
+    for r in ranks:
+        path = _log_path(workdir, r)
+        text = path.read_text(errors="replace").strip() if path.exists() else ""
+        if text:
+            out.append(f"\n--- rank {r} output (last {lines} lines) ---\n" + "\n".join(text.splitlines()[-lines:]))
+    return "".join(out)
+
+
+def _mp_entry(local_rank: int, spec: _WorldSpec) -> None:
+    # Own process group: whatever this rank starts can be killed with it, even once orphaned.
+    os.setpgid(0, 0)
+    _capture_output(spec.workdir, local_rank)
+    if spec.backend == "gloo":
+        # gloo ranks run on CPU even on a GPU box; hide GPUs before anything initialises CUDA.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(spec.world_size))
+    _rank_body(spec, local_rank, local_rank)
+
+
+_EXC_HEADER = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure)):?\s?(.*)$")
+
+
+def exception_of(rank_traceback: str) -> tuple[str, str]:
+    """(exception class name, message) of the last exception in a formatted traceback."""
+    lines = rank_traceback.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _EXC_HEADER.match(lines[i])
+        if m and not lines[i].startswith(" "):
+            return m.group(1), "\n".join([m.group(2), *lines[i + 1 :]]).strip()
+    return "", lines[-1] if lines else ""
+
+
+def _first_failure(error_files: list[str], world_size: int) -> WorldError:
+    """The rank that failed first is the cause; peers then fail in their collectives."""
+    failed = []
+    for rank, f in enumerate(error_files):
+        path = Path(f)
+        if path.exists():
+            with open(path, "rb") as fh:
+                failed.append((path.stat().st_mtime_ns, rank, pickle.load(fh)))
+    failed.sort()
+    _, rank, tb = failed[0]
+    others = "".join(f"\n(then rank {r} failed: {t.strip().splitlines()[-1]})" for _, r, t in failed[1:])
+    return WorldError(f"rank {rank} of {world_size} raised:\n{tb}{others}", rank=rank, rank_traceback=tb)
+
+
+def _states(ctx) -> str:
+    return ", ".join(
+        f"rank {r}: " + ("running" if p.exitcode is None else f"exit {p.exitcode}") for r, p in enumerate(ctx.processes)
+    )
+
+
+# multiprocessing's own per-process singletons (started by the first spawn/forkserver world, meant to
+# live as long as the parent): not something a world left behind.
+_STDLIB_HELPERS = ("from multiprocessing.resource_tracker import main", "from multiprocessing.forkserver import main")
+
+
+def is_multiprocessing_helper(p: psutil.Process) -> bool:
+    try:
+        cmd = " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+    return any(h in cmd for h in _STDLIB_HELPERS)
+
+
+def live_children() -> list[psutil.Process]:
+    """This process's descendants still running, multiprocessing's own helpers excepted (leak checks)."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and not is_multiprocessing_helper(p)]
+
+
+def _descendants(pids: list[int]) -> set[psutil.Process]:
+    found: set[psutil.Process] = set()
+    for pid in pids:
+        try:
+            found.update(psutil.Process(pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _kill(procs: set[psutil.Process]) -> None:
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(list(procs), timeout=5)
+
+
+def _wait(ctx, workdir: Path, world_size: int, timeout_s: float, pids: list[int], seen: set) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen |= _descendants(pids)
+        try:
+            if ctx.join(timeout=0.25, grace_period=2.0):
+                return
+        except tmp.ProcessRaisedException:
+            raise _first_failure(ctx.error_files, world_size) from None
+        except tmp.ProcessExitedException as exc:
+            raise WorldError(f"rank {exc.error_index} of {world_size} died: {exc}{_log_tail(workdir, [exc.error_index])}",
+                             rank=exc.error_index) from None
+        early = [r for r, p in enumerate(ctx.processes) if p.exitcode == 0 and not _result_path(workdir, r).exists()]
+        if early:
+            # torch's _wrap turns SIGINT (its parent-death signal) into a silent exit 0.
+            raise WorldError(f"rank(s) {early} of {world_size} exited without a result ({_states(ctx)})"
+                             f"{_log_tail(workdir, early)}", rank=early[0])
+        if time.monotonic() > deadline:
+            raise WorldTimeout(f"world of {world_size} rank(s) still running after {timeout_s:.0f}s; killed ({_states(ctx)})")
+
+
+def _start(spec: _WorldSpec, world_size: int, start_method: str):
+    """Start the ranks. Under fork, with the parent's objects frozen out of the garbage collector
+    (gc.freeze): a rank's collections would otherwise walk and write every object it inherited,
+    copying the parent's whole heap page by page (the preloaded megatron/transformers imports)."""
+    import gc
+
+    fork = start_method == "fork"
+    if fork:
+        gc.freeze()
+    try:
+        return tmp.start_processes(_mp_entry, args=(spec,), nprocs=world_size, join=False, start_method=start_method)
+    finally:
+        if fork:
+            gc.unfreeze()  # the parent collects as before; the ranks keep their inherited objects frozen
+
+
+def launch(
+    fn: RankFn,
+    arg: Any,
+    world_size: int,
+    workdir: str | Path,
+    *,
+    backend: str = "auto",
+    timeout_s: float = 300.0,
+    start_method: str | None = None,
+    hooks: tuple[str, ...] = (),
+) -> list[Any]:
+    """Run `fn(ctx, arg)` on `world_size` ranks; return each rank's return value, rank order.
+
+    Raises WorldError carrying the failing rank's traceback when a rank raises or dies, and
+    WorldTimeout when the world outlives `timeout_s`; every rank and every process a rank started
+    is gone when this returns or raises.
+    """
+    backend = choose_backend(world_size, backend)
+    start_method = choose_start_method(backend, start_method)
+    if start_method == "forkserver":
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(["harness.run.forkserver_preload"])
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    store_file = workdir / f"rendezvous-{os.getpid()}-{time.monotonic_ns()}"
+    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), str(store_file), timeout_s, hooks=hooks)
+    ctx = _start(spec, world_size, start_method)
+    pids = ctx.pids()
+    seen: set[psutil.Process] = set()
+    try:
+        try:
+            _wait(ctx, workdir, world_size, timeout_s, pids, seen)
+        except WorldError as err:
+            stacks = _dump_stacks(ctx, workdir)
+            if stacks:
+                err.args = (str(err) + stacks,)
+            raise
+    finally:
+        seen |= _descendants(pids)
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        _kill({p for p in seen if p.is_running()})
+        for f in ctx.error_files:
+            Path(f).unlink(missing_ok=True)
+        store_file.unlink(missing_ok=True)
+    results = []
+    for rank in range(world_size):
+        path = _result_path(workdir, rank)
+        results.append(torch.load(path, weights_only=False))
+        path.unlink()
+        _log_path(workdir, rank).unlink(missing_ok=True)  # output of a good world is noise
+    return results
+
+
+def run_from_env(fn: RankFn, arg: Any, workdir: str | Path, timeout_s: float, hooks: tuple[str, ...] = ()) -> Any:
+    """The rank body under torchrun/srun: rendezvous from the standard env variables; the
+    process-group timeout is the case's, as in `launch`."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    backend = os.environ.get("CKPT_HARNESS_DIST_BACKEND", "nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "gloo":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks run on CPU, as in `launch`
+    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), "", timeout_s, int(os.environ.get("OMP_NUM_THREADS", "1")), hooks)
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    _rank_body(spec, rank, local_rank)
+    return torch.load(_result_path(workdir, rank), weights_only=False)
+
+
+def dump_spec(path: Path, fn: RankFn, arg: Any, timeout_s: float, hooks: tuple[str, ...] = ()) -> None:
+    """What `python -m harness.run.rank_entry PATH` runs: fn and arg must be importable/picklable."""
+    with open(path, "wb") as f:
+        pickle.dump({"fn": fn, "arg": arg, "timeout_s": timeout_s, "hooks": hooks}, f)
+
+
+def torchrun_prefix(world_size: int, template: str | None = None) -> list[str]:
+    """The command that starts the ranks: local torchrun by default; for multi-node, a template
+    such as "srun -N2 torchrun --nnodes 2 --nproc-per-node {nproc_per_node} --rdzv-backend c10d
+    --rdzv-endpoint HEAD:29500" ({world_size} and {nproc_per_node} are filled in; the workdir
+    must then be on a filesystem every node sees)."""
+    if template:
+        nodes = int(os.environ.get("CKPT_HARNESS_NODES", "1"))
+        return shlex.split(template.format(world_size=world_size, nproc_per_node=max(1, world_size // nodes)))
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
+
+
+def launch_torchrun(
+    fn: RankFn,
+    arg: Any,
+    world_size: int,
+    workdir: str | Path,
+    *,
+    backend: str = "auto",
+    timeout_s: float = 300.0,
+    template: str | None = None,
+    hooks: tuple[str, ...] = (),
+) -> list[Any]:
+    """`launch`, but the ranks are started by torchrun (or srun + torchrun) running
+    `python -m harness.run.rank_entry`; same results, same errors, nothing left behind."""
+    import subprocess
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path = workdir / "spec.pkl"
+    dump_spec(spec_path, fn, arg, timeout_s, hooks)
+    env = {**os.environ, "CKPT_HARNESS_DIST_BACKEND": choose_backend(world_size, backend), "OMP_NUM_THREADS": "1"}
+    cmd = [*torchrun_prefix(world_size, template), "-m", "harness.run.rank_entry", str(spec_path), str(workdir)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise WorldTimeout(f"torchrun world of {world_size} rank(s) still running after {timeout_s:.0f}s; killed") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything the launcher left in its session
+        except ProcessLookupError:
+            pass
+        spec_path.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        tail = "\n".join(output.strip().splitlines()[-80:])
+        rank = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", output, re.S)
+        raise WorldError(f"torchrun world of {world_size} failed (exit {proc.returncode}):\n{tail}",
+                         rank=int(rank.group(1)) if rank else None, rank_traceback=tail)
+    results = []
+    for rank in range(world_size):
+        path = _result_path(workdir, rank)
+        results.append(torch.load(path, weights_only=False))
+        path.unlink()
+    return results
+
+
+__all__ = ["RankContext", "WorldError", "WorldTimeout", "launch", "choose_backend", "run_from_env", "dump_spec"]

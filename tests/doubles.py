@@ -1,0 +1,557 @@
+"""Fault-injecting doubles: prove that each check can go red.
+
+Backends that damage what they save or load, and rank hooks that break a build, the way real
+defects do. They are not in the backend registry: a test (or a user checking their own harness
+setup) names one by import path, `backends.register("name", "doubles:CorruptAfterLoad")`
+or `RunOptions(rank_hooks=("doubles:drop_distributed_optimizer_knob",))`. The path travels
+to the ranks inside the phase, so the fault reaches them under fork, spawn, forkserver and torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.backends.bridge_hf import BridgeHF
+from harness.backends.bridge_peft import BridgePeft
+from harness.backends.mcore_dist import McoreDist
+from harness.core.context import RankContext
+
+
+def flip_first_bit(model) -> str:
+    """Flip the lowest bit of the first parameter of the first chunk; its name."""
+    from harness.models.mcore import as_chunks
+
+    name, param = next(iter(as_chunks(model)[0].named_parameters()))
+    with torch.no_grad():
+        param.data.view(-1).view(torch.int32)[0] ^= 1
+    return name
+
+
+def edit_safetensors(directory: Path, key_part: str, edit) -> None:
+    """Apply edit(state, key) to the first tensor whose key contains key_part, in place on disk."""
+    from safetensors.torch import load_file, save_file
+
+    (f,) = sorted(Path(directory).glob("*.safetensors"))
+    state = load_file(str(f))
+    key = sorted(k for k in state if key_part in k)[0]
+    edit(state, key)
+    save_file(state, str(f), metadata={"format": "pt"})
+
+
+def flip_in_safetensors(directory: Path, key_part: str, bit: int = 0) -> None:
+    def flip(state, key):
+        state[key].view(-1).view(torch.int32)[0] ^= 1 << bit
+
+    edit_safetensors(directory, key_part, flip)
+
+
+# ------------------------------------------------------------------ dist checkpoints
+
+
+class CorruptAfterLoad(McoreDist):
+    """One bit of the first parameter flipped on rank 0 after a correct load."""
+
+    def load(self, ctx, model, directory):
+        super().load(ctx, model, directory)
+        if ctx.rank == 0:
+            flip_first_bit(model)
+
+
+class CorruptBeforeSave(McoreDist):
+    """One bit flipped before the first save (not the re-save): the checkpoint itself is wrong."""
+
+    def save(self, ctx, model, directory):
+        if ctx.rank == 0 and not directory.name.endswith("resaved"):
+            flip_first_bit(model)
+        super().save(ctx, model, directory)
+
+
+class NoopLoad(McoreDist):
+    """A load that returns without loading anything."""
+
+    def load(self, ctx, model, directory):
+        pass
+
+
+class LoadFirstChunkOnly(McoreDist):
+    """A load written for one module and handed a virtual-pipeline chunk list: it loads `model[0]`
+    alone, leniently (StrictHandling.IGNORE_ALL and validate_access_integrity=False: the layers of
+    the later chunks are asked by nobody). Every later chunk keeps its pre-load (decoy) weights.
+    (megatron-core's defaults refuse such a load: the ranks' requests do not cover the tensors.)"""
+
+    def load(self, ctx, model, directory):
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        from harness.models.mcore import as_chunks
+
+        chunk = as_chunks(model)[0]
+        state = dist_checkpointing.load(chunk.sharded_state_dict(), str(directory), strict=StrictHandling.IGNORE_ALL,
+                                       validate_access_integrity=False)
+        chunk.load_state_dict(state, strict=True)
+
+
+class RaisingLoad(McoreDist):
+    def load(self, ctx, model, directory):
+        raise RuntimeError("simulated upstream defect")
+
+
+class SwallowLoadErrors(McoreDist):
+    """A load that catches every error and returns, keeping whatever the model held: the resume
+    code that 'tolerates' a bad checkpoint (corrupt-load must call it a silent load and go red)."""
+
+    def load(self, ctx, model, directory):
+        try:
+            super().load(ctx, model, directory)
+        except BaseException as exc:  # torch DCP's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+
+
+class CorruptOptimizerAfterLoad(McoreDist):
+    """One bit of the first exp_avg flipped on rank 0 after a training-state load."""
+
+    def load_state(self, ctx, sharded_state, directory):
+        state = super().load_state(ctx, sharded_state, directory)
+        if ctx.rank == 0:
+            stack = [state["optimizer"]]
+            while stack:
+                node = stack.pop()
+                if isinstance(node, dict):
+                    if torch.is_tensor(node.get("exp_avg")):
+                        node["exp_avg"].view(-1).view(torch.int32)[0] ^= 1
+                        break
+                    stack.extend(node.values())
+                elif isinstance(node, list):
+                    stack.extend(node)
+        return state
+
+
+def _flip_lowest_bit(t: torch.Tensor) -> None:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    with torch.no_grad():
+        t.view(-1).view(ints)[0] ^= 1
+
+
+class CorruptExpertAfterLoad(McoreDist):
+    """A MoE model whose first local expert weight comes back one ulp off on the LAST rank after a
+    correct load: under expert parallelism that rank holds only the last experts (global index
+    ep_rank * local experts), so a judge that looked at rank 0's experts would miss it."""
+
+    def load(self, ctx, model, directory):
+        super().load(ctx, model, directory)
+        if ctx.rank == ctx.world_size - 1:
+            from harness.models.mcore import as_chunks
+
+            _flip_lowest_bit(next(p for c in as_chunks(model) for n, p in c.named_parameters() if ".local_experts." in n))
+
+
+class CorruptExpertMainParamAfterLoad(McoreDist):
+    """A MoE training-state load whose expert optimizer (the second member of megatron's
+    ChainedOptimizer [dense, expert], built when ep > 1) gets its first fp32 main param one ulp off
+    on the LAST rank; the dense optimizer and the model section load correctly."""
+
+    def load_state(self, ctx, sharded_state, directory):
+        state = super().load_state(ctx, sharded_state, directory)
+        if ctx.rank == ctx.world_size - 1:
+            stack = [state["optimizer"][1]]  # KeyError/TypeError: no expert optimizer in a chain
+            while stack:
+                node = stack.pop()
+                if isinstance(node, dict):
+                    if torch.is_tensor(node.get("param")) and "exp_avg" in node:
+                        _flip_lowest_bit(node["param"])
+                        break
+                    stack.extend(node.values())
+                elif isinstance(node, list):
+                    stack.extend(node)
+            else:
+                raise RuntimeError("CorruptExpertMainParamAfterLoad: no main param in the expert optimizer's state")
+        return state
+
+
+class ModelWeightOffMainParam(McoreDist):
+    """A training-state load whose model section comes back with one weight one ulp off on rank 0
+    (the lowest bit of the first floating tensor, by key), while the optimizer section, fp32 main
+    params included, loads correctly: the mixed-precision bug of a load that takes the bf16 weights
+    from another source than the main params (megatron's optimizer load never copies main params
+    down into the model, so nothing repairs it before the next step). Only the bf16 checks of
+    weights-match-main-params see it directly."""
+
+    def load_state(self, ctx, sharded_state, directory):
+        state = super().load_state(ctx, sharded_state, directory)
+        if ctx.rank == 0:
+            model = state["model"]
+            key = next(k for k in sorted(model) if torch.is_tensor(model[k]) and model[k].is_floating_point())
+            t = model[key]
+            ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+            t.view(-1).view(ints)[0] ^= 1
+        return state
+
+
+# ------------------------------------------------------------------ HF and PEFT exports
+
+
+class FlipExportedWeight(BridgeHF):
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0 and directory.name == "hf-export":
+            # the top mantissa bit: a lowest-bit flip may round away in the logits, and the
+            # logits check must be seen to fail too (export-bitwise catches any bit)
+            flip_in_safetensors(directory, "layers.1.self_attn.k_proj.weight", bit=22)
+
+
+class ExportAsFp32(BridgeHF):
+    """A bf16 model exported as fp32: every tensor upcast (the values exact) and the config saying
+    float32, as an export that builds its HF model in the default dtype writes it."""
+
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0 and directory.name == "hf-export":
+            for f in sorted(Path(directory).glob("*.safetensors")):
+                from safetensors.torch import load_file, save_file
+
+                state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(f)).items()}
+                save_file(state, str(f), metadata={"format": "pt"})
+            cfg = json.loads((directory / "config.json").read_text())
+            cfg.pop("torch_dtype", None)
+            cfg["dtype"] = "float32"
+            (directory / "config.json").write_text(json.dumps(cfg))
+
+
+class ExportOneEpRanksExperts(BridgeHF):
+    """Megatron-Bridge #1716/#1871 as a double: an export from an EP topology that keeps only EP rank
+    0's experts (the second half of every layer's experts missing from the files)."""
+
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0 and directory.name == "hf-export":
+            import re
+
+            from safetensors.torch import load_file, save_file
+
+            for f in sorted(Path(directory).glob("*.safetensors")):
+                state = load_file(str(f))
+                experts = 1 + max((int(m.group(1)) for k in state if (m := re.search(r"\.experts\.(\d+)\.", k))), default=-1)
+                kept = {k: v for k, v in state.items()
+                        if not ((m := re.search(r"\.experts\.(\d+)\.", k)) and int(m.group(1)) >= experts // 2)}
+                save_file(kept, str(f), metadata={"format": "pt"})
+            index = directory / "model.safetensors.index.json"
+            if index.exists():
+                index.unlink()
+
+
+class FlipLoraB(BridgePeft):
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0:
+            flip_in_safetensors(directory, "layers.2.self_attn.v_proj.lora_B")
+
+
+class DropLoraA(BridgePeft):
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0:
+            edit_safetensors(directory, "layers.0.mlp.down_proj.lora_A", lambda state, key: state.pop(key))
+
+
+class LoseAlpha(BridgePeft):
+    """verl #1821: the exported adapter_config.json lost lora_alpha."""
+
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0:
+            cfg = json.loads((directory / "adapter_config.json").read_text())
+            cfg["lora_alpha"] = 0
+            (directory / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+# ------------------------------------------------------------------ rank hooks
+
+
+def drop_distributed_optimizer_knob() -> None:
+    """verl PR #5775: use_distributed_optimizer is dropped on the way to DDP (always True there)."""
+    import dataclasses
+
+    from harness.models import training
+
+    real = training.build_training
+
+    def build(spec, topo, cfg, seed_offset=0, **config_overrides):
+        return real(spec, topo, dataclasses.replace(cfg, use_distributed_optimizer=True), seed_offset, **config_overrides)
+
+    training.build_training = build
+
+
+def rotate_vpp_chunks() -> None:
+    """Virtual-pipeline chunk i takes chunk (i+1) % vpp's layer offset (a builder whose layer
+    numbering is off by one virtual stage): with pp2vpp2, pp rank 0 holds layer 2 in chunk 0 and
+    layer 0 in chunk 1. Every layer is still held exactly once and saved/loaded under its own key, so
+    the weight checks stay green: only the forward pass (layers run in the wrong order) can see it.
+    Patches megatron-core 0.19.2's `get_transformer_layer_offset` where TransformerLayer (layer
+    numbers) and TransformerBlock (sharded-state offsets) look it up; without vpp nothing changes.
+    (Giving every chunk the same offset instead is refused by megatron-core itself: duplicate
+    `_extra_state` ShardedObject keys, overlapping torch DCP shards.)"""
+    from megatron.core.transformer import transformer_block, transformer_layer
+
+    real = transformer_layer.get_transformer_layer_offset
+
+    def offset(config, vp_stage=None, pp_rank=None):
+        if vp_stage is not None:
+            vp_stage = (vp_stage + 1) % config.virtual_pipeline_model_parallel_size
+        return real(config, vp_stage, pp_rank)
+
+    transformer_layer.get_transformer_layer_offset = offset
+    transformer_block.get_transformer_layer_offset = offset
+
+
+def corrupt_mcore_loads() -> None:
+    """Every mcore_dist model load on rank 0 flips one bit after loading: for checks that resolve
+    the backend by name themselves (the golden corpus), where no double can be named."""
+    from harness.backends.mcore_dist import McoreDist
+
+    real = McoreDist.load
+
+    def load(self, ctx, model, directory):
+        real(self, ctx, model, directory)
+        if ctx.rank == 0:
+            flip_first_bit(model)
+
+    McoreDist.load = load
+
+
+
+def mark_checkpoint_complete_first() -> None:
+    """Rank 0 writes megatron-core's `metadata.json` before every dist_checkpointing.save writes a
+    byte: the ordering bug of a checkpoint manager that marks a directory complete first, so any
+    interruption leaves a directory megatron-core's own rule (check_is_distributed_checkpoint)
+    calls a checkpoint. interrupted-save must go red on it (recognised-incomplete)."""
+    import os
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    real = dist_checkpointing.save
+
+    def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        if int(os.environ["RANK"]) == 0:
+            save_config(CheckpointingConfig("torch_dist", 1), str(checkpoint_dir))
+        return real(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+
+    dist_checkpointing.save = save
+
+
+def leak_a_process() -> None:
+    """A rank that starts a process in its own session and forgets it: the launcher's process-group
+    kill cannot reach it, so only a leak check finds it (tests/test_soak.py)."""
+    import subprocess
+
+    subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+
+@dataclass(frozen=True)
+class _TaggedOptions:
+    tag: str = "plain"
+    copies: int = 1
+
+
+class TaggedDist(McoreDist):
+    """mcore_dist with options (tests of backend options: typed, validated, delivered to ranks)."""
+
+    name = "tagged_dist"
+    Options = _TaggedOptions
+
+
+# ------------------------------------------------------------------ verl's checkpoint manager (issue 10)
+# Subclasses of the real verl_manager backend: the manager is verl's, one step of the load is
+# skipped or one value damaged after it, so each verl-checkpoint / training check is seen to go red.
+
+from harness.backends.verl_manager import VerlManager  # noqa: E402  (no verl import until a rank uses it)
+
+
+class VerlSkipSchedulerLoad(VerlManager):
+    """A resume whose manager never restores the LR scheduler (the optimizer and RNG load fine)."""
+
+    def load_training(self, ctx, job, directory):
+        mgr = self.manager(job)
+        mgr.lr_scheduler, kept = None, mgr.lr_scheduler
+        try:
+            super().load_training(ctx, job, directory)
+        finally:
+            mgr.lr_scheduler = kept
+
+
+class VerlSkipRngRestore(VerlManager):
+    """A resume that reads `extra` but never puts the RNG state back."""
+
+    def load_training(self, ctx, job, directory):
+        mgr = self.manager(job)
+        mgr.load_rng_states = lambda *a, **k: None
+        try:
+            super().load_training(ctx, job, directory)
+        finally:
+            del mgr.load_rng_states
+
+
+def _flip_lowest_bit(t: torch.Tensor) -> None:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    with torch.no_grad():
+        t.view(-1).view(ints)[0] ^= 1
+
+
+class VerlCorruptMainParam(VerlManager):
+    """After a correct load, rank 0's first fp32 main param is one ulp off (the optimizer's copy;
+    under fp32 the distributed optimizer's main params are views of the weights)."""
+
+    def load_training(self, ctx, job, directory):
+        super().load_training(ctx, job, directory)
+        if ctx.rank == 0:
+            from harness.models.training import _leaf_optimizers
+
+            opt = _leaf_optimizers(job.optimizer)[0]
+            groups = getattr(opt, "shard_fp32_from_float16_groups", None) or []
+            mains = [p for g in groups for p in g] or [p for g in opt.optimizer.param_groups for p in g["params"]]
+            _flip_lowest_bit(mains[0].data)
+
+
+class VerlWeightOffMainParam(VerlManager):
+    """After a correct load, rank 0's first bf16 model weight (by name) is one ulp off its fp32 main param."""
+
+    def load_training(self, ctx, job, directory):
+        super().load_training(ctx, job, directory)
+        if ctx.rank == 0:
+            name, p = sorted(job.chunks[0].module.named_parameters())[0]
+            _flip_lowest_bit(p.data)
+
+
+class VerlAdapterWrongAlpha(VerlManager):
+    """The HF adapter verl exported declares lora_alpha twice what was trained (rank 0 rewrites its
+    adapter_config.json after the save): a LoRA adapter that loads into PEFT with the wrong alpha."""
+
+    def save_training(self, ctx, job, directory):
+        import torch.distributed as dist
+
+        from harness.backends.verl_manager import step_dir
+
+        super().save_training(ctx, job, directory)
+        path = step_dir(directory, job.step) / "model" / "huggingface" / "adapter" / "adapter_config.json"
+        if ctx.rank == 0 and path.exists():
+            cfg = json.loads(path.read_text())
+            cfg["lora_alpha"] *= 2
+            path.write_text(json.dumps(cfg))
+        dist.barrier()
+
+
+class VerlAdapterNotRestored(VerlManager):
+    """A PEFT resume that restores the base and the optimizer but leaves the adapters at the resuming
+    job's own (decoy) values."""
+
+    def load_training(self, ctx, job, directory):
+        chunk = job.chunks[0]
+        kept = {n: p.detach().clone() for n, p in chunk.named_parameters() if ".adapter." in n}
+        super().load_training(ctx, job, directory)
+        with torch.no_grad():
+            for n, p in chunk.named_parameters():
+                if n in kept:
+                    p.copy_(kept[n])
+
+
+class VerlAsyncModelTreeWritesLast(VerlManager):
+    """Not a fault: makes F5's race deterministic. The async writer process of the model tree
+    (model/dist_ckpt) starts writing 3 s late, so the optimizer's and extra's write results reach
+    megatron-core's one process-wide results queue first; without the verl_async_one_at_a_time
+    workaround the model request then finalizes with another tree's results."""
+
+    def _prepare(self, job):
+        super()._prepare(job)
+        import time
+
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+            FileSystemWriterAsync as W,
+        )
+
+        original = W.write_preloaded_data_multithread
+        if getattr(original, "_ckpt_harness", False):
+            return
+
+        def model_tree_last(transform_list, use_msc, rank, write_buckets, global_results_queue):
+            if any("/model/dist_ckpt/" in str(bucket[0]) for bucket in write_buckets):
+                time.sleep(3)
+            return original(transform_list, use_msc, rank, write_buckets, global_results_queue)
+
+        model_tree_last._ckpt_harness = True
+        W.write_preloaded_data_multithread = staticmethod(model_tree_last)
+
+
+# ------------------------------------------------------------------ save/load strategies (mcore_dist options)
+
+
+class SkipAsyncFinalize(McoreDist):
+    """An async save whose finalize step never runs: the writer is waited for (its shards are on
+    disk), its finalize functions (torch DCP's .metadata, megatron-core's metadata.json) dropped,
+    as a client without a finalize hook leaves it (verl 0.9.1 calls no finalize of its own)."""
+
+    def finalize_saves(self, ctx):
+        if self._calls is not None:
+            while self._calls.async_calls:
+                self._calls.async_calls.popleft().async_caller.close()  # join the writer, skip the finalize
+        self._pending = []
+        return []
+
+
+class DefaultStrategies(McoreDist):
+    """Takes every strategy option and runs the default save and load anyway (an option that
+    never reaches the call, as verl's save_dist_checkpointing passes no async_strategy)."""
+
+    def _save_strategy_obj(self):
+        return None
+
+    def _load_strategy_obj(self):
+        return None
+
+
+class CorruptSecondSave(McoreDist):
+    """The job's second save (the one a metadata cache serves) writes one Adam exp_avg element with
+    its top mantissa bit flipped (rank 0's first main-replica exp_avg shard, a flipped copy: the
+    live job is untouched; a lowest-bit flip of a moment rounds away in the next weight update);
+    the first save is correct."""
+
+    def save_state(self, ctx, sharded_state, directory):
+        if self._saves == 1 and ctx.rank == 0:
+            from megatron.core.dist_checkpointing.dict_utils import nested_values
+            from megatron.core.dist_checkpointing.mapping import (
+                ShardedTensor,
+                is_main_replica,
+            )
+
+            sh = next(v for v in nested_values(sharded_state.get("optimizer", {}))
+                      if isinstance(v, ShardedTensor) and "exp_avg." in v.key and is_main_replica(v.replica_id) and v.data.numel())
+            sh.data = sh.data.detach().clone()
+            sh.data.view(-1).view(torch.int32)[0] ^= 1 << 22
+        super().save_state(ctx, sharded_state, directory)
+
+
+def skip_param_sync() -> None:
+    """Saves and weight reads without Megatron-LM's force_param_sync: with overlap_param_gather
+    each rank's params hold stale values outside its own shard until the next forward."""
+    from harness.models import training
+
+    training.sync_params = lambda ddp, optimizer, cfg: None
+
+
+def backend_and_hook(ctx: RankContext, backend_ref: Any) -> dict:
+    """What a rank sees of the extension points: the backend its phase names by import path (with
+    its options), and whether the rank hooks ran (tests/doubles.py hooks mark themselves in the
+    environment)."""
+    import dataclasses
+    import os
+
+    from harness.backends import get_backend
+
+    backend = get_backend(backend_ref)
+    return {"backend": type(backend).__name__, "options": dataclasses.asdict(backend.options),
+            "hook": os.environ.get("CKPT_HARNESS_PROBE_HOOK", "")}

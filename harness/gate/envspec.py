@@ -41,6 +41,7 @@ from pathlib import Path
 REQUIREMENTS, NODEPS, CONSTRAINTS = "requirements.txt", "requirements-nodeps.txt", "constraints.txt"
 VERL = "requirements-verl.txt"  # the verl_manager backend's deps: installed with REQUIREMENTS, part of the key
 ENV_JSON = "ckpt-env.json"
+UV_JSON = ".ckpt-uv.json"  # inside a uv-built venv: which uv binary and store built it
 REQUEST_DIR = ".ckpt-request"  # inside the venv: the exact files pip was given
 TAIL = 30
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
@@ -243,16 +244,107 @@ def pip_command(venv: Path) -> list[str]:
     return [str(venv / "bin" / "python"), "-m", "pip"]
 
 
+# ------------------------------------------------------------------ installers: uv (default) or pip
+# Every venv is a full torch + megatron stack (~6.6 GB). uv installs from one package store under
+# the cache (`uv-cache`) by hard links, so an env that differs from another by three packages costs
+# about those three packages on disk, and a sweep of ten releases fits where ten pip envs do not.
+# CKPT_HARNESS_INSTALLER=pip builds the old way; a CKPT_HARNESS_PIP stub (tests) always means pip.
+
+def installer() -> str:
+    if os.environ.get("CKPT_HARNESS_PIP"):
+        return "pip"
+    choice = os.environ.get("CKPT_HARNESS_INSTALLER", "uv")
+    if choice not in ("uv", "pip"):
+        raise ValueError(f"CKPT_HARNESS_INSTALLER must be uv or pip, got {choice!r}")
+    return choice
+
+
+def _pip_config(python: str) -> dict[str, str]:
+    """pip's own configuration (files and PIP_* variables), as `pip config list` prints it: the
+    index a uv install must use is the one pip uses here, never a host written into this file."""
+    r = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False,
+                       stdin=subprocess.DEVNULL)
+    out: dict[str, str] = {}
+    for line in r.stdout.splitlines() if r.returncode == 0 else []:
+        key, sep, value = line.partition("=")
+        if not sep:
+            continue
+        scope, _, name = key.rpartition(".")
+        if scope.endswith(("install", "download")) or scope in ("global", ":env:", ""):
+            value = value.strip().strip("'\"")
+            # later scopes (PIP_* variables, listed last) win, as in pip
+            out[name] = value
+    return out
+
+
+def uv_index_args(config: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """uv arguments and environment for pip's index configuration. pip merges every index and takes
+    the best version; uv's equivalent is `--index-strategy unsafe-best-match`."""
+    args = ["--index-strategy", "unsafe-best-match"]
+    if config.get("index-url"):
+        args += ["--index-url", config["index-url"]]
+    for url in config.get("extra-index-url", "").split():
+        args += ["--extra-index-url", url]
+    for link in config.get("find-links", "").split():
+        args += ["--find-links", link]
+    if config.get("no-index", "").lower() in ("1", "true", "yes", "on"):
+        args.append("--no-index")
+    env = {"SSL_CERT_FILE": config["cert"]} if config.get("cert") else {}
+    return args, env
+
+
+TOOLS = "requirements-tools.txt"  # the pinned uv that builds the envs
+
+
+def uv_binary(root: Path, cache: Path, python: str, log: Path) -> Path:
+    """The pinned uv (requirements-tools.txt), installed once into the cache by pip itself
+    (`pip install --target`, pip's own index config); CKPT_HARNESS_UV names another binary."""
+    if named := os.environ.get("CKPT_HARNESS_UV"):
+        return Path(named)
+    pin = next((ln.strip() for ln in _read(root, TOOLS).splitlines() if _LINE_NAME.match(ln)), "uv")
+    target = cache / "tools" / re.sub(r"[^A-Za-z0-9.]+", "-", pin)
+    uv = target / "bin" / "uv"
+    if not uv.exists():
+        _run_logged([python, "-m", "pip", "install", "-q", "--target", str(target), pin], log)
+    return uv
+
+
+@dataclass(frozen=True)
+class Uv:
+    """uv pip over one shared store: `uv venv`, then `uv pip install` with pip's index configuration."""
+
+    binary: Path
+    store: Path  # the package store every env links from
+    index: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def configured(cls, root: Path, cache: Path, python: str, log: Path) -> "Uv":
+        args, env = uv_index_args(_pip_config(python))
+        return cls(uv_binary(root, cache, python, log), cache / "uv-cache", tuple(args), tuple(sorted(env.items())))
+
+    def run(self, args: list[str], log: Path) -> None:
+        _run_logged([str(self.binary), *args], log, env={**os.environ, "UV_CACHE_DIR": str(self.store),
+                                                        "UV_LINK_MODE": "hardlink", **dict(self.env)})
+
+    def venv(self, python: str, venv: Path, log: Path) -> None:
+        self.run(["venv", "--quiet", "--python", python, str(venv)], log)
+
+    def install(self, venv: Path, args: list[str], log: Path) -> None:
+        self.run(["pip", "install", "--python", str(venv / "bin" / "python"), *self.index, *args], log)
+
+
 def _tail(text: str, n: int = TAIL) -> str:
     return "\n".join(text.rstrip().splitlines()[-n:])
 
 
-def _run_logged(cmd: list[str], log: Path) -> None:
+def _run_logged(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
     with log.open("a") as f:
         f.write(f"$ {shlex.join(cmd)}\n")
         f.flush()
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False).returncode
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False,
+                                env=env).returncode
         except OSError as exc:
             f.write(f"{exc}\n")
             rc = -1
@@ -265,9 +357,17 @@ def _has_requirements(text: str) -> bool:
     return any(_LINE_NAME.match(ln) for ln in text.splitlines())
 
 
+def _freeze_command(venv: Path) -> list[str]:
+    """pip freeze where the venv has pip (pip-built, or a stub); uv's otherwise (uv venvs hold no pip)."""
+    if os.environ.get("CKPT_HARNESS_PIP") or (venv / "bin" / "pip").exists():
+        return [*pip_command(venv), "freeze"]
+    uv = json.loads((venv / UV_JSON).read_text())["uv"]
+    return [uv, "pip", "freeze", "--python", str(venv / "bin" / "python")]
+
+
 def _write_env_json(venv: Path, specs: list[str], req: Request) -> None:
     """Provenance next to the venv: what was asked (specs, overrides) and what pip installed."""
-    r = subprocess.run([*pip_command(venv), "freeze"], capture_output=True, text=True, check=False)
+    r = subprocess.run(_freeze_command(venv), capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise EnvBuildError(f"{_tail(r.stdout + r.stderr)}\nckpt-harness: pip freeze failed in {venv}")
     freeze = r.stdout.splitlines()
@@ -290,22 +390,36 @@ def _python(python: str | None) -> str:
                         f"{sys.version.split()[0]}: run this file with python3.12 (scripts/ensure-env finds one; CKPT_HARNESS_PYTHON names it)")
 
 
-def _build(venv: Path, req: Request, specs: list[str], cache: Path, python: str) -> None:
+def _build(venv: Path, req: Request, specs: list[str], cache: Path, python: str, root: Path) -> None:
     shutil.rmtree(venv, ignore_errors=True)  # only ever our own half-built venv under the cache dir
-    print(f"ckpt-harness: building environment {venv} (first run: ~5 min, ~6 GB)", file=sys.stderr)
+    how = installer()
+    print(f"ckpt-harness: building environment {venv} with {how} (first run: ~5 min, ~6 GB; "
+          f"{'later envs share its package store' if how == 'uv' else 'every env a full copy'})", file=sys.stderr)
     log = cache / f"install-{req.key}.log"
     log.write_text("")
-    _run_logged([python, "-m", "venv", str(venv)], log)
+    uv = Uv.configured(root, cache, python, log) if how == "uv" else None
+    if uv:
+        uv.venv(python, venv, log)
+    else:
+        _run_logged([python, "-m", "venv", str(venv)], log)
     files = venv / REQUEST_DIR
     files.mkdir()
     for name, text in ((REQUIREMENTS, req.requirements), (NODEPS, req.nodeps), (CONSTRAINTS, req.constraints), (VERL, req.verl)):
         (files / name).write_text(text)
-    pip = pip_command(venv)
-    _run_logged([*pip, "install", "--upgrade", "pip"], log)
     extra = ["-r", str(files / VERL)] if _has_requirements(req.verl) else []
-    _run_logged([*pip, "install", "-r", str(files / REQUIREMENTS), *extra, "-c", str(files / CONSTRAINTS)], log)
-    if _has_requirements(req.nodeps):
-        _run_logged([*pip, "install", "--no-deps", "-r", str(files / NODEPS)], log)
+    main_args = ["-r", str(files / REQUIREMENTS), *extra, "-c", str(files / CONSTRAINTS)]
+    nodeps_args = ["--no-deps", "-r", str(files / NODEPS)] if _has_requirements(req.nodeps) else []
+    if uv:
+        (venv / UV_JSON).write_text(json.dumps({"uv": str(uv.binary), "store": str(uv.store), "python": python}) + "\n")
+        uv.install(venv, main_args, log)
+        if nodeps_args:
+            uv.install(venv, nodeps_args, log)
+    else:
+        pip = pip_command(venv)
+        _run_logged([*pip, "install", "--upgrade", "pip"], log)
+        _run_logged([*pip, "install", *main_args], log)
+        if nodeps_args:
+            _run_logged([*pip, "install", *nodeps_args], log)
     _write_env_json(venv, specs, req)
     (venv / ".complete").touch()
 
@@ -324,7 +438,12 @@ def _ensure_editable(venv: Path, root: Path, cache: Path, key: str) -> None:
     log = cache / f"editable-{key}.log"
     log.write_text("")
     try:
-        _run_logged([*pip_command(venv), "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(root)], log)
+        if (venv / UV_JSON).exists() and not os.environ.get("CKPT_HARNESS_PIP"):
+            uv = json.loads((venv / UV_JSON).read_text())
+            Uv.configured(root, Path(uv["store"]).parent, uv["python"], log).install(
+                venv, ["--no-deps", "-e", str(root)], log)
+        else:
+            _run_logged([*pip_command(venv), "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(root)], log)
     except EnvBuildError as exc:
         raise EnvBuildError(f"{exc}\nckpt-harness: the editable harness install failed") from None
 
@@ -338,7 +457,7 @@ def ensure(specs: list[str], cache: Path, root: Path, python: str | None = None)
     with open(cache / f".lock-{req.key}", "w") as lock:  # same lock file and flock(2) as the old bash
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (venv / ".complete").exists():
-            _build(venv, req, specs, cache, _python(python))
+            _build(venv, req, specs, cache, _python(python), root)
         elif not (venv / ENV_JSON).exists():  # built before this file existed
             _write_env_json(venv, specs, req)
         _ensure_editable(venv, root, cache, req.key)

@@ -38,6 +38,7 @@ constraints.txt and requirements-verl.txt (never from requirements-nodeps.txt), 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -51,16 +52,32 @@ from email.parser import HeaderParser
 from pathlib import Path
 from typing import Iterable
 
-try:  # a venv has packaging; a bare python3.12 has pip's vendored copy
-    from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.specifiers import SpecifierSet
-    from packaging.utils import canonicalize_name
-    from packaging.version import InvalidVersion, Version
-except ImportError:  # pragma: no cover - depends on the interpreter
-    from pip._vendor.packaging.requirements import InvalidRequirement, Requirement  # type: ignore[no-redef]
-    from pip._vendor.packaging.specifiers import SpecifierSet  # type: ignore[no-redef]
-    from pip._vendor.packaging.utils import canonicalize_name  # type: ignore[no-redef]
-    from pip._vendor.packaging.version import InvalidVersion, Version  # type: ignore[no-redef]
+def _packaging():
+    """`packaging` when importable, else pip's vendored copy, found through sysconfig's purelib when
+    the interpreter runs with -S (envspec's own tests run it `python -I -S`)."""
+    try:
+        import packaging.requirements  # noqa: F401
+        return "packaging"
+    except ImportError:
+        pass
+    try:
+        import pip._vendor.packaging.requirements  # noqa: F401
+        return "pip._vendor.packaging"
+    except ImportError:
+        import sysconfig
+        sys.path.append(sysconfig.get_paths()["purelib"])
+        try:
+            import pip._vendor.packaging.requirements  # noqa: F401
+        finally:
+            sys.path.remove(sysconfig.get_paths()["purelib"])
+        return "pip._vendor.packaging"
+
+
+_PKG = _packaging()
+_m = {n: importlib.import_module(f"{_PKG}.{n}") for n in ("requirements", "specifiers", "utils", "version")}
+InvalidRequirement, Requirement = _m["requirements"].InvalidRequirement, _m["requirements"].Requirement
+SpecifierSet, canonicalize_name = _m["specifiers"].SpecifierSet, _m["utils"].canonicalize_name
+InvalidVersion, Version = _m["version"].InvalidVersion, _m["version"].Version
 
 BRIDGE, CORE = "megatron-bridge", "megatron-core"
 # Bridge minor -> the Core minor its release tags carry in 3rdparty/Megatron-LM (evidence above).

@@ -154,10 +154,15 @@ class ReleaseSet:
     asked: tuple[str, ...]
     resolved: tuple[Companion, ...] = ()
     dropped: tuple[Dropped, ...] = ()
-    conflicts: tuple[str, ...] = ()  # unsolvable lines (empty in a returned set unless strict=False callers keep them)
+    conflicts: tuple[str, ...] = ()  # unsolvable lines: only in `failed()`'s record (resolution raises instead)
     overridden: tuple[str, ...] = ()  # a user pin that beat a declared requirement (the user wins; shown in the verdict)
     notes: tuple[str, ...] = ()  # pairing mismatches, unreadable metadata
     candidates: tuple[dict, ...] = field(default=())  # per asked spec: name, version, origin
+
+    @classmethod
+    def failed(cls, specs: list[str], exc: UnsolvableReleaseSet) -> ReleaseSet:
+        """The record of an unsolvable set, for verdict.md and results.json before exiting 2."""
+        return cls(tuple(specs), conflicts=tuple(exc.lines))
 
     def drop_names(self) -> set[str]:
         """Names whose pins come out of requirements.txt, constraints.txt, requirements-verl.txt."""
@@ -171,6 +176,7 @@ class ReleaseSet:
         return [c.spec for c in self.resolved] + direct
 
     def mismatch(self) -> list[str]:
+        """The notes saying Bridge and Core are not one release (the gate says so instead of blaming torch)."""
         return [n for n in self.notes if n.startswith("mismatch:")]
 
     def to_dict(self) -> dict:
@@ -475,7 +481,8 @@ def resolve_release_set(specs: list[str], root: Path, baseline_venv: Path | None
     """Resolve the candidate `specs` into a release set against the project's pins at `root`.
 
     Raises UnsolvableReleaseSet (one line per conflict) when pip would have to satisfy contradicting
-    requirements; with strict=True a user pin against a declared requirement is one too."""
+    requirements; with strict=True a user pin against a declared requirement is one too. LookupError
+    when a candidate's metadata cannot be fetched (no such release); ValueError for a bad SPEC."""
     source = metadata or PipIndex()
     pins, pin_files = read_pins(root)
     nodeps = {n for n, fs in pin_files.items() if NODEPS in fs}

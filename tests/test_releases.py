@@ -197,6 +197,8 @@ def test_unsolvable_set_names_each_conflict_on_one_line(tmp_path):
         resolve_release_set(["megatron-core==0.15.3", "numpy==2.5.5", "torch==2.14.1"], root, None, idx)
     lines = exc.value.lines
     assert len(lines) == 2 and str(exc.value).count("\n") == 1
+    record = releases.ReleaseSet.failed(["megatron-core==0.15.3"], exc.value)
+    assert record.to_dict()["conflicts"] == lines and all(ln in record.markdown() for ln in lines)
     assert any("numpy==2.5.5" in ln and "numpy<2.0.0" in ln for ln in lines)
     assert any("torch==2.14.1" in ln and "torch<2.0" in ln for ln in lines)
 

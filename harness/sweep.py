@@ -163,7 +163,7 @@ def _first_line(text: str | None, limit: int = 160) -> str:
 def outcome(record: dict[str, Any] | None) -> tuple[str, str]:
     """(outcome, why) of one case record; why is the line a reader needs (error, reason), or ''."""
     if record is None:
-        return "absent", ""
+        return "absent", "no record of the case in this run"
     status, error = str(record.get("status")), record.get("error") or ""
     api = next((ln.strip() for ln in error.splitlines() if ln.strip().startswith(_API)), None)
     if status == "error" and api:
@@ -370,7 +370,7 @@ class SweepTable:
         groups: dict[tuple[str, str], tuple[set[int], list[str]]] = {}
         for row in self.cases:
             for i in row.holes:
-                reason = row.why[i] or (self.releases[i].error and _first_line(self.releases[i].error)) or ""
+                reason = _first_line(self.releases[i].error) or row.why[i]
                 rel, ids = groups.setdefault((row.outcomes[i], reason), (set(), []))
                 rel.add(i)
                 if row.id not in ids:

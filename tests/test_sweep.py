@@ -106,7 +106,7 @@ def test_api_not_available_is_a_coverage_hole(table):
     assert row.why[2].startswith("API not available in megatron-bridge 0.5.1")
     holes = {(o, why.split(":")[0]): (rel, ids) for rel, o, why, ids in table.holes()}
     assert holes[("api-missing", "API not available in megatron-bridge 0.5.1")] == ([1, 2], ["gap[t]", "api[w]"])
-    assert holes[("absent", "")] == ([2], ["missing[z]"])
+    assert holes[("absent", "no record of the case in this run")] == ([2], ["missing[z]"])
     assert holes[("not-run", "needs CUDA")] == ([0, 1, 2, 3, 4], ["notrun[s]"])  # one group, not one per release
 
 

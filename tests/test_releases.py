@@ -1,4 +1,4 @@
-"""Release sets (harness/releases.py) from fake metadata, no network: companions from a candidate's
+"""Release sets (harness/gate/releases.py) from fake metadata, no network: companions from a candidate's
 requirements, the Bridge->Core pairing (checked against the recorded tag evidence), conflicting pins'
 dependents dropped transitively, a user pin winning over a companion, and unsolvable sets."""
 
@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import releases
-from harness.releases import (BRIDGE_CORE, Metadata, MetadataSource, SpecifierSet, UnsolvableReleaseSet, Version,
-                              compatible, core_line, pairing_problem, resolve_release_set)
+from harness.gate import releases
+from harness.gate.releases import BRIDGE_CORE, Metadata, MetadataSource, SpecifierSet, UnsolvableReleaseSet, Version, compatible, core_line, pairing_problem, resolve_release_set
 
 ROOT = Path(__file__).resolve().parent.parent
 EVIDENCE = json.loads((ROOT / "tests" / "data" / "bridge_core_pairing.json").read_text())
@@ -314,7 +313,7 @@ def test_outputs_carry_asked_resolved_and_why(tmp_path):
 
 def test_runs_under_a_bare_isolated_interpreter(tmp_path):
     """envspec runs `python -I` (its tests `-I -S`): the module must import without site-packages."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from harness import releases as r; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from harness.gate import releases as r; "
             "print(r.compatible(r.SpecifierSet('<2'), r.SpecifierSet('>=2')))")
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(ROOT)], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr

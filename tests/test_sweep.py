@@ -1,4 +1,4 @@
-"""The release sweep table (harness/sweep.py) from canned results.json documents: change points,
+"""The release sweep table (harness/gate/sweep.py) from canned results.json documents: change points,
 changed checks, coverage holes, the --releases grammar, the writers, and run_cli. No network, no env."""
 
 import argparse
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import sweep
-from harness.sweep import SweepSpecError, cross_pairs, cross_table, parse_releases, sweep_table
+from harness.gate import sweep
+from harness.gate.sweep import SweepSpecError, cross_pairs, cross_table, parse_releases, sweep_table
 
 LABELS = ["megatron-bridge==0.4.2", "megatron-bridge==0.5.0", "megatron-bridge==0.5.1", "megatron-bridge==0.6.0", "megatron-bridge==0.7.0"]
 API = "API not available in megatron-bridge 0.5.1: ImportError: cannot import name 'AutoBridge' from 'megatron.bridge'"

@@ -61,7 +61,7 @@ def _harness(side: Side, args: list[str], log: Path) -> int:
     return proc.returncode
 
 
-def _build(side: Side, cache: Path) -> None:
+def build_side(side: Side, cache: Path) -> None:
     start = time.perf_counter()
     try:
         side.venv = envspec.ensure(side.specs, cache, ROOT)
@@ -74,7 +74,7 @@ def _build(side: Side, cache: Path) -> None:
     side.versions = json.loads(r.stdout) if r.returncode == 0 else {}
 
 
-def _run_matrix(side: Side, matrix: Path, k: str | None, out: Path) -> float:
+def run_matrix(side: Side, matrix: Path, k: str | None, out: Path) -> float:
     start = time.perf_counter()
     rc = _harness(side, ["run", str(matrix), "--report", str(out), *(["-k", k] if k else [])], out / "run.log")
     if rc not in (0, 1) or not (out / "results.json").exists():
@@ -82,7 +82,7 @@ def _run_matrix(side: Side, matrix: Path, k: str | None, out: Path) -> float:
     return time.perf_counter() - start
 
 
-def _cross(writer: Side, reader: Side, out: Path, rollback: bool) -> tuple[Path, float]:
+def run_cross(writer: Side, reader: Side, out: Path, rollback: bool) -> tuple[Path, float]:
     """`writer` makes a corpus, `reader` checks it; returns the reader's report dir."""
     start = time.perf_counter()
     corpus = out / f"written-by-{writer.name}"
@@ -155,7 +155,7 @@ def _results_rows(doc: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _stored_corpus(reader: Side, corpus: Path, out: Path) -> tuple[Path, float]:
+def stored_corpus(reader: Side, corpus: Path, out: Path) -> tuple[Path, float]:
     """The candidate reads a corpus written earlier (CI caches one per baseline pin hash)."""
     start = time.perf_counter()
     report = out / f"stored-to-{reader.name}"
@@ -189,20 +189,20 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
                 except ValueError as exc:
                     raise GateError(f"--{s.name} {spec!r}: {exc}") from None
         for s in sides:
-            _build(s, cache)
+            build_side(s, cache)
         for s in sides:
-            timings[f"{s.name} matrix"] = _run_matrix(s, matrix, k, out / s.name)
+            timings[f"{s.name} matrix"] = run_matrix(s, matrix, k, out / s.name)
         base, cand = compare.load(out / "baseline"), compare.load(out / "candidate")
         findings = compare.compare(base, cand, thresholds)
         if cross:
             for writer, reader, rollback in ((sides[0], sides[1], False), (sides[1], sides[0], True)):
-                report, secs = _cross(writer, reader, out / "cross", rollback)
+                report, secs = run_cross(writer, reader, out / "cross", rollback)
                 timings[f"cross {writer.name}->{reader.name}"] = secs
                 doc = compare.load(report)
                 cross_docs.append((f"{writer.name} writes, {reader.name} reads" + (" (rollback)" if rollback else ""), doc))
                 findings += cross_findings(doc, rollback)
         if corpus is not None:
-            report, timings["stored corpus -> candidate"] = _stored_corpus(sides[1], corpus, out / "cross")
+            report, timings["stored corpus -> candidate"] = stored_corpus(sides[1], corpus, out / "cross")
             doc = compare.load(report)
             cross_docs.append((f"stored corpus {corpus} ({doc['results'][0]['notes'][0] if doc['results'] else ''}), candidate reads", doc))
             findings += cross_findings(doc, rollback=False)

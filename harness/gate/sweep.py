@@ -4,7 +4,7 @@
     ckpt-harness sweep --from-results 0.4.2=runs/a 0.5.0=runs/b/results.json --out DIR
 
 The gate answers "is this one bump safe"; a sweep answers "in which release did this defect arrive,
-and in which did it leave". Each release set's run is a results.json (harness/report.py); this module
+and in which did it leave". Each release set's run is a results.json (harness/report/results.py); this module
 is the pure half: the --releases grammar, the table over the runs (`sweep_table`), the cross-version
 grid over golden-corpus checks (`cross_table`), and DIR/sweep.{md,html,json} (`write`). Building the
 environments is the caller's `driver` (run_cli), so every function here is tested on hand-made docs.
@@ -58,7 +58,7 @@ def _check_item(item: str, token: str) -> str:
     which is pure for those kinds; a path is checked when the driver builds it)."""
     if _is_path(item):
         return item
-    from harness import envspec
+    from harness.gate import envspec
 
     try:
         envspec.parse_spec(item)
@@ -75,7 +75,7 @@ def parse_releases(arg: str) -> list[list[str]]:
         RELEASES := SET ("," SET)*          sets are separated by commas
         SET      := ITEM ("+" ITEM)*        one release set may pin several packages at once
                   | VERSION                 continues the previous set's package
-        ITEM     := a SPEC of `gate --candidate` (harness/envspec.py): NAME==VERSION,
+        ITEM     := a SPEC of `gate --candidate` (harness/gate/envspec.py): NAME==VERSION,
                     NAME @ git+URL@COMMIT, a source tree (/..., ./..., ../..., ~...) or a .whl file
 
     `megatron-bridge==0.4.2,0.5.0,0.5.1` is three sets; `megatron-bridge==0.5.1+megatron-core==0.18.2`
@@ -437,7 +437,7 @@ def sweep_table(runs: list[tuple[str, dict[str, Any]]], cross: CrossTable | None
 
 _ARTEFACT = re.compile(r"^golden\[([^@\]]+)")
 _EXCEPTION = re.compile(r"\b([A-Z][A-Za-z0-9_]*(?:Exception|Error))\b")
-NOT_WRITTEN = "not written"  # harness.golden.NOT_WRITTEN starts so: the writer's failure, not the reader's
+NOT_WRITTEN = "not written"  # harness.gate.golden.NOT_WRITTEN starts so: the writer's failure, not the reader's
 
 
 def cross_pairs(labels: list[str]) -> list[tuple[str, str, bool]]:

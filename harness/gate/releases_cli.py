@@ -1,6 +1,6 @@
-"""Print the release set of candidate SPECs (harness/releases.py) without building anything.
+"""Print the release set of candidate SPECs (harness/gate/releases.py) without building anything.
 
-    python3.12 harness/releases_cli.py megatron-bridge==0.5.1 [SPEC ...] [--json] [--strict]
+    python3.12 harness/gate/releases_cli.py megatron-bridge==0.5.1 [SPEC ...] [--json] [--strict]
 
 Exit 0 with the set printed; 2 when the set is unsolvable (one line per conflict) or a SPEC is
 bad. Metadata of index releases is fetched with `pip download --no-deps` (no install).
@@ -13,11 +13,12 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a file by a bare python3.12: make `harness` importable
     sys.path.insert(0, str(ROOT))
 
-from harness import envspec, releases  # noqa: E402
+from harness.gate import envspec  # noqa: E402
+from harness.gate import releases
 
 
 def baseline_venv(root: Path, cache: Path) -> Path | None:

@@ -69,7 +69,7 @@ def build_side(side: Side, cache: Path) -> None:
     except (envspec.EnvBuildError, ValueError) as exc:
         raise GateError(f"the {side.name} environment ({' '.join(side.specs) or 'the pins'}) could not be built or imported:\n{exc}") from None
     side.build_s = time.perf_counter() - start
-    r = subprocess.run([str(side.venv / "bin" / "python"), "-c", "import json; from harness.report import versions; print(json.dumps(versions()))"],
+    r = subprocess.run([str(side.venv / "bin" / "python"), "-c", "import json; from harness.report.results import versions; print(json.dumps(versions()))"],
                        cwd=ROOT, capture_output=True, text=True, check=False)
     side.versions = json.loads(r.stdout) if r.returncode == 0 else {}
 

@@ -11,9 +11,11 @@ Classes of finding (one case can have several):
 |---|---|---|
 | regression | passed/xfailed -> failed/error; or a check that passed on base fails on the candidate (named) | yes |
 | new-refusal | base passed, candidate failed/error and its error or failed-check text names an exception (`...Error`, `...Exception`): the candidate raised where the baseline loaded (replaces `regression` for that case) | yes |
+| api-break | a candidate case errors because the candidate removed or renamed a public API users call (harness.gate.classify.PUBLIC_APIS) | yes |
 | diff-growth | a toleranced check's max abs diff grew past the tolerance's atol, by more than `diff_factor` x, or from 0 to > 0 | yes |
 | memory-growth | a phase's per-rank peak delta grew by more than `memory_pct` % AND more than `memory_mib` MiB | yes |
 | fixed-upstream | base xfailed -> candidate fails with XPASS(strict): the defect is fixed, drop the xfail | no |
+| not-evaluated | a candidate case errors for the harness's own limits: an API missing in a package unchanged between the sides, an internal API the harness's driver needs, or a Bridge/Core pair that is no release set (harness.gate.classify): a coverage hole, counted per case kind | no (listed) |
 | disappeared | a case on base is absent on the candidate, or a check that passed on base is absent or not run in a candidate case that passed/xfailed: coverage lost | no (warning) |
 | appeared | a case only on the candidate | no |
 | fixed | base failed/error -> candidate passed | no |
@@ -33,13 +35,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.gate import classify
 from harness.report.results import (
     _shows_diff,  # the one predicate for "this check's diff is toleranced"
 )
 
-FAILING = ("regression", "new-refusal", "diff-growth", "memory-growth")
+FAILING = ("regression", "new-refusal", "api-break", "diff-growth", "memory-growth")
 WARNING = ("disappeared",)
-ORDER = (*FAILING, "fixed-upstream", *WARNING, "not-run", "appeared", "fixed", "time-growth")
+ORDER = (*FAILING, "fixed-upstream", *WARNING, "not-evaluated", "not-run", "appeared", "fixed", "time-growth")
 OK = ("passed", "xfailed")
 BAD = ("failed", "error")
 MiB = 2**20
@@ -229,7 +232,7 @@ def compare(base: dict[str, Any], cand: dict[str, Any], thresholds: Thresholds =
             out += _status_findings(cid, bb, cc) + _lost_checks(cid, bb, cc)
             out += _diff_findings(cid, bb, cc, thresholds) + _memory_findings(cid, bb, cc, thresholds)
             out += _time_findings(cid, bb, cc)
-    return sorted(out, key=lambda f: (ORDER.index(f.kind), f.case))
+    return sorted(classify.reclassify(out, base, cand), key=lambda f: (ORDER.index(f.kind), f.case))
 
 
 def exit_code(findings: list[Finding]) -> int:

@@ -1,0 +1,106 @@
+"""Whose fault is a red candidate case: the candidate's, or the harness's own limits?
+
+A gate over a release the harness was not written against sees errors of three kinds, and the
+verdict must tell them apart (a candidate is never blamed for what the harness cannot drive):
+
+- **api-break** (fails the gate): the candidate removed or renamed an API *users* call, one of
+  the public entry points in `PUBLIC_APIS` (AutoBridge, `save_hf_adapter`,
+  `dist_checkpointing.save`, `get_megatron_optimizer`, ...). Whoever bumps will hit it too.
+- **not-evaluated** (a coverage hole, counted per case kind, never failing): the error says an
+  API is missing in a package whose version is the same on both sides (that package cannot be
+  the culprit: the harness's own call is wrong for the new neighbour), or an internal API the
+  harness's driver reaches for and this release does not have, or the environment pairs a
+  Megatron-Bridge with a Megatron-Core line it was not built against (not a valid release set).
+- everything else stays what compare found (regression, new-refusal, ...).
+
+Pure functions over results.json documents: the versions come from each document's own
+`versions` table, the pairing from harness.gate.releases (stdlib only).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any, Iterable
+
+#: The upstream entry points users call (issue 18 item 3): a candidate that loses one breaks users.
+PUBLIC_APIS = frozenset({
+    # Megatron-Bridge
+    "AutoBridge", "from_hf_pretrained", "to_megatron_provider", "provide_distributed_model", "to_megatron_model",
+    "save_hf_pretrained", "save_hf_weights", "export_hf_weights", "load_hf_weights", "save_hf_adapter",
+    "export_adapter_weights", "export_adapter_ckpt", "save_checkpoint", "load_checkpoint",
+    # Megatron-Core
+    "dist_checkpointing", "save", "load", "load_plain_tensors", "sharded_state_dict", "load_state_dict",
+    "get_megatron_optimizer", "DistributedDataParallel", "DistributedDataParallelConfig", "OptimizerConfig",
+    "GPTModel", "TransformerConfig", "initialize_model_parallel", "get_gpt_layer_local_spec",
+    "get_gpt_layer_with_transformer_engine_spec", "OptimizerParamScheduler", "FullyParallelSaveStrategyWrapper",
+    "FullyParallelLoadStrategyWrapper", "CheckpointingException", "StrictHandling",
+    # verl
+    "MegatronCheckpointManager",
+    # peft / transformers
+    "PeftModel", "LoraConfig", "get_peft_model", "AutoModelForCausalLM", "from_pretrained", "save_pretrained",
+})
+API_LINE = re.compile(r"^API not available in (\S+) (\S+): (.*)$", re.M)
+_MISSING = re.compile(r"has no attribute '(\w+)'|cannot import name '(\w+)'|No module named '([\w.]+)'")
+
+
+def missing_name(text: str) -> str | None:
+    """The attribute, name or module an import/attribute error says is missing (its last part)."""
+    m = _MISSING.search(text)
+    if not m:
+        return None
+    return next(g for g in m.groups() if g).rsplit(".", 1)[-1]
+
+
+def _pair_problem(versions: dict[str, Any]) -> str | None:
+    bridge, core = versions.get("megatron-bridge"), versions.get("megatron-core")
+    if not bridge or not core:
+        return None
+    from harness.gate.releases import pairing_problem
+
+    return pairing_problem(str(bridge), str(core))
+
+
+def cause(case: dict[str, Any], base_versions: dict[str, Any], cand_versions: dict[str, Any]) -> tuple[str, str] | None:
+    """('api-break' | 'not-evaluated', why) for a candidate case in error, or None (compare's call stands)."""
+    if case.get("status") != "error":
+        return None
+    error = case.get("error") or ""
+    if m := API_LINE.search(error):
+        package, version, what = m.groups()
+        if base_versions.get(package) == cand_versions.get(package) and base_versions.get(package) is not None:
+            return ("not-evaluated", f"the harness's call fails in {package} {version}, the same version on both sides, so "
+                    f"not the candidate: {what}")
+        name = missing_name(what)
+        if name in PUBLIC_APIS:
+            return "api-break", f"{package} {version} no longer offers {name}, a public API users call: {what}"
+        return ("not-evaluated", f"the harness has no driver for {package} {version}: it reaches for "
+                f"{name or 'an internal API'} that this release does not offer ({what})")
+    if problem := _pair_problem(cand_versions):
+        return "not-evaluated", f"not a valid release set: {problem}"
+    return None
+
+
+def reclassify(findings: Iterable[Any], base: dict[str, Any], cand: dict[str, Any]) -> list[Any]:
+    """compare's findings with the candidate's own errors sorted into api-break / not-evaluated."""
+    bv, cv = base.get("versions") or {}, cand.get("versions") or {}
+    cases = {r["id"]: r for r in cand.get("results") or []}
+    out = []
+    for f in findings:
+        c = cases.get(f.case)
+        found = cause(c, bv, cv) if c is not None and f.kind in ("regression", "new-refusal") else None
+        out.append(replace(f, kind=found[0], detail=f"{f.base} -> {f.candidate}: {found[1]}") if found else f)
+    return out
+
+
+def case_kind(case_id: str) -> str:
+    """`reshard-weights[...]` -> `reshard-weights`: the unit 'could not evaluate' is counted in."""
+    return case_id.split("[", 1)[0]
+
+
+def evaluated(cand: dict[str, Any], findings: Iterable[Any]) -> int:
+    """How many candidate cases gave a real result (passed, failed, xfailed, or an error the
+    candidate is to blame for): the gate can say nothing only when this is 0."""
+    holes = {f.case for f in findings if f.kind == "not-evaluated"}
+    return sum(1 for r in cand.get("results") or []
+               if r["id"] not in holes and r.get("status") in ("passed", "failed", "xfailed", "error"))

@@ -1,0 +1,72 @@
+"""Partial environments (issue 18 item 4): a red candidate case is the candidate's fault only when
+the candidate is to blame. Hand-made results.json documents through compare, as the gate sees them."""
+
+from __future__ import annotations
+
+from harness.gate import classify
+from harness.gate.compare import compare, exit_code
+
+PINS = {"torch": "2.14.1", "megatron-core": "0.19.2", "megatron-bridge": "0.6.2", "transformers": "5.12.1"}
+
+
+def doc(versions: dict, **cases: tuple[str, str]) -> dict:
+    return {"versions": versions, "results": [
+        {"id": cid, "status": status, "error": error or None, "checks": []} for cid, (status, error) in cases.items()]}
+
+
+def run(cand_versions: dict, status: str, error: str):
+    base = doc(PINS, **{"reshard-optimizer[x]": ("passed", "")})
+    cand = doc(cand_versions, **{"reshard-optimizer[x]": (status, error)})
+    return compare(base, cand), cand
+
+
+def test_an_api_missing_in_a_package_unchanged_on_both_sides_is_never_the_candidate():
+    cand_v = {**PINS, "megatron-core": "0.18.2", "megatron-bridge": "0.5.1"}
+    (f,), _ = run(cand_v, "error", "API not available in torch 2.14.1: AttributeError: 'DistributedOptimizer' object "
+                                   "has no attribute 'optimizer_state_keys'\nWorldError: rank 0 raised")
+    assert f.kind == "not-evaluated" and not f.failing
+    assert "same version on both sides" in f.detail and "torch 2.14.1" in f.detail
+
+
+def test_a_public_api_the_candidate_removed_is_a_breaking_change_that_fails():
+    cand_v = {**PINS, "megatron-bridge": "0.3.1", "megatron-core": "0.16.1"}
+    (f,), _ = run(cand_v, "error", "API not available in megatron-bridge 0.3.1: AttributeError: 'AutoBridge' object "
+                                   "has no attribute 'save_hf_adapter'")
+    assert f.kind == "api-break" and f.failing and "save_hf_adapter" in f.detail
+    assert exit_code([f]) == 1
+
+
+def test_an_internal_api_the_harness_reaches_for_is_a_coverage_hole():
+    cand_v = {**PINS, "megatron-core": "0.18.2", "megatron-bridge": "0.5.1"}
+    (f,), _ = run(cand_v, "error", "API not available in megatron-core 0.18.2: AttributeError: 'DistributedOptimizer' "
+                                   "object has no attribute 'prepare_model_params_for_param_sync'")
+    assert f.kind == "not-evaluated" and "no driver for megatron-core 0.18.2" in f.detail
+
+
+def test_a_bridge_core_pair_that_is_no_release_set_is_not_blamed():
+    cand_v = {**PINS, "megatron-core": "0.18.2"}  # Bridge 0.6.2 was built against Core 0.19
+    (f,), _ = run(cand_v, "error", "RuntimeError: something deep in the Bridge")
+    assert f.kind == "not-evaluated" and "not a valid release set" in f.detail
+
+
+def test_a_wrong_value_stays_a_regression_and_a_valid_pair_error_stays_red():
+    cand_v = {**PINS, "megatron-core": "0.19.1"}
+    (f,), _ = run(cand_v, "failed", "")
+    assert f.kind == "regression" and f.failing
+    (g,), _ = run(cand_v, "error", "RuntimeError: boom")
+    assert g.kind in ("regression", "new-refusal") and g.failing
+
+
+def test_evaluated_counts_only_real_results():
+    cand_v = {**PINS, "megatron-core": "0.18.2"}
+    findings, cand = run(cand_v, "error", "RuntimeError: x")
+    assert classify.evaluated(cand, findings) == 0
+    findings, cand = run({**PINS, "megatron-core": "0.19.1"}, "error", "RuntimeError: x")
+    assert classify.evaluated(cand, findings) == 1
+
+
+def test_missing_name_reads_each_error_form():
+    assert classify.missing_name("AttributeError: module 'x' has no attribute 'GroupedLinear'") == "GroupedLinear"
+    assert classify.missing_name("ImportError: cannot import name 'save_hf_adapter' from 'a.b'") == "save_hf_adapter"
+    assert classify.missing_name("ModuleNotFoundError: No module named 'megatron.core.dist_checkpointing.strategies.base'") == "base"
+    assert classify.missing_name("ValueError: nothing missing") is None

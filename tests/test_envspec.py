@@ -32,7 +32,7 @@ def test_baseline_key_is_the_bash_formula():
 
 def test_cli_key_runs_stdlib_only_and_isolated():
     """scripts/ensure-env runs the file with `python -I` before any venv exists: no site-packages needed."""
-    r = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "harness" / "gate" / "envspec.py"), "key", "megatron-core==0.18.1"],
+    r = subprocess.run([sys.executable, "-I", "-S", str(ROOT / "harness" / "gate" / "envspec.py"), "key", "--exact", "megatron-core==0.18.1"],
                        capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == resolve(ROOT, [parse_spec("megatron-core==0.18.1")]).key != resolve(ROOT, []).key
@@ -203,14 +203,14 @@ def test_ensure_failing_install_raises_with_the_pip_log_tail(tmp_path, monkeypat
     monkeypatch.setenv("CKPT_HARNESS_PIP", str(stub(tmp_path, 'echo "ERROR: No matching distribution found for megatron-bridge==9.9.9"; exit 1')))
     cache = tmp_path / "cache"
     with pytest.raises(EnvBuildError) as e:
-        envspec.ensure(["megatron-bridge==9.9.9"], cache, ROOT, python=sys.executable)
+        envspec.ensure(["megatron-bridge==9.9.9"], cache, ROOT, python=sys.executable, companions=False)
     key = resolve(ROOT, [parse_spec("megatron-bridge==9.9.9")]).key
     msg = str(e.value)
     assert "ERROR: No matching distribution found for megatron-bridge==9.9.9" in msg
     assert f"full log: {cache / f'install-{key}.log'}" in msg and (cache / f"install-{key}.log").exists()
     assert not (cache / f"venv-{key}" / ".complete").exists()
     # The CLI: exit 2 and the same text, no traceback.
-    r = subprocess.run([sys.executable, "-I", str(ROOT / "harness" / "gate" / "envspec.py"), "ensure", "--cache", str(cache), "megatron-bridge==9.9.9"],
+    r = subprocess.run([sys.executable, "-I", str(ROOT / "harness" / "gate" / "envspec.py"), "ensure", "--exact", "--cache", str(cache), "megatron-bridge==9.9.9"],
                        capture_output=True, text=True, check=False)
     assert r.returncode == 2 and "No matching distribution" in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
 
@@ -220,7 +220,7 @@ def test_ensure_builds_once_records_provenance_and_reuses(tmp_path, monkeypatch)
     monkeypatch.setenv("CKPT_HARNESS_PIP", str(stub(
         tmp_path, f'echo "$*" >> {calls}\n[ "$1" = freeze ] && printf "megatron-core==0.18.1\\ntorch==2.14.1\\n"\nexit 0')))
     cache = tmp_path / "cache"
-    venv = envspec.ensure(["megatron-core==0.18.1"], cache, ROOT, python=sys.executable)
+    venv = envspec.ensure(["megatron-core==0.18.1"], cache, ROOT, python=sys.executable, companions=False)
     key = resolve(ROOT, [parse_spec("megatron-core==0.18.1")]).key
     assert venv == cache / f"venv-{key}" and (venv / ".complete").exists() and (venv / "bin" / "python").exists()
     log = calls.read_text().splitlines()
@@ -240,7 +240,7 @@ def test_ensure_builds_once_records_provenance_and_reuses(tmp_path, monkeypatch)
     [o] = env["overrides"]
     assert (o["kind"], o["name"], o["version"], o["installed"]) == ("version", "megatron-core", "0.18.1", "megatron-core==0.18.1")
     # Reuse: no second install of anything but the (still unsatisfied, stubbed) editable harness.
-    assert envspec.ensure(["megatron_core==0.18.1"], cache, ROOT, python=sys.executable) == venv
+    assert envspec.ensure(["megatron_core==0.18.1"], cache, ROOT, python=sys.executable, companions=False) == venv
     assert [ln for ln in calls.read_text().splitlines()[5:] if "-e" not in ln.split()] == []
 
 
@@ -258,3 +258,34 @@ def test_check_import_passes_and_fails_with_the_stderr_tail():
 def test_check_import_of_megatron_in_this_venv():
     """The real check a candidate gets (~15 s: torch, megatron-core, Megatron-Bridge through the TE stub)."""
     envspec.check_import(Path(sys.prefix))
+
+
+class _FakeReleaseSet:
+    """What resolve() reads of a harness.gate.releases.ReleaseSet."""
+
+    def drop_names(self):
+        return {"numpy", "contourpy", "megatron-bridge"}  # a --no-deps pin is only moved by the user
+
+    def extra_specs(self):
+        return ["numpy<2.0.0"]
+
+
+def named(text: str) -> set[str]:
+    return {ln.split("==")[0].split(" ")[0] for ln in pins(text)}
+
+
+def test_a_release_set_moves_its_companions_and_their_dependents():
+    base = resolve(ROOT, [parse_spec("megatron-core==0.15.3")])
+    req = resolve(ROOT, [parse_spec("megatron-core==0.15.3")], _FakeReleaseSet())
+    assert "numpy" in named(base.constraints) and "contourpy" in named(base.constraints)
+    assert "numpy" not in named(req.constraints) and "contourpy" not in named(req.constraints)
+    assert "numpy<2.0.0" in req.requirements.splitlines() and "numpy==2.5.5" not in pins(req.requirements)
+    assert "megatron-bridge" in named(req.nodeps)  # not the user's to move: kept
+    assert req.key != base.key
+
+
+def test_an_unknown_release_is_refused_before_any_build(tmp_path):
+    """The release set reads the candidate's metadata first: a version the index lacks ends at once."""
+    r = subprocess.run([sys.executable, "-I", str(ROOT / "harness" / "gate" / "envspec.py"), "key", "--cache", str(tmp_path),
+                        "megatron-bridge==9.9.9"], capture_output=True, text=True, check=False)
+    assert r.returncode == 2 and "megatron-bridge==9.9.9" in r.stderr and "Traceback" not in r.stderr

@@ -30,20 +30,33 @@ import hashlib
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+if not __package__:  # run as a file (scripts/ensure-env: python3.12 -I): the checkout's harness is importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from harness.gate.installers import (  # noqa: E402
+    UV_JSON,
+    EnvBuildError,
+    Uv,
+    freeze_command,
+    installer,
+    pip_command,
+    run_logged,
+    tail,
+)
+from harness.gate.releases import UnsolvableReleaseSet  # noqa: E402
 
 REQUIREMENTS, NODEPS, CONSTRAINTS = "requirements.txt", "requirements-nodeps.txt", "constraints.txt"
 VERL = "requirements-verl.txt"  # the verl_manager backend's deps: installed with REQUIREMENTS, part of the key
 ENV_JSON = "ckpt-env.json"
-UV_JSON = ".ckpt-uv.json"  # inside a uv-built venv: which uv binary and store built it
 REQUEST_DIR = ".ckpt-request"  # inside the venv: the exact files pip was given
-TAIL = 30
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
 _VERSION = re.compile(rf"^({_NAME})\s*==\s*([A-Za-z0-9][A-Za-z0-9.+!_-]*)$")
 _VCS = re.compile(rf"^({_NAME})\s*@\s*(git\+(?:https?|ssh|file)://\S+)$")
@@ -51,10 +64,6 @@ _LINE_NAME = re.compile(rf"^\s*({_NAME})")
 _COMMIT = re.compile(r"^[0-9a-fA-F]{7,40}$")
 # Build products pip/setuptools write into a source tree when installing it: not part of its identity.
 _BUILD_ARTEFACTS = {".git", "__pycache__", "build", "dist", ".eggs", ".tox", ".venv", ".pytest_cache"}
-
-
-class EnvBuildError(Exception):
-    """A candidate environment could not be installed or imported; the message is for the user."""
 
 
 def normalize(name: str) -> str:
@@ -218,7 +227,10 @@ def _read(root: Path, name: str) -> str:
     return (root / name).read_bytes().decode("utf-8")  # bytes as `cat` sees them (no newline translation)
 
 
-def resolve(root: Path, overrides: list[Override]) -> Request:
+def resolve(root: Path, overrides: list[Override], release_set: Any = None) -> Request:
+    """The four files with every overridden pin dropped and the overrides added; with a
+    `release_set` (harness.gate.releases) also the pins its companions move (and their dependents)
+    dropped and the companions' ranges added, so pip re-resolves them instead of keeping them."""
     names = [o.name for o in overrides]
     if dup := sorted({n for n in names if names.count(n) > 1}):
         raise ValueError(f"{', '.join(dup)}: overridden more than once")
@@ -227,155 +239,45 @@ def resolve(root: Path, overrides: list[Override]) -> Request:
     if not overrides:
         return Request(req, nodeps, cons, verl=verl)
     dropped, no_deps = set(names), _names(nodeps)
+    moved = (release_set.drop_names() - no_deps) if release_set is not None else set()
+    extra = list(release_set.extra_specs()) if release_set is not None else []
     return Request(
-        _append(_drop(req, dropped), [o.requirement for o in overrides if o.name not in no_deps]),
+        _append(_drop(req, dropped | moved), [o.requirement for o in overrides if o.name not in no_deps] + extra),
         _append(_drop(nodeps, dropped), [o.requirement for o in overrides if o.name in no_deps]),
-        _drop(cons, dropped),
+        _drop(cons, dropped | moved),
         tuple(overrides),
-        verl=_drop(verl, dropped),
+        verl=_drop(verl, dropped | moved),
     )
 
 
-def pip_command(venv: Path) -> list[str]:
-    """Every pip call goes through here; CKPT_HARNESS_PIP (a command line) replaces it, so tests can
-    point it at a stub instead of spending minutes on real installs."""
-    if stub := os.environ.get("CKPT_HARNESS_PIP"):
-        return shlex.split(stub)
-    return [str(venv / "bin" / "python"), "-m", "pip"]
+def release_set(specs: list[str], root: Path, cache: Path) -> Any:
+    """What else must move with these overrides (harness.gate.releases): companions from the
+    candidates' own metadata and the Bridge -> Core pairing, printed before anything is built.
+    Raises releases.UnsolvableReleaseSet (one line per conflict) or LookupError."""
+    from harness.gate import releases
 
-
-# ------------------------------------------------------------------ installers: uv (default) or pip
-# Every venv is a full torch + megatron stack (~6.6 GB). uv installs from one package store under
-# the cache (`uv-cache`) by hard links, so an env that differs from another by three packages costs
-# about those three packages on disk, and a sweep of ten releases fits where ten pip envs do not.
-# CKPT_HARNESS_INSTALLER=pip builds the old way; a CKPT_HARNESS_PIP stub (tests) always means pip.
-
-def installer() -> str:
-    if os.environ.get("CKPT_HARNESS_PIP"):
-        return "pip"
-    choice = os.environ.get("CKPT_HARNESS_INSTALLER", "uv")
-    if choice not in ("uv", "pip"):
-        raise ValueError(f"CKPT_HARNESS_INSTALLER must be uv or pip, got {choice!r}")
-    return choice
-
-
-def _pip_config(python: str) -> dict[str, str]:
-    """pip's own configuration (files and PIP_* variables), as `pip config list` prints it: the
-    index a uv install must use is the one pip uses here, never a host written into this file."""
-    r = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False,
-                       stdin=subprocess.DEVNULL)
-    out: dict[str, str] = {}
-    for line in r.stdout.splitlines() if r.returncode == 0 else []:
-        key, sep, value = line.partition("=")
-        if not sep:
-            continue
-        scope, _, name = key.rpartition(".")
-        if scope.endswith(("install", "download")) or scope in ("global", ":env:", ""):
-            value = value.strip().strip("'\"")
-            # later scopes (PIP_* variables, listed last) win, as in pip
-            out[name] = value
-    return out
-
-
-def uv_index_args(config: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """uv arguments and environment for pip's index configuration. pip merges every index and takes
-    the best version; uv's equivalent is `--index-strategy unsafe-best-match`."""
-    args = ["--index-strategy", "unsafe-best-match"]
-    if config.get("index-url"):
-        args += ["--index-url", config["index-url"]]
-    for url in config.get("extra-index-url", "").split():
-        args += ["--extra-index-url", url]
-    for link in config.get("find-links", "").split():
-        args += ["--find-links", link]
-    if config.get("no-index", "").lower() in ("1", "true", "yes", "on"):
-        args.append("--no-index")
-    env = {"SSL_CERT_FILE": config["cert"]} if config.get("cert") else {}
-    return args, env
-
-
-TOOLS = "requirements-tools.txt"  # the pinned uv that builds the envs
-
-
-def uv_binary(root: Path, cache: Path, python: str, log: Path) -> Path:
-    """The pinned uv (requirements-tools.txt), installed once into the cache by pip itself
-    (`pip install --target`, pip's own index config); CKPT_HARNESS_UV names another binary."""
-    if named := os.environ.get("CKPT_HARNESS_UV"):
-        return Path(named)
-    pin = next((ln.strip() for ln in _read(root, TOOLS).splitlines() if _LINE_NAME.match(ln)), "uv")
-    target = cache / "tools" / re.sub(r"[^A-Za-z0-9.]+", "-", pin)
-    uv = target / "bin" / "uv"
-    if not uv.exists():
-        _run_logged([python, "-m", "pip", "install", "-q", "--target", str(target), pin], log)
-    return uv
-
-
-@dataclass(frozen=True)
-class Uv:
-    """uv pip over one shared store: `uv venv`, then `uv pip install` with pip's index configuration."""
-
-    binary: Path
-    store: Path  # the package store every env links from
-    index: tuple[str, ...]
-    env: tuple[tuple[str, str], ...]
-
-    @classmethod
-    def configured(cls, root: Path, cache: Path, python: str, log: Path) -> "Uv":
-        args, env = uv_index_args(_pip_config(python))
-        return cls(uv_binary(root, cache, python, log), cache / "uv-cache", tuple(args), tuple(sorted(env.items())))
-
-    def run(self, args: list[str], log: Path) -> None:
-        _run_logged([str(self.binary), *args], log, env={**os.environ, "UV_CACHE_DIR": str(self.store),
-                                                        "UV_LINK_MODE": "hardlink", **dict(self.env)})
-
-    def venv(self, python: str, venv: Path, log: Path) -> None:
-        self.run(["venv", "--quiet", "--python", python, str(venv)], log)
-
-    def install(self, venv: Path, args: list[str], log: Path) -> None:
-        self.run(["pip", "install", "--python", str(venv / "bin" / "python"), *self.index, *args], log)
-
-
-def _tail(text: str, n: int = TAIL) -> str:
-    return "\n".join(text.rstrip().splitlines()[-n:])
-
-
-def _run_logged(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-    with log.open("a") as f:
-        f.write(f"$ {shlex.join(cmd)}\n")
-        f.flush()
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False,
-                                env=env).returncode
-        except OSError as exc:
-            f.write(f"{exc}\n")
-            rc = -1
-    if rc != 0:
-        raise EnvBuildError(f"{_tail(log.read_text(errors='replace'))}\n"
-                            f"ckpt-harness: environment install failed ({shlex.join(cmd)} exited {rc}); full log: {log}")
+    baseline = cache / f"venv-{resolve(root, []).key}"
+    rs = releases.resolve_release_set(specs, root, baseline if (baseline / ".complete").exists() else None)
+    print(rs.text(), file=sys.stderr)
+    return rs
 
 
 def _has_requirements(text: str) -> bool:
     return any(_LINE_NAME.match(ln) for ln in text.splitlines())
 
 
-def _freeze_command(venv: Path) -> list[str]:
-    """pip freeze where the venv has pip (pip-built, or a stub); uv's otherwise (uv venvs hold no pip)."""
-    if os.environ.get("CKPT_HARNESS_PIP") or (venv / "bin" / "pip").exists():
-        return [*pip_command(venv), "freeze"]
-    uv = json.loads((venv / UV_JSON).read_text())["uv"]
-    return [uv, "pip", "freeze", "--python", str(venv / "bin" / "python")]
-
-
-def _write_env_json(venv: Path, specs: list[str], req: Request) -> None:
+def _write_env_json(venv: Path, specs: list[str], req: Request, rs: Any = None) -> None:
     """Provenance next to the venv: what was asked (specs, overrides) and what pip installed."""
-    r = subprocess.run(_freeze_command(venv), capture_output=True, text=True, check=False)
+    r = subprocess.run(freeze_command(venv), capture_output=True, text=True, check=False)
     if r.returncode != 0:
-        raise EnvBuildError(f"{_tail(r.stdout + r.stderr)}\nckpt-harness: pip freeze failed in {venv}")
+        raise EnvBuildError(f"{tail(r.stdout + r.stderr)}\nckpt-harness: pip freeze failed in {venv}")
     freeze = r.stdout.splitlines()
     installed = {normalize(m[1]): ln for ln in freeze if (m := _LINE_NAME.match(ln))}
     doc = {
         "specs": specs,
         "key": req.key,
         "overrides": [{**asdict(o), "installed": installed.get(o.name)} for o in req.overrides],
+        "release_set": rs.to_dict() if rs is not None else None,
         "pip_freeze": freeze,
     }
     (venv / ENV_JSON).write_text(json.dumps(doc, indent=2) + "\n")
@@ -390,7 +292,7 @@ def _python(python: str | None) -> str:
                         f"{sys.version.split()[0]}: run this file with python3.12 (scripts/ensure-env finds one; CKPT_HARNESS_PYTHON names it)")
 
 
-def _build(venv: Path, req: Request, specs: list[str], cache: Path, python: str, root: Path) -> None:
+def _build(venv: Path, req: Request, specs: list[str], cache: Path, python: str, root: Path, rs: Any = None) -> None:
     shutil.rmtree(venv, ignore_errors=True)  # only ever our own half-built venv under the cache dir
     how = installer()
     print(f"ckpt-harness: building environment {venv} with {how} (first run: ~5 min, ~6 GB; "
@@ -401,7 +303,7 @@ def _build(venv: Path, req: Request, specs: list[str], cache: Path, python: str,
     if uv:
         uv.venv(python, venv, log)
     else:
-        _run_logged([python, "-m", "venv", str(venv)], log)
+        run_logged([python, "-m", "venv", str(venv)], log)
     files = venv / REQUEST_DIR
     files.mkdir()
     for name, text in ((REQUIREMENTS, req.requirements), (NODEPS, req.nodeps), (CONSTRAINTS, req.constraints), (VERL, req.verl)):
@@ -416,11 +318,11 @@ def _build(venv: Path, req: Request, specs: list[str], cache: Path, python: str,
             uv.install(venv, nodeps_args, log)
     else:
         pip = pip_command(venv)
-        _run_logged([*pip, "install", "--upgrade", "pip"], log)
-        _run_logged([*pip, "install", *main_args], log)
+        run_logged([*pip, "install", "--upgrade", "pip"], log)
+        run_logged([*pip, "install", *main_args], log)
         if nodeps_args:
-            _run_logged([*pip, "install", *nodeps_args], log)
-    _write_env_json(venv, specs, req)
+            run_logged([*pip, "install", *nodeps_args], log)
+    _write_env_json(venv, specs, req, rs)
     (venv / ".complete").touch()
 
 
@@ -443,23 +345,25 @@ def _ensure_editable(venv: Path, root: Path, cache: Path, key: str) -> None:
             Uv.configured(root, Path(uv["store"]).parent, uv["python"], log).install(
                 venv, ["--no-deps", "-e", str(root)], log)
         else:
-            _run_logged([*pip_command(venv), "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(root)], log)
+            run_logged([*pip_command(venv), "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(root)], log)
     except EnvBuildError as exc:
         raise EnvBuildError(f"{exc}\nckpt-harness: the editable harness install failed") from None
 
 
-def ensure(specs: list[str], cache: Path, root: Path, python: str | None = None) -> Path:
+def ensure(specs: list[str], cache: Path, root: Path, python: str | None = None, companions: bool = True) -> Path:
     """Build (once) or reuse the venv of baseline + `specs`; returns its path. Raises ValueError for a
     bad spec, EnvBuildError when pip fails (with the log tail and the log's path)."""
-    req = resolve(root, [parse_spec(s) for s in specs])
+    overrides = [parse_spec(s) for s in specs]
+    rs = release_set(specs, root, cache) if overrides and companions else None
+    req = resolve(root, overrides, rs)
     cache.mkdir(parents=True, exist_ok=True)
     venv = cache / f"venv-{req.key}"
     with open(cache / f".lock-{req.key}", "w") as lock:  # same lock file and flock(2) as the old bash
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (venv / ".complete").exists():
-            _build(venv, req, specs, cache, _python(python), root)
+            _build(venv, req, specs, cache, _python(python), root, rs)
         elif not (venv / ENV_JSON).exists():  # built before this file existed
-            _write_env_json(venv, specs, req)
+            _write_env_json(venv, specs, req, rs)
         _ensure_editable(venv, root, cache, req.key)
     return venv
 
@@ -479,7 +383,7 @@ def check_import(venv: Path, modules: tuple[str, ...] = ("megatron.core", "megat
     r = subprocess.run([str(venv / "bin" / "python"), "-W", "ignore", "-c", "\n".join(code)], capture_output=True, text=True,
                        cwd=root or Path(__file__).resolve().parents[2], check=False)
     if r.returncode != 0:
-        raise EnvBuildError(f"{_tail(r.stderr)}\nckpt-harness: {', '.join(modules)} do not import in {venv}")
+        raise EnvBuildError(f"{tail(r.stderr)}\nckpt-harness: {', '.join(modules)} do not import in {venv}")
 
 
 def _default_cache() -> Path:
@@ -493,19 +397,26 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(cmd, help="print the venv path (building it once)" if cmd == "ensure" else "print the env key")
         p.add_argument("specs", nargs="*", metavar="SPEC")
         p.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2], help="the harness checkout")
+        p.add_argument("--cache", type=Path, default=_default_cache(), help="default: $CKPT_HARNESS_HOME or ~/.cache/ckpt-harness")
+        p.add_argument("--exact", action="store_true",
+                       help="override only what is named: no release-set companions (reads no package metadata)")
         if cmd == "ensure":
-            p.add_argument("--cache", type=Path, default=_default_cache(), help="default: $CKPT_HARNESS_HOME or ~/.cache/ckpt-harness")
             p.add_argument("--check-import", action="store_true", help="also import megatron.core and megatron.bridge in it")
     args = parser.parse_args(argv)
     try:
         if args.command == "key":
-            print(resolve(args.root, [parse_spec(s) for s in args.specs]).key)
+            overrides = [parse_spec(s) for s in args.specs]
+            rs = release_set(args.specs, args.root, args.cache) if overrides and not args.exact else None
+            print(resolve(args.root, overrides, rs).key)
             return 0
-        venv = ensure(args.specs, args.cache, args.root)  # built with the python running this (3.12)
+        venv = ensure(args.specs, args.cache, args.root, companions=not args.exact)  # built with this python (3.12)
         if args.check_import:
             check_import(venv, root=args.root)
-    except (EnvBuildError, ValueError, OSError) as exc:
-        print(f"ckpt-harness: {exc}" if isinstance(exc, ValueError) else str(exc), file=sys.stderr)
+    except (EnvBuildError, ValueError, OSError, LookupError) as exc:  # UnsolvableReleaseSet is caught first
+        print(f"ckpt-harness: {exc}" if isinstance(exc, (ValueError, LookupError)) else str(exc), file=sys.stderr)
+        return 2
+    except UnsolvableReleaseSet as exc:  # one line per conflicting requirement
+        print("ckpt-harness: the release set cannot be installed:\n" + "\n".join(f"  {ln}" for ln in exc.lines), file=sys.stderr)
         return 2
     print(venv)
     return 0

@@ -22,11 +22,17 @@ def _r(cid, status, checks=(), error=None):
 def test_cross_version_findings():
     forward = _doc(_r("golden[model-dist@a->b-baseline->candidate]", "passed"),
                    _r("golden[optim@a->b-baseline->candidate]", "failed", [("optimizer-state", "failed", "1 mismatch")]),
-                   _r("golden[hf@a->b-baseline->candidate]", "error", error="API not available in megatron-core 0.18.2: ImportError: x\nmore"))
-    found = cross_findings(forward, rollback=False)
-    assert [f.case for f in found] == ["golden[optim@a->b-baseline->candidate]", "golden[hf@a->b-baseline->candidate]"]
-    assert all(f.failing for f in found) and "checks optimizer-state" in found[0].detail
-    assert "API not available in megatron-core 0.18.2" in found[1].detail
+                   _r("golden[hf@a->b-baseline->candidate]", "error", error="API not available in megatron-core 0.18.2: ImportError: x\nmore"),
+                   _r("golden[peft@a->b-baseline->candidate]", "error",
+                      error="API not available in megatron-bridge 0.5.1: AttributeError: 'AutoBridge' object has no attribute 'save_hf_adapter'"))
+    found = cross_findings(forward, False, {"megatron-core": "0.19.2"}, {"megatron-core": "0.18.2"})
+    assert [f.case for f in found] == ["golden[optim@a->b-baseline->candidate]", "golden[hf@a->b-baseline->candidate]",
+                                       "golden[peft@a->b-baseline->candidate]"]
+    assert found[0].failing and found[0].kind == "regression" and "checks optimizer-state" in found[0].detail
+    # the harness's own reach into an internal name it cannot find: a hole, not the candidate's fault
+    assert found[1].kind == "not-evaluated" and not found[1].failing and "megatron-core 0.18.2" in found[1].detail
+    # a public API the candidate dropped: a break for users, failing
+    assert found[2].kind == "api-break" and found[2].failing and "save_hf_adapter" in found[2].detail
     rollback = _doc(_r("golden[model-dist@a->b-candidate->baseline]", "passed", [("refusal", "passed", "refused cleanly")]),
                     _r("golden[peft@a->b-candidate->baseline]", "failed", [("adapter-params", "failed", "values differ")]))
     (f,) = cross_findings(rollback, rollback=True)
@@ -191,3 +197,20 @@ def test_junit_xml_has_one_testcase_per_case_with_its_outcome(tmp_path):
     assert "check logits failed" in cases["b[x]"].find("failure").text
     assert cases["c[x]"].find("error").get("message") == "rank 1 of 2 raised:" and "KeyError" in cases["c[x]"].find("error").text
     assert "megatron-core defect" in cases["d[x]"].find("skipped").get("message")
+
+
+def test_verdict_separates_regressions_api_breaks_and_what_could_not_be_evaluated():
+    rs = {"asked": ["megatron-bridge==0.5.1"], "resolved": [{"name": "megatron-core", "spec": "megatron-core<0.19.0,>=0.18.0",
+          "reason": "megatron-bridge 0.5.1 was built against this Core line"}], "dropped": [], "overridden": [], "notes": []}
+    sides = [Side("baseline", []), Side("candidate", ["megatron-bridge==0.5.1"], release_set=rs)]
+    found = [Finding("reshard-weights[a]", "regression", "passed -> failed"),
+             Finding("peft-export[b]", "api-break", "passed -> error: megatron-bridge 0.5.1 no longer offers save_hf_adapter"),
+             Finding("resume[c]", "not-evaluated", "passed -> error: the harness has no driver for megatron-core 0.18.2: x"),
+             Finding("resume[d]", "not-evaluated", "passed -> error: the harness has no driver for megatron-core 0.18.2: x")]
+    md = verdict_markdown(sides, found, None, None, [], {}, None)
+    assert "## Regressions (1)" in md and "## Breaking API changes (1)" in md and "## Could not evaluate (2)" in md
+    assert md.index("## Regressions") < md.index("## Breaking API changes") < md.index("## Could not evaluate")
+    regressions = md[md.index("## Regressions"):md.index("## Breaking API changes")]
+    assert "peft-export" not in regressions and "resume[" not in regressions
+    assert "| resume | 2 |" in md  # counted per case kind
+    assert "megatron-core<0.19.0,>=0.18.0" in md and "built against this Core line" in md  # the release set, with why

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.result import GREEN
-from harness.gate import compare, envspec
+from harness.gate import classify, compare, envspec
 from harness.gate.golden import NOT_WRITTEN
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +46,9 @@ class Side:
     venv: Path | None = None
     build_s: float = 0.0
     versions: dict[str, Any] = field(default_factory=dict)
+    #: what the release set moved with the named specs (harness.gate.releases), from the env's ckpt-env.json
+    release_set: dict[str, Any] | None = None
+    exact: bool = False  # --exact: only the named specs move, no companions
 
 
 def _tail(text: str, n: int = 30) -> str:
@@ -64,9 +67,14 @@ def _harness(side: Side, args: list[str], log: Path) -> int:
 def build_side(side: Side, cache: Path) -> None:
     start = time.perf_counter()
     try:
-        side.venv = envspec.ensure(side.specs, cache, ROOT)
+        side.venv = envspec.ensure(side.specs, cache, ROOT, companions=not side.exact)
+        env = json.loads((side.venv / envspec.ENV_JSON).read_text())
+        side.release_set = env.get("release_set")
         envspec.check_import(side.venv, root=ROOT)
-    except (envspec.EnvBuildError, ValueError) as exc:
+    except envspec.UnsolvableReleaseSet as exc:
+        raise GateError(f"the {side.name} release set ({' '.join(side.specs)}) cannot be installed:\n"
+                        + "\n".join(f"  {ln}" for ln in exc.lines)) from None
+    except (envspec.EnvBuildError, ValueError, LookupError) as exc:
         raise GateError(f"the {side.name} environment ({' '.join(side.specs) or 'the pins'}) could not be built or imported:\n{exc}") from None
     side.build_s = time.perf_counter() - start
     r = subprocess.run([str(side.venv / "bin" / "python"), "-c", "import json; from harness.report.results import versions; print(json.dumps(versions()))"],
@@ -99,7 +107,8 @@ def run_cross(writer: Side, reader: Side, out: Path, rollback: bool) -> tuple[Pa
     return report, time.perf_counter() - start
 
 
-def cross_findings(doc: dict[str, Any], rollback: bool) -> list[compare.Finding]:
+def cross_findings(doc: dict[str, Any], rollback: bool, base_versions: dict | None = None,
+                   cand_versions: dict | None = None) -> list[compare.Finding]:
     """A cross-version artefact that does not load green is a regression of the bump: the
     candidate cannot read what the baseline wrote, or (rollback) the baseline crashes on or
     silently misreads what the candidate wrote."""
@@ -116,7 +125,9 @@ def cross_findings(doc: dict[str, Any], rollback: bool) -> list[compare.Finding]
         failed = [c["name"] for c in r.get("checks", []) if c["status"] == "failed"]
         detail = f"{what}: {r['status']}" + (f" (checks {', '.join(failed)})" if failed else "") + (
             f": {reason(r.get('error'))}" if r.get("error") else "")
-        out.append(compare.Finding(r["id"], "regression", detail, "loads", r["status"]))
+        found = None if rollback else classify.cause(r, base_versions or {}, cand_versions or {})
+        out.append(compare.Finding(r["id"], found[0] if found else "regression",
+                                   f"{what}: {found[1]}" if found else detail, "loads", r["status"]))
     return out
 
 
@@ -132,6 +143,53 @@ def reason(error: str | None) -> str:
         return lines[0]
     exc_type, message = exception_of(error or "")
     return f"{exc_type}: {message.splitlines()[0] if message else ''}" if exc_type else lines[0]
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "/").replace("\n", " ")
+
+
+def _findings_section(title: str, meaning: str, found: list[compare.Finding]) -> list[str]:
+    if not found:
+        return []
+    rows = [f"| `{f.case}` | {f.kind} | {_cell(f.detail)} |" for f in found]
+    return [f"## {title} ({len(found)})", "", meaning + ".", "", "| case | class | detail |", "|---|---|---|", *rows, ""]
+
+
+def _not_evaluated(findings: list[compare.Finding]) -> list[str]:
+    """The harness's own limits on this candidate: counted per case kind, with each distinct reason once."""
+    holes = [f for f in findings if f.kind == "not-evaluated"]
+    if not holes:
+        return []
+    kinds: dict[str, int] = {}
+    reasons: dict[str, list[str]] = {}
+    for f in holes:
+        kinds[classify.case_kind(f.case)] = kinds.get(classify.case_kind(f.case), 0) + 1
+        reasons.setdefault(f.detail.split(": ", 1)[-1], []).append(f.case)
+    lines = [f"## Could not evaluate ({len(holes)})", "", "A coverage hole of the harness, not a finding about the "
+             "candidate: no driver for this release's internals, or no valid release set.", "",
+             "| case kind | cases |", "|---|---:|", *[f"| {k} | {n} |" for k, n in sorted(kinds.items())], "",
+             "| reason | cases |", "|---|---|"]
+    lines += [f"| {_cell(why)[:300]} | {len(ids)}: {', '.join(f'`{i}`' for i in ids[:3])}{' ...' if len(ids) > 3 else ''} |"
+              for why, ids in reasons.items()]
+    return lines + [""]
+
+
+def _release_sets(sides: list[Side]) -> list[str]:
+    """What was asked, what was resolved with it and why each companion moved (harness.gate.releases)."""
+    lines = []
+    for s in sides:
+        rs = s.release_set
+        if not rs:
+            continue
+        lines += [f"### Release set: {s.name}", "", "| | package | spec | why |", "|---|---|---|---|"]
+        lines += [f"| asked | | `{a}` | |" for a in rs.get("asked", [])]
+        lines += [f"| companion | {c['name']} | `{c['spec']}` | {_cell(c['reason'])} |" for c in rs.get("resolved", [])]
+        lines += [f"| dropped pin | {d['name']} | `{d.get('pinned')}` | {_cell(d['why'])} |" for d in rs.get("dropped", [])]
+        lines += [f"| user wins | | | {_cell(str(o))} |" for o in rs.get("overridden", [])]
+        lines += [f"| note | | | {_cell(str(n))} |" for n in rs.get("notes", [])]
+        lines.append("")
+    return lines
 
 
 def _side_table(sides: list[Side]) -> list[str]:
@@ -168,12 +226,13 @@ def stored_corpus(reader: Side, corpus: Path, out: Path) -> tuple[Path, float]:
 
 
 def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str | None, out: Path, cache: Path,
-             thresholds: compare.Thresholds = compare.Thresholds(), cross: bool = True, corpus: Path | None = None) -> int:
+             thresholds: compare.Thresholds = compare.Thresholds(), cross: bool = True, corpus: Path | None = None,
+             exact: bool = False) -> int:
     if out.exists() and any(out.iterdir()):
         print(f"ckpt-harness: {out} is not empty; the gate writes a new directory (it never overwrites or deletes)", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    sides = [Side("baseline", baselines), Side("candidate", candidates)]
+    sides = [Side("baseline", baselines, exact=exact), Side("candidate", candidates, exact=exact)]
     timings: dict[str, float] = {}
     findings: list[compare.Finding] = []
     cross_docs: list[tuple[str, dict]] = []
@@ -200,14 +259,17 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
                 timings[f"cross {writer.name}->{reader.name}"] = secs
                 doc = compare.load(report)
                 cross_docs.append((f"{writer.name} writes, {reader.name} reads" + (" (rollback)" if rollback else ""), doc))
-                findings += cross_findings(doc, rollback)
+                findings += cross_findings(doc, rollback, sides[0].versions, sides[1].versions)
         if corpus is not None:
             report, timings["stored corpus -> candidate"] = stored_corpus(sides[1], corpus, out / "cross")
             doc = compare.load(report)
             cross_docs.append((f"stored corpus {corpus} ({doc['results'][0]['notes'][0] if doc['results'] else ''}), candidate reads", doc))
-            findings += cross_findings(doc, rollback=False)
+            findings += cross_findings(doc, rollback=False, base_versions=sides[0].versions, cand_versions=sides[1].versions)
         code = compare.exit_code(findings)
         error = None
+        if not classify.evaluated(cand, findings):
+            code, error = 2, ("nothing in the candidate could be evaluated: every case is a harness limit "
+                              "(see 'Could not evaluate'), so this gate says nothing about the candidate")
     except (GateError, compare.CompareInputError) as exc:
         code, error = 2, str(exc)
     timings["total"] = time.perf_counter() - start
@@ -231,14 +293,15 @@ def verdict_markdown(sides: list[Side], findings: list[compare.Finding], base: d
         head = f"# Bump gate: NOT SAFE, {len([f for f in findings if f.failing])} regression finding(s) (exit 1)"
     else:
         head = "# Bump gate: SAFE TO BUMP (exit 0)"
-    lines = [head, "", *_side_table(sides), ""]
+    lines = [head, "", *_side_table(sides), "", *_release_sets(sides)]
     if error:
         lines += ["```", error.strip(), "```", ""]
-    failing = [f for f in findings if f.failing]
-    if failing:
-        lines += ["## Regressions", "", "| case | class | detail |", "|---|---|---|"]
-        lines += [f"| `{f.case}` | {f.kind} | {f.detail.replace('|', '/').replace(chr(10), ' ')} |" for f in failing]
-        lines.append("")
+    regressions = [f for f in findings if f.failing and f.kind != "api-break"]
+    lines += _findings_section("Regressions", "a check that passed now fails, or the candidate raises where the "
+                               "baseline loaded", regressions)
+    lines += _findings_section("Breaking API changes", "the candidate removed or renamed an API users call: whoever "
+                               "bumps hits it too (counted as failing)", [f for f in findings if f.kind == "api-break"])
+    lines += _not_evaluated(findings)
     if base is not None and cand is not None:
         matrix_findings = [f for f in findings if not f.case.startswith("golden[")]
         lines += [compare.markdown(base, cand, matrix_findings, ("baseline", "candidate")).replace("## ckpt-harness compare", "## Matrix"), ""]

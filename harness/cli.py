@@ -123,7 +123,7 @@ def _cmd_gate(args: argparse.Namespace) -> int:
 
     cache = args.cache or envspec._default_cache()
     return run_gate(args.candidate, args.baseline, args.matrix, args.k, args.out, cache, _thresholds(args), cross=not args.skip_cross,
-                    corpus=args.corpus, exact=args.exact)
+                    corpus=args.corpus, exact=args.exact, jobs=args.jobs)
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     gate.add_argument("--corpus", type=Path, default=None,
                       help="also have the candidate check this golden corpus (one the previous pins wrote; CI caches it)")
     gate.add_argument("--skip-cross", action="store_true", help="no cross-version corpus (matrix comparison only)")
+    gate.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="cases at once in each side's matrix run "
+                      "(as `run --jobs`; gloo only)")
     gate.add_argument("--exact", action="store_true", help="move only the named specs: no release-set companions "
                       "(a Bridge keeps today's Core and transformers pins)")
     _add_thresholds(gate)

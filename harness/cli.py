@@ -164,6 +164,13 @@ def _thresholds(args: argparse.Namespace):
     return compare.Thresholds(args.memory_pct, args.memory_mib, args.diff_factor)
 
 
+def _cmd_envs(args: argparse.Namespace) -> int:
+    from harness.gate import envs, envspec
+    from harness.gate.bump import ROOT
+
+    return envs.run_cli(args.action, args.cache or envspec._default_cache(), ROOT, args.older_than, args.dry_run)
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from harness.gate import compare
 
@@ -264,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     cmp.add_argument("--out", type=Path, default=None, help="write DIR/compare.json and DIR/compare.md")
     _add_thresholds(cmp)
     cmp.set_defaults(func=_cmd_compare)
+    env = sub.add_parser("envs", help="list the built environments (own disk, shared store) or prune them")
+    env.add_argument("action", choices=("list", "prune"))
+    env.add_argument("--cache", type=Path, default=None, help="default: $CKPT_HARNESS_HOME or ~/.cache/ckpt-harness")
+    env.add_argument("--older-than", type=float, default=0.0, metavar="DAYS", help="prune: keep envs used more recently")
+    env.add_argument("--dry-run", action="store_true", help="prune: say what would go, remove nothing")
+    env.set_defaults(func=_cmd_envs)
     exp = sub.add_parser("explore", help="hypothesis search of (model shape, S, D) triples through reshard-weights")
     exp.add_argument("--budget", type=float, default=60.0, help="seconds of wall time to draw examples in (shrinking gets as much again)")
     exp.add_argument("--seed", type=int, default=None, help="hypothesis seed: the same seed draws the same triples")

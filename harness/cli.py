@@ -126,6 +126,19 @@ def _cmd_gate(args: argparse.Namespace) -> int:
                     corpus=args.corpus, exact=args.exact, jobs=args.jobs)
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from harness.gate import sweep
+    from harness.gate.sweep import driver as sweep_driver
+
+    def driver(specs, matrix, k, out_dir):
+        return sweep_driver.driver(specs, matrix, k, out_dir, cache=args.cache)
+
+    def cross_driver(writer, reader, rollback, out_dir):
+        return sweep_driver.cross_driver(writer, reader, rollback, out_dir, cache=args.cache)
+
+    return sweep.run_cli(args, driver, cross_driver)
+
+
 def _cmd_show(args: argparse.Namespace) -> int:
     import json
 
@@ -251,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                       "(a Bridge keeps today's Core and transformers pins)")
     _add_thresholds(gate)
     gate.set_defaults(func=_cmd_gate)
+    from harness.gate import sweep
+
+    sweep.add_parser(sub).set_defaults(func=_cmd_sweep)
     gold = sub.add_parser("golden", help="write (make) or load and check (check) the golden corpus of on-disk artefacts")
     gold.add_argument("action", choices=("make", "check"))
     gold.add_argument("dir", type=Path, help="make: a new directory to write; check: a corpus made earlier")

@@ -13,7 +13,18 @@ from pathlib import Path
 import pytest
 
 from harness.gate import releases
-from harness.gate.releases import BRIDGE_CORE, Metadata, MetadataSource, SpecifierSet, UnsolvableReleaseSet, Version, compatible, core_line, pairing_problem, resolve_release_set
+from harness.gate.releases import (
+    BRIDGE_CORE,
+    Metadata,
+    MetadataSource,
+    SpecifierSet,
+    UnsolvableReleaseSet,
+    Version,
+    compatible,
+    core_line,
+    pairing_problem,
+    resolve_release_set,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EVIDENCE = json.loads((ROOT / "tests" / "data" / "bridge_core_pairing.json").read_text())

@@ -1,5 +1,6 @@
-"""The release sweep table (harness/gate/sweep.py) from canned results.json documents: change points,
-changed checks, coverage holes, the --releases grammar, the writers, and run_cli. No network, no env."""
+"""The release sweep table (harness/gate/sweep/) from canned results.json documents: change points,
+changed checks, coverage holes, the --releases grammar, the writers, run_cli, `ckpt-harness sweep` and
+the drivers over fake gate steps. No network, no env."""
 
 import argparse
 import json
@@ -9,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from harness.gate import sweep
-from harness.gate.sweep import SweepSpecError, cross_pairs, cross_table, parse_releases, sweep_table
+from harness.gate.sweep import (
+    SweepSpecError,
+    cross_pairs,
+    cross_table,
+    parse_releases,
+    sweep_table,
+)
 
 LABELS = ["megatron-bridge==0.4.2", "megatron-bridge==0.5.0", "megatron-bridge==0.5.1", "megatron-bridge==0.6.0", "megatron-bridge==0.7.0"]
 API = "API not available in megatron-bridge 0.5.1: ImportError: cannot import name 'AutoBridge' from 'megatron.bridge'"
@@ -320,3 +327,95 @@ def test_run_cli_with_a_driver(tmp_path, capsys):
     assert sweep.run_cli(_args(["--releases", "0.5.0", "--out", str(tmp_path / "t")]), driver) == 2
     assert "continues no package" in capsys.readouterr().err
     assert sweep.run_cli(_args(["--releases", "megatron-bridge==0.4.2,0.5.1", "--cross", "--out", str(tmp_path / "u")]), driver) == 2
+
+
+# ----------------------------------------------------------------------------- ckpt-harness sweep
+
+
+def test_ckpt_harness_sweep_from_results(tmp_path, capsys):
+    from harness import cli
+
+    argv = []
+    for i in (0, 2):
+        (tmp_path / f"run{i}.json").write_text(json.dumps(_doc(i)))
+        argv.append(f"{LABELS[i]}={tmp_path / f'run{i}.json'}")
+    out = tmp_path / "out"
+    assert cli.main(["sweep", "--from-results", *argv, "--out", str(out)]) == 0
+    assert {p.name for p in out.iterdir()} == {"sweep.md", "sweep.html", "sweep.json"}  # nothing built or run
+    md = (out / "sweep.md").read_text()
+    changed = md.split("## Changed cases")[1].split("## Unchanged")[0]
+    assert "`arrive[x]`" in changed and "failed arrived in megatron-bridge==0.5.1" in changed
+    assert "arrive[x]" in (out / "sweep.html").read_text()
+    doc = json.loads((out / "sweep.json").read_text())
+    assert next(c for c in doc["cases"] if c["id"] == "arrive[x]")["changed"]
+    assert "sweep: 2 release(s)" in capsys.readouterr().out
+
+
+def test_ckpt_harness_sweep_calls_the_driver_once_per_release_in_order(tmp_path, monkeypatch):
+    from harness import cli
+    from harness.gate.sweep import driver as sweep_driver
+
+    calls, crosses = [], []
+
+    def fake_driver(specs, matrix, k, out_dir, cache=None):
+        calls.append((specs, matrix, k, cache))
+        out_dir.mkdir(parents=True)
+        (out_dir / "results.json").write_text(json.dumps(_doc(2 * (len(calls) - 1))))
+        return out_dir / "results.json"
+
+    def fake_cross(writer, reader, rollback, out_dir, cache=None):
+        crosses.append((writer, reader, rollback))
+        out_dir.mkdir(parents=True)
+        (out_dir / "results.json").write_text(json.dumps(_golden("x", model_dist="refused" if rollback else "ok")))
+        return out_dir / "results.json"
+
+    def no_build(*a, **kw):
+        raise AssertionError("a sweep with a fake driver built an environment")
+
+    monkeypatch.setattr(sweep_driver, "driver", fake_driver)
+    monkeypatch.setattr(sweep_driver, "cross_driver", fake_cross)
+    monkeypatch.setattr(sweep_driver, "_side", no_build)
+    out, cache = tmp_path / "s", tmp_path / "venvs"
+    assert cli.main(["sweep", "--releases", "PKG==1,2", "-k", "tp2", "--cross", "--cache", str(cache), "m.yaml", "--out", str(out)]) == 0
+    assert calls == [(["PKG==1"], Path("m.yaml"), "tp2", cache), (["PKG==2"], Path("m.yaml"), "tp2", cache)]
+    assert crosses == [(["PKG==1"], ["PKG==2"], False), (["PKG==2"], ["PKG==1"], True)]
+    doc = json.loads((out / "sweep.json").read_text())
+    assert [r["label"] for r in doc["releases"]] == ["PKG==1", "PKG==2"] and len(doc["cross"]["cells"]) == 2
+    assert next(c for c in doc["cases"] if c["id"] == "arrive[x]")["changes"][0]["release"] == "PKG==2"
+    assert (out / "sweep.md").is_file() and (out / "sweep.html").is_file()
+
+
+def test_the_drivers_run_the_gate_steps_once_per_release_set(tmp_path, monkeypatch):
+    """driver/cross_driver over fake bump steps: each release set is built once, the matrix run
+    writes into the absolute out dir, the cross pair names its sides writer/reader."""
+    from harness.gate import bump
+    from harness.gate.sweep import driver as sweep_driver
+
+    built, ran, crossed = [], [], []
+
+    def build_side(side, cache):
+        built.append((side.name, side.specs, cache))
+        side.venv = cache / f"venv-{len(built)}"
+
+    def run_matrix(side, matrix, k, out):
+        ran.append((side.venv, matrix, k, out))
+        return 1.0
+
+    def run_cross(writer, reader, out, rollback):
+        crossed.append((writer.name, writer.venv, reader.name, reader.venv, out, rollback))
+        return out / "writer-to-reader", 1.0
+
+    monkeypatch.setattr(sweep_driver, "_SIDES", {})
+    for name, fake in (("build_side", build_side), ("run_matrix", run_matrix), ("run_cross", run_cross)):
+        monkeypatch.setattr(bump, name, fake)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.yaml").write_text("")
+    cache = tmp_path / "venvs"
+    assert sweep_driver.driver(["PKG==1"], Path("m.yaml"), "tp2", Path("r1"), cache=cache) == tmp_path / "r1" / "results.json"
+    assert sweep_driver.driver(["PKG==2"], None, None, Path("r2"), cache=cache) == tmp_path / "r2" / "results.json"
+    got = sweep_driver.cross_driver(["PKG==1"], ["PKG==2"], True, Path("x"), cache=cache)
+    assert got == tmp_path / "x" / "writer-to-reader" / "results.json"
+    assert built == [("PKG==1", ["PKG==1"], cache), ("PKG==2", ["PKG==2"], cache)]  # the cross pair reuses both builds
+    assert ran == [(cache / "venv-1", tmp_path / "m.yaml", "tp2", tmp_path / "r1"),
+                   (cache / "venv-2", bump.ROOT / "matrices" / "smoke.yaml", None, tmp_path / "r2")]
+    assert crossed == [("writer", cache / "venv-1", "reader", cache / "venv-2", tmp_path / "x", True)]

@@ -17,8 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a file by a bare python3.12: make `harness` importable
     sys.path.insert(0, str(ROOT))
 
-from harness.gate import envspec  # noqa: E402
-from harness.gate import releases
+from harness.gate import envspec, releases  # noqa: E402
 
 
 def baseline_venv(root: Path, cache: Path) -> Path | None:

@@ -401,11 +401,12 @@ def test_the_drivers_run_the_gate_steps_once_per_release_set(tmp_path, monkeypat
         ran.append((side.venv, matrix, k, out))
         return 1.0
 
-    def run_cross(writer, reader, out, rollback):
-        crossed.append((writer.name, writer.venv, reader.name, reader.venv, out, rollback))
+    def run_cross(writer, reader, out, rollback, corpus=None):
+        crossed.append((writer.name, writer.venv, reader.name, reader.venv, out, rollback, corpus))
         return out / "writer-to-reader", 1.0
 
     monkeypatch.setattr(sweep_driver, "_SIDES", {})
+    monkeypatch.setattr(sweep_driver, "_CORPORA", {})
     for name, fake in (("build_side", build_side), ("run_matrix", run_matrix), ("run_cross", run_cross)):
         monkeypatch.setattr(bump, name, fake)
     monkeypatch.chdir(tmp_path)
@@ -418,4 +419,7 @@ def test_the_drivers_run_the_gate_steps_once_per_release_set(tmp_path, monkeypat
     assert built == [("PKG==1", ["PKG==1"], cache), ("PKG==2", ["PKG==2"], cache)]  # the cross pair reuses both builds
     assert ran == [(cache / "venv-1", tmp_path / "m.yaml", "tp2", tmp_path / "r1"),
                    (cache / "venv-2", bump.ROOT / "matrices" / "smoke.yaml", None, tmp_path / "r2")]
-    assert crossed == [("writer", cache / "venv-1", "reader", cache / "venv-2", tmp_path / "x", True)]
+    assert crossed == [("writer", cache / "venv-1", "reader", cache / "venv-2", tmp_path / "x", True, tmp_path / "x" / "written-by-writer")]
+    # the same writer for another reader: its corpus is reused, not written again
+    sweep_driver.cross_driver(["PKG==1"], ["PKG==3"], False, Path("y"), cache=cache)
+    assert crossed[-1][-1] == tmp_path / "x" / "written-by-writer"

@@ -98,15 +98,17 @@ def run_matrix(side: Side, matrix: Path, k: str | None, out: Path, jobs: int = 1
     return time.perf_counter() - start
 
 
-def run_cross(writer: Side, reader: Side, out: Path, rollback: bool) -> tuple[Path, float]:
-    """`writer` makes a corpus, `reader` checks it; returns the reader's report dir."""
+def run_cross(writer: Side, reader: Side, out: Path, rollback: bool, corpus: Path | None = None) -> tuple[Path, float]:
+    """`writer` makes a corpus (or `corpus`, when one it wrote is already there: a sweep writes each
+    release's corpus once for all its readers), `reader` checks it; returns the reader's report dir."""
     start = time.perf_counter()
-    corpus = out / f"written-by-{writer.name}"
+    corpus = corpus or out / f"written-by-{writer.name}"
     report = out / f"{writer.name}-to-{reader.name}"
-    rc = _harness(writer, ["golden", "make", str(corpus)], out / f"make-{writer.name}.log")
-    if rc not in (0, 1) or not (corpus / "manifest.json").exists():
-        raise GateError(f"the {writer.name} could not write the golden corpus (exit {rc}):\n"
-                        f"{_tail((out / f'make-{writer.name}.log').read_text(errors='replace'))}")
+    if not (corpus / "manifest.json").exists():
+        rc = _harness(writer, ["golden", "make", str(corpus)], out / f"make-{writer.name}.log")
+        if rc not in (0, 1) or not (corpus / "manifest.json").exists():
+            raise GateError(f"the {writer.name} could not write the golden corpus (exit {rc}):\n"
+                            f"{_tail((out / f'make-{writer.name}.log').read_text(errors='replace'))}")
     args = ["golden", "check", str(corpus), "--report", str(report), "--direction", f"{writer.name}->{reader.name}"]
     rc = _harness(reader, args + (["--allow-refusal"] if rollback else []), out / f"check-{reader.name}.log")
     if rc not in (0, 1) or not (report / "results.json").exists():

@@ -8,8 +8,8 @@ Environments live in the venv cache (`--cache`, else envspec's default: $CKPT_HA
 ~/.cache/ckpt-harness) keyed by the pins plus the SPECs, so a release built once is reused by later
 sweeps and gates. Within one process a release set is built and import-checked once (`_side`).
 
-The golden corpus is written afresh for every (writer, reader) pair: bump.run_cross makes a corpus
-per call, so the newest release, the writer of every rollback pair, writes it once per older release.
+Each writer release writes its golden corpus once (`_CORPORA`); every reader of that release checks
+the same files, so the newest release, the writer of every rollback pair, writes one corpus.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 #: (specs, cache) -> the built side: the matrix run and the cross pairs of a release share one build
 _SIDES: dict[tuple[tuple[str, ...], Path], Side] = {}
+#: (writer specs, cache) -> the corpus that writer wrote in this process
+_CORPORA: dict[tuple[tuple[str, ...], Path], Path] = {}
 
 
 def _side(specs: list[str], cache: Path | None, name: str | None = None) -> Side:
@@ -64,10 +66,14 @@ def driver(release_specs: list[str], matrix: Path | None, k: str | None, out_dir
 def cross_driver(writer_specs: list[str], reader_specs: list[str], rollback: bool, out_dir: Path,
                  cache: Path | None = None) -> Path:
     """The writer release writes a golden corpus under out_dir, the reader checks it (a rollback
-    allows a clean refusal); the reader's results.json. The corpus is rewritten for every pair."""
+    allows a clean refusal); the reader's results.json. A writer's corpus is written once and reused."""
+    from harness.gate import envspec
     from harness.gate.bump import run_cross
 
     writer = _side(writer_specs, cache, "writer")  # generic names: the labels may hold '/' (paths, URLs)
     reader = _side(reader_specs, cache, "reader")
-    report, _ = run_cross(writer, reader, Path(out_dir).resolve(), rollback)
+    out_dir = Path(out_dir).resolve()
+    key = (tuple(writer_specs), Path(cache or envspec._default_cache()))
+    corpus = _CORPORA.setdefault(key, out_dir / "written-by-writer")
+    report, _ = run_cross(writer, reader, out_dir, rollback, corpus)
     return report / "results.json"

@@ -159,9 +159,14 @@ class VerlManager(Backend):
             # verl 0.9.1 has no finalize of its own (its trainers call an undefined
             # async_calls_finalize_fn_exec): the caller drains megatron's queue, which runs the
             # manager's finalize (manifest, tracker, retention) once every rank's writes are done.
+            # verl scheduled its requests on the queue of the module it imports (compat.verl.ASYNC_CALLS_MODULE:
+            # megatron-core's own, or the one workaround F2 registers); had it failed to import it, the save
+            # would have raised above, so a module not imported means nothing was scheduled.
             import sys
 
-            sys.modules["megatron.core.dist_checkpointing.strategies.base"].async_calls.maybe_finalize_async_calls(blocking=True)
+            base = sys.modules.get(compat.ASYNC_CALLS_MODULE)
+            if base is not None:
+                base.async_calls.maybe_finalize_async_calls(blocking=True)
         else:
             dist.barrier()
             if ctx.is_rank0:  # what verl's trainer does after a synchronous save (ray_trainer._save_checkpoint)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.run.world import live_children
+from harness.run.procs import live_children
 
 
 @pytest.fixture(autouse=True)

@@ -115,7 +115,7 @@ def set_rng(seed: int) -> None:
 
     import numpy as np
 
-    from harness import compat
+    from harness.compat.verl import verl_rng_tracker_state
 
     random.seed(seed)
     np.random.seed(seed)
@@ -125,7 +125,7 @@ def set_rng(seed: int) -> None:
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
-        compat.verl_rng_tracker_state(seed)
+        verl_rng_tracker_state(seed)
 
 
 def rng_digest() -> dict[str, str]:

@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 
 from harness.run.preload import warm
+from harness.run.procs import live_children
 from harness.run.world import (
     WorldError,
     WorldTimeout,
     choose_backend,
     launch,
-    live_children,
 )
 
 warm()  # as the runner does: ranks fork from a parent that already imported megatron-core

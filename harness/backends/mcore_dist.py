@@ -267,9 +267,10 @@ class McoreDist(Backend):
             else:
                 dist_checkpointing.save(sharded_state, str(directory), strategy, **kwargs)
         else:
-            from harness import compat
+            from harness.compat import require
+            from harness.compat.mcore import ASYNC_RESULTS_QUEUE
 
-            compat.require(compat.ASYNC_RESULTS_QUEUE)
+            require(ASYNC_RESULTS_QUEUE)
             request = dist_checkpointing.save(sharded_state, str(directory), strategy, async_sharded_save=True,
                                               async_strategy=o.async_save, **kwargs)
             self._async_queue().schedule_async_request(request)

@@ -22,7 +22,7 @@ Options (matrix `backend_options` / axes `backend.<name>`): `save_contents`, `lo
 (subsets of model, optimizer, extra, hf_model), `use_dist_checkpointing`, `async_save`, `bridge`
 (provider | vanilla: which bridge builds and converts a Bridge model),
 `max_ckpt_to_keep` (0: keep all), `use_checkpoint_opt_param_scheduler`, and `workarounds` (the verl
-defects of harness.compat.VERL_WORKAROUNDS stepped around; an entry that drops one shows it).
+defects of harness.compat.verl.VERL_WORKAROUNDS stepped around; an entry that drops one shows it).
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from harness import compat
 from harness.backends import Backend
+from harness.compat import require
+from harness.compat import verl as compat
+from harness.compat.mcore import ASYNC_RESULTS_QUEUE
 from harness.core.context import RankContext
 
 compat.quiet_verl_noise()  # before verl is imported (harness.run.preload, in the parent; forked ranks inherit it)
@@ -132,7 +134,7 @@ class VerlManager(Backend):
         for w in self._workarounds():
             compat.apply_verl_workaround(w)
         if o.async_save:
-            compat.require(compat.ASYNC_RESULTS_QUEUE)  # the same writer as mcore_dist's async saves
+            require(ASYNC_RESULTS_QUEUE)  # the same writer as mcore_dist's async saves
         from megatron.core import tensor_parallel
 
         if not tensor_parallel.get_cuda_rng_tracker().get_states():
@@ -157,9 +159,14 @@ class VerlManager(Backend):
             # verl 0.9.1 has no finalize of its own (its trainers call an undefined
             # async_calls_finalize_fn_exec): the caller drains megatron's queue, which runs the
             # manager's finalize (manifest, tracker, retention) once every rank's writes are done.
+            # verl scheduled its requests on the queue of the module it imports (compat.verl.ASYNC_CALLS_MODULE:
+            # megatron-core's own, or the one workaround F2 registers); had it failed to import it, the save
+            # would have raised above, so a module not imported means nothing was scheduled.
             import sys
 
-            sys.modules["megatron.core.dist_checkpointing.strategies.base"].async_calls.maybe_finalize_async_calls(blocking=True)
+            base = sys.modules.get(compat.ASYNC_CALLS_MODULE)
+            if base is not None:
+                base.async_calls.maybe_finalize_async_calls(blocking=True)
         else:
             dist.barrier()
             if ctx.is_rank0:  # what verl's trainer does after a synchronous save (ray_trainer._save_checkpoint)

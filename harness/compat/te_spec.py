@@ -1,7 +1,7 @@
 """CPU stand-in C2 for megatron-core's Transformer-Engine layer spec, which mbridge (verl's vanilla
 bridge) builds and whose fused names its maps read (`linear_qkv.layer_norm_weight`): megatron-core's
 local modules with the input norm folded into the column-parallel linear under TE's parameter
-names. Applied on demand (compat.MBRIDGE_TE_SPEC) and only without TE; tests/test_mbridge.py
+names. Applied on demand (compat.verl.MBRIDGE_TE_SPEC) and only without TE; tests/test_mbridge.py
 proves it against transformers' logits at tp1 and tp2."""
 
 from __future__ import annotations

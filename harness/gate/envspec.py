@@ -379,7 +379,7 @@ def check_import(venv: Path, modules: tuple[str, ...] = ("megatron.core", "megat
         raise ValueError(f"not module names: {bad}")
     code = [f"import {m}" for m in modules]
     if any(m == "megatron.bridge" or m.startswith("megatron.bridge.") for m in modules):
-        code.insert(0, "from harness.compat import import_megatron_bridge; import_megatron_bridge()")
+        code.insert(0, "from harness.compat.te import import_megatron_bridge; import_megatron_bridge()")
     r = subprocess.run([str(venv / "bin" / "python"), "-W", "ignore", "-c", "\n".join(code)], capture_output=True, text=True,
                        cwd=root or Path(__file__).resolve().parents[2], check=False)
     if r.returncode != 0:

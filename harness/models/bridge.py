@@ -96,7 +96,7 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
-    from harness.compat import import_megatron_bridge
+    from harness.compat.te import import_megatron_bridge
     from harness.models.hf import HF_DTYPES
     from harness.models.parallel import seed_model_parallel
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from harness import compat
+from harness.compat import mcore as compat
 from harness.core import truth
 from harness.core.context import RankContext
 from harness.core.memory import track

@@ -31,6 +31,7 @@ def _envelope(ctx: world.RankContext, call: tuple[world.RankFn, Any, Topology | 
     from harness.run.events import drain_events
 
     fn, arg, topo = call
+    compat.begin_case()  # this case's shims only: not what the parent (forked from) or an earlier case applied
     if topo is not None:
         from harness.models.parallel import init_parallel
 
@@ -79,8 +80,8 @@ class RunEnv:
                 result.memory.setdefault(key, {})[str(rank)] = {**m, "shard_bytes": getattr(out.value, "shard_bytes", 0)}
             if out.events:
                 result.backend_events.setdefault(phase, {})[str(rank)] = out.events
-        if not result.compat_shims and outs:
-            result.compat_shims = list(outs[0].compat)
+        for out in outs:  # what any rank of any of the case's worlds applied, first-seen order
+            result.compat_shims += [name for name in out.compat if name not in result.compat_shims]
         return [o.value for o in outs]
 
 

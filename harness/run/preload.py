@@ -9,7 +9,8 @@ def warm(bridge: bool = False, modules: tuple[str, ...] = ()) -> None:
     backend lists in its `preload`, e.g. verl's checkpoint manager, only when a case uses it)."""
     import importlib
 
-    from harness.compat import import_megatron_bridge, quiet_known_noise
+    from harness.compat.noise import quiet_known_noise
+    from harness.compat.te import import_megatron_bridge
 
     quiet_known_noise()
     if bridge:

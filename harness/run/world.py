@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from harness.core.context import RankContext, RankFn
+from harness.run.procs import descendants, kill
 
 
 class WorldError(RuntimeError):
@@ -234,48 +235,10 @@ def _states(ctx) -> str:
     )
 
 
-# multiprocessing's own per-process singletons (started by the first spawn/forkserver world, meant to
-# live as long as the parent): not something a world left behind.
-_STDLIB_HELPERS = ("from multiprocessing.resource_tracker import main", "from multiprocessing.forkserver import main")
-
-
-def is_multiprocessing_helper(p: psutil.Process) -> bool:
-    try:
-        cmd = " ".join(p.cmdline())
-    except psutil.Error:
-        return False
-    return any(h in cmd for h in _STDLIB_HELPERS)
-
-
-def live_children() -> list[psutil.Process]:
-    """This process's descendants still running, multiprocessing's own helpers excepted (leak checks)."""
-    return [p for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and not is_multiprocessing_helper(p)]
-
-
-def _descendants(pids: list[int]) -> set[psutil.Process]:
-    found: set[psutil.Process] = set()
-    for pid in pids:
-        try:
-            found.update(psutil.Process(pid).children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
-def _kill(procs: set[psutil.Process]) -> None:
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(list(procs), timeout=5)
-
-
 def _wait(ctx, workdir: Path, world_size: int, timeout_s: float, pids: list[int], seen: set) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        seen |= _descendants(pids)
+        seen |= descendants(pids)
         try:
             if ctx.join(timeout=0.25, grace_period=2.0):
                 return
@@ -348,7 +311,7 @@ def launch(
                 err.args = (str(err) + stacks,)
             raise
     finally:
-        seen |= _descendants(pids)
+        seen |= descendants(pids)
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
@@ -358,7 +321,7 @@ def launch(
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        _kill({p for p in seen if p.is_running()})
+        kill({p for p in seen if p.is_running()})
         for f in ctx.error_files:
             Path(f).unlink(missing_ok=True)
         store_file.unlink(missing_ok=True)

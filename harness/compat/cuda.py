@@ -1,0 +1,188 @@
+"""CUDA-on-CPU shims: what megatron-core calls on torch.cuda (or hard-codes as device='cuda')
+that a CPU rank cannot run. `install` applies each whose probe finds the CUDA call failing (or
+the CPU result differing) on this rank's device; on a CUDA rank every probe says not needed."""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from harness.compat._shim import Shim, fails
+
+_ON_CUDA = "never on a rank with CUDA; on CPU, when megatron-core stops calling it (the probe then fails to fail)"
+
+
+def _cuda_device_kw(value: object) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    return isinstance(value, str) and value.startswith("cuda")
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Maps device='cuda' (factories, .to()) to CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _cuda_device_kw(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _cuda_device_kw(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        return func(*args, **kwargs)
+
+
+_mode: _CudaToCpu | None = None
+
+
+def _enter_cuda_to_cpu_mode() -> None:
+    global _mode
+    if _mode is None:
+        _mode = _CudaToCpu()
+        _mode.__enter__()
+
+
+_orig_type = torch.Tensor.type
+
+
+def _cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and not kwargs:
+        name = _orig_type(self)
+        return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+    return _orig_type(self, dtype, non_blocking, **kwargs)
+
+
+class _CpuEvent:
+    """Stands in for torch.cuda.Event: CPU work is already done when it is recorded."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """Stands in for torch.cuda.Stream: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        # MoEAlltoAllTokenDispatcher keeps the returned event and calls .synchronize() on it
+        return event if event is not None else _CpuEvent()
+
+
+class _NoStreamContext:
+    def __init__(self, stream=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _patch_streams() -> None:
+    torch.cuda.current_stream = lambda device=None: _CpuStream()
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.stream = _NoStreamContext
+
+
+def _patch_moe_split_sizes() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "_ckpt_harness", False):
+        return
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()  # what the CUDA branch returns: split sizes all_to_all_single accepts
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    to_host._ckpt_harness = True
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+def _moe_split_sizes_stay_tensors(device: torch.device) -> bool:
+    """megatron-core's own helper, asked for numpy split sizes of a tensor on this rank's device."""
+    if device.type == "cuda":
+        return False  # the CUDA branch converts; no need to import the MoE dispatcher to know it
+    import numpy as np
+    from megatron.core.transformer.moe import token_dispatcher
+
+    out = token_dispatcher.maybe_move_tensor_to_cpu(torch.zeros(1, dtype=torch.long, device=device), as_numpy=True)
+    return not isinstance(out, np.ndarray)
+
+
+SHIMS: tuple[Shim, ...] = (
+    Shim(
+        "cuda.current_device",
+        "RotaryEmbedding, dist_checkpointing state_dict_saver and others call "
+        "torch.cuda.current_device() as a device argument",
+        lambda: setattr(torch.cuda, "current_device", lambda: "cpu"),
+        lambda device: fails(torch.cuda.current_device),
+        _ON_CUDA,
+    ),
+    Shim(
+        "cuda.synchronize",
+        "dist_checkpointing FileSystemWriterAsync.preload_tensors calls torch.cuda.synchronize()",
+        lambda: setattr(torch.cuda, "synchronize", lambda *a, **k: None),
+        lambda device: fails(torch.cuda.synchronize),
+        _ON_CUDA,
+    ),
+    Shim(
+        "Tensor.cuda",
+        "LanguageModule.setup_embeddings_and_output_layer moves tied embeddings with .cuda() (PP>1)",
+        lambda: setattr(torch.Tensor, "cuda", lambda self, *a, **k: self),
+        lambda device: fails(lambda: torch.zeros(1).cuda()),
+        _ON_CUDA,
+    ),
+    Shim(
+        "device='cuda' -> cpu",
+        "hard-coded device='cuda' tensors (state_dict_saver, pipeline schedules, optimizer "
+        "grad-norm buffers) and pin_memory=True in rope utils",
+        _enter_cuda_to_cpu_mode,
+        lambda device: fails(lambda: torch.zeros(1, device="cuda")),
+        _ON_CUDA,
+    ),
+    Shim(
+        "Tensor.type() names CUDA types",
+        "DistributedOptimizer._build_model_and_main_param_groups, Float16OptimizerWithFloat16Params "
+        "and clip_grads accept only 'torch.cuda.*Tensor' type strings",
+        lambda: setattr(torch.Tensor, "type", _cuda_named_type),
+        lambda device: ".cuda." not in torch.zeros(0, device=device).type(),
+        "when megatron-core checks param.is_cuda / device instead of type strings (or accepts CPU types)",
+    ),
+    Shim(
+        "cuda streams",
+        "param_and_grad_buffer and DistributedDataParallel order grad reduction with "
+        "torch.cuda.current_stream()/Stream/stream(); the MoE alltoall token dispatcher syncs on "
+        "an event its side stream records",
+        _patch_streams,
+        lambda device: fails(torch.cuda.current_stream),
+        _ON_CUDA,
+    ),
+    Shim(
+        "MoE alltoall split sizes as numpy",
+        "MoEAlltoAllTokenDispatcher converts its all_to_all split sizes to numpy only for CUDA "
+        "tensors (moe_utils.maybe_move_tensor_to_cpu); a CPU tensor reaches all_to_all_single, which rejects it",
+        _patch_moe_split_sizes,
+        _moe_split_sizes_stay_tensors,
+        "when maybe_move_tensor_to_cpu(as_numpy=True) returns numpy for a CPU tensor too",
+    ),
+)

@@ -1,0 +1,118 @@
+"""megatron-core: its dist_checkpointing write-results queue (shims, any device) and the defects a
+training case steps around (WORKAROUNDS).
+
+WORKAROUNDS are applied only when a case's matrix entry lists them (`apply_workaround` for the
+process-wide one, harness.models.training for the others); an entry with one switched off shows
+the defect as a named strict xfail, so a workaround never hides what the harness must show. No
+workaround is keyed on a version: the versions in the reasons say where the defect was read.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import torch
+
+from harness.compat._shim import Shim
+
+
+def _filesystem_async():
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    return filesystem_async
+
+
+def _spawn_queue_pending(device: torch.device) -> bool:
+    """megatron-core still creates its write-results queue lazily (a module-level None that
+    get_write_results_queue fills with a spawn-mode Manager queue)."""
+    fs = _filesystem_async()
+    return hasattr(fs, "get_write_results_queue") and getattr(fs, "_results_queue", False) is None
+
+
+def _patch_results_queue() -> None:
+    _filesystem_async()._results_queue = queue.Queue()
+
+
+def _in_process_queue(device: torch.device) -> bool:
+    """The write-results queue is one a forked writer cannot put to (the in-process one, or none yet)."""
+    fs = _filesystem_async()
+    return hasattr(fs, "_results_queue") and (fs._results_queue is None or isinstance(fs._results_queue, queue.Queue))
+
+
+def _cross_process_results_queue() -> None:
+    """mcore_dist async_save: the write runs in a child that megatron-core's TemporalAsyncCaller
+    forks; its results must come back to the rank, which the in-process queue.Queue cannot do.
+    A fork-context Manager queue (megatron's own get_write_results_queue, with mp_mode fork:
+    spawn would re-import __main__ in every rank)."""
+    import multiprocessing as mp
+
+    _filesystem_async()._results_queue = mp.get_context("fork").Manager().Queue()
+
+
+#: The on-demand shim every async save asks for (`require`): mcore_dist with `async_save: mcore`
+#: and verl_manager with `async_save` (verl's saves go through the same megatron-core writer).
+ASYNC_RESULTS_QUEUE = "mcore_dist async_save: cross-process write-results queue"
+
+SHIMS: tuple[Shim, ...] = (
+    Shim(
+        "in-process write-results queue",
+        "FileSystemWriterAsync's first save starts a spawn-mode multiprocessing Manager that "
+        "re-imports __main__ (~5 s per rank); synchronous saves write from threads of the "
+        "same process, so a queue.Queue serves",
+        _patch_results_queue,
+        _spawn_queue_pending,
+        "when filesystem_async no longer creates a module-level spawn Manager queue on first save",
+    ),
+    # ---- mcore_dist save/load strategies (backend options; on demand: only a backend that asks gets it)
+    Shim(
+        ASYNC_RESULTS_QUEUE,
+        "megatron-core's async save (TemporalAsyncCaller) writes in a forked child whose write results "
+        "the in-process queue.Queue above cannot carry back ('results_queue should not be empty'): a "
+        "fork-context multiprocessing Manager queue, started on the rank's first async save",
+        _cross_process_results_queue,
+        _in_process_queue,
+        "with the in-process queue above (or when filesystem_async has no module-level queue)",
+        on_demand=True,
+    ),
+)
+
+# ------------------------------------------------------------------ defect workarounds a case can switch off
+
+WORKAROUNDS: dict[str, str] = {
+    "prime_adam": "megatron-core 0.19.2 DistributedOptimizer + plain torch Adam: loading into a never-stepped "
+    "optimizer fails `assert len(steps) == 1`; the harness primes Adam state (step 0, zero moments)",
+    "load_no_grad": "megatron-core 0.19.2 dp_reshardable load copies into views of leaf params that require grad "
+    "('a view of a leaf Variable that requires grad is being used in an in-place operation'); "
+    "the harness loads under torch.no_grad()",
+    "fully_reshardable_step": "megatron-core 0.19.2 DistributedOptimizer._set_main_param_and_optimizer_states iterates the "
+    "destination torch Adam state keys, 'step' included, but load_parameter_state_from_fully_reshardable "
+    "leaves 'step' out of the source: KeyError 'step'; the harness passes step=None so the copy skips it",
+    "unshare_adam_step": "megatron-core 0.19.2 DistributedOptimizer.load_state_dict without Apex/TE puts ONE step tensor in "
+    "every param's torch Adam state; Adam increments it once per param per step (3 -> 30 after one step with 27 "
+    "params), corrupting bias correction after every resume; the harness gives each param its own copy",
+    "vpp_overlap_p2p": "megatron-core 0.19.2 TransformerConfig defaults to batch_p2p_comm=True, overlap_p2p_comm=False "
+    "and accepts them with the interleaved schedule at PP=2, where next and previous stage are the same rank: "
+    "_batched_p2p_ops (pipeline_parallel/p2p_communication.py:27-49) posts send_prev and send_next to that rank in one "
+    "batch_isend_irecv, sends and receives between two ranks match in posting order, so each stage receives the "
+    "other's gradient as its activation and the reverse, silently (Megatron-LM asserts PP > 2 for this, "
+    "training/arguments.py:972); the harness builds vpp models with Megatron-LM's and Megatron-Bridge's vpp setting, "
+    "overlap_p2p_comm=True, batch_p2p_comm=False (harness.models.VPP_P2P)",
+}
+DEFAULT_WORKAROUNDS = tuple(WORKAROUNDS)
+
+
+def apply_workaround(name: str) -> None:
+    """The process-wide patch behind a workaround (the others act on one optimizer, harness.models.training)."""
+    if name != "fully_reshardable_step":
+        raise ValueError(f"workaround {name!r} is applied by harness.models.training, not patched process-wide")
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_ckpt_harness", False):
+        return
+
+    def skip_missing_step(self, model_param, tensors):
+        return original(self, model_param, {"step": None, **tensors})
+
+    skip_missing_step._ckpt_harness = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = skip_missing_step

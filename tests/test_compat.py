@@ -1,0 +1,120 @@
+"""harness.compat: the TE stand-in answers any name, every shim has a probe and a retirement note,
+and the shim record is per process and per case."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+
+import pytest
+import torch
+
+from harness import compat
+from harness.compat import _shim, cuda, mcore, noise, te, verl
+from harness.core.result import CaseResult
+from harness.run.envelope import RunEnv
+from harness.run.preload import warm
+
+warm()  # as the runner does: ranks fork from a parent that already imported megatron-core
+
+needs_no_te = pytest.mark.skipif(te.te_importable(), reason="Transformer-Engine is installed: no stand-in is served")
+
+FAKE_USER = '''
+import transformer_engine
+import transformer_engine.pytorch as te_pt
+import transformer_engine.common.recipe as recipe
+from transformer_engine.pytorch import GroupedLinear, Linear, LayerNormLinear
+from transformer_engine.pytorch.ops import Sequential
+from transformer_engine.common.recipe import DelayedScaling, Format
+
+NAMES = (GroupedLinear, Linear, LayerNormLinear, Sequential, DelayedScaling, Format,
+         te_pt.SomethingNoReleaseHasYet, te_pt.ops.BasicLinear, recipe.Float8CurrentScaling,
+         transformer_engine.pytorch.fp8.FP8GlobalStateManager)
+'''
+
+
+@needs_no_te
+def test_te_stand_in_answers_any_name_with_types_nothing_is_an_instance_of(tmp_path, monkeypatch):
+    pkg = tmp_path / "fake_te_user"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "lora.py").write_text(FAKE_USER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with te.te_stand_in(("fake_te_user.lora",)):
+            lora = importlib.import_module("fake_te_user.lora")
+            with pytest.raises(ModuleNotFoundError):  # any other importer still finds TE absent
+                importlib.import_module("transformer_engine")
+        names = lora.NAMES
+        assert all(isinstance(n, type) and te.is_stub(n) for n in names)
+        assert len({id(n) for n in names}) == len(names)  # one type per name
+        assert lora.te_pt.GroupedLinear is lora.GroupedLinear  # cached: read twice, the same type
+        assert lora.Sequential is lora.te_pt.ops.Sequential
+        for ordinary in (object(), torch.nn.Linear(2, 2), torch.zeros(1), "x", None, 3):
+            assert not any(isinstance(ordinary, n) for n in names)
+        assert not any(k == "transformer_engine" or k.startswith("transformer_engine.") for k in sys.modules)
+        assert not te.te_importable()
+    finally:
+        for name in [k for k in sys.modules if k.startswith("fake_te_user")]:
+            del sys.modules[name]
+
+
+def test_every_shim_has_a_reason_a_probe_and_a_retirement():
+    for shim in compat.all_shims():
+        assert shim.reason and shim.retire_when and callable(shim.needed), shim.name
+    assert set(te.BRIDGE_SHIMS) == {te.TE_STUB, te.HAVE_TE_FALSE}
+    assert set(verl.VERL_SHIMS) == {verl.VERL_RNG_TRACKER, verl.MBRIDGE_TE_SPEC}
+
+
+def test_no_shim_is_keyed_on_a_version_string():
+    for module in (compat, _shim, cuda, mcore, noise, te, verl):
+        code = "\n".join(line for line in inspect.getsource(module).splitlines() if not line.lstrip().startswith("#"))
+        assert not re.search(r"__version__|importlib\.metadata|metadata\.version|packaging\.version|version\(", code), module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA probes are read on a machine without CUDA")
+def test_without_cuda_every_cuda_probe_finds_its_condition():
+    cpu = torch.device("cpu")
+    assert [s.name for s in cuda.SHIMS if not s.needed(cpu)] == []
+
+
+def test_begin_case_keeps_what_install_applied_and_drops_the_rest(monkeypatch):
+    monkeypatch.setattr(_shim, "_applied", ["cuda.current_device", "from an earlier case"])
+    monkeypatch.setattr(_shim, "_base", ["cuda.current_device"])
+    monkeypatch.setattr(_shim, "_record", ["cuda.current_device", "from an earlier case"])
+    compat.begin_case()
+    assert compat.installed() == ["cuda.current_device"]
+    _shim.note("from an earlier case")  # used again by this case: listed again, not applied again
+    assert compat.installed() == ["cuda.current_device", "from an earlier case"]
+    assert _shim._applied == ["cuda.current_device", "from an earlier case"]
+
+
+def _gpt_rank(ctx, _):
+    return compat.installed()
+
+
+def _bridge_rank(ctx, _):
+    te.import_megatron_bridge()
+    return compat.installed()
+
+
+@needs_no_te
+def test_a_gpt_rank_forked_after_the_bridge_import_reports_no_bridge_shim(tmp_path):
+    if importlib.util.find_spec("megatron.bridge") is None:
+        pytest.skip("megatron-bridge is not installed")
+    te.import_megatron_bridge()  # what the parent's preload does for an HF case (harness.run.preload.warm)
+    assert te.TE_STUB in compat.installed()  # the parent's own record
+    env = RunEnv(case_dir=tmp_path)
+    bridge_names = {te.TE_STUB, te.HAVE_TE_FALSE}
+
+    gpt = CaseResult("gpt", "reshard-weights", "gpt", "mcore_dist", "tp1", "tp1")
+    (value,) = env.launch(gpt, "save", _gpt_rank, None, None)
+    assert "cuda.current_device" in gpt.compat_shims and value == gpt.compat_shims
+    assert bridge_names.isdisjoint(gpt.compat_shims)
+
+    hf = CaseResult("hf", "hf-roundtrip", "hf-llama", "bridge_hf", "tp1", "tp1")
+    env.launch(hf, "export", _bridge_rank, None, None)
+    assert bridge_names <= set(hf.compat_shims) and "cuda.current_device" in hf.compat_shims

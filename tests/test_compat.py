@@ -118,3 +118,27 @@ def test_a_gpt_rank_forked_after_the_bridge_import_reports_no_bridge_shim(tmp_pa
     hf = CaseResult("hf", "hf-roundtrip", "hf-llama", "bridge_hf", "tp1", "tp1")
     env.launch(hf, "export", _bridge_rank, None, None)
     assert bridge_names <= set(hf.compat_shims) and "cuda.current_device" in hf.compat_shims
+
+
+def test_the_stand_in_finds_each_unguarded_importer_by_its_error(tmp_path, monkeypatch):
+    """A release that imports TE unguarded from modules nobody listed (Bridge 0.5.1: peft/lora.py as
+    well as peft/lora_layers.py) still imports; a guarded TE detection still finds TE absent."""
+    pkg = tmp_path / "fake_bridge"
+    (pkg / "peft").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from fake_bridge import detect, lora\n")
+    (pkg / "detect.py").write_text("try:\n    import transformer_engine\n    HAVE_TE = True\nexcept ImportError:\n    HAVE_TE = False\n")
+    (pkg / "lora.py").write_text("import transformer_engine.pytorch as te\nfrom fake_bridge.peft import layers\nG = te.GroupedLinear\n")
+    (pkg / "peft" / "__init__.py").write_text("")
+    (pkg / "peft" / "layers.py").write_text("from transformer_engine.pytorch import Linear\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        served = te.import_with_stand_in(("fake_bridge", "fake_bridge.peft.layers"))
+        import fake_bridge
+
+        assert served and te.is_stub(fake_bridge.lora.G) and te.is_stub(fake_bridge.peft.layers.Linear)
+        assert fake_bridge.detect.HAVE_TE is False  # the detection was not served
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module("transformer_engine")
+    finally:
+        for name in [k for k in sys.modules if k.startswith("fake_bridge")]:
+            del sys.modules[name]

@@ -1,8 +1,9 @@
 """Transformer-Engine absent: the stand-in Megatron-Bridge's import needs, and `import_megatron_bridge`.
 
-Megatron-Bridge imports `transformer_engine.pytorch` unguarded in peft/lora_layers.py (0.6.2 reads
-Linear, LayerNormLinear and ops.*; 0.5.1 also GroupedLinear) and uses those names only in
-isinstance checks. The stand-in answers ANY name under `transformer_engine` with an inert type
+Megatron-Bridge imports `transformer_engine.pytorch` unguarded (0.6.2 in peft/lora_layers.py, reading
+Linear, LayerNormLinear and ops.*; 0.5.1 also in peft/lora.py, and GroupedLinear) and uses those
+names only in isinstance checks and signatures. Which modules import it unguarded is found by the
+import's own error (`import_with_stand_in`), not listed per release. The stand-in answers ANY name under `transformer_engine` with an inert type
 that nothing is an instance of (a fresh class per name, cached; attributes of those classes and
 submodules answer the same way), but only to import statements of the modules named
 (`te_stand_in`), and never through sys.modules: megatron-core's own TE detection still finds TE
@@ -21,7 +22,7 @@ from typing import Iterator
 
 from harness.compat._shim import note
 
-TE_STUB = "transformer_engine stub for megatron.bridge.peft.lora_layers"
+TE_STUB = "transformer_engine stub for megatron.bridge's unguarded imports"
 HAVE_TE_FALSE = "megatron.bridge peft HAVE_TE=False"
 #: what each Bridge shim is for and when it is no longer needed
 BRIDGE_SHIMS: dict[str, str] = {
@@ -119,14 +120,57 @@ def _force_have_te_false() -> bool:
     return bool(wrong)
 
 
+#: Bridge modules the harness itself imports (LoRA): imported while the stand-in is open, so the
+#: ones that read TE at import time get it then, whichever release they come from
+_BRIDGE_MODULES = ("megatron.bridge", "megatron.bridge.peft.lora_layers", "megatron.bridge.peft.lora")
+
+
+def _te_importer(exc: ModuleNotFoundError, root: str) -> str | None:
+    """The module of package `root` whose import statement raised `exc` for transformer_engine."""
+    if not (exc.name or "").startswith("transformer_engine"):
+        return None
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        name = tb.tb_frame.f_globals.get("__name__", "")
+        if name == root or name.startswith(root + "."):
+            found = name
+        tb = tb.tb_next
+    return found
+
+
+def _forget(root: str) -> None:
+    for name in [m for m in sys.modules if m == root or m.startswith(root + ".")]:
+        del sys.modules[name]
+
+
+def import_with_stand_in(modules: tuple[str, ...] = _BRIDGE_MODULES) -> dict[str, StubModule]:
+    """Import the Bridge, serving the stand-in to exactly the modules that import TE unguarded: an
+    import that fails on transformer_engine names its module (the error is the probe), which joins
+    the importers, and the Bridge is imported again. A release that reads other TE names, or from
+    other modules, imports without a harness change."""
+    root = modules[0]
+    importers: list[str] = []
+    for _ in range(32):
+        try:
+            with te_stand_in(tuple(importers)) as served:
+                for name in modules:
+                    if name == root or importlib.util.find_spec(name) is not None:
+                        importlib.import_module(name)
+            return served
+        except ModuleNotFoundError as exc:
+            importer = _te_importer(exc, root)
+            if importer is None or importer in importers:
+                raise
+            importers.append(importer)
+            _forget(root)
+    raise ImportError(f"{root} still imports transformer_engine unguarded after {len(importers)} importers: {importers}")
+
+
 def import_megatron_bridge():
     """Import megatron.bridge where Transformer-Engine is absent (CPU, or a GPU install without TE),
     and record the Bridge shims this process applied for the current case (see BRIDGE_SHIMS)."""
     if "megatron.bridge" not in sys.modules and not te_importable():
-        with te_stand_in(("megatron.bridge.peft.lora_layers",)) as served:
-            import megatron.bridge
-            import megatron.bridge.peft.lora_layers  # noqa: F401  (the module that needs the stand-in)
-        if served:
+        if import_with_stand_in():
             _bridge_shims.append(TE_STUB)
         if _force_have_te_false():
             _bridge_shims.append(HAVE_TE_FALSE)

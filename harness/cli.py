@@ -131,7 +131,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from harness.gate.sweep import driver as sweep_driver
 
     def driver(specs, matrix, k, out_dir):
-        return sweep_driver.driver(specs, matrix, k, out_dir, cache=args.cache)
+        return sweep_driver.driver(specs, matrix, k, out_dir, cache=args.cache, jobs=args.jobs)
 
     def cross_driver(writer, reader, rollback, out_dir):
         return sweep_driver.cross_driver(writer, reader, rollback, out_dir, cache=args.cache)

@@ -397,7 +397,7 @@ def test_the_drivers_run_the_gate_steps_once_per_release_set(tmp_path, monkeypat
         built.append((side.name, side.specs, cache))
         side.venv = cache / f"venv-{len(built)}"
 
-    def run_matrix(side, matrix, k, out):
+    def run_matrix(side, matrix, k, out, jobs=1):
         ran.append((side.venv, matrix, k, out))
         return 1.0
 

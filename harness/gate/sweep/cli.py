@@ -56,6 +56,7 @@ def add_parser(subparsers: Any, driver: Driver | None = None, cross_driver: Cros
     p.add_argument("--cross", action="store_true",
                    help="each release's golden corpus is read by the newest, and the newest's by each older one (rollback)")
     p.add_argument("--out", type=Path, required=True, help="DIR/sweep.md, sweep.html, sweep.json, and one run dir per release")
+    p.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="cases at once in each release's matrix run (gloo only)")
     p.add_argument("--cache", type=Path, default=None, help="where venvs live (default: $CKPT_HARNESS_HOME or ~/.cache/ckpt-harness)")
     p.add_argument("--from-results", nargs="+", default=None, metavar="LABEL=PATH",
                    help="tabulate existing results.json files (or report dirs), oldest first, running nothing")

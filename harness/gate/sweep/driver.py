@@ -54,12 +54,13 @@ def _matrix_path(matrix: Path | None) -> Path:
     return matrix.resolve() if matrix.exists() else (ROOT / matrix)
 
 
-def driver(release_specs: list[str], matrix: Path | None, k: str | None, out_dir: Path, cache: Path | None = None) -> Path:
+def driver(release_specs: list[str], matrix: Path | None, k: str | None, out_dir: Path, cache: Path | None = None,
+           jobs: int = 1) -> Path:
     """Build or reuse the release set's environment, run the matrix there; out_dir/results.json."""
     from harness.gate.bump import run_matrix
 
     out_dir = Path(out_dir).resolve()
-    run_matrix(_side(release_specs, cache), _matrix_path(matrix), k, out_dir)
+    run_matrix(_side(release_specs, cache), _matrix_path(matrix), k, out_dir, jobs)
     return out_dir / "results.json"
 
 

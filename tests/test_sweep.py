@@ -357,8 +357,8 @@ def test_ckpt_harness_sweep_calls_the_driver_once_per_release_in_order(tmp_path,
 
     calls, crosses = [], []
 
-    def fake_driver(specs, matrix, k, out_dir, cache=None):
-        calls.append((specs, matrix, k, cache))
+    def fake_driver(specs, matrix, k, out_dir, cache=None, jobs=1):
+        calls.append((specs, matrix, k, cache, jobs))
         out_dir.mkdir(parents=True)
         (out_dir / "results.json").write_text(json.dumps(_doc(2 * (len(calls) - 1))))
         return out_dir / "results.json"
@@ -376,8 +376,9 @@ def test_ckpt_harness_sweep_calls_the_driver_once_per_release_in_order(tmp_path,
     monkeypatch.setattr(sweep_driver, "cross_driver", fake_cross)
     monkeypatch.setattr(sweep_driver, "_side", no_build)
     out, cache = tmp_path / "s", tmp_path / "venvs"
-    assert cli.main(["sweep", "--releases", "PKG==1,2", "-k", "tp2", "--cross", "--cache", str(cache), "m.yaml", "--out", str(out)]) == 0
-    assert calls == [(["PKG==1"], Path("m.yaml"), "tp2", cache), (["PKG==2"], Path("m.yaml"), "tp2", cache)]
+    assert cli.main(["sweep", "--releases", "PKG==1,2", "-k", "tp2", "--cross", "--cache", str(cache), "-j", "2", "m.yaml",
+                     "--out", str(out)]) == 0
+    assert calls == [(["PKG==1"], Path("m.yaml"), "tp2", cache, 2), (["PKG==2"], Path("m.yaml"), "tp2", cache, 2)]
     assert crosses == [(["PKG==1"], ["PKG==2"], False), (["PKG==2"], ["PKG==1"], True)]
     doc = json.loads((out / "sweep.json").read_text())
     assert [r["label"] for r in doc["releases"]] == ["PKG==1", "PKG==2"] and len(doc["cross"]["cells"]) == 2

@@ -238,10 +238,15 @@ def _hf_outcome(load) -> tuple[Outcome, object]:
 
 
 def _mcore_writes_common_pt() -> bool:
-    """megatron-core < 0.19 wrote common.pt beside the .distcp files; 0.19 keeps it inside them."""
-    from packaging.version import Version
+    """Whether megatron-core's dist_checkpointing.save writes common.pt beside the .distcp files:
+    read from what its `save` does (it calls the common strategy's `save_common`, as releases before
+    0.19 did; 0.19 saves the common state as the "common_state" sharded object inside them), never
+    from the version string, so a release that brings common.pt back is seen."""
+    import inspect
 
-    return Version(metadata.version("megatron-core")) < Version("0.19")
+    from megatron.core.dist_checkpointing import serialization
+
+    return "save_common" in inspect.getsource(serialization.save)
 
 
 class CorruptLoad(Case):
@@ -260,7 +265,7 @@ class CorruptLoad(Case):
         if kind == "missing-common" and not _mcore_writes_common_pt():
             raise ValueError(
                 f"damage 'missing-common': megatron-core {metadata.version('megatron-core')} torch_dist writes no common.pt "
-                "(the common state lives in the .distcp files since 0.19), so there is nothing to delete")
+                "(its dist_checkpointing.save keeps the common state inside the .distcp files), so there is nothing to delete")
         if ARTEFACT[kind][0] == "hf" and spec.source != spec.target:
             raise ValueError(f"damage {kind!r} is loaded by transformers/peft, which have no topology: give source == target")
         if kind in damage.OTHER_MODEL:

@@ -171,6 +171,34 @@ class HFRoundtrip(Case):
         run_roundtrip(get_model(spec.model, "hf"), spec.source, spec.target, ref_of(spec), opts, env, result)
 
 
+# --------------------------------------------------------------------------- the public steps
+# What run_roundtrip runs, one world each; the golden corpus (harness.gate.golden) runs them too,
+# on checkpoints and exports another environment wrote.
+
+
+def save_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path, topo: Topology, export_backend: BackendRef, *,
+              dist_save: Path | None = None, export_to: Path | None = None, ddp: DdpKnobs = DdpKnobs(), dtype: DType = "fp32",
+              dist_backend: BackendRef | None = None, phase: str = "save") -> list[BridgeOut]:
+    """World `phase` at `topo`: build the Bridge model from the HF checkpoint `hf_dir` (its
+    weights, AutoBridge), save its megatron-core dist checkpoint into `dist_save` (through
+    `dist_backend`, mcore_dist when None) and export it through `export_backend` into `export_to`,
+    each when given. Each rank's BridgeOut (DDP knob propagation, Megatron logits)."""
+    return env.launch(result, phase, _rank, _Phase(
+        model, str(hf_dir), topo, True, ddp, export_backend=export_backend, dist_backend=dist_backend or resolve("mcore_dist"),
+        dist_save=str(dist_save) if dist_save else None, export_to=str(export_to) if export_to else None, dtype=dtype), topo)
+
+
+def load_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path, topo: Topology, export_backend: BackendRef,
+              dist_load: Path, *, export_to: Path | None = None, ddp: DdpKnobs = DdpKnobs(), dtype: DType = "fp32",
+              dist_backend: BackendRef | None = None) -> list[BridgeOut]:
+    """World "load" at `topo`: build the Bridge model from `hf_dir`'s config without its weights,
+    load the dist checkpoint `dist_load` (through `dist_backend`, mcore_dist when None), export it
+    through `export_backend` into `export_to` when given. A load that raises fails the world."""
+    return env.launch(result, "load", _rank, _Phase(
+        model, str(hf_dir), topo, False, ddp, export_backend=export_backend, dist_backend=dist_backend or resolve("mcore_dist"),
+        dist_load=str(dist_load), export_to=str(export_to) if export_to else None, dtype=dtype), topo)
+
+
 def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backend: BackendRef, opts: DdpKnobs, env: RunEnv,
                   result: CaseResult) -> None:
     """The fixture, the worlds (export at S, or save at S -> load at D -> export) and the judge, for
@@ -179,17 +207,15 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
     dtype = getattr(opts, "dtype", "fp32")
     opts = opts.knobs() if isinstance(opts, Options) else opts
     hf_dir, export = env.case_dir / "hf-source", env.case_dir / "hf-export"
-    paths = dict(export_backend=export_backend, dist_backend=resolve("mcore_dist"), dtype=dtype)
     with timed(result, "fixture"):
         write_fixture(model, hf_dir, dtype)
     if src == dst:
-        outs = env.launch(result, "export", _rank, _Phase(model, str(hf_dir), src, True, opts, export_to=str(export), **paths), src)
+        outs = save_step(env, result, model, hf_dir, src, export_backend, export_to=export, ddp=opts, dtype=dtype, phase="export")
         worlds = [(src.id, outs)]
     else:
         ckpt = env.case_dir / "dist-ckpt"
-        first = env.launch(result, "save", _rank, _Phase(model, str(hf_dir), src, True, opts, dist_save=str(ckpt), **paths), src)
-        outs = env.launch(result, "load", _rank, _Phase(
-            model, str(hf_dir), dst, False, opts, dist_load=str(ckpt), export_to=str(export), **paths), dst)
+        first = save_step(env, result, model, hf_dir, src, export_backend, dist_save=ckpt, ddp=opts, dtype=dtype)
+        outs = load_step(env, result, model, hf_dir, dst, export_backend, ckpt, export_to=export, ddp=opts, dtype=dtype)
         worlds = [(src.id, first), (dst.id, outs)]
     with timed(result, "compare"):
         backend = get_backend(export_backend)

@@ -142,6 +142,14 @@ def _peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32") 
     return problems
 
 
+def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32") -> list[str]:
+    """What goes wrong when users load the HF PEFT adapter `adapter_dir` over the HF base `base_dir`
+    with peft ([] when nothing): missing-key warnings of PeftModel.from_pretrained, and the missing
+    and unexpected keys load_adapter reports. The peft-load check of this case and of the golden
+    corpus."""
+    return _peft_load_problems(base_dir, adapter_dir, dtype)
+
+
 def _peft_merged(base_dir: Path, adapter_dir: Path, dtype: str = "fp32", save_to: Path | None = None) -> dict[str, torch.Tensor]:
     """peft's merge_and_unload() weights: the in-memory state dict, or with `save_to` what
     save_pretrained writes of it. An MoE model needs the latter: transformers 5 holds Qwen3-MoE's
@@ -230,6 +238,42 @@ def judge_resharded(src: str, dst: str, first: list[PeftOut], again: list[PeftOu
     ]
 
 
+# --------------------------------------------------------------------------- the public steps
+# What PeftExport.run runs, one world each; the golden corpus (harness.gate.golden) runs them too,
+# on adapter checkpoints another environment wrote.
+
+
+def _paths(export_backend: BackendRef, dtype: DType) -> dict[str, Any]:
+    return dict(export_backend=export_backend, dist_backend=resolve("mcore_dist"), merge_backend=resolve("bridge_hf"), dtype=dtype)
+
+
+def _opt(path: Path | None) -> str | None:
+    return str(path) if path else None
+
+
+def save_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path, topo: Topology, adapter: mb.AdapterSpec,
+              export_backend: BackendRef, *, adapter_save: Path | None = None, export_to: Path | None = None,
+              merged_to: Path | None = None, dtype: DType = "fp32") -> list[PeftOut]:
+    """World "save" at `topo`: build the Bridge model from the HF base `hf_dir` with `adapter`
+    (filled with the harness's seeded adapter weights), save the adapter-only dist checkpoint
+    (mcore_dist) into `adapter_save`, export the HF PEFT adapter through `export_backend` into
+    `export_to` and the merged HF model (bridge_hf) into `merged_to`, each when given. Each rank's
+    PeftOut (adapter pieces, Megatron logits)."""
+    return env.launch(result, "save", _rank, _Phase(
+        model, str(hf_dir), topo, adapter, True, adapter_save=_opt(adapter_save), export_to=_opt(export_to),
+        merged_to=_opt(merged_to), **_paths(export_backend, dtype)), topo)
+
+
+def load_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path, topo: Topology, adapter: mb.AdapterSpec,
+              export_backend: BackendRef, adapter_load: Path, *, export_to: Path | None = None, dtype: DType = "fp32") -> list[PeftOut]:
+    """World "load" at `topo`: build the Bridge model with `adapter` holding decoy adapter weights,
+    load the adapter-only dist checkpoint `adapter_load`, export the HF PEFT adapter into
+    `export_to` when given. A load that raises fails the world."""
+    return env.launch(result, "load", _rank, _Phase(
+        model, str(hf_dir), topo, adapter, False, adapter_load=str(adapter_load), export_to=_opt(export_to),
+        **_paths(export_backend, dtype)), topo)
+
+
 class PeftExport(Case):
     name = "peft-export"
     description = "Megatron-Bridge LoRA/CanonicalLoRA -> HF PEFT adapter, checked against peft and an independent derivation"
@@ -245,21 +289,18 @@ class PeftExport(Case):
         d = env.case_dir
         hf_dir, direct, merged, ckpt = d / "hf-base", d / "adapter@source", d / "merged@source", d / "adapter-dist-ckpt"
         dtype = opts.dtype
-        paths = dict(export_backend=ref_of(spec), dist_backend=resolve("mcore_dist"), merge_backend=resolve("bridge_hf"), dtype=dtype)
         with timed(result, "fixture"):
             write_fixture(model, hf_dir, dtype)
         resharded = src != dst
-        first = env.launch(result, "save", _rank, _Phase(
-            model, str(hf_dir), src, adapter, True, adapter_save=str(ckpt) if resharded else None,
-            export_to=str(direct), merged_to=str(merged), **paths), src)
+        first = save_step(env, result, model, hf_dir, src, adapter, ref_of(spec), adapter_save=ckpt if resharded else None,
+                          export_to=direct, merged_to=merged, dtype=dtype)
         if resharded:
-            again = env.launch(result, "load", _rank, _Phase(
-                model, str(hf_dir), dst, adapter, False, adapter_load=str(ckpt), export_to=str(d / "adapter@target"), **paths), dst)
+            again = load_step(env, result, model, hf_dir, dst, adapter, ref_of(spec), ckpt, export_to=d / "adapter@target", dtype=dtype)
         with timed(result, "compare"):
             export = get_backend(ref_of(spec))
             ids = truth.fixed_input_ids(model)
             ex = Exported(
-                _peft_load_problems(hf_dir, direct, dtype), export.read_full(None, direct),
+                peft_load_problems(hf_dir, direct, dtype), export.read_full(None, direct),
                 json.loads((direct / "adapter_config.json").read_text()),
                 _peft_merged(hf_dir, direct, dtype, d / "peft-merged" if model.num_experts else None),
                 get_backend("bridge_hf").read_full(None, merged),

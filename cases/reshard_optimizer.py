@@ -19,13 +19,16 @@ Checks:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
 
 from cases._train_phase import TrainOut, phase_of, train_phase
 from cases.contract import Case
-from harness.backends import get_backend, ref_of
+from harness.backends import BackendRef, get_backend, ref_of
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
-from harness.core.zoo import get_model
+from harness.core.topology import Topology
+from harness.core.zoo import ModelSpec, get_model
 from harness.judge.checks import (
     ASYNC_FINALIZE,
     WEIGHTS_MATCH_MAIN_PARAMS,
@@ -99,6 +102,40 @@ def judge(src: str, dst: str, saved: list[TrainOut], loaded: list[TrainOut], dty
     ]
 
 
+# --------------------------------------------------------------------------- the public steps
+# What ReshardOptimizer.run runs, one world each; the golden corpus (harness.gate.golden) runs them
+# too, on training checkpoints another environment wrote.
+
+
+def save_step(env: RunEnv, result: CaseResult, model: ModelSpec, opts: TrainOptions, backend: BackendRef, topo: Topology,
+              save_to: Path, steps: int) -> list[TrainOut]:
+    """World "save" at `topo`: build the training job of `opts` (DDP, optimizer, sharding,
+    workarounds), train `steps` steps, save model + optimizer through `backend` into `save_to`.
+    Each rank's TrainOut: knob propagation, optimizer and model shards, the Adam step values."""
+    return env.launch(result, "save", train_phase,
+                      phase_of(model, opts, backend, topo=topo, save_to=str(save_to), steps_before_save=steps), topo)
+
+
+def load_step(env: RunEnv, result: CaseResult, model: ModelSpec, opts: TrainOptions, backend: BackendRef, topo: Topology,
+              load_from: Path, first_step: int) -> list[TrainOut]:
+    """World "load" at `topo`: build the same job fresh, load `load_from` through `backend` (the
+    training then would go on at `first_step`). Each rank's TrainOut as loaded. A load that raises
+    fails the world (harness.run.world.WorldError)."""
+    return env.launch(result, "load", train_phase,
+                      phase_of(model, opts, backend, topo=topo, load_from=str(load_from), first_step=first_step), topo)
+
+
+def step_values(outs: Sequence[TrainOut]) -> list[float]:
+    """The distinct Adam step values the ranks of a world hold."""
+    return sorted({x for o in outs for x in o.steps["values"]})
+
+
+def written_steps(values: Sequence[float]) -> list[TrainOut]:
+    """A saved side for `step_check` from the step values a writer recorded (the golden corpus keeps
+    them in its manifest)."""
+    return [TrainOut([], [], [], steps={"values": list(values), "shared_step_tensors": 0})]
+
+
 class ReshardOptimizer(Case):
     name = "reshard-optimizer"
     description = "model + optimizer checkpoint saved at S, loaded at D: optimizer state bitwise, step kept"
@@ -119,8 +156,7 @@ class ReshardOptimizer(Case):
         src, dst = spec.source.id, spec.target.id
         model, backend = get_model(spec.model, "gpt"), ref_of(spec)
         result.notes += workaround_notes(opts, spec.source, spec.target)
-        saved = env.launch(result, "save", train_phase,
-                           phase_of(model, opts, backend, topo=spec.source, save_to=str(ckpt), steps_before_save=opts.steps), spec.source)
+        saved = save_step(env, result, model, opts, backend, spec.source, ckpt, opts.steps)
         finalized = finalize_gate(get_backend(backend), saved, [str(ckpt)])
         if finalized is not None:
             result.checks.append(finalized)
@@ -129,8 +165,7 @@ class ReshardOptimizer(Case):
                                                 "the checkpoint was never completed (async-finalize failed): nothing to load")
                 return
         try:
-            loaded = env.launch(result, "load", train_phase,
-                                phase_of(model, opts, backend, topo=spec.target, load_from=str(ckpt), first_step=opts.steps), spec.target)
+            loaded = load_step(env, result, model, opts, backend, spec.target, ckpt, opts.steps)
             error = None
         except WorldError as exc:
             loaded, error = None, exc

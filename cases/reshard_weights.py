@@ -234,16 +234,46 @@ def judge(
     return checks
 
 
+# --------------------------------------------------------------------------- the public steps
+# What run_weights runs, one world each; the golden corpus (harness.gate.golden) runs them too, on
+# checkpoints another environment wrote.
+
+
+def save_step(env: RunEnv, result: CaseResult, model: ModelSpec, topo: Topology, backend: str, save_to: Path, *,
+              logits: bool = False, dtype: DType = "fp32", layer_spec: LayerSpec = "local") -> list[WeightsOut]:
+    """World "save" at `topo`: build `model` with the canonical weights and save it through
+    `backend` (an import path, harness.backends.resolve) into `save_to`. Each rank's WeightsOut:
+    its shards as built, its logits of the fixed batch when `logits`."""
+    return env.launch(result, "save", _rank_phase, _Phase(model, topo, backend, None, str(save_to), logits, dtype, layer_spec), topo)
+
+
+def load_step(env: RunEnv, result: CaseResult, model: ModelSpec, topo: Topology, backend: str, load_from: Path, *,
+              save_to: Path | None = None, logits: bool = False, dtype: DType = "fp32",
+              layer_spec: LayerSpec = "local") -> list[WeightsOut]:
+    """World "load" at `topo`: build `model` holding decoy weights, load `load_from` through
+    `backend` (so a tensor the load misses keeps its decoy), re-save into `save_to` when given. Each
+    rank's WeightsOut: its shards as loaded, its logits when `logits`. A load that raises fails the
+    world (harness.run.world.WorldError, with the rank's traceback)."""
+    return env.launch(result, "load", _rank_phase, _Phase(model, topo, backend, str(load_from), str(save_to) if save_to else None,
+                                                          logits, dtype, layer_spec), topo)
+
+
+def read_step(env: RunEnv, result: CaseResult, backend: str, dirs: list[Path]) -> dict[str, dict[str, torch.Tensor]]:
+    """World "read" (one rank, no model): every checkpoint of `dirs` read plainly through
+    `backend`'s read_full, keyed by str(directory)."""
+    return env.launch(result, "read", _rank_read, (backend, [str(d) for d in dirs]), None)[0]
+
+
 def run_weights(model: ModelSpec, src: Topology, dst: Topology, backend: str, dtype: DType, env: RunEnv,
                 result: CaseResult, layer_spec: LayerSpec = "local") -> None:
     """The three worlds (save at S, load and re-save at D, read both checkpoints) and the judge,
     for any ModelSpec: the matrix case and harness.orchestration.explore (which draws models outside the zoo)
     run exactly this."""
     ckpt_a, ckpt_b = env.case_dir / "ckpt-source", env.case_dir / "ckpt-resaved"
-    logits = cp_forward(src, dst, layer_spec)
-    saved = env.launch(result, "save", _rank_phase, _Phase(model, src, backend, None, str(ckpt_a), logits, dtype, layer_spec), src)
-    loaded = env.launch(result, "load", _rank_phase, _Phase(model, dst, backend, str(ckpt_a), str(ckpt_b), logits, dtype, layer_spec), dst)
-    plain = env.launch(result, "read", _rank_read, (backend, [str(ckpt_a), str(ckpt_b)]), None)[0]
+    knobs = dict(logits=cp_forward(src, dst, layer_spec), dtype=dtype, layer_spec=layer_spec)
+    saved = save_step(env, result, model, src, backend, ckpt_a, **knobs)
+    loaded = load_step(env, result, model, dst, backend, ckpt_a, save_to=ckpt_b, **knobs)
+    plain = read_step(env, result, backend, [ckpt_a, ckpt_b])
     with timed(result, "compare"):
         result.checks.extend(judge(model, src, dst, saved, loaded, plain[str(ckpt_a)], plain[str(ckpt_b)], dtype, layer_spec))
 

@@ -77,6 +77,11 @@ class Backend(ABC):
     #: Modules the parent imports before forking ranks (harness.run.preload.warm), when a case uses
     #: this backend: a backend whose library is slow to import (verl: ~11 s) pays it once.
     preload: ClassVar[tuple[str, ...]] = ()
+    #: The exceptions (class names, as a rank's traceback names them) with which this format's
+    #: readers refuse files they cannot read (a newer format version, a foreign layout): what a user
+    #: can act on. The golden corpus's rollback direction (an older stack reading newer files) passes
+    #: these as a clean refusal; any other exception (AttributeError, KeyError) is a crash and fails.
+    refusals: ClassVar[tuple[str, ...]] = ()
 
     def notes(self) -> list[str]:
         """Lines for the result's notes (e.g. which upstream defects this configuration steps around)."""

@@ -18,6 +18,7 @@ from harness.core.context import RankContext
 class BridgeHF(Backend):
     name = "bridge_hf"
     capabilities = frozenset({"hf_export", "hf_import", "read_plain"})
+    refusals = ("SafetensorError",)  # safetensors' header/format error (transformers reads through it)
 
     def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
         model.bridge.save_hf_pretrained(model.modules, str(directory), show_progress=False)

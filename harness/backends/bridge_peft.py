@@ -21,6 +21,7 @@ from harness.core.context import RankContext
 class BridgePeft(Backend):
     name = "bridge_peft"
     capabilities = frozenset({"adapter_export", "read_plain"})
+    refusals = ("SafetensorError", "PeftError", "NoMatchingPeftModuleError")  # safetensors', peft's own errors
 
     def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
         model.bridge.save_hf_adapter(

@@ -141,6 +141,7 @@ def _event_problems(o: McoreDistOptions, ev: dict) -> list[str]:
 class McoreDist(Backend):
     name = "mcore_dist"
     capabilities = frozenset({"weights", "training_state", "read_plain"})
+    refusals = ("CheckpointingException",)  # megatron.core.dist_checkpointing.core
     Options = McoreDistOptions
 
     def __init__(self, options: Any = None) -> None:

@@ -76,6 +76,7 @@ class VerlOptions:
 class VerlManager(Backend):
     name = "verl_manager"
     capabilities = frozenset({"training_state", "manager"})
+    refusals = ("CheckpointingException",)  # verl has no checkpoint errors of its own: it loads through dist_checkpointing
     Options = VerlOptions
     preload = ("verl.utils.checkpoint.megatron_checkpoint_manager", "verl.workers.config.checkpoint")
 

@@ -57,6 +57,8 @@ class Machine:
     nccl: bool
     te_missing: str | None  # None when transformer_engine is importable, else why not
     host_memory_gib: float
+    #: what torch's CUDA probe raised (a broken driver or runtime), said in the cuda reason; None when it answered
+    cuda_error: str | None = None
 
 
 @lru_cache(maxsize=1)
@@ -64,18 +66,16 @@ def probe() -> Machine:
     import psutil
     import torch
 
+    cuda_error = None
     try:
         devices = torch.cuda.device_count()
-    except Exception:  # a broken driver is "no device", said in the reason
-        devices = 0
-    try:
-        import torch.distributed as dist
+    except RuntimeError as exc:  # torch's CUDA errors (a broken driver or runtime): no usable device, and why, in the reason
+        devices, cuda_error = 0, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    import torch.distributed as dist
 
-        nccl = bool(dist.is_available() and dist.is_nccl_available())
-    except Exception:
-        nccl = False
+    nccl = bool(dist.is_available() and dist.is_nccl_available())
     te_missing = None if importlib.util.find_spec("transformer_engine") is not None else "No module named 'transformer_engine'"
-    return Machine(devices, nccl, te_missing, psutil.virtual_memory().total / 2**30)
+    return Machine(devices, nccl, te_missing, psutil.virtual_memory().total / 2**30, cuda_error)
 
 
 def unmet(requires: tuple[str, ...], ranks: int, dist_backend: str = "auto", machine: Machine | None = None) -> list[str]:
@@ -88,7 +88,8 @@ def unmet(requires: tuple[str, ...], ranks: int, dist_backend: str = "auto", mac
             if dist_backend == "gloo":
                 reasons.append("needs CUDA ranks, but --dist-backend gloo runs every rank on CPU")
             elif m.cuda_devices < ranks:
-                reasons.append(f"needs {ranks} CUDA device(s), one per rank; this machine has {m.cuda_devices}")
+                why = f" (torch.cuda.device_count raised {m.cuda_error})" if m.cuda_error else ""
+                reasons.append(f"needs {ranks} CUDA device(s), one per rank; this machine has {m.cuda_devices}{why}")
         elif r == "nccl" and not m.nccl:
             reasons.append("needs NCCL; this torch build has none")
         elif r == "te" and m.te_missing:

@@ -100,10 +100,13 @@ def knob_check(name: str, sides: Sequence[tuple[str, Sequence[Sequence[Mapping[s
     return Check(name, "passed", detail_ok, tolerance="exact")
 
 
-def refusal_check(exc_type: str | None, message: str, allowed: Sequence[str], change: str, meaning: str = "") -> Check:
-    """An `expect: refuse` load: it must raise one of `allowed`. A load that completes fails (the
-    checkpoint was accepted where it should not be), and so does a refusal through another
-    exception (the user gets no clear reason). `exc_type` None means the load completed."""
+def refusal_check(exc_type: str | None, message: str, allowed: Sequence[str], change: str, meaning: str = "",
+                  frame: str = "") -> Check:
+    """An `expect: refuse` load (or a golden rollback): it must raise one of `allowed`. A load that
+    completes fails (the checkpoint was accepted where it should not be), and so does a refusal
+    through another exception (the user gets no clear reason: an AttributeError or KeyError inside
+    the loader is a crash, not a refusal); `frame`, the last frame of its traceback, then says where
+    it was raised. `exc_type` None means the load completed."""
     meaning = f" (meaning: {meaning})" if meaning else ""
     if exc_type is None:
         return Check("refusal", "failed", f"the load across {change} was expected to refuse but completed{meaning}", tolerance="-")
@@ -112,8 +115,8 @@ def refusal_check(exc_type: str | None, message: str, allowed: Sequence[str], ch
         return Check("refusal", "passed", f"refused across {change}: {exc_type}: {first}{meaning}", tolerance="-")
     return Check(
         "refusal", "failed",
-        f"refused across {change}, but with {exc_type or 'an unrecognised error'}: {first!r}; not one of {list(allowed)}, "
-        "so a user gets no clear reason",
+        f"refused across {change}, but with {exc_type or 'an unrecognised error'}: {first!r}"
+        + (f", raised at {frame}" if frame else "") + f"; not one of {list(allowed)}, so a user gets no clear reason",
         tolerance="-",
     )
 

@@ -24,7 +24,7 @@ import math
 import shutil
 import tempfile
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from harness.core.topology import Topology, TopologyError
 from harness.core.zoo import AnyModel, HFModelSpec, ModelSpec
+from harness.orchestration.runner import RunOptions, case_envelope
 
 #: A triple: the model, the topology it is saved at (S) and the one it is loaded at (D).
 Triple = tuple[AnyModel, Topology, Topology]
@@ -165,19 +166,22 @@ def triples(max_world: int = 4, kind: str = "gpt", hf_pad_vocab: bool = True) ->
 # --------------------------------------------------------------------------- running one triple
 
 
-def run_triple(model: AnyModel, src: Topology, dst: Topology, workdir: Path, timeout_s: float = 240.0):
-    """One run of the triple (reshard-weights for a GPT model, hf-roundtrip for an HF fixture): a
-    CaseResult with status passed, failed or error."""
+#: Each world's limit in one example (the smallest worlds run in seconds; a hang must not eat the budget).
+EXAMPLE_TIMEOUT_S = 240.0
+
+
+def run_triple(model: AnyModel, src: Topology, dst: Topology, workdir: Path, options: RunOptions | None = None):
+    """One run of the triple (reshard-weights for a GPT model, hf-roundtrip for an HF fixture),
+    through the runner's case envelope (scratch dir under `workdir`, timing, the error text with its
+    traceback and the API-not-available line): a CaseResult with status passed, failed or error.
+    `options`: launcher, hooks and timeout (default: EXAMPLE_TIMEOUT_S per world)."""
     from harness.backends import resolve
     from harness.core.result import CaseResult
-    from harness.run.envelope import RunEnv
 
+    options = replace(options or RunOptions(timeout_s=EXAMPLE_TIMEOUT_S), workdir=workdir)
     case, backend, _ = CASE_OF[model.kind]
     result = CaseResult(f"explore[{model.name}-{src.id}->{dst.id}]", case, model.name, backend, src.id, dst.id)
-    case_dir = Path(tempfile.mkdtemp(prefix="explore-", dir=workdir))
-    start = time.perf_counter()
-    try:
-        env = RunEnv(case_dir, timeout_s=timeout_s)
+    with case_envelope(result, options) as env:
         if isinstance(model, HFModelSpec):
             from cases.hf_roundtrip import DdpKnobs, run_roundtrip
 
@@ -186,15 +190,9 @@ def run_triple(model: AnyModel, src: Topology, dst: Topology, workdir: Path, tim
             from cases.reshard_weights import run_weights
 
             run_weights(model, src, dst, resolve(backend), "fp32", env, result)
-        result.status = "failed" if result.failed_checks else "passed"
         if not result.checks:  # a run that judged nothing must not count as a pass
-            result.status, result.error = "error", "no check was recorded"
-    except Exception as exc:  # a world that raised or died: the triple fails, with the reason
-        result.status = "error"
-        result.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        result.phases["total"] = round(time.perf_counter() - start, 3)
-        shutil.rmtree(case_dir, ignore_errors=True)
+            result.error = "no check was recorded"
+            result.status = "error"
     return result
 
 

@@ -7,16 +7,20 @@ import shutil
 import tempfile
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from harness.backends import ref_of
 from harness.core.memory import MiB, PhaseMemory
 from harness.core.result import CaseResult, Check
-from harness.core.spec import CaseSpec
+from harness.core.spec import CaseSpec, XFail
 from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
+
+#: A world's wall-clock limit where no matrix entry gives one (the golden corpus; explore passes its own).
+DEFAULT_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -28,6 +32,9 @@ class RunOptions:
     torchrun_template: str | None = None
     start_method: str | None = None  # None/"auto": fork for gloo, spawn for NCCL (harness.run.world.choose_start_method)
     rank_hooks: tuple[str, ...] = ()  # "module:function" run in every rank (fault injection, plugins)
+    #: each world's limit in runs without a matrix entry (golden make/check, explore); a matrix
+    #: entry's own `timeout_s` wins in run_case
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
 
 def _case_dirname(case_id: str) -> str:
@@ -60,22 +67,28 @@ def strategy_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
 
 
 def apply_xfail(spec: CaseSpec, result: CaseResult) -> None:
+    """Strict expected failure of a matrix entry (`apply_expected_failure` with its xfail)."""
+    apply_expected_failure(spec.xfail, result)
+
+
+def apply_expected_failure(xfail: XFail | None, result: CaseResult) -> None:
     """Strict expected failure: the named failure becomes `xfailed`, another failure stays
     `failed` (with why), and a pass becomes `failed` as XPASS(strict). A `not-run` case showed
-    nothing either way and stays `not-run`."""
-    if spec.xfail is None or result.status == "not-run":
+    nothing either way and stays `not-run`. The golden corpus gives one where what it read shows a
+    known defect (harness.gate.golden)."""
+    if xfail is None or result.status == "not-run":
         return
     if result.status in ("failed", "error"):
-        unexpected = spec.xfail.explains(result)
+        unexpected = xfail.explains(result)
         if unexpected:
-            result.notes.append(f"failed, but not as expected: {unexpected} ({spec.xfail.reason})")
+            result.notes.append(f"failed, but not as expected: {unexpected} ({xfail.reason})")
             result.status = "failed"
         else:
             result.status = "xfailed"
         return
     result.status = "failed"
     result.error = (
-        f"XPASS(strict): expected to fail ({spec.xfail.reason}) but passed; "
+        f"XPASS(strict): expected to fail ({xfail.reason}) but passed; "
         "if upstream fixed it, remove the xfail from the matrix"
     )
 
@@ -122,25 +135,64 @@ def error_text(exc: Exception, tb: str | None = None) -> str:
     return f"{api + chr(10) if api else ''}{type(exc).__name__}: {exc}" + (f"\n{tb}" if tb else "")
 
 
-def not_run_reason(spec: CaseSpec, options: RunOptions) -> str | None:
-    """Why this machine cannot run `spec` (harness.core.requires: the spec's requirements, plus NCCL when
-    the run forces it), or None when it can."""
+_VALIDATE = object()  # not_run_reason's `opts` default: validate the spec here
+
+
+def not_run_reason(spec: CaseSpec, options: RunOptions, opts: Any = _VALIDATE) -> str | None:
+    """Why this machine cannot run `spec` (harness.core.requires: the spec's requirements, what its
+    options imply, plus NCCL when the run forces it), or None when it can. `opts`: the options
+    `case.validate(spec)` returned (run_case validates once and passes them); without them the spec
+    is validated here, and an invalid one raises what validation raises (KeyError, ValueError)."""
     from cases import get_case
     from harness.backends import get_backend
     from harness.core.requires import unmet
 
+    case = get_case(spec.case)
+    if opts is _VALIDATE:
+        opts = case.validate(spec)
     needs = spec.requires + (("nccl",) if options.dist_backend == "nccl" else ())
-    try:  # a spec built in code (not from a matrix) gets what its options imply, as the loader adds
-        case = get_case(spec.case)
-        needs += tuple(case.machine_requirements(case.validate(spec)))
-    except (KeyError, ValueError):
-        pass  # run_case reports the invalid spec as an error
+    needs += tuple(case.machine_requirements(opts))  # a spec built in code gets what its options imply, as the loader adds
     reasons = unmet(needs, max(spec.source.world_size, spec.target.world_size), options.dist_backend)
-    try:  # a package the backend's options need (e.g. mcore_dist async_save nvrx: nvidia-resiliency-ext)
-        backend_reason = get_backend(ref_of(spec)).unavailable()
-    except (KeyError, ValueError):
-        backend_reason = None  # run_case reports the invalid spec as an error
+    # a package the backend's options need (e.g. mcore_dist async_save nvrx: nvidia-resiliency-ext)
+    backend_reason = get_backend(ref_of(spec)).unavailable()
     return "; ".join(reasons + ([backend_reason] if backend_reason else [])) or None
+
+
+@contextmanager
+def case_envelope(result: CaseResult, options: RunOptions, timeout_s: float | None = None) -> Iterator[RunEnv]:
+    """The one envelope of every way a case runs (run_case, golden make and check, explore).
+
+    Yields the RunEnv of a fresh scratch directory (under `options.workdir`, named after the case)
+    with `options`' dist backend, launcher and rank hooks, each world limited to `timeout_s`
+    (`options.timeout_s` when None). An exception raised inside is not raised further: the result
+    becomes `error` with `error_text` (the "API not available in <package> <version>" line first
+    when an upstream API moved, then the failing rank's traceback or this process's). Otherwise,
+    unless the body set `result.error`, the status is `failed` when a check failed, else `passed`.
+    The total time goes into result.phases["total"]; the scratch directory is removed unless
+    `options.keep` (a note then says where it is)."""
+    parent = Path(options.workdir) if options.workdir else None
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{_case_dirname(result.id)[:80]}-", dir=parent))
+    env = RunEnv(
+        case_dir=scratch, dist_backend=options.dist_backend, timeout_s=options.timeout_s if timeout_s is None else timeout_s,
+        launcher=options.launcher, torchrun_template=options.torchrun_template, start_method=options.start_method,
+        hooks=tuple(options.rank_hooks),
+    )
+    start = time.perf_counter()
+    try:
+        yield env
+        if result.error is None:
+            result.status = "failed" if result.failed_checks else "passed"
+    except Exception as exc:  # a rank's or the harness's error is reported, not raised: the matrix goes on
+        result.status = "error"
+        result.error = error_text(exc, traceback.format_exc())
+    finally:
+        result.phases["total"] = round(time.perf_counter() - start, 3)
+        if options.keep:
+            result.notes.append(f"scratch kept at {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)  # our own mkdtemp, nothing else
 
 
 def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
@@ -155,39 +207,26 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
         source=spec.source.id, target=spec.target.id, options=spec.opts, xfail_reason=spec.xfail.reason if spec.xfail else None,
         notes=list(spec.notes), backend_options=spec.backend_opts,
     )
-    reason = not_run_reason(spec, options)
+    try:  # once: a spec built in code (not from a matrix) gets the loader's checks; requirements and run share the options
+        case = get_case(spec.case)
+        opts = case.validate(spec)
+    except (KeyError, ValueError) as exc:  # an unknown case, model or backend, or what the case refuses: nothing ran
+        result.status, result.error = "error", error_text(exc, traceback.format_exc())
+        result.phases["total"] = 0.0
+        apply_xfail(spec, result)
+        return result
+    reason = not_run_reason(spec, options, opts)
     if reason:  # decided before any world starts: nothing of the case ran
         result.status, result.not_run_reason = "not-run", reason
         result.phases["total"] = 0.0
         return result
-    parent = Path(options.workdir) if options.workdir else None
-    if parent is not None:
-        parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f"{_case_dirname(spec.id)[:80]}-", dir=parent))
-    env = RunEnv(
-        case_dir=scratch, dist_backend=options.dist_backend, timeout_s=spec.timeout_s, launcher=options.launcher,
-        torchrun_template=options.torchrun_template, start_method=options.start_method, hooks=tuple(options.rank_hooks),
-    )
-    start = time.perf_counter()
-    try:
-        case = get_case(spec.case)
-        opts = case.validate(spec)  # a spec built in code (not from a matrix) gets the same checks
+    with case_envelope(result, options, spec.timeout_s) as env:
         backend = get_backend(ref_of(spec))
         warm(bridge=get_model(spec.model).kind == "hf", modules=backend.preload)  # idempotent; forked ranks inherit the imports
         result.notes += backend.notes()
         case.run(spec, opts, env, result)
         result.checks.extend(strategy_checks(spec, result))
         result.checks.extend(budget_checks(spec, result))
-        result.status = "failed" if result.failed_checks else "passed"
-    except Exception as exc:  # a rank's or the harness's error is reported, not raised: the matrix goes on
-        result.status = "error"
-        result.error = error_text(exc, traceback.format_exc())
-    finally:
-        result.phases["total"] = round(time.perf_counter() - start, 3)
-        if options.keep:
-            result.notes.append(f"scratch kept at {scratch}")
-        else:
-            shutil.rmtree(scratch, ignore_errors=True)  # our own mkdtemp, nothing else
     apply_xfail(spec, result)
     return result
 

@@ -142,3 +142,32 @@ def test_the_stand_in_finds_each_unguarded_importer_by_its_error(tmp_path, monke
     finally:
         for name in [k for k in sys.modules if k.startswith("fake_bridge")]:
             del sys.modules[name]
+
+
+def test_optimizer_api_fallbacks_follow_the_attribute_not_a_version():
+    """Core 0.19's DistributedOptimizer.optimizer_state_keys / prepare_model_params_for_param_sync: used
+    where the optimizer has them; on an optimizer without them (Core 0.18) the keys come from the
+    param's state and staging is skipped, and the case records the fallback."""
+    from harness.compat import _shim, mcore
+
+    class Core19:
+        optimizer_state_keys = ("exp_avg",)  # Lion: the property, not the state, decides
+        staged = 0
+
+        def prepare_model_params_for_param_sync(self):
+            self.staged += 1
+
+    class Core18:
+        pass
+
+    state = {"param": 0, "exp_avg": 1, "exp_avg_sq": 2}
+    _shim._record.clear()
+    new, old = Core19(), Core18()
+    assert mcore.optimizer_state_keys(new, state) == ("exp_avg",)
+    mcore.prepare_param_sync(new)
+    assert new.staged == 1 and _shim._record == []
+    assert mcore.optimizer_state_keys(old, state) == ("exp_avg", "exp_avg_sq")
+    mcore.prepare_param_sync(old)
+    assert _shim._record == [mcore.OPTIMIZER_STATE_KEYS, mcore.PARAM_SYNC_STAGING]
+    with pytest.raises(AttributeError):
+        mcore.optimizer_state_keys(old)

@@ -13,7 +13,7 @@ import queue
 
 import torch
 
-from harness.compat._shim import Shim
+from harness.compat._shim import Shim, note
 
 
 def _filesystem_async():
@@ -116,3 +116,43 @@ def apply_workaround(name: str) -> None:
 
     skip_missing_step._ckpt_harness = True
     DistributedOptimizer._set_main_param_and_optimizer_states = skip_missing_step
+
+
+# ------------------------------------------------------------------ APIs that moved between releases
+# The harness drives megatron-core 0.15-0.19 with one code path: where an API it calls is newer than
+# a release, the call detects the attribute and falls back to what that release offers, and the
+# case records the fallback (it is the harness adapting, not the candidate failing).
+
+OPTIMIZER_STATE_KEYS = "mcore: optimizer state keys read from the state (no DistributedOptimizer.optimizer_state_keys)"
+PARAM_SYNC_STAGING = "mcore: no prepare_model_params_for_param_sync before a forced param sync"
+#: each API fallback, its reason and when it can go
+API_FALLBACKS: dict[str, str] = {
+    OPTIMIZER_STATE_KEYS: "DistributedOptimizer.optimizer_state_keys arrived in megatron-core 0.19 (0.18.2's "
+    "distrib_optimizer.py keeps Adam's exp_avg/exp_avg_sq with no such property); before it the keys are those the "
+    "param's own state holds besides 'param'. No longer needed when the oldest Core driven is 0.19",
+    PARAM_SYNC_STAGING: "MegatronOptimizer.prepare_model_params_for_param_sync arrived in megatron-core 0.19 (it stages "
+    "MXFP8 params into the param buffer before Megatron-LM's force_param_sync); 0.18's force_param_sync is "
+    "start_param_sync(force_sync=True) alone, so without the method there is nothing to stage. No longer needed when "
+    "the oldest Core driven is 0.19",
+}
+
+
+def optimizer_state_keys(opt, state: dict | None = None) -> tuple[str, ...]:
+    """The optimizer-state tensor keys of a DistributedOptimizer (('exp_avg', 'exp_avg_sq') for Adam):
+    its own property where it has one, else the keys of a param's `state` other than 'param'."""
+    keys = getattr(opt, "optimizer_state_keys", None)
+    if keys is not None:
+        return tuple(keys)
+    if state is None:
+        raise AttributeError("optimizer has no optimizer_state_keys and no param state was given to read them from")
+    note(OPTIMIZER_STATE_KEYS)
+    return tuple(k for k in state if k != "param")
+
+
+def prepare_param_sync(optimizer) -> None:
+    """`optimizer.prepare_model_params_for_param_sync()` where the optimizer has it (Core 0.19+)."""
+    prepare = getattr(optimizer, "prepare_model_params_for_param_sync", None)
+    if prepare is None:
+        note(PARAM_SYNC_STAGING)
+        return
+    prepare()

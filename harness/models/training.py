@@ -488,7 +488,7 @@ def _distributed_model_space(ddp, opt) -> dict:
 
     model_sd, _ = extract_sharded_tensors_and_factories(model_sharded_state(ddp))
     metadata = {sh.data: sh for sh in nested_values(model_sd)}
-    keys = ("param", *opt.optimizer_state_keys)
+    keys: tuple[str, ...] | None = None  # ('param', *optimizer_state_keys), read once from the first state
     order = [p for buffer in opt.buffers for p in buffer.param_index_map]  # the same on every DP rank
     position = {id(p): i for i, p in enumerate(order)}  # by identity: tensors compare elementwise
     local: dict[int, tuple[int, int, dict]] = {}
@@ -497,6 +497,7 @@ def _distributed_model_space(ddp, opt) -> dict:
             for bucket in buckets:
                 for model_param, ranges in bucket["param_map"].items():
                     state = opt._get_main_param_and_optimizer_states(model_param)
+                    keys = keys or ("param", *compat.optimizer_state_keys(opt, state))
                     r = ranges["param"]
                     # clone: an fp32 main param is a view into the whole DDP param buffer, and pickling
                     # a view (all_gather_object below) writes its entire storage, once per param
@@ -504,6 +505,8 @@ def _distributed_model_space(ddp, opt) -> dict:
                                                         {k: state[k].detach().float().cpu().flatten().clone() for k in keys})
     gathered: list = [None] * dist.get_world_size(opt.data_parallel_group)
     dist.all_gather_object(gathered, local, group=opt.data_parallel_group)
+    # a rank that holds no shard read no keys: every rank takes them from what was gathered
+    keys = next((tuple(tensors) for pieces in gathered for (_, _, tensors) in pieces.values()), ("param",))
     out = {}
     for idx, model_param in enumerate(order):
         full = {k: torch.zeros(model_param.numel(), dtype=torch.float32) for k in keys}
@@ -566,6 +569,6 @@ def sync_params(ddp, optimizer, cfg: TrainConfig) -> None:
     Forced here before any save and before any weights are read."""
     if not cfg.overlap_param_gather:
         return
-    optimizer.prepare_model_params_for_param_sync()
+    compat.prepare_param_sync(optimizer)
     for d in ddp:
         d.start_param_sync(force_sync=True)

@@ -410,9 +410,9 @@ class VerlCorruptMainParam(VerlManager):
     def load_training(self, ctx, job, directory):
         super().load_training(ctx, job, directory)
         if ctx.rank == 0:
-            from harness.models.training import _leaf_optimizers
+            from harness.models.training import leaf_optimizers
 
-            opt = _leaf_optimizers(job.optimizer)[0]
+            opt = leaf_optimizers(job.optimizer)[0]
             groups = getattr(opt, "shard_fp32_from_float16_groups", None) or []
             mains = [p for g in groups for p in g] or [p for g in opt.optimizer.param_groups for p in g["params"]]
             _flip_lowest_bit(mains[0].data)

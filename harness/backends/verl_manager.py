@@ -207,7 +207,7 @@ def build_manager(job, o: VerlOptions):
     )
     from verl.workers.config.checkpoint import McoreCheckpointConfig
 
-    from harness.models.training import _leaf_optimizers
+    from harness.models.training import leaf_optimizers
 
     bm = job.bridge
     config = OmegaConf.create({
@@ -222,7 +222,7 @@ def build_manager(job, o: VerlOptions):
     inner = job.chunks[0].module  # DDP -> (Float16Module ->) GPTModel
     gpt = getattr(inner, "module", inner)
     param_dtype = next(p.dtype for p in job.chunks[0].parameters())
-    leaves = _leaf_optimizers(job.optimizer)
+    leaves = leaf_optimizers(job.optimizer)
     hf_config = processing_class = bridge = provider = None
     arch = "GPTModel"
     if bm is not None:

@@ -1,0 +1,129 @@
+"""Train: the fixed, topology-independent batches through megatron-core's schedules, and the
+steps around a load (the Adam priming and step workarounds, Megatron-LM's force_param_sync)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from harness.compat import mcore as compat
+from harness.core import truth
+from harness.core.context import RankContext
+from harness.core.memory import track
+from harness.core.zoo import ModelSpec
+from harness.models.parallel import rank_device
+from harness.models.training.config import GLOBAL_BATCH, TrainConfig
+from harness.models.training.views import TrainingJob, leaf_optimizers
+
+
+def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int, scheduler=None) -> list[float | None]:
+    """Run `steps` optimizer steps (and scheduler steps, when there is one, as Megatron-LM's
+    train_step does); return the global-mean loss per step (None off the last stage)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    per_rank = GLOBAL_BATCH // dp
+    forward_backward = get_forward_backward_func()
+    losses: list[float | None] = []
+    for d in ddp:
+        d.train()
+    for step in range(first_step, first_step + steps):
+        b = truth.train_batch(spec, step, GLOBAL_BATCH)
+        rows = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        device = rank_device()
+        micro = [{k: (v[i : i + 1] if k != "mask" else v).to(device) for k, v in b.items()} for i in rows]
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(mb["input_ids"], mb["position_ids"], mb["mask"], labels=mb["labels"])
+
+            def loss_func(per_token):
+                loss = per_token.float().mean()
+                return loss, {"loss": loss.detach().clone()}  # the schedule divides `loss` in place
+
+            return out, loss_func
+
+        for d in ddp:
+            d.zero_grad_buffer()
+        optimizer.zero_grad()
+        # Megatron-LM's data: one iterator per chunk under the interleaved schedule, where every
+        # chunk reads the same micro-batches (the first takes input_ids, the last labels).
+        iterators = [iter(micro) for _ in ddp]
+        reports = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(ddp) > 1 else iterators[0],
+            model=ddp,
+            num_microbatches=len(micro),
+            seq_length=spec.seq_length,
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        ok, _, _ = optimizer.step()
+        if not ok:
+            raise RuntimeError(f"optimizer step {step} was skipped (found inf/nan)")
+        if scheduler is not None:
+            scheduler.step(increment=1)
+        if parallel_state.is_pipeline_last_stage():
+            local = torch.stack([r["loss"] for r in reports]).mean()
+            dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
+            losses.append(float(local) / dp)
+        else:
+            losses.append(None)
+    return losses
+
+
+def prime_optimizer_state(optimizer) -> None:
+    """Give a fresh torch Adam its state (step 0, zero moments), as a first step would.
+
+    megatron-core 0.19.2 with plain torch.optim.Adam (no Apex/TE): loading into a never-stepped
+    optimizer hits `assert len(steps) == 1` in DistributedOptimizer; primed state avoids it.
+    """
+    for opt in leaf_optimizers(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state.get(p):
+                    inner.state[p] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
+
+
+def unshare_adam_step(optimizer) -> None:
+    """Give every param's Adam state its own step tensor (compat.WORKAROUNDS['unshare_adam_step'])."""
+    for opt in leaf_optimizers(optimizer):
+        for st in opt.optimizer.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
+
+
+def load_training(ctx: RankContext, backend, job: TrainingJob, directory: Path, workarounds: tuple[str, ...]) -> None:
+    """backend.load_training into the live job, with the megatron-core workarounds the case lists
+    applied around it (whatever the backend: mcore_dist or a client like verl's manager)."""
+    if "fully_reshardable_step" in workarounds:
+        compat.apply_workaround("fully_reshardable_step")
+    if "prime_adam" in workarounds:
+        prime_optimizer_state(job.optimizer)
+    guard = torch.no_grad() if "load_no_grad" in workarounds else nullcontext()
+    with track("load"), guard:
+        backend.load_training(ctx, job, directory)
+    if "unshare_adam_step" in workarounds:
+        unshare_adam_step(job.optimizer)
+
+
+def sync_params(ddp, optimizer, cfg: TrainConfig) -> None:
+    """What Megatron-LM's save_checkpoint_and_time does before it saves (force_param_sync): with
+    overlap_param_gather the distributed optimizer's step leaves the param all-gather to the next
+    forward's pre-hooks, so until then each rank's params hold stale values outside its own shard.
+    Forced here before any save and before any weights are read."""
+    if not cfg.overlap_param_gather:
+        return
+    compat.prepare_param_sync(optimizer)
+    for d in ddp:
+        d.start_param_sync(force_sync=True)

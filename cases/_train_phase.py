@@ -14,6 +14,7 @@ from harness.core import truth
 from harness.core.context import RankContext
 from harness.core.memory import track
 from harness.core.parity import Shard
+from harness.core.result import Check
 from harness.core.topology import Topology
 from harness.core.zoo import ModelSpec
 
@@ -128,3 +129,15 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
         out.final_more.append(local_shards(ddp))
     _finalize(ctx, backend, out)  # the end of the job: Megatron-LM finalizes what is pending
     return out
+
+
+def step_check(saved: list[TrainOut], loaded: list[TrainOut], src: str, dst: str) -> Check:
+    """The Adam step at D equals S and no two params share one step tensor (every training case)."""
+    steps_s = sorted({x for o in saved for x in o.steps["values"]})
+    steps_d = sorted({x for o in loaded for x in o.steps["values"]})
+    shared = sum(o.steps["shared_step_tensors"] for o in loaded)
+    detail = f"step at {src}: {steps_s}, at {dst}: {steps_d}"
+    if shared:
+        detail += f"; {shared} param(s) share another param's Adam step tensor after the load (each step then advances it once per param)"
+    ok = steps_s == steps_d and bool(steps_s) and not shared
+    return Check("step", "passed" if ok else "failed", detail, tolerance="exact")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from cases._train_phase import TrainOut, phase_of, train_phase
+from cases._train_phase import TrainOut, phase_of, step_check, train_phase
 from cases.contract import Case
 from harness.backends import BackendRef, get_backend, ref_of
 from harness.core.result import CaseResult, Check
@@ -70,17 +70,6 @@ def refusal_meaning(spec: CaseSpec, opts: TrainOptions) -> str:
         return ("a dp_reshardable optimizer checkpoint can change DP only; a VPP change at the same PP regroups the layers "
                 "into other model chunks, each with its own DDP buffers (what dp_reshardable saves), and needs fully_reshardable")
     return ""
-
-
-def step_check(saved: list[TrainOut], loaded: list[TrainOut], src: str, dst: str) -> Check:
-    steps_s = sorted({x for o in saved for x in o.steps["values"]})
-    steps_d = sorted({x for o in loaded for x in o.steps["values"]})
-    shared = sum(o.steps["shared_step_tensors"] for o in loaded)
-    detail = f"step at {src}: {steps_s}, at {dst}: {steps_d}"
-    if shared:
-        detail += f"; {shared} param(s) share another param's Adam step tensor after the load (each step then advances it once per param)"
-    ok = steps_s == steps_d and bool(steps_s) and not shared
-    return Check("step", "passed" if ok else "failed", detail, tolerance="exact")
 
 
 def judge(src: str, dst: str, saved: list[TrainOut], loaded: list[TrainOut], dtype: str = "fp32") -> list[Check]:

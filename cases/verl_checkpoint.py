@@ -46,9 +46,8 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from cases._train_phase import TrainOut
+from cases._train_phase import TrainOut, step_check
 from cases.contract import Case
-from cases.reshard_optimizer import step_check
 from harness.backends import ref_of
 from harness.core.context import RankContext
 from harness.core.result import CaseResult, Check
@@ -147,7 +146,7 @@ def adapter_spec(model: Any, kind: str):
     """The Bridge adapter of option `adapter` (None for `none`), as case peft-export builds it."""
     if kind == "none":
         return None
-    from cases.peft_export import PeftOptions
+    from cases._peft import PeftOptions
 
     return PeftOptions(adapter=kind).spec(model)
 
@@ -552,12 +551,12 @@ class VerlCheckpoint(Case):
 def adapter_checks(model: Any, opts: Options, hf_dir: Path, adapter_dir: Path, saved: list[VerlOut], src: str) -> list[Check]:
     """The HF PEFT adapter verl exported, as a user loads it (case peft-export's checks): peft-load,
     adapter-config (r, lora_alpha, targets, base model), logits (transformers+PEFT vs Megatron+LoRA at S)."""
-    from cases.peft_export import (
+    from cases._peft import (
         PeftOptions,
-        _peft_load_problems,
         config_check,
         hf_target_modules,
         logits_check,
+        peft_load_problems,
     )
     from harness.core import truth
     from harness.models.hf import hf_logits
@@ -568,7 +567,7 @@ def adapter_checks(model: Any, opts: Options, hf_dir: Path, adapter_dir: Path, s
     if not (adapter_dir / "adapter_config.json").exists():
         return [_not_run(n, f"no HF adapter exported ({adapter_dir.name} under model/huggingface: hf_model not saved)") for n in names]
     po = PeftOptions(adapter=opts.adapter)
-    problems = _peft_load_problems(hf_dir, adapter_dir)
+    problems = peft_load_problems(hf_dir, adapter_dir)
     asked = {"r": po.dim, "lora_alpha": po.alpha, "target_modules": hf_target_modules(model), "base_model_name_or_path": str(hf_dir)}
     ids = truth.fixed_input_ids(model)
     meg = next((o.logits for o in saved if o.logits is not None), None)

@@ -5,7 +5,7 @@ naming the key and the side, on one planted fault. No world, no megatron: second
 import pytest
 import torch
 
-from cases import hf_roundtrip, peft_export, reshard_optimizer, reshard_weights, resume
+from cases import _peft, hf_roundtrip, peft_export, reshard_optimizer, reshard_weights, resume
 from cases._train_phase import TrainOut
 from harness.core import truth
 from harness.core.parity import Shard, compare_tensors
@@ -301,7 +301,7 @@ def test_hf_export_dtype_judge():
     assert hf_roundtrip.export_dtype_check(None, None, bf16).status == "failed"  # a source without a dtype proves nothing
 
 
-@pytest.mark.parametrize("bound", [hf_roundtrip.megatron_tolerance, peft_export.logits_tolerance])
+@pytest.mark.parametrize("bound", [hf_roundtrip.megatron_tolerance, _peft.logits_tolerance])
 def test_bf16_hf_logits_tolerances(bound):
     """The bf16 bound on Megatron-vs-transformers logits: one bf16 ulp at |logit| 2..4 passes, a
     wrong weight's O(1e-1) does not; fp32 keeps its 1e-5 bound."""
@@ -314,14 +314,14 @@ def test_bf16_hf_logits_tolerances(bound):
 
 def test_peft_config_logits_and_reshard_judges():
     asked = {"r": 4, "lora_alpha": 8, "target_modules": ["k_proj", "q_proj"], "base_model_name_or_path": "/x"}
-    assert peft_export.config_check({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj"],
+    assert _peft.config_check({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj"],
                                      "base_model_name_or_path": "/x"}, asked).status == "passed"
-    lost = peft_export.config_check({"r": 4, "lora_alpha": 0, "target_modules": ["q_proj", "k_proj"], "base_model_name_or_path": "/x"}, asked)
+    lost = _peft.config_check({"r": 4, "lora_alpha": 0, "target_modules": ["q_proj", "k_proj"], "base_model_name_or_path": "/x"}, asked)
     assert lost.status == "failed" and "lora_alpha: asked 8, exported 0" in lost.detail  # verl #1821
     base, lora = torch.zeros(2, 4), torch.ones(2, 4)
-    assert peft_export.logits_check(lora, base, lora.clone(), "tp1").status == "passed"
-    assert "no-op adapter" in peft_export.logits_check(base, base, base.clone(), "tp1").detail
-    assert peft_export.logits_check(lora, base, lora + 1e-3, "tp1").status == "failed"
+    assert _peft.logits_check(lora, base, lora.clone(), "tp1").status == "passed"
+    assert "no-op adapter" in _peft.logits_check(base, base, base.clone(), "tp1").detail
+    assert _peft.logits_check(lora, base, lora + 1e-3, "tp1").status == "failed"
     a = {"base_model.model.layers.0.q_proj.lora_A.weight": torch.randn(4, 64)}
     b = {k: v.clone() for k, v in a.items()}
     _flip(next(iter(b.values())))

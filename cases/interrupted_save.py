@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Sequence
 
-from cases import corrupt_load as cl
+from cases import _damaged_load as cl
 from cases.contract import Case
 from harness.backends import BackendRef, get_backend, ref_of
 from harness.core import truth
@@ -334,7 +334,7 @@ class InterruptedSave(Case):
             ]
         dmg = incomplete_damage(kind, target, files)
         try:
-            outs = env.launch(result, "load", cl._rank_dist, cl._Phase(model, dst, backend, load_from=str(target)), dst)
+            outs = env.launch(result, "load", cl.rank_dist, cl.DistPhase(model, dst, backend, load_from=str(target)), dst)
         except WorldError as exc:
             outcome = cl.outcome_of(exc)
             if outcome is None:

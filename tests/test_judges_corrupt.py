@@ -4,7 +4,7 @@ intact passes naming the file never read, a crash or a hang fails."""
 
 import torch
 
-from cases import corrupt_load as cl
+from cases import _damaged_load as cl
 from harness.faults.damage import Damage
 from harness.run.world import WorldError, WorldTimeout
 
@@ -59,7 +59,7 @@ def test_crash_and_hang_fail():
 def test_outcome_of_tells_a_refusal_from_a_harness_error():
     tb = ("Traceback (most recent call last):\n  ...\nFileNotFoundError: x\n\nThe above exception was the direct cause of "
           "the following exception:\n\nTraceback (most recent call last):\n  ...\n"
-          "cases.corrupt_load.RefusedLoadError: CheckpointException: ranks\nFileNotFoundError: /c/__1_0.distcp\n")
+          "cases._damaged_load.RefusedLoadError: CheckpointException: ranks\nFileNotFoundError: /c/__1_0.distcp\n")
     refused = cl.outcome_of(WorldError("rank 0 raised", rank=0, rank_traceback=tb))
     assert refused.kind == "refused" and refused.text.endswith("FileNotFoundError: /c/__1_0.distcp")
     # a rank that failed outside the load (building the model, say) is not a refusal: the case errors

@@ -6,7 +6,7 @@ that moved to the interrupted step, a write outside the case dir); and the contr
 
 import pytest
 
-from cases import corrupt_load as cl
+from cases import _damaged_load as cl
 from cases import interrupted_save as ints
 
 DIR = "/scratch/case/checkpoints/global_step_2"

@@ -96,17 +96,19 @@ def read_disk(root: Path, last: int) -> OnDisk:
     # global_step_<N>/ itself, which also holds its data.pt, stays)
     steps = sorted(int(d.name.removeprefix("global_step_")) for d in root.glob("global_step_*") if (d / "actor").is_dir())
     tracker = (root / TRACKER).read_text() if (root / TRACKER).exists() else None
+    import contextlib
+    import io
+    import traceback
+
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path  # a failure here is the harness's: raised
+
     try:
-        import contextlib
-        import io
-
-        from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
-
         with contextlib.redirect_stdout(io.StringIO()):  # it prints what it found
             found = find_latest_ckpt_path(str(root))
         resolved = str(Path(found).relative_to(root)) if found else None
-    except Exception as exc:  # noqa: BLE001 - recorded, judged
-        resolved = f"error: {exc!r}"
+    except (ValueError, OSError) as exc:  # what verl raises on a tracker it cannot read: judged by the tracker check
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        resolved = f"error: {exc!r} (at {Path(frame.filename).name}:{frame.lineno} in {frame.name})"
     entries: list[str] = []
     empty: list[str] = []
     if actor.is_dir():

@@ -160,7 +160,7 @@ def test_optimizer_api_fallbacks_follow_the_attribute_not_a_version():
     class Core18:
         pass
 
-    state = {"param": 0, "exp_avg": 1, "exp_avg_sq": 2}
+    state = {"param": 0, "exp_avg": 1, "exp_avg_sq": 2, "step": 3}  # Core 0.18's per-param state holds the step too
     _shim._record.clear()
     new, old = Core19(), Core18()
     assert mcore.optimizer_state_keys(new, state) == ("exp_avg",)

@@ -128,8 +128,9 @@ PARAM_SYNC_STAGING = "mcore: no prepare_model_params_for_param_sync before a for
 #: each API fallback, its reason and when it can go
 API_FALLBACKS: dict[str, str] = {
     OPTIMIZER_STATE_KEYS: "DistributedOptimizer.optimizer_state_keys arrived in megatron-core 0.19 (0.18.2's "
-    "distrib_optimizer.py keeps Adam's exp_avg/exp_avg_sq with no such property); before it the keys are those the "
-    "param's own state holds besides 'param'. No longer needed when the oldest Core driven is 0.19",
+    "distrib_optimizer.py keeps Adam's exp_avg/exp_avg_sq with no such property); before it the keys are the "
+    "moments the param's own state holds: not 'param', and not 'step' (0.18's per-param state carries it; 0.19's "
+    "property leaves it out and the step has its own check). No longer needed when the oldest Core driven is 0.19",
     PARAM_SYNC_STAGING: "MegatronOptimizer.prepare_model_params_for_param_sync arrived in megatron-core 0.19 (it stages "
     "MXFP8 params into the param buffer before Megatron-LM's force_param_sync); 0.18's force_param_sync is "
     "start_param_sync(force_sync=True) alone, so without the method there is nothing to stage. No longer needed when "
@@ -139,14 +140,14 @@ API_FALLBACKS: dict[str, str] = {
 
 def optimizer_state_keys(opt, state: dict | None = None) -> tuple[str, ...]:
     """The optimizer-state tensor keys of a DistributedOptimizer (('exp_avg', 'exp_avg_sq') for Adam):
-    its own property where it has one, else the keys of a param's `state` other than 'param'."""
+    its own property where it has one, else the moments of a param's `state` (not 'param', not 'step')."""
     keys = getattr(opt, "optimizer_state_keys", None)
     if keys is not None:
         return tuple(keys)
     if state is None:
         raise AttributeError("optimizer has no optimizer_state_keys and no param state was given to read them from")
     note(OPTIMIZER_STATE_KEYS)
-    return tuple(k for k in state if k != "param")
+    return tuple(k for k in state if k not in ("param", "step"))
 
 
 def prepare_param_sync(optimizer) -> None:

@@ -39,6 +39,11 @@ def _counts_text(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "none"
 
 
+#: what the 'installed' column shows of each release's versions (verl's separate `mbridge` package
+#: is not Megatron-Bridge: no abbreviation that reads like it)
+_INSTALLED = (("megatron-core", "core"), ("megatron-bridge", "bridge"), ("transformers", "transformers"), ("peft", "peft"))
+
+
 def markdown(t: SweepTable) -> str:
     """The sweep for people: releases, then only the cases whose outcome changed (one row each,
     the change cells in bold, what changed in words), unchanged cases as counts, coverage holes
@@ -48,7 +53,7 @@ def markdown(t: SweepTable) -> str:
              "| # | release | installed | " + " | ".join(GLYPHS[k] for k in _LEGEND_ORDER) + " |", "|---:|---|---|" + "---:|" * len(_LEGEND_ORDER)]
     for r in t.releases:
         v = r.versions
-        inst = ", ".join(f"{k.replace('megatron-', 'm')} {v[k]}" for k in ("megatron-core", "megatron-bridge") if v.get(k)) or "-"
+        inst = ", ".join(f"{short} {v[k]}" for k, short in _INSTALLED if v.get(k)) or "-"
         if r.error:
             inst = f"run failed: {_md(_first_line(r.error, 120))}"
         lines.append(f"| {r.index + 1} | {_code(r.label)} | {inst} | " + " | ".join(str(r.counts.get(k, 0) or "") for k in _LEGEND_ORDER) + " |")

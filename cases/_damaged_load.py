@@ -12,7 +12,7 @@ import torch
 from harness.backends import BackendRef, get_backend
 from harness.core import truth
 from harness.core.context import RankContext
-from harness.core.parity import Mismatch, Shard
+from harness.core.parity import NOT_COMPARED, Mismatch, Shard
 from harness.core.result import Check
 from harness.core.topology import Topology
 from harness.core.zoo import ModelSpec
@@ -104,13 +104,13 @@ def judge(
         hits = named(dmg, outcome.text)
         clarity = f"clear, names {', '.join(hits[:3])}" if hits else f"unclear, names none of {list(dmg.names[:3])}"
         return [
-            Check("outcome", "passed", f"refused ({clarity}): {quote(outcome.text)} [damage: {what}]", tolerance="-"),
-            Check("loaded-canonical", "not-run", "the load refused: nothing was loaded", tolerance="-"),
+            Check("outcome", "passed", f"refused ({clarity}): {quote(outcome.text)} [damage: {what}]", tolerance=NOT_COMPARED),
+            Check("loaded-canonical", "not-run", "the load refused: nothing was loaded", tolerance=NOT_COMPARED),
         ]
     if outcome.kind == "crashed":
         return [
-            Check("outcome", "failed", f"crashed: {quote(outcome.text)} [damage: {what}]", tolerance="-"),
-            Check("loaded-canonical", "not-run", "no rank returned from the load", tolerance="-"),
+            Check("outcome", "failed", f"crashed: {quote(outcome.text)} [damage: {what}]", tolerance=NOT_COMPARED),
+            Check("loaded-canonical", "not-run", "no rank returned from the load", tolerance=NOT_COMPARED),
         ]
     loaded_check = state_check("loaded-canonical", expected or {}, loaded or {}, "canonical", label,
                                f"{len(loaded or {})} tensors loaded equal canonical", problems=problems or [])
@@ -119,12 +119,12 @@ def judge(
         warned = f"; it only warned: {outcome.text[:300]}" if outcome.text else ""
         detail = (f"silent: the load of a damaged or foreign checkpoint returned and {len(keys)} tensor(s) differ from canonical "
                   f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}): data corruption{warned} [damage: {what}]")
-        return [Check("outcome", "failed", detail, tolerance="-"), loaded_check]
+        return [Check("outcome", "failed", detail, tolerance=NOT_COMPARED), loaded_check]
     unread = (f"the damaged {', '.join(dmg.files)} {'was' if len(dmg.files) == 1 else 'were'} never read" if dmg.files
               else "nothing the foreign checkpoint changes was read")
     return [
         Check("outcome", "passed", f"silent-but-intact: the load returned everything bitwise canonical; "
-                                   f"{unread} [damage: {what}]", tolerance="-"),
+                                   f"{unread} [damage: {what}]", tolerance=NOT_COMPARED),
         loaded_check,
     ]
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from harness.core.parity import Tolerance, compare_tensors, max_abs_diff
+from harness.core.parity import EXACT, Tolerance, compare_tensors, max_abs_diff
 from harness.core.result import Check
 from harness.core.zoo import HFModelSpec
 from harness.models import bridge as mb
@@ -77,7 +77,7 @@ def config_check(cfg: dict[str, Any], asked: dict[str, Any]) -> Check:
     got = {k: sorted(cfg.get(k) or []) if k == "target_modules" else cfg.get(k) for k in asked}
     bad = [f"{k}: asked {asked[k]!r}, exported {got[k]!r}" for k in asked if asked[k] != got[k]]
     return Check("adapter-config", "failed" if bad else "passed",
-                 "; ".join(bad) or f"r={got.get('r')} lora_alpha={got.get('lora_alpha')}", tolerance="exact")
+                 "; ".join(bad) or f"r={got.get('r')} lora_alpha={got.get('lora_alpha')}", tolerance=EXACT)
 
 
 def logits_tolerance(dtype: str) -> Tolerance:
@@ -92,4 +92,4 @@ def logits_check(hf_lora: torch.Tensor, hf_base: torch.Tensor, megatron: torch.T
         detail, status = f"adapter changes logits by only {effect:.2e} (< {MIN_ADAPTER_EFFECT}): a no-op adapter", "failed"
     else:
         detail, status = (str(m), "failed") if m else (f"match; adapter moves logits by {effect:.3f} vs base", "passed")
-    return Check("logits", status, detail, max_abs_diff(hf_lora, megatron), str(tol), [m] if m else [])
+    return Check("logits", status, detail, max_abs_diff(hf_lora, megatron), tol, [m] if m else [])

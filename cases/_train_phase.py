@@ -13,7 +13,7 @@ from harness.backends import BackendRef, get_backend
 from harness.core import truth
 from harness.core.context import RankContext
 from harness.core.memory import track
-from harness.core.parity import Shard
+from harness.core.parity import EXACT, Shard
 from harness.core.result import Check
 from harness.core.topology import Topology
 from harness.core.zoo import ModelSpec
@@ -140,4 +140,4 @@ def step_check(saved: list[TrainOut], loaded: list[TrainOut], src: str, dst: str
     if shared:
         detail += f"; {shared} param(s) share another param's Adam step tensor after the load (each step then advances it once per param)"
     ok = steps_s == steps_d and bool(steps_s) and not shared
-    return Check("step", "passed" if ok else "failed", detail, tolerance="exact")
+    return Check("step", "passed" if ok else "failed", detail, tolerance=EXACT)

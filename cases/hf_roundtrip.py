@@ -31,7 +31,7 @@ from cases.contract import Case
 from harness.backends import BackendRef, get_backend, ref_of, resolve
 from harness.core import truth
 from harness.core.context import RankContext
-from harness.core.parity import Tolerance
+from harness.core.parity import EXACT, Tolerance
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
@@ -91,8 +91,8 @@ def export_dtype_check(source_dtype: str | None, export_dtype: str | None, expor
     if wrong:
         problems.append(f"{len(wrong)} exported tensor(s) not {source_dtype} (hold {', '.join(held)}), e.g. {wrong[0]}")
     if problems:
-        return Check("export-dtype", "failed", "; ".join(problems), tolerance="exact")
-    return Check("export-dtype", "passed", f"config and {len(exported)} tensors {source_dtype}, as the source config", tolerance="exact")
+        return Check("export-dtype", "failed", "; ".join(problems), tolerance=EXACT)
+    return Check("export-dtype", "passed", f"config and {len(exported)} tensors {source_dtype}, as the source config", tolerance=EXACT)
 
 
 @dataclass(frozen=True)

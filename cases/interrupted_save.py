@@ -45,6 +45,7 @@ from cases.contract import Case
 from harness.backends import BackendRef, get_backend, ref_of
 from harness.core import truth
 from harness.core.context import RankContext
+from harness.core.parity import NOT_COMPARED
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
@@ -211,16 +212,16 @@ def judge_interruption(
     torch multiprocessing and torchrun, so either names the rank)."""
     left = f"left {sorted(files)}"
     if timed_out:
-        return Check("interruption", "failed", f"{kind}: the save world hung until the timeout: {(error or '')[:300]}", tolerance="-")
+        return Check("interruption", "failed", f"{kind}: the save world hung until the timeout: {(error or '')[:300]}", tolerance=NOT_COMPARED)
     finalised = [f for f in (".metadata", "metadata.json") if f in files]
     if kind == "async-not-finalized":
         if error is not None:
-            return Check("interruption", "failed", f"{kind}: the unfinalised async save raised: {error[:300]}", tolerance="-")
+            return Check("interruption", "failed", f"{kind}: the unfinalised async save raised: {error[:300]}", tolerance=NOT_COMPARED)
         if not shard_files(files) or finalised:
-            return Check("interruption", "failed", f"{kind}: expected shard files and no {finalised or 'metadata'}; {left}", tolerance="-")
-        return Check("interruption", "passed", f"{kind}: the write ran, the finalize never did; {left}", tolerance="-")
+            return Check("interruption", "failed", f"{kind}: expected shard files and no {finalised or 'metadata'}; {left}", tolerance=NOT_COMPARED)
+        return Check("interruption", "passed", f"{kind}: the write ran, the finalize never did; {left}", tolerance=NOT_COMPARED)
     if error is None:
-        return Check("interruption", "failed", f"{kind}: the save of step {INTERRUPTED_STEP} completed; {left}", tolerance="-")
+        return Check("interruption", "failed", f"{kind}: the save of step {INTERRUPTED_STEP} completed; {left}", tolerance=NOT_COMPARED)
     head = error.splitlines()[0][:200] if error else ""
     if kind == "kill-after-shard":
         problems = []
@@ -231,8 +232,8 @@ def judge_interruption(
         if finalised:
             problems.append(f"{finalised} written: the kill came after the finalize")
         if problems:
-            return Check("interruption", "failed", f"{kind}: " + "; ".join(problems) + f"; {left}", tolerance="-")
-        return Check("interruption", "passed", f"{kind}: {head}; {left}", tolerance="-")
+            return Check("interruption", "failed", f"{kind}: " + "; ".join(problems) + f"; {left}", tolerance=NOT_COMPARED)
+        return Check("interruption", "passed", f"{kind}: {head}; {left}", tolerance=NOT_COMPARED)
     # write-error
     missing = []
     if not any(s in error for s in ("EFBIG", "File too large", "Errno 27")):
@@ -243,29 +244,29 @@ def judge_interruption(
         missing.append(f"the path ({directory} or rank {victim}'s .distcp)")
     if missing:
         return Check("interruption", "failed", f"{kind}: the save failed but the report lacks {', '.join(missing)}: "
-                     f"{cl.quote(error)}; {left}", tolerance="-")
-    return Check("interruption", "passed", f"{kind}: {cl.quote(error)}; {left}", tolerance="-")
+                     f"{cl.quote(error)}; {left}", tolerance=NOT_COMPARED)
+    return Check("interruption", "passed", f"{kind}: {cl.quote(error)}; {left}", tolerance=NOT_COMPARED)
 
 
 def judge_recognised(is_checkpoint: bool, files: Sequence[str]) -> Check:
     """megatron-core's rule (check_is_distributed_checkpoint) on the interrupted directory."""
     if is_checkpoint:
         return Check("recognised-incomplete", "failed", "megatron-core's check_is_distributed_checkpoint calls the interrupted "
-                     f"directory a checkpoint (files: {sorted(files)})", tolerance="-")
+                     f"directory a checkpoint (files: {sorted(files)})", tolerance=NOT_COMPARED)
     return Check("recognised-incomplete", "passed", "check_is_distributed_checkpoint: False (no metadata.json; "
-                 f"files: {sorted(files)})", tolerance="-")
+                 f"files: {sorted(files)})", tolerance=NOT_COMPARED)
 
 
 def judge_tracker(tracker: str | None) -> Check:
     """verl's rule: the tracker names the newest complete step, never the interrupted one."""
     if tracker is None:
-        return Check("tracker", "failed", f"no {TRACKER}: step {GOOD_STEP}'s complete save is lost to a resume", tolerance="-")
+        return Check("tracker", "failed", f"no {TRACKER}: step {GOOD_STEP}'s complete save is lost to a resume", tolerance=NOT_COMPARED)
     text = tracker.strip()
     if text == str(GOOD_STEP):
-        return Check("tracker", "passed", f"{TRACKER} names step {GOOD_STEP}, the last complete save", tolerance="-")
+        return Check("tracker", "passed", f"{TRACKER} names step {GOOD_STEP}, the last complete save", tolerance=NOT_COMPARED)
     if text == str(INTERRUPTED_STEP):
-        return Check("tracker", "failed", f"{TRACKER} names the interrupted step {INTERRUPTED_STEP}: a resume loads it", tolerance="-")
-    return Check("tracker", "failed", f"{TRACKER} holds {text!r}, expected {GOOD_STEP}", tolerance="-")
+        return Check("tracker", "failed", f"{TRACKER} names the interrupted step {INTERRUPTED_STEP}: a resume loads it", tolerance=NOT_COMPARED)
+    return Check("tracker", "failed", f"{TRACKER} holds {text!r}, expected {GOOD_STEP}", tolerance=NOT_COMPARED)
 
 
 def judge_scope(written: Sequence[str], root: str) -> Check:
@@ -273,10 +274,10 @@ def judge_scope(written: Sequence[str], root: str) -> Check:
     base = os.path.join(os.path.abspath(root), "")
     outside = sorted({p for p in written if not os.path.abspath(p).startswith(base)})
     if outside:
-        return Check("scope", "failed", f"{len(outside)} file(s) written outside {root}: {outside[:5]}", tolerance="-")
+        return Check("scope", "failed", f"{len(outside)} file(s) written outside {root}: {outside[:5]}", tolerance=NOT_COMPARED)
     if not written:
-        return Check("scope", "not-run", "no write was recorded (the audit hook saw nothing)", tolerance="-")
-    return Check("scope", "passed", f"{len(set(written))} file(s) written, all under the case dir", tolerance="-")
+        return Check("scope", "not-run", "no write was recorded (the audit hook saw nothing)", tolerance=NOT_COMPARED)
+    return Check("scope", "passed", f"{len(set(written))} file(s) written, all under the case dir", tolerance=NOT_COMPARED)
 
 
 def incomplete_damage(kind: str, directory: Path, files: Sequence[str]) -> Damage:

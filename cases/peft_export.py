@@ -42,6 +42,7 @@ from cases.contract import Case
 from harness.backends import BackendRef, get_backend, ref_of, resolve
 from harness.core import truth
 from harness.core.context import RankContext
+from harness.core.parity import EXACT
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
@@ -139,7 +140,7 @@ def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOu
         peft_merged = {k: v for k, v in peft_merged.items() if k in ex.bridge_merged or k != "lm_head.weight"}
     meg = next((o.logits for o in outs if o.logits is not None), None)
     return [
-        Check("peft-load", "failed" if problems else "passed", "; ".join(problems[:8]) or "no missing or unexpected keys", tolerance="exact"),
+        Check("peft-load", "failed" if problems else "passed", "; ".join(problems[:8]) or "no missing or unexpected keys", tolerance=EXACT),
         state_check("adapter-derivation", derived, ex.adapter, "harness-derivation", f"bridge-export@{src}",
                     f"{len(ex.adapter)} adapter tensors ({_dtypes(ex.adapter)}) equal the independent derivation"),
         config_check(ex.config, asked),

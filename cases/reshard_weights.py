@@ -39,7 +39,7 @@ from harness.backends import get_backend, ref_of
 from harness.core import truth
 from harness.core.context import RankContext
 from harness.core.memory import track
-from harness.core.parity import Shard, Tolerance
+from harness.core.parity import NOT_COMPARED, Shard, Tolerance
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
@@ -151,7 +151,7 @@ def logits_check(saved: list[WeightsOut], loaded: list[WeightsOut], src: Topolog
     """Logits at D against logits at S; with `vocab` (a padded model) only the first `vocab` columns,
     the ones a token can take: the padded columns' count changes with TP."""
     if not cp_forward(src, dst, layer_spec):
-        return Check("logits", "not-run", CP_FORWARD_UNSUPPORTED, tolerance="-")
+        return Check("logits", "not-run", CP_FORWARD_UNSUPPORTED, tolerance=NOT_COMPARED)
     ls, src_agree = replicated(saved, "logits")
     ld, dst_agree = replicated(loaded, "logits")
     if ls is None or ld is None:
@@ -199,7 +199,7 @@ def padding_check(model: ModelSpec, src: Topology, dst: Topology, checkpoint: di
         elif at_d is not None:
             text += f"; loaded at D with shape {tuple(at_d.shape)}"
         parts.append(text)
-    return Check("vocab-padding", "passed", "; ".join(parts) or "no vocab tensor", tolerance="-")
+    return Check("vocab-padding", "passed", "; ".join(parts) or "no vocab tensor", tolerance=NOT_COMPARED)
 
 
 def judge(

@@ -48,6 +48,7 @@ from cases._train_phase import step_check
 from cases._verl_rank import Options, VerlOut, VerlPhase, verl_rank
 from cases.contract import Case
 from harness.backends import ref_of
+from harness.core.parity import EXACT, NOT_COMPARED
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
 from harness.core.zoo import get_model
@@ -100,7 +101,9 @@ def read_disk(root: Path, last: int) -> OnDisk:
     import io
     import traceback
 
-    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path  # a failure here is the harness's: raised
+    from verl.utils.checkpoint.checkpoint_manager import (
+        find_latest_ckpt_path,  # a failure here is the harness's: raised
+    )
 
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints what it found
@@ -183,7 +186,7 @@ class Judged:
 
 
 def _not_run(name: str, why: str) -> Check:
-    return Check(name, "not-run", why, tolerance="-")
+    return Check(name, "not-run", why, tolerance=NOT_COMPARED)
 
 
 def layout_checks(a: Judged, disk: OnDisk, last: int) -> list[Check]:
@@ -197,10 +200,10 @@ def layout_checks(a: Judged, disk: OnDisk, last: int) -> list[Check]:
     stray = f"; empty directories for contents not saved: {disk.empty}" if disk.empty else ""
     layout = Check("layout", "failed" if problems else "passed",
                    ("; ".join(problems) if problems else f"global_step_{last}/actor holds {sorted(want_entries)}") + stray,
-                   tolerance="exact")
+                   tolerance=EXACT)
     m = disk.manifest
     if m is None:
-        manifest = Check("manifest", "failed", "no ckpt_contents.json", tolerance="exact")
+        manifest = Check("manifest", "failed", "no ckpt_contents.json", tolerance=EXACT)
     else:
         wrong = []
         for k, v in (("schema_version", 2), ("global_step", last), ("save_contents", list(a.save_contents))):
@@ -218,11 +221,11 @@ def layout_checks(a: Judged, disk: OnDisk, last: int) -> list[Check]:
         if unlisted:
             wrong.append(f"paths not on disk {unlisted}")
         manifest = Check("manifest", "failed" if wrong else "passed",
-                         "; ".join(wrong) if wrong else f"schema 2, step {last}, contents {sorted(keys)}", tolerance="exact")
+                         "; ".join(wrong) if wrong else f"schema 2, step {last}, contents {sorted(keys)}", tolerance=EXACT)
     want_resolved = f"global_step_{last}"
     ok = disk.tracker is not None and disk.tracker.strip() == str(last) and disk.resolved == want_resolved
     tracker = Check("tracker", "passed" if ok else "failed",
-                    f"{TRACKER} = {disk.tracker!r} (last step {last}); verl find_latest_ckpt_path -> {disk.resolved!r}", tolerance="exact")
+                    f"{TRACKER} = {disk.tracker!r} (last step {last}); verl find_latest_ckpt_path -> {disk.resolved!r}", tolerance=EXACT)
     if a.saves == 1:
         retention = _not_run("retention", "one save (saves: 1)")
     else:
@@ -230,7 +233,7 @@ def layout_checks(a: Judged, disk: OnDisk, last: int) -> list[Check]:
         want = steps[-a.keep:] if a.keep else steps
         retention = Check("retention", "passed" if disk.steps_present == want else "failed",
                           f"saved steps {steps}, max_ckpt_to_keep={a.keep or None}: present {disk.steps_present}, expected {want}",
-                          tolerance="exact")
+                          tolerance=EXACT)
     return [layout, manifest, tracker, retention]
 
 
@@ -244,8 +247,8 @@ def rng_check(saved: list[VerlOut], loaded: list[VerlOut]) -> Check:
             continue
         bad += [f"{k}@(pp,tp)={o.coords}" for k in want if want[k] != o.rng.get(k)]
     if bad:
-        return Check("rng", "failed", f"RNG state not restored: {sorted(set(bad))}", tolerance="exact")
-    return Check("rng", "passed", f"python, numpy, torch and tracker RNG restored on {len(loaded)} rank(s)", tolerance="exact")
+        return Check("rng", "failed", f"RNG state not restored: {sorted(set(bad))}", tolerance=EXACT)
+    return Check("rng", "passed", f"python, numpy, torch and tracker RNG restored on {len(loaded)} rank(s)", tolerance=EXACT)
 
 
 def scheduler_check(saved: list[VerlOut], loaded: list[VerlOut]) -> Check:
@@ -254,8 +257,8 @@ def scheduler_check(saved: list[VerlOut], loaded: list[VerlOut]) -> Check:
     if s is None:
         return _not_run("scheduler", "the job has no LR scheduler")
     if bad:
-        return Check("scheduler", "failed", f"at S {s}, after the load {bad[0]}", tolerance="exact")
-    return Check("scheduler", "passed", f"num_steps {s['state'].get('num_steps')}, lr {s['lr']} restored", tolerance="exact")
+        return Check("scheduler", "failed", f"at S {s}, after the load {bad[0]}", tolerance=EXACT)
+    return Check("scheduler", "passed", f"num_steps {s['state'].get('num_steps')}, lr {s['lr']} restored", tolerance=EXACT)
 
 
 def judge(a: Judged, saved: list[VerlOut], loaded: list[VerlOut], disk: OnDisk, fixture: dict[str, torch.Tensor] | None) -> list[Check]:
@@ -397,7 +400,7 @@ def adapter_checks(model: Any, opts: Options, hf_dir: Path, adapter_dir: Path, s
     ids = truth.fixed_input_ids(model)
     meg = next((o.logits for o in saved if o.logits is not None), None)
     return [
-        Check("peft-load", "failed" if problems else "passed", "; ".join(problems[:8]) or "no missing or unexpected keys", tolerance="exact"),
+        Check("peft-load", "failed" if problems else "passed", "; ".join(problems[:8]) or "no missing or unexpected keys", tolerance=EXACT),
         config_check(json.loads((adapter_dir / "adapter_config.json").read_text()), asked),
         logits_check(hf_logits(hf_dir, ids, adapter=adapter_dir), hf_logits(hf_dir, ids), meg, src) if meg is not None
         else Check("logits", "failed", "no rank returned Megatron+LoRA logits"),

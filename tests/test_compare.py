@@ -234,3 +234,32 @@ def test_a_moved_internal_api_is_a_coverage_hole_not_a_refusal():
             "API not available in megatron-core 0.18.2: ModuleNotFoundError: No module named 'megatron.training.models.gpt'\nTraceback"}]}
     (f,) = compare(base, cand)
     assert f.kind == "not-evaluated" and not f.failing and "no driver for megatron-core 0.18.2" in f.detail
+
+
+def test_tolerances_are_structured_and_old_string_documents_still_compare():
+    """results.json carries {kind, atol, rtol, why, label}; a document older harness code wrote (a
+    string) reads the same, so a gate against old results still sees diff growth past atol."""
+    from harness.core.parity import BITWISE, Tolerance
+    from harness.core.result import CaseResult, Check
+    from harness.gate.compare import compare
+
+    tol = Tolerance(1e-5, 1e-5, "TP change reorders fp32 sums")
+    r = CaseResult("c", "reshard-weights", "m", "b", "s", "t", status="passed",
+                   checks=[Check("logits", "passed", "", 2e-6, tol), Check("loaded-canonical", "passed", "", 0.0)])
+    new = r.to_dict()
+    assert new["checks"][0]["tolerance"] == {"kind": "allclose", "atol": 1e-5, "rtol": 1e-5,
+                                             "why": "TP change reorders fp32 sums", "label": str(tol)}
+    assert new["checks"][1]["tolerance"]["kind"] == "bitwise"
+    assert Tolerance.from_json(new["checks"][0]["tolerance"]) == tol and Tolerance.from_json("bitwise") == BITWISE
+    old = {"id": "c", "status": "passed", "checks": [{"name": "logits", "status": "passed", "max_abs_diff": 2e-6,
+                                                      "tolerance": "atol=1e-05 rtol=1e-05 (TP change reorders fp32 sums)"}]}
+    assert Tolerance.from_json(old["checks"][0]["tolerance"]) == tol
+    grown = {**new, "checks": [{**new["checks"][0], "max_abs_diff": 3e-5}]}
+    (f,) = [f for f in compare({"results": [old]}, {"results": [grown]}) if f.kind == "diff-growth"]
+    assert "exceeds atol=1e-05" in f.detail
+    try:
+        Check("x", "passed", "", None, "bitwise")
+    except TypeError as exc:
+        assert "Tolerance" in str(exc)
+    else:
+        raise AssertionError("a string tolerance must be refused")

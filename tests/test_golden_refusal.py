@@ -12,6 +12,7 @@ import pytest
 
 from harness.backends import get_backend
 from harness.core import requires
+from harness.core.parity import EXACT
 from harness.core.result import CaseResult, Check
 from harness.gate import golden
 from harness.orchestration.runner import (
@@ -111,7 +112,7 @@ def test_a_rollback_passes_a_named_refusal_and_fails_a_crash_end_to_end(tmp_path
 
 
 def _step(status: str) -> Check:
-    return Check("step", status, "step at writer: [2.0], at tp1pp1dp1cp1: [0.0]" if status == "failed" else "step 2.0", tolerance="exact")
+    return Check("step", status, "step at writer: [2.0], at tp1pp1dp1cp1: [0.0]" if status == "failed" else "step 2.0", tolerance=EXACT)
 
 
 @pytest.mark.parametrize("loaded", [[0.0], [0.0, 2.0]])  # every param reset, or some (megatron-core 0.19.2 on gpt-gqa dp2 -> dp1)

@@ -37,7 +37,7 @@ def test_hf_roundtrip_passes_and_names_its_tolerances():
     r = run_case(_spec("hf-roundtrip", "bridge_hf", src="tp2", dst="pp2", model="hf-qwen2"))
     assert r.status == "passed", r.failure_text()
     assert _checks(r)["export-bitwise"] == "passed" and r.check("hf-logits").max_abs_diff == 0.0
-    assert r.check("megatron-logits@tp1pp2dp1cp1").tolerance.startswith("atol=")
+    assert r.check("megatron-logits@tp1pp2dp1cp1").tolerance.label.startswith("atol=")
 
 
 def test_one_flipped_bit_in_the_hf_export_fails(override):

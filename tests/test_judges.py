@@ -5,7 +5,14 @@ naming the key and the side, on one planted fault. No world, no megatron: second
 import pytest
 import torch
 
-from cases import _peft, hf_roundtrip, peft_export, reshard_optimizer, reshard_weights, resume
+from cases import (
+    _peft,
+    hf_roundtrip,
+    peft_export,
+    reshard_optimizer,
+    reshard_weights,
+    resume,
+)
 from cases._train_phase import TrainOut
 from harness.core import truth
 from harness.core.parity import Shard, compare_tensors
@@ -142,7 +149,7 @@ def test_resume_judge_tolerance_by_topology():
     base = [2.0, 1.9, 1.8]
     same = resume.judge(3, "dp2", "dp2", _train_outs(losses=base), _train_outs(losses=list(base)))
     assert {n: st for n, st in _statuses(same).items() if st != "passed"} == {"weights-match-main-params": "not-run"}  # fp32
-    assert same[1].tolerance == "bitwise" and same[1].max_abs_diff == 0
+    assert same[1].tolerance.kind == "bitwise" and same[1].max_abs_diff == 0
     nudged = [x + 1e-7 for x in base]
     assert _statuses(resume.judge(3, "dp2", "dp2", _train_outs(losses=base), _train_outs(losses=nudged)))["losses"] == "failed"
     assert _statuses(resume.judge(3, "dp2", "dp1", _train_outs(losses=base), _train_outs(parts=1, losses=nudged)))["losses"] == "passed"
@@ -182,7 +189,7 @@ def _find(outs, key_part):
 def test_weights_match_main_params_judge():
     good = reshard_optimizer.judge("dp2", "tp2", _bf16_outs(), _bf16_outs(), "bf16")
     assert set(_statuses(good).values()) == {"passed"}
-    assert "weights-match-main-params" in _statuses(good) and good[-1].tolerance == "bitwise"
+    assert "weights-match-main-params" in _statuses(good) and good[-1].tolerance.kind == "bitwise"
     # a bf16 weight that disagrees with its main param (one ulp, main param untouched): only this check
     # and model-weights (the weight also differs from S) go red; the optimizer state is fine
     loaded = _bf16_outs()
@@ -232,14 +239,14 @@ def test_resume_bf16_tolerances_are_measured_bounds():
     ok = resume.judge(3, "dp2", "dp1", ref, _bf16_outs(parts=1, losses=measured, weights_delta=2.9e-3), "bf16")
     s = _statuses(ok)
     assert s == {"propagation": "passed", "losses": "passed", "final-weights": "passed", "weights-match-main-params": "passed"}
-    assert ok[1].tolerance.startswith("atol=0.002") and ok[2].tolerance.startswith("atol=0.005")
+    assert ok[1].tolerance.label.startswith("atol=0.002") and ok[2].tolerance.label.startswith("atol=0.005")
     reset = [x + 3.7e-3 for x in base]  # what a reset Adam step does in bf16 (dp_reshardable, measured)
     s = _statuses(resume.judge(3, "dp2", "dp1", ref, _bf16_outs(parts=1, losses=reset, weights_delta=7.8e-3), "bf16"))
     assert s["losses"] == "failed" and s["final-weights"] == "failed"
     # same topology: bitwise in bf16 too; fp32 keeps RESUME_TOLERANCE and records the new check not-run
     assert _statuses(resume.judge(3, "dp2", "dp2", ref, _bf16_outs(losses=measured), "bf16"))["losses"] == "failed"
     fp32 = resume.judge(3, "dp2", "dp1", _train_outs(losses=base), _train_outs(parts=1, losses=base))
-    assert fp32[1].tolerance == str(resume.RESUME_TOLERANCE) and _statuses(fp32)["weights-match-main-params"] == "not-run"
+    assert fp32[1].tolerance == resume.RESUME_TOLERANCE and _statuses(fp32)["weights-match-main-params"] == "not-run"
 
 
 def test_reshard_weights_bf16_judge():

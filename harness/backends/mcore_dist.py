@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from harness.backends import Backend
 from harness.core.context import RankContext
+from harness.core.parity import EXACT
 from harness.judge.checks import STRATEGY_CHECK
 from harness.run.events import record_event
 
@@ -350,11 +351,11 @@ class McoreDist(Backend):
         asked = ", ".join(f"{k}={v}" for k, v in vars(o).items())
         if problems:
             return Check(STRATEGY_CHECK, "failed", f"asked {asked}; " + "; ".join(problems[:12])
-                         + (f"; ... {len(problems) - 12} more" if len(problems) > 12 else ""), tolerance="exact")
+                         + (f"; ... {len(problems) - 12} more" if len(problems) > 12 else ""), tolerance=EXACT)
         n_saves = sum(1 for ranks in events.values() for evs in ranks.values() for e in evs if e["op"] == "save")
         n_loads = sum(1 for ranks in events.values() for evs in ranks.values() for e in evs if e["op"] == "load")
         return Check(STRATEGY_CHECK, "passed", f"{n_saves} rank-save(s) in {sorted(seen['save'])} and {n_loads} rank-load(s) in "
-                     f"{sorted(seen['load'])} ran what was asked: {asked}", tolerance="exact")
+                     f"{sorted(seen['load'])} ran what was asked: {asked}", tolerance=EXACT)
 
     def pending_saves(self) -> int:
         return len(self._pending)

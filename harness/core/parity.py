@@ -7,8 +7,9 @@ only where a case names one and says why.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -48,12 +49,57 @@ class Mismatch:
 
 @dataclass(frozen=True)
 class Tolerance:
+    """How a check compares: `kind` "allclose" within atol/rtol (named by `why`), "bitwise" (tensor
+    bytes), "exact" (values equal), "budget" (a memory budget), or "none" (nothing compared, e.g. an
+    outcome). A value in results.json (`to_json`), read back by `from_json`, never a string to parse
+    (results.json files written before this had one: `from_json` reads those too)."""
+
     atol: float
     rtol: float
     why: str
+    kind: str = "allclose"
+
+    @property
+    def label(self) -> str:
+        """What reports print: 'bitwise', 'exact', '-', 'budget' or 'atol=.. rtol=.. (why)'."""
+        if self.kind == "allclose":
+            return f"atol={self.atol:g} rtol={self.rtol:g} ({self.why})"
+        return "-" if self.kind == "none" else self.kind
+
+    @property
+    def toleranced(self) -> bool:
+        """A named tolerance (not bitwise/exact): how close a case ran to it is worth showing."""
+        return self.kind == "allclose"
 
     def __str__(self) -> str:
-        return f"atol={self.atol:g} rtol={self.rtol:g} ({self.why})"
+        return self.label
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "atol": self.atol, "rtol": self.rtol, "why": self.why, "label": self.label}
+
+    @classmethod
+    def from_json(cls, value: Any) -> "Tolerance":
+        """A results.json tolerance: the structured form, or the string older harness code wrote."""
+        if isinstance(value, Tolerance):
+            return value
+        if isinstance(value, dict):
+            return cls(float(value.get("atol") or 0.0), float(value.get("rtol") or 0.0), str(value.get("why") or ""),
+                       str(value.get("kind") or "allclose"))
+        text = str(value or "bitwise")
+        if text in _LEGACY:
+            return _LEGACY[text]
+        m = _LEGACY_ALLCLOSE.match(text)
+        if m:
+            return cls(float(m["atol"]), float(m["rtol"]), m["why"] or "")
+        return cls(0.0, 0.0, text, "unknown")
+
+
+BITWISE = Tolerance(0.0, 0.0, "bitwise", "bitwise")
+EXACT = Tolerance(0.0, 0.0, "exact", "exact")
+NOT_COMPARED = Tolerance(0.0, 0.0, "nothing compared", "none")
+BUDGET = Tolerance(0.0, 0.0, "memory budget", "budget")
+_LEGACY = {"bitwise": BITWISE, "exact": EXACT, "-": NOT_COMPARED, "budget": BUDGET, "": BITWISE}
+_LEGACY_ALLCLOSE = re.compile(r"^atol=(?P<atol>[0-9.eE+-]+) rtol=(?P<rtol>[0-9.eE+-]+)(?: \((?P<why>.*)\))?$", re.S)
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -5,13 +5,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.core.parity import Mismatch
+from harness.core.parity import BITWISE, Mismatch, Tolerance
 
 #: Case statuses, in the order reports list them. `not-run`: the machine lacks what the case
 #: requires (harness.core.requires); its reason is in `not_run_reason`, and it is never counted green.
 STATUSES = ("passed", "failed", "error", "xfailed", "not-run")
 #: Statuses a run counts as green.
 GREEN = ("passed", "xfailed")
+
+
+def shows_diff(name: str, tolerance: Any) -> bool:
+    """Checks whose largest difference the summaries show: logits, and any with a named tolerance
+    (not bitwise/exact), i.e. how close a case ran to its tolerance. `tolerance`: a Tolerance or
+    its results.json form (structured, or the string older results hold)."""
+    return "logits" in name or Tolerance.from_json(tolerance).toleranced
 
 
 @dataclass
@@ -22,8 +29,12 @@ class Check:
     status: str  # passed | failed | not-run
     detail: str = ""
     max_abs_diff: float | None = None
-    tolerance: str = "bitwise"
+    tolerance: Tolerance = BITWISE
     mismatches: list[Mismatch] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tolerance, Tolerance):  # a string here is what structured tolerances replaced
+            raise TypeError(f"check {self.name}: tolerance must be a harness.core.parity.Tolerance, got {self.tolerance!r}")
 
     @property
     def failed(self) -> bool:
@@ -64,8 +75,12 @@ class CaseResult:
         return [m for c in self.checks for m in c.mismatches]
 
     def to_dict(self) -> dict[str, Any]:
-        """The results.json record; mismatches sit under the check that found them (once)."""
-        return asdict(self)
+        """The results.json record; mismatches sit under the check that found them (once), each
+        check's tolerance structured (Tolerance.to_json: kind, atol, rtol, why, label)."""
+        doc = asdict(self)
+        for c, d in zip(self.checks, doc["checks"]):
+            d["tolerance"] = c.tolerance.to_json()
+        return doc
 
     def failure_text(self) -> str:
         lines = [f"{self.id}: {self.status}"]

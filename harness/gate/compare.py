@@ -35,10 +35,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.gate import classify
-from harness.report.results import (
-    _shows_diff,  # the one predicate for "this check's diff is toleranced"
+from harness.core.parity import Tolerance
+from harness.core.result import (
+    shows_diff,  # the one predicate for "this check's diff is toleranced"
 )
+from harness.gate import classify
 
 FAILING = ("regression", "new-refusal", "api-break", "diff-growth", "memory-growth")
 WARNING = ("disappeared",)
@@ -48,7 +49,6 @@ BAD = ("failed", "error")
 MiB = 2**20
 TIME_FACTOR, TIME_MIN_S = 1.5, 5.0
 _EXCEPTION = re.compile(r"\b([A-Z][A-Za-z0-9_]*(?:Exception|Error))\b")
-_ATOL = re.compile(r"\batol=([0-9.eE+-]+)")
 
 
 class CompareInputError(Exception):
@@ -159,27 +159,19 @@ def _lost_checks(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Finding
                     cc.get(n, {}).get("status")) for n in lost]
 
 
-def _atol(tolerance: str) -> float | None:
-    m = _ATOL.search(tolerance)
-    try:
-        return float(m.group(1)) if m else None
-    except ValueError:
-        return None
-
-
 def _diff_findings(cid: str, b: dict[str, Any], c: dict[str, Any], t: Thresholds) -> list[Finding]:
     """Toleranced checks only: a bitwise check with any diff is already a failed check."""
     out = []
     bc = _checks(b)
     for name, ch in _checks(c).items():
-        d, tol = ch.get("max_abs_diff"), ch.get("tolerance") or ""
-        if not isinstance(d, (int, float)) or not _shows_diff(name, tol) or tol in ("bitwise", "exact"):
+        d, tol = ch.get("max_abs_diff"), Tolerance.from_json(ch.get("tolerance"))  # old string form read too
+        if not isinstance(d, (int, float)) or not shows_diff(name, tol) or tol.kind in ("bitwise", "exact"):
             continue
         bd = bc.get(name, {}).get("max_abs_diff")
         bd = bd if isinstance(bd, (int, float)) else None
         if bd is not None and d <= bd:
             continue  # not growth, whatever its size (an over-atol diff on base is base's problem)
-        atol, why = _atol(tol), ""
+        atol, why = (tol.atol if tol.toleranced else None), ""
         if atol is not None and d > atol:
             why = f"exceeds atol={atol:g}"
         elif bd is not None and bd > 0 and d > t.diff_factor * bd:
@@ -187,7 +179,7 @@ def _diff_findings(cid: str, b: dict[str, Any], c: dict[str, Any], t: Thresholds
         elif bd == 0 and d > 0:
             why = "was 0 on base"
         if why:
-            out.append(Finding(cid, "diff-growth", f"check {name} ({tol.split(' (')[0]}): max abs diff "
+            out.append(Finding(cid, "diff-growth", f"check {name} ({tol.label.split(' (')[0]}): max abs diff "
                                f"{'-' if bd is None else f'{bd:.1e}'} -> {d:.1e}, {why}", bd, d))
     return out
 

@@ -30,6 +30,7 @@ import torch
 
 from harness.backends import get_backend, resolve
 from harness.core import truth
+from harness.core.parity import EXACT, NOT_COMPARED
 from harness.core.result import CaseResult, Check
 from harness.core.spec import XFail
 from harness.core.topology import Topology
@@ -286,7 +287,7 @@ def _peft_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: di
         state_check("adapter-export-equals-writer", peft.read_full(None, d / "adapter"), peft.read_full(None, mine),
                     "writer's adapter", f"adapter@{a.target.id}", "the adapter exported here equals the writer's, bitwise"),
         Check("peft-load", "failed" if problems else "passed", "; ".join(problems[:8]) or "the writer's adapter loads into this peft",
-              tolerance="exact"),
+              tolerance=EXACT),
     ]
 
 
@@ -343,7 +344,7 @@ def make(out: Path, options: RunOptions | None = None, k: str | None = None) -> 
             warm(bridge=a.model.startswith("hf-"))
             extra = a.make(a, env, result, d)
             written = {"files": _files(d), **extra}
-            result.checks.append(Check("written", "passed", f"{len(written['files'])} files", tolerance="-"))
+            result.checks.append(Check("written", "passed", f"{len(written['files'])} files", tolerance=NOT_COMPARED))
         entry = {"model": a.model, "source": a.source.id, "target": a.target.id, "description": a.description}
         manifest["artefacts"][a.name] = {**entry, **written} if result.status == "passed" else {**entry, "files": {}, "error": result.error}
         results.append(result)

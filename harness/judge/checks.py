@@ -12,6 +12,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from harness.core.parity import (
+    BITWISE,
+    EXACT,
+    NOT_COMPARED,
     Mismatch,
     Shard,
     Tolerance,
@@ -23,8 +26,9 @@ from harness.core.parity import (
 from harness.core.result import Check
 
 
-def label_of(tolerance: Tolerance | None) -> str:
-    return "bitwise" if tolerance is None else str(tolerance)
+def label_of(tolerance: Tolerance | None) -> Tolerance:
+    """The check's tolerance: the one named, or bitwise."""
+    return BITWISE if tolerance is None else tolerance
 
 
 def _max_diff(expected: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor]) -> float:
@@ -96,8 +100,8 @@ def knob_check(name: str, sides: Sequence[tuple[str, Sequence[Sequence[Mapping[s
         if not k["ok"]
     ]
     if bad:
-        return Check(name, "failed", "; ".join(bad[:6]), tolerance="exact")
-    return Check(name, "passed", detail_ok, tolerance="exact")
+        return Check(name, "failed", "; ".join(bad[:6]), tolerance=EXACT)
+    return Check(name, "passed", detail_ok, tolerance=EXACT)
 
 
 def refusal_check(exc_type: str | None, message: str, allowed: Sequence[str], change: str, meaning: str = "",
@@ -109,15 +113,15 @@ def refusal_check(exc_type: str | None, message: str, allowed: Sequence[str], ch
     it was raised. `exc_type` None means the load completed."""
     meaning = f" (meaning: {meaning})" if meaning else ""
     if exc_type is None:
-        return Check("refusal", "failed", f"the load across {change} was expected to refuse but completed{meaning}", tolerance="-")
+        return Check("refusal", "failed", f"the load across {change} was expected to refuse but completed{meaning}", tolerance=NOT_COMPARED)
     first = message.splitlines()[0][:240] if message else ""
     if exc_type in allowed:
-        return Check("refusal", "passed", f"refused across {change}: {exc_type}: {first}{meaning}", tolerance="-")
+        return Check("refusal", "passed", f"refused across {change}: {exc_type}: {first}{meaning}", tolerance=NOT_COMPARED)
     return Check(
         "refusal", "failed",
         f"refused across {change}, but with {exc_type or 'an unrecognised error'}: {first!r}"
         + (f", raised at {frame}" if frame else "") + f"; not one of {list(allowed)}, so a user gets no clear reason",
-        tolerance="-",
+        tolerance=NOT_COMPARED,
     )
 
 
@@ -146,7 +150,7 @@ def weights_match_main_params(
     name = WEIGHTS_MATCH_MAIN_PARAMS
     if dtype != "bf16":
         return Check(name, "not-run", f"dtype {dtype}: the optimizer steps the model params themselves, there is no "
-                     "separate fp32 main copy to match", tolerance="-")
+                     "separate fp32 main copy to match", tolerance=NOT_COMPARED)
     mismatches: list[Mismatch] = []
     total = 0
     for label, weights, optimizer in sides:
@@ -165,9 +169,9 @@ def weights_match_main_params(
         worst = max((m.max_abs_diff for m in mismatches if m.max_abs_diff is not None), default=None)
         kinds = sorted({m.kind for m in mismatches})
         return Check(name, "failed", f"{len(mismatches)} mismatch(es): {', '.join(kinds)}; first: {mismatches[0]}", worst,
-                     "bitwise", mismatches)
+                     BITWISE, mismatches)
     labels = ", ".join(label for label, _, _ in sides)
-    return Check(name, "passed", f"{total} bf16 weights equal their fp32 main params cast to bf16 (at {labels})", 0.0, "bitwise")
+    return Check(name, "passed", f"{total} bf16 weights equal their fp32 main params cast to bf16 (at {labels})", 0.0, BITWISE)
 
 
 #: The check a backend records when its options ask a strategy (Backend.strategy_check).
@@ -200,14 +204,14 @@ def async_finalize_check(records: Sequence[Sequence[Mapping[str, Any]]], directo
             problems.append(f"{d}: not a complete checkpoint when the job ended (no metadata.json/.metadata)")
     n = len(directories)
     if problems:
-        return Check(ASYNC_FINALIZE, "failed", "; ".join(problems), tolerance="exact")
+        return Check(ASYNC_FINALIZE, "failed", "; ".join(problems), tolerance=EXACT)
     return Check(ASYNC_FINALIZE, "passed", f"{n} async save(s): incomplete until finalize on every rank, complete after",
-                 tolerance="exact")
+                 tolerance=EXACT)
 
 
 def not_run_checks(names: Iterable[str], why: str) -> list[Check]:
     """Checks a case could not get to, each recorded not-run with why."""
-    return [Check(n, "not-run", why, tolerance="-") for n in names]
+    return [Check(n, "not-run", why, tolerance=NOT_COMPARED) for n in names]
 
 
 def finalize_gate(backend: Any, outs: Sequence[Any], directories: Sequence[str]) -> Check | None:

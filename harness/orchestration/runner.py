@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from harness.backends import ref_of
 from harness.core.memory import MiB, PhaseMemory
+from harness.core.parity import BUDGET
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec, XFail
 from harness.run.envelope import RunEnv
@@ -53,7 +54,7 @@ def budget_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
         fields = {k: v for k, v in m.items() if k in PhaseMemory.__dataclass_fields__}
         violation = b.violation(PhaseMemory(**fields), m.get("shard_bytes", 0))
         delta = m["peak_delta"] / MiB
-        checks.append(Check(name, "failed" if violation else "passed", violation or f"peak RSS delta {delta:.1f} MiB", tolerance="budget"))
+        checks.append(Check(name, "failed" if violation else "passed", violation or f"peak RSS delta {delta:.1f} MiB", tolerance=BUDGET))
     return checks
 
 

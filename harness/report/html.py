@@ -10,6 +10,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from harness.core.parity import Tolerance
+
 _COLOR = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#8250df", "xfailed": "#9a6700", "not-run": "#57606a"}
 _RANKS = ("#0969da", "#cf222e", "#1a7f37", "#9a6700", "#8250df", "#bf3989", "#0550ae", "#57606a")
 _MiB = 1024 * 1024
@@ -59,7 +61,7 @@ def _chart(phase: str, ranks: dict[str, Any], width: int = 360, height: int = 15
 def _case(r: dict[str, Any]) -> str:
     checks = "".join(
         f'<tr><td>{escape(c["name"])}</td><td>{_status(c["status"])}</td><td>{escape(c.get("detail") or "")}</td>'
-        f'<td class="num">{"" if c.get("max_abs_diff") is None else f"{c["max_abs_diff"]:.2e}"}</td><td>{escape(c.get("tolerance") or "")}</td></tr>'
+        f'<td class="num">{"" if c.get("max_abs_diff") is None else f"{c["max_abs_diff"]:.2e}"}</td><td>{escape(Tolerance.from_json(c.get("tolerance")).label)}</td></tr>'
         for c in r.get("checks", []))
     parts = [f'<details id="{_anchor(r["id"])}"{" open" if r["status"] in ("failed", "error") else ""}>',
              f'<summary>{_status(r["status"])} <code>{escape(r["id"])}</code></summary>']

@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from harness.core.result import STATUSES, CaseResult
+from harness.core.parity import Tolerance
+from harness.core.result import STATUSES, CaseResult, shows_diff
 
 _STYLE = {"passed": "green", "failed": "bold red", "error": "bold magenta", "xfailed": "yellow", "not-run": "cyan"}
 _VERSIONED = ("torch", "megatron-core", "megatron-bridge", "transformers", "peft")
@@ -110,14 +111,8 @@ def _checks_cell(r: CaseResult) -> str:
     return f"{passed}/{len(r.checks)} ✓ " + " ".join(parts)
 
 
-def _shows_diff(name: str, tolerance: str | None) -> bool:
-    """Checks whose largest difference the summaries show: logits, and any with a tolerance
-    (not bitwise/exact), i.e. how close a case ran to its tolerance."""
-    return "logits" in name or tolerance not in (None, "", "bitwise", "exact")
-
-
 def _diff_cell(r: CaseResult) -> str:
-    diffs = [c.max_abs_diff for c in r.checks if c.max_abs_diff is not None and _shows_diff(c.name, c.tolerance)]
+    diffs = [c.max_abs_diff for c in r.checks if c.max_abs_diff is not None and shows_diff(c.name, c.tolerance)]
     if not diffs:
         return "-"
     worst = max(diffs)
@@ -176,11 +171,11 @@ def _worst_toleranced(checks: list[dict]) -> tuple[float | None, str]:
     """(largest diff, its check's tolerance) over logits/toleranced checks of one record."""
     worst: tuple[float | None, str] = (None, "")
     for c in checks:
-        d, tol = c.get("max_abs_diff"), c.get("tolerance") or ""
-        if d is None or not _shows_diff(c["name"], tol):
+        d, tol = c.get("max_abs_diff"), Tolerance.from_json(c.get("tolerance"))
+        if d is None or not shows_diff(c["name"], tol):
             continue
         if worst[0] is None or d > worst[0]:
-            worst = (d, tol.split(" (")[0])
+            worst = (d, tol.label.split(" (")[0])
     return worst
 
 

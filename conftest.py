@@ -1,8 +1,18 @@
 """Repository-wide test settings. The matrix plugin itself is harness.pytest_plugin (an entry point)."""
 
+import os
+from pathlib import Path
+
 import pytest
 
 from harness.run.procs import live_children
+
+# Test doubles live in tests/doubles.py and travel to ranks as "doubles:Name": every process this
+# session starts (spawn, forkserver, torchrun ranks, `python -c` subprocesses) must find them too,
+# not only this one (pytest puts tests/ on its own sys.path, not on a child's).
+_TESTS = str(Path(__file__).resolve().parent / "tests")
+if _TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture(autouse=True)

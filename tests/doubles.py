@@ -10,9 +10,10 @@ to the ranks inside the phase, so the fault reaches them under fork, spawn, fork
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -555,3 +556,18 @@ def backend_and_hook(ctx: RankContext, backend_ref: Any) -> dict:
     backend = get_backend(backend_ref)
     return {"backend": type(backend).__name__, "options": dataclasses.asdict(backend.options),
             "hook": os.environ.get("CKPT_HARNESS_PROBE_HOOK", "")}
+
+
+@contextmanager
+def registered(names: dict[str, str]) -> Iterator[None]:
+    """Register test backends (name -> "doubles:Class") for as long as the block runs: a module's
+    doubles exist only while its tests do (ranks fork from the registering process)."""
+    from harness.backends import register, unregister
+
+    for name, target in names.items():
+        register(name, target)
+    try:
+        yield
+    finally:
+        for name in names:
+            unregister(name)

@@ -5,15 +5,23 @@ import json
 
 import pytest
 import torch
+from doubles import registered
 
-from harness.backends import register
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.faults import damage
 from harness.orchestration.runner import run_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-register("test_swallow_load_errors", "doubles:SwallowLoadErrors")
+
+@pytest.fixture(autouse=True, scope="module")
+def _doubles():
+    """This module's fault-injecting backends, registered only while its tests run (ranks get them
+    by import path, so any start method finds them)."""
+    with registered({
+    "test_swallow_load_errors": "doubles:SwallowLoadErrors",
+    }):
+        yield
 
 
 def _dcp(directory):

@@ -4,14 +4,22 @@ recognised-incomplete, and a backend that swallows load errors (SwallowLoadError
 of the interrupted directory silent, which fails outcome. The green runs are matrices/faults.yaml."""
 
 import pytest
+from doubles import registered
 
-from harness.backends import register
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.orchestration.runner import RunOptions, run_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-register("test_swallow_load_errors", "doubles:SwallowLoadErrors")
+
+@pytest.fixture(autouse=True, scope="module")
+def _doubles():
+    """This module's fault-injecting backends, registered only while its tests run (ranks get them
+    by import path, so any start method finds them)."""
+    with registered({
+    "test_swallow_load_errors": "doubles:SwallowLoadErrors",
+    }):
+        yield
 
 
 def _spec(backend, kind):

@@ -6,8 +6,9 @@ named load-time error, never a silent substitute."""
 from dataclasses import replace
 
 import pytest
+from doubles import registered
 
-from harness.backends import register, resolve
+from harness.backends import resolve
 from harness.core.result import CaseResult
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology, TopologyError
@@ -15,10 +16,17 @@ from harness.core.zoo import get_model
 from harness.orchestration.runner import run_case
 from harness.run.envelope import RunEnv
 
-register("test_corrupt_expert", "doubles:CorruptExpertAfterLoad")
-register("test_corrupt_expert_main_param", "doubles:CorruptExpertMainParamAfterLoad")
-
 EXPERT_FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+
+@pytest.fixture(autouse=True, scope="module")
+def _doubles():
+    """This module's fault-injecting backends, registered only while its tests run (ranks get them
+    by import path, so any start method finds them)."""
+    with registered({
+    "test_corrupt_expert": "doubles:CorruptExpertAfterLoad",
+    "test_corrupt_expert_main_param": "doubles:CorruptExpertMainParamAfterLoad",
+    }):
+        yield
 
 
 def _spec(case, src, dst, backend="mcore_dist", model="gpt-moe", **opts):

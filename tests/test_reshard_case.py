@@ -3,16 +3,26 @@ the topology pair, when one bit of one tensor goes wrong on the way."""
 
 import json
 
-from harness.backends import register
+import pytest
+from doubles import registered
+
 from harness.cli import main
 from harness.core.spec import CaseSpec, XFail
 from harness.core.topology import Topology
 from harness.orchestration.runner import run_case
 
-# Doubles travel to the ranks by import path, so they work under any start method.
-for name, cls in (("test_corrupt_load", "CorruptAfterLoad"), ("test_corrupt_save", "CorruptBeforeSave"),
-                  ("test_noop_load", "NoopLoad"), ("test_raising_load", "RaisingLoad")):
-    register(name, f"doubles:{cls}")
+
+@pytest.fixture(autouse=True, scope="module")
+def _doubles():
+    """This module's fault-injecting backends, registered only while its tests run (ranks get them
+    by import path, so any start method finds them)."""
+    with registered({
+    "test_corrupt_load": "doubles:CorruptAfterLoad",
+    "test_corrupt_save": "doubles:CorruptBeforeSave",
+    "test_noop_load": "doubles:NoopLoad",
+    "test_raising_load": "doubles:RaisingLoad",
+    }):
+        yield
 
 
 def _spec(backend="mcore_dist", src="tp2pp1", dst="tp1pp2", xfail=None, model="gpt-gqa"):
@@ -128,8 +138,8 @@ import json, sys
 from harness.backends import register
 from harness.orchestration.runner import run_cases
 from harness.core.spec import CaseSpec
-from harness.core.topology import Topology
 register("test_corrupt_load", "doubles:CorruptAfterLoad")
+from harness.core.topology import Topology
 specs = [CaseSpec("reshard-weights", "gpt-gqa", b, Topology.parse(s), Topology.parse(d), timeout_s=120)
          for b, s, d in (("mcore_dist", "tp1", "tp2"), ("test_corrupt_load", "tp2", "tp1"), ("mcore_dist", "pp2", "tp1"))]
 seen = []

@@ -1,7 +1,7 @@
 """Faults and plugins reach the ranks by value under every start method, not by fork inheritance."""
 
 import pytest
-from doubles import backend_and_hook
+from doubles import backend_and_hook, registered
 
 from harness import backends
 from harness.core.spec import CaseSpec
@@ -9,8 +9,16 @@ from harness.core.topology import Topology
 from harness.orchestration.runner import RunOptions, run_case
 from harness.run.world import WorldError, choose_start_method, launch
 
-backends.register("test_noop_load_sm", "doubles:NoopLoad")
-backends.register("test_tagged_sm", "doubles:TaggedDist")
+
+@pytest.fixture(autouse=True, scope="module")
+def _doubles():
+    """This module's fault-injecting backends, registered only while its tests run (ranks get them
+    by import path, so any start method finds them)."""
+    with registered({
+    "test_noop_load_sm": "doubles:NoopLoad",
+    "test_tagged_sm": "doubles:TaggedDist",
+    }):
+        yield
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])

@@ -5,8 +5,9 @@ phases they add are recorded. No timing is asserted."""
 from __future__ import annotations
 
 import pytest
+from doubles import registered
 
-from harness.backends import get_backend, ref_of, register
+from harness.backends import get_backend, ref_of
 from harness.backends.mcore_dist import McoreDistOptions, _event_problems
 from harness.core import memory
 from harness.core.spec import CaseSpec
@@ -15,9 +16,17 @@ from harness.judge.checks import async_finalize_check
 from harness.orchestration.matrix import MatrixError, load_matrix
 from harness.orchestration.runner import RunOptions, run_case
 
-register("test_skip_async_finalize", "doubles:SkipAsyncFinalize")
-register("test_default_strategies", "doubles:DefaultStrategies")
-register("test_corrupt_second_save", "doubles:CorruptSecondSave")
+
+@pytest.fixture(autouse=True, scope="module")
+def _doubles():
+    """This module's fault-injecting backends, registered only while its tests run (ranks get them
+    by import path, so any start method finds them)."""
+    with registered({
+    "test_skip_async_finalize": "doubles:SkipAsyncFinalize",
+    "test_default_strategies": "doubles:DefaultStrategies",
+    "test_corrupt_second_save": "doubles:CorruptSecondSave",
+    }):
+        yield
 
 
 def _write(tmp_path, body: str):

@@ -3,10 +3,23 @@ a load that should have refused, an expected failure that fails for another reas
 
 import dataclasses
 
-from harness.backends import register
+import pytest
+from doubles import registered
+
 from harness.core.spec import CaseSpec, XFail
 from harness.core.topology import Topology
 from harness.orchestration.runner import RunOptions, run_case
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _doubles():
+    """This module's fault-injecting backends, registered only while its tests run (ranks get them
+    by import path, so any start method finds them)."""
+    with registered({
+    "test_corrupt_optimizer": "doubles:CorruptOptimizerAfterLoad",
+    "test_weight_off_main": "doubles:ModelWeightOffMainParam",
+    }):
+        yield
 
 
 def _spec(case="reshard-optimizer", src="dp2", dst="dp1", expect="pass", **opts):
@@ -19,8 +32,6 @@ def _checks(r):
     return {c.name: c.status for c in r.checks}
 
 
-register("test_corrupt_optimizer", "doubles:CorruptOptimizerAfterLoad")
-register("test_weight_off_main", "doubles:ModelWeightOffMainParam")
 
 
 def test_fully_reshardable_dp_change_passes_every_check():

@@ -8,25 +8,34 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from doubles import registered
 
 from cases import verl_checkpoint as vc
-from harness.backends import get_backend, register, resolve
+from harness.backends import get_backend, resolve
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.orchestration.runner import run_case
 
 needs_verl = pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl not installed (requirements-verl.txt)")
 
-register("test_verl_skip_scheduler", "doubles:VerlSkipSchedulerLoad")
-register("test_verl_skip_rng", "doubles:VerlSkipRngRestore")
-register("test_verl_corrupt_main", "doubles:VerlCorruptMainParam")
-register("test_verl_weight_off_main", "doubles:VerlWeightOffMainParam")
-register("test_verl_async_model_last", "doubles:VerlAsyncModelTreeWritesLast")
-register("test_verl_adapter_wrong_alpha", "doubles:VerlAdapterWrongAlpha")
-register("test_verl_adapter_not_restored", "doubles:VerlAdapterNotRestored")
 
 
 # --------------------------------------------------------------------------- options and contract
+
+@pytest.fixture(autouse=True, scope="module")
+def _doubles():
+    """This module's fault-injecting backends, registered only while its tests run (ranks get them
+    by import path, so any start method finds them)."""
+    with registered({
+    "test_verl_skip_scheduler": "doubles:VerlSkipSchedulerLoad",
+    "test_verl_skip_rng": "doubles:VerlSkipRngRestore",
+    "test_verl_corrupt_main": "doubles:VerlCorruptMainParam",
+    "test_verl_weight_off_main": "doubles:VerlWeightOffMainParam",
+    "test_verl_async_model_last": "doubles:VerlAsyncModelTreeWritesLast",
+    "test_verl_adapter_wrong_alpha": "doubles:VerlAdapterWrongAlpha",
+    "test_verl_adapter_not_restored": "doubles:VerlAdapterNotRestored",
+    }):
+        yield
 
 
 def test_backend_options_are_typed_and_validated():

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from doubles import registered
 
 from cases import reshard_optimizer, reshard_weights
-from harness.backends import register
 from harness.core import truth
 from harness.core.parity import Shard
 from harness.core.result import CaseResult
@@ -25,10 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 GQA = get_model("gpt-gqa")
 QKV = "decoder.layers.self_attention.linear_qkv.weight"  # layer-stacked: global shape (layers, 128, 64)
 
-register("test_first_chunk_only", "doubles:LoadFirstChunkOnly")
 
 
 # --------------------------------------------------------------------------- ids
+
+@pytest.fixture(autouse=True, scope="module")
+def _doubles():
+    """This module's fault-injecting backends, registered only while its tests run (ranks get them
+    by import path, so any start method finds them)."""
+    with registered({
+    "test_first_chunk_only": "doubles:LoadFirstChunkOnly",
+    }):
+        yield
 
 
 def test_vpp_case_ids_are_stable():

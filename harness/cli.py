@@ -287,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     cmp.add_argument("--out", type=Path, default=None, help="write DIR/compare.json and DIR/compare.md")
     _add_thresholds(cmp)
     cmp.set_defaults(func=_cmd_compare)
+    from harness.gate import bisect as bisect_cmd
+
+    bisect_cmd.add_parser(sub).set_defaults(func=lambda args: bisect_cmd.run_cli(args))
     env = sub.add_parser("envs", help="list the built environments (own disk, shared store) or prune them")
     env.add_argument("action", choices=("list", "prune"))
     env.add_argument("--cache", type=Path, default=None, help="default: $CKPT_HARNESS_HOME or ~/.cache/ckpt-harness")

@@ -571,3 +571,16 @@ def registered(names: dict[str, str]) -> Iterator[None]:
     finally:
         for name in names:
             unregister(name)
+
+
+def use_doubles(**names: str):
+    """A module's autouse fixture registering its doubles (name="doubles:Class") for its tests only:
+    `_doubles = use_doubles(test_noop_load="doubles:NoopLoad")` at module level."""
+    import pytest
+
+    @pytest.fixture(autouse=True, scope="module")
+    def _doubles():
+        with registered(names):
+            yield
+
+    return _doubles

@@ -4,7 +4,7 @@ recognised-incomplete, and a backend that swallows load errors (SwallowLoadError
 of the interrupted directory silent, which fails outcome. The green runs are matrices/faults.yaml."""
 
 import pytest
-from doubles import registered
+from doubles import use_doubles
 
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
@@ -12,14 +12,8 @@ from harness.orchestration.runner import RunOptions, run_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-@pytest.fixture(autouse=True, scope="module")
-def _doubles():
-    """This module's fault-injecting backends, registered only while its tests run (ranks get them
-    by import path, so any start method finds them)."""
-    with registered({
-    "test_swallow_load_errors": "doubles:SwallowLoadErrors",
-    }):
-        yield
+# this module's fault-injecting backends, registered only while its tests run
+_doubles = use_doubles(test_swallow_load_errors="doubles:SwallowLoadErrors")
 
 
 def _spec(backend, kind):

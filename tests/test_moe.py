@@ -6,7 +6,7 @@ named load-time error, never a silent substitute."""
 from dataclasses import replace
 
 import pytest
-from doubles import registered
+from doubles import use_doubles
 
 from harness.backends import resolve
 from harness.core.result import CaseResult
@@ -18,15 +18,11 @@ from harness.run.envelope import RunEnv
 
 EXPERT_FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
 
-@pytest.fixture(autouse=True, scope="module")
-def _doubles():
-    """This module's fault-injecting backends, registered only while its tests run (ranks get them
-    by import path, so any start method finds them)."""
-    with registered({
-    "test_corrupt_expert": "doubles:CorruptExpertAfterLoad",
-    "test_corrupt_expert_main_param": "doubles:CorruptExpertMainParamAfterLoad",
-    }):
-        yield
+# this module's fault-injecting backends, registered only while its tests run
+_doubles = use_doubles(
+    test_corrupt_expert="doubles:CorruptExpertAfterLoad",
+    test_corrupt_expert_main_param="doubles:CorruptExpertMainParamAfterLoad",
+)
 
 
 def _spec(case, src, dst, backend="mcore_dist", model="gpt-moe", **opts):

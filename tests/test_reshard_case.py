@@ -4,25 +4,20 @@ the topology pair, when one bit of one tensor goes wrong on the way."""
 import json
 
 import pytest
-from doubles import registered
+from doubles import use_doubles
 
 from harness.cli import main
 from harness.core.spec import CaseSpec, XFail
 from harness.core.topology import Topology
 from harness.orchestration.runner import run_case
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _doubles():
-    """This module's fault-injecting backends, registered only while its tests run (ranks get them
-    by import path, so any start method finds them)."""
-    with registered({
-    "test_corrupt_load": "doubles:CorruptAfterLoad",
-    "test_corrupt_save": "doubles:CorruptBeforeSave",
-    "test_noop_load": "doubles:NoopLoad",
-    "test_raising_load": "doubles:RaisingLoad",
-    }):
-        yield
+# this module's fault-injecting backends, registered only while its tests run
+_doubles = use_doubles(
+    test_corrupt_load="doubles:CorruptAfterLoad",
+    test_corrupt_save="doubles:CorruptBeforeSave",
+    test_noop_load="doubles:NoopLoad",
+    test_raising_load="doubles:RaisingLoad",
+)
 
 
 def _spec(backend="mcore_dist", src="tp2pp1", dst="tp1pp2", xfail=None, model="gpt-gqa"):
@@ -181,7 +176,6 @@ def test_jobs_from_a_threaded_caller_use_forkserver_workers():
 
 
 def test_jobs_refuse_nccl_and_torchrun_with_a_clear_error(capsys):
-    import pytest
 
     from harness.orchestration.runner import RunOptions, run_cases
 

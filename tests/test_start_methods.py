@@ -1,7 +1,7 @@
 """Faults and plugins reach the ranks by value under every start method, not by fork inheritance."""
 
 import pytest
-from doubles import backend_and_hook, registered
+from doubles import backend_and_hook, use_doubles
 
 from harness import backends
 from harness.core.spec import CaseSpec
@@ -9,16 +9,8 @@ from harness.core.topology import Topology
 from harness.orchestration.runner import RunOptions, run_case
 from harness.run.world import WorldError, choose_start_method, launch
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _doubles():
-    """This module's fault-injecting backends, registered only while its tests run (ranks get them
-    by import path, so any start method finds them)."""
-    with registered({
-    "test_noop_load_sm": "doubles:NoopLoad",
-    "test_tagged_sm": "doubles:TaggedDist",
-    }):
-        yield
+# this module's fault-injecting backends, registered only while its tests run
+_doubles = use_doubles(test_noop_load_sm="doubles:NoopLoad", test_tagged_sm="doubles:TaggedDist")
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])

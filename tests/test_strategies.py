@@ -5,7 +5,7 @@ phases they add are recorded. No timing is asserted."""
 from __future__ import annotations
 
 import pytest
-from doubles import registered
+from doubles import use_doubles
 
 from harness.backends import get_backend, ref_of
 from harness.backends.mcore_dist import McoreDistOptions, _event_problems
@@ -16,17 +16,12 @@ from harness.judge.checks import async_finalize_check
 from harness.orchestration.matrix import MatrixError, load_matrix
 from harness.orchestration.runner import RunOptions, run_case
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _doubles():
-    """This module's fault-injecting backends, registered only while its tests run (ranks get them
-    by import path, so any start method finds them)."""
-    with registered({
-    "test_skip_async_finalize": "doubles:SkipAsyncFinalize",
-    "test_default_strategies": "doubles:DefaultStrategies",
-    "test_corrupt_second_save": "doubles:CorruptSecondSave",
-    }):
-        yield
+# this module's fault-injecting backends, registered only while its tests run
+_doubles = use_doubles(
+    test_skip_async_finalize="doubles:SkipAsyncFinalize",
+    test_default_strategies="doubles:DefaultStrategies",
+    test_corrupt_second_save="doubles:CorruptSecondSave",
+)
 
 
 def _write(tmp_path, body: str):

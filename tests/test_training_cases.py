@@ -3,23 +3,17 @@ a load that should have refused, an expected failure that fails for another reas
 
 import dataclasses
 
-import pytest
-from doubles import registered
+from doubles import use_doubles
 
 from harness.core.spec import CaseSpec, XFail
 from harness.core.topology import Topology
 from harness.orchestration.runner import RunOptions, run_case
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _doubles():
-    """This module's fault-injecting backends, registered only while its tests run (ranks get them
-    by import path, so any start method finds them)."""
-    with registered({
-    "test_corrupt_optimizer": "doubles:CorruptOptimizerAfterLoad",
-    "test_weight_off_main": "doubles:ModelWeightOffMainParam",
-    }):
-        yield
+# this module's fault-injecting backends, registered only while its tests run
+_doubles = use_doubles(
+    test_corrupt_optimizer="doubles:CorruptOptimizerAfterLoad",
+    test_weight_off_main="doubles:ModelWeightOffMainParam",
+)
 
 
 def _spec(case="reshard-optimizer", src="dp2", dst="dp1", expect="pass", **opts):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from doubles import registered
+from doubles import use_doubles
 
 from cases import verl_checkpoint as vc
 from harness.backends import get_backend, resolve
@@ -22,20 +22,16 @@ needs_verl = pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason
 
 # --------------------------------------------------------------------------- options and contract
 
-@pytest.fixture(autouse=True, scope="module")
-def _doubles():
-    """This module's fault-injecting backends, registered only while its tests run (ranks get them
-    by import path, so any start method finds them)."""
-    with registered({
-    "test_verl_skip_scheduler": "doubles:VerlSkipSchedulerLoad",
-    "test_verl_skip_rng": "doubles:VerlSkipRngRestore",
-    "test_verl_corrupt_main": "doubles:VerlCorruptMainParam",
-    "test_verl_weight_off_main": "doubles:VerlWeightOffMainParam",
-    "test_verl_async_model_last": "doubles:VerlAsyncModelTreeWritesLast",
-    "test_verl_adapter_wrong_alpha": "doubles:VerlAdapterWrongAlpha",
-    "test_verl_adapter_not_restored": "doubles:VerlAdapterNotRestored",
-    }):
-        yield
+# this module's fault-injecting backends, registered only while its tests run
+_doubles = use_doubles(
+    test_verl_skip_scheduler="doubles:VerlSkipSchedulerLoad",
+    test_verl_skip_rng="doubles:VerlSkipRngRestore",
+    test_verl_corrupt_main="doubles:VerlCorruptMainParam",
+    test_verl_weight_off_main="doubles:VerlWeightOffMainParam",
+    test_verl_async_model_last="doubles:VerlAsyncModelTreeWritesLast",
+    test_verl_adapter_wrong_alpha="doubles:VerlAdapterWrongAlpha",
+    test_verl_adapter_not_restored="doubles:VerlAdapterNotRestored",
+)
 
 
 def test_backend_options_are_typed_and_validated():

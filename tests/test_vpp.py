@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from doubles import registered
+from doubles import use_doubles
 
 from cases import reshard_optimizer, reshard_weights
 from harness.core import truth
@@ -29,14 +29,8 @@ QKV = "decoder.layers.self_attention.linear_qkv.weight"  # layer-stacked: global
 
 # --------------------------------------------------------------------------- ids
 
-@pytest.fixture(autouse=True, scope="module")
-def _doubles():
-    """This module's fault-injecting backends, registered only while its tests run (ranks get them
-    by import path, so any start method finds them)."""
-    with registered({
-    "test_first_chunk_only": "doubles:LoadFirstChunkOnly",
-    }):
-        yield
+# this module's fault-injecting backends, registered only while its tests run
+_doubles = use_doubles(test_first_chunk_only="doubles:LoadFirstChunkOnly")
 
 
 def test_vpp_case_ids_are_stable():

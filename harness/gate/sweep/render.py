@@ -19,7 +19,6 @@ from harness.gate.sweep.table import (
     SweepTable,
     _first_line,
     _ranges,
-    _records,
 )
 
 # ----------------------------------------------------------------------------- Markdown
@@ -228,11 +227,10 @@ def write(t: SweepTable, out: Path) -> dict[str, Path]:
 
 
 def load_results(path: Path) -> dict[str, Any]:
-    """A results.json, or a report directory holding one."""
-    file = path / "results.json" if path.is_dir() else path
+    """A results.json, or a report directory holding one: read and checked as compare reads it."""
+    from harness.gate.compare import CompareInputError, load
+
     try:
-        doc = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise SweepInputError(f"{file}: not a readable results.json ({exc})") from None
-    _records(str(file), doc)
-    return doc
+        return load(path)
+    except CompareInputError as exc:
+        raise SweepInputError(str(exc)) from None

@@ -216,6 +216,9 @@ def _cmd_explore(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from harness.compat.cuda import guard_megatron_import
+
+    guard_megatron_import()  # before anything imports megatron.core (see its reason)
     parser = argparse.ArgumentParser(prog="ckpt-harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a matrix and print a summary")

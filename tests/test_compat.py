@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import re
 import sys
 
@@ -171,3 +172,19 @@ def test_optimizer_api_fallbacks_follow_the_attribute_not_a_version():
     assert _shim._record == [mcore.OPTIMIZER_STATE_KEYS, mcore.PARAM_SYNC_STAGING]
     with pytest.raises(AttributeError):
         mcore.optimizer_state_keys(old)
+
+
+def test_the_megatron_import_guard_names_an_arch_list_only_where_no_gpu_is_visible(monkeypatch):
+    """Core 0.15.x JIT-builds a CUDA allocator at import and dies on torch's empty arch list without
+    a GPU: the guard names one, only when none is set and no GPU is visible, and records it."""
+    from harness.compat import _shim, cuda
+
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(cuda.torch.cuda, "is_available", lambda: True)
+    assert cuda.guard_megatron_import() is False and "TORCH_CUDA_ARCH_LIST" not in os.environ
+    monkeypatch.setattr(cuda.torch.cuda, "is_available", lambda: False)
+    _shim._record.clear()
+    assert cuda.guard_megatron_import() is True and os.environ["TORCH_CUDA_ARCH_LIST"]
+    assert cuda.JIT_ARCH_LIST in _shim._record
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert cuda.guard_megatron_import() is False and os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"  # the user's wins

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from harness.compat._shim import Shim, fails
+from harness.compat._shim import Shim, fails, note
 
 _ON_CUDA = "never on a rank with CUDA; on CPU, when megatron-core stops calling it (the probe then fails to fail)"
 
@@ -186,3 +186,28 @@ SHIMS: tuple[Shim, ...] = (
         "when maybe_move_tensor_to_cpu(as_numpy=True) returns numpy for a CPU tensor too",
     ),
 )
+
+
+# ------------------------------------------------------------------ before megatron-core is imported
+
+JIT_ARCH_LIST = "megatron-core import: TORCH_CUDA_ARCH_LIST set where no GPU is visible"
+JIT_ARCH_LIST_REASON = (
+    "megatron-core 0.15.x JIT-builds a CUDA unified-memory allocator when megatron.core is imported "
+    "(inference/unified_memory.py, load_inline with_cuda=True) and catches only RuntimeError/ImportError/"
+    "OSError; with no GPU visible torch's _get_cuda_arch_flags raises IndexError (an empty arch list), so "
+    "`import megatron.core` fails on every CPU machine. With an arch list named the build fails the way it "
+    "catches and the import goes on (measured: 0.15.3 imports, ~30 s slower). Needed only where no GPU is "
+    "visible and the variable is unset; no longer needed when the oldest Core driven is 0.16 (it guards the build)")
+
+
+def guard_megatron_import() -> bool:
+    """Call before the first `import megatron.core` of a process: where no GPU is visible and
+    TORCH_CUDA_ARCH_LIST is unset, name an arch list (see JIT_ARCH_LIST_REASON); children inherit
+    it. Returns whether it applied (recorded for the case)."""
+    import os
+
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.is_available():
+        return False
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0"
+    note(JIT_ARCH_LIST)
+    return True

@@ -377,9 +377,9 @@ def check_import(venv: Path, modules: tuple[str, ...] = ("megatron.core", "megat
     unguarded; the harness answers that import with a stub on CPU), as the cases do."""
     if bad := [m for m in modules if not _MODULE.match(m)]:
         raise ValueError(f"not module names: {bad}")
-    code = [f"import {m}" for m in modules]
+    code = ["from harness.compat.cuda import guard_megatron_import; guard_megatron_import()", *(f"import {m}" for m in modules)]
     if any(m == "megatron.bridge" or m.startswith("megatron.bridge.") for m in modules):
-        code.insert(0, "from harness.compat.te import import_megatron_bridge; import_megatron_bridge()")
+        code.insert(1, "from harness.compat.te import import_megatron_bridge; import_megatron_bridge()")
     r = subprocess.run([str(venv / "bin" / "python"), "-W", "ignore", "-c", "\n".join(code)], capture_output=True, text=True,
                        cwd=root or Path(__file__).resolve().parents[2], check=False)
     if r.returncode != 0:

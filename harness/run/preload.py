@@ -9,9 +9,11 @@ def warm(bridge: bool = False, modules: tuple[str, ...] = ()) -> None:
     backend lists in its `preload`, e.g. verl's checkpoint manager, only when a case uses it)."""
     import importlib
 
+    from harness.compat.cuda import guard_megatron_import
     from harness.compat.noise import quiet_known_noise
     from harness.compat.te import import_megatron_bridge
 
+    guard_megatron_import()
     quiet_known_noise()
     if bridge:
         import_megatron_bridge()

@@ -183,3 +183,35 @@ def test_jobs_refuse_nccl_and_torchrun_with_a_clear_error(capsys):
         with pytest.raises(ValueError, match="gloo worlds from the mp launcher only"):
             run_cases([_spec(), _spec(src="tp1", dst="tp2")], opts, jobs=2)
     assert main(["run", "matrices/smoke.yaml", "-k", "reshard-weights", "-j", "0"]) == 2
+
+
+_PRELOAD_FAILS_SCRIPT = """
+import json
+from harness.run import preload
+real = preload.warm
+def warm(bridge=False, modules=()):
+    if bridge:  # what a release set whose Bridge stack does not import does (datasets vs pyarrow, say)
+        raise AttributeError("module 'pyarrow' has no attribute 'PyExtensionType'")
+    return real(False, modules)
+preload.warm = warm
+from harness.orchestration.runner import run_cases
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+specs = [CaseSpec("reshard-weights", "gpt-gqa", "mcore_dist", Topology.parse("tp1"), Topology.parse("tp2"), timeout_s=120),
+         CaseSpec("hf-roundtrip", "hf-llama", "bridge_hf", Topology.parse("tp1"), Topology.parse("tp1"), timeout_s=120)]
+results = run_cases(specs, jobs=2)
+print(json.dumps({"status": [r.status for r in results], "error": results[1].error or ""}))
+"""
+
+
+def test_a_preload_that_fails_ends_only_the_cases_that_need_it():
+    """One package that fails to import never sinks the run (issue 18): with --jobs the parent's
+    Bridge preload fails, the GPT case still passes and the HF case is an error naming why."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PRELOAD_FAILS_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["status"] == ["passed", "error"] and "PyExtensionType" in got["error"]
+    assert "preloading failed" in out.stderr

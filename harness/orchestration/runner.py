@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -272,7 +273,13 @@ def _run_parallel(specs: list[CaseSpec], options: RunOptions, on_result, jobs: i
                 preload.update(get_backend(ref_of(spec)).preload)
             except (KeyError, ValueError):
                 pass  # run_case reports the invalid spec
-        warm(bridge=bridge, modules=tuple(sorted(preload)))
+        try:
+            warm(bridge=bridge, modules=tuple(sorted(preload)))
+        except Exception as exc:  # noqa: BLE001 - preloading only saves time: each case imports again inside its
+            # own envelope, so one package that does not import ends the cases that need it as `error`, not the run
+            print(f"ckpt-harness: preloading failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                  "the cases that need it will error", file=sys.stderr)
+            warm(bridge=False)
     results: dict[int, CaseResult] = {}
     # fork when this process has one thread (the CLI): the workers inherit the imports above. A caller
     # with threads (pytest-xdist's execnet, an embedding program) gets forkserver workers instead, which

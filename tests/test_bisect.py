@@ -97,3 +97,37 @@ def test_cli_exit_codes(repo, tmp_path, capsys):
 def test_not_a_repository_is_refused(tmp_path):
     with pytest.raises(BisectError):
         bisect(tmp_path, "HEAD~1", "HEAD", ["true"], tmp_path / "out")
+
+
+def test_a_step_that_crashes_skips_the_commit_rather_than_calling_it_bad(tmp_path, capsys):
+    """A harness crash at one commit (here: the tree is not a checkout) says nothing about that
+    commit: git bisect run must hear 125, not 1."""
+    from harness.gate.bisect import EXIT_STEP_SKIP
+    from harness.gate.bisect import main as step_main
+
+    assert step_main(["--tree", str(tmp_path / "gone"), "--matrix", "matrices/smoke.yaml", "--cache", str(tmp_path),
+                      "--report", str(tmp_path / "runs")]) == EXIT_STEP_SKIP
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_the_harness_step_imports_the_harness_from_its_checkout_not_the_bisected_clone(repo, tmp_path, monkeypatch):
+    """The step runs with the bisected clone's worktree as its cwd; PYTHONPATH names this checkout."""
+    import harness.gate.bisect as b
+
+    r, shas = repo()
+    monkeypatch.setattr(b, "step", lambda tree, *a: {"case": (tree / "state").read_text().split()[0]})
+    seen = {}
+
+    def fake_bisect(repo_, good, bad, command, out, extra_env=None):
+        seen.update(command=command, env=extra_env or {})
+        return b.BisectResult(good, bad, first_bad=shas[6])
+
+    monkeypatch.setattr(b, "bisect", fake_bisect)
+    assert main(["bisect", "--repo", str(r), "--good", shas[1], "--bad", shas[10], "--out", str(tmp_path / "o"),
+                 "--cache", str(tmp_path / "cache")]) == EXIT_FOUND
+    assert seen["command"][1:3] == ["-m", "harness.gate.bisect"]
+    assert seen["env"]["PYTHONPATH"].split(":")[0] == str(b.ROOT)
+    # and from an unrelated cwd, with the site-packages (and any editable install) off, it imports
+    probe = subprocess.run([seen["command"][0], "-S", "-m", "harness.gate.bisect", "--help"], cwd=tmp_path,
+                           env={"PYTHONPATH": seen["env"]["PYTHONPATH"]}, capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr

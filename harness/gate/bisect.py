@@ -23,11 +23,14 @@ import re
 import shlex
 import subprocess
 import sys
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 EXIT_FOUND, EXIT_CANNOT_RUN, EXIT_NOTHING_FLIPPED = 0, 2, 3
+EXIT_STEP_SKIP = 125  # git bisect run: this commit cannot be tested
+ROOT = Path(__file__).resolve().parents[2]  # the harness checkout the step imports from
 _FIRST_BAD = re.compile(r"^([0-9a-f]{7,40}) is the first bad commit", re.M)
 _ONLY_SKIPPED = "There are only 'skip'ped commits left to test."
 _STEP = re.compile(r"^running (.*)$", re.M)
@@ -84,9 +87,10 @@ def _step_log(worktree: Path, out: Path) -> list[dict[str, Any]]:
     return steps
 
 
-def bisect(repo: Path, good: str, bad: str, step_command: list[str], out: Path) -> BisectResult:
+def bisect(repo: Path, good: str, bad: str, step_command: list[str], out: Path,
+           extra_env: dict[str, str] | None = None) -> BisectResult:
     """`git bisect run STEP` between GOOD and BAD in a worktree of `repo` under `out`; STEP runs with
-    the worktree as its cwd and CKPT_BISECT_TREE naming it."""
+    the worktree as its cwd, CKPT_BISECT_TREE naming it, and `extra_env` on top of this process's."""
     repo = repo.resolve()
     if not (repo / ".git").exists() and _git(repo, "rev-parse", "--git-dir", check=False) == "":
         raise BisectError(f"{repo} is not a git repository")
@@ -95,7 +99,7 @@ def bisect(repo: Path, good: str, bad: str, step_command: list[str], out: Path) 
     tree = out / "worktree"
     _git(repo, "worktree", "add", "--detach", str(tree), bad_sha)
     result = BisectResult(good, bad)
-    env = {**os.environ, "CKPT_BISECT_TREE": str(tree)}
+    env = {**os.environ, **(extra_env or {}), "CKPT_BISECT_TREE": str(tree)}
     try:
         # BAD first: when it behaves as GOOD there is nothing to look for (git would blame GOOD's child)
         at_bad = subprocess.run(step_command, cwd=tree, env=env, capture_output=True, text=True, check=False).returncode
@@ -139,7 +143,6 @@ def step(tree: Path, matrix: str, k: str | None, cache: Path, report: Path) -> d
     """The outcome signature at the tree's current commit, or None when it cannot be evaluated
     (the env does not build or megatron-core does not import, or the run wrote no results)."""
     from harness.gate import envspec
-    from harness.gate.bump import ROOT
 
     try:
         venv = envspec.ensure([str(tree)], cache, ROOT, companions=False)
@@ -157,7 +160,7 @@ def _step_main(args: argparse.Namespace) -> int:
     commit = _git(tree, "rev-parse", "--short=12", "HEAD").strip()
     got = step(tree, args.matrix, args.k, Path(args.cache), Path(args.report) / commit)
     if got is None:
-        return 125
+        return EXIT_STEP_SKIP
     if args.record:
         Path(args.record).write_text(json.dumps(got, indent=2))
         return 0
@@ -181,6 +184,7 @@ def run_cli(args: argparse.Namespace) -> int:
     from harness.gate import envspec
 
     out = args.out.resolve()
+    extra_env: dict[str, str] = {}
     try:
         if args.step_command:
             command = shlex.split(args.step_command)
@@ -206,7 +210,9 @@ def run_cli(args: argparse.Namespace) -> int:
                 return EXIT_NOTHING_FLIPPED
             good_sig.write_text(json.dumps(sigs["good"], indent=2))
             command = [*base, "--good-signature", str(good_sig)]
-        result = bisect(args.repo, args.good, args.bad, command, out)
+            # the step runs from the bisected clone's worktree: the harness must import from here, not from there
+            extra_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        result = bisect(args.repo, args.good, args.bad, command, out, extra_env)
     except BisectError as exc:
         print(f"ckpt-harness bisect: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
@@ -227,7 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", required=True)
     p.add_argument("--good-signature", default=None)
     p.add_argument("--record", default=None, help="write this commit's signature here and exit 0")
-    return _step_main(p.parse_args(argv))
+    args = p.parse_args(argv)
+    try:
+        return _step_main(args)
+    except Exception:  # noqa: BLE001 - a harness crash at one commit says nothing of that commit: skip it
+        traceback.print_exc()
+        return EXIT_STEP_SKIP
 
 
 if __name__ == "__main__":

@@ -1,0 +1,42 @@
+"""The uv installer writes what pip would: an env whose modules are byte-compiled at install, so a
+candidate env's first run is not slower than a warm baseline's for that reason alone."""
+
+from __future__ import annotations
+
+import os
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from harness.gate import installers
+
+UV = Path(os.environ.get("CKPT_HARNESS_HOME", Path.home() / ".cache" / "ckpt-harness")) / "tools"
+
+
+def _uv() -> Path:
+    found = sorted(UV.glob("uv-*/bin/uv"))
+    if not found:
+        pytest.skip(f"no uv under {UV}: scripts/test's env build puts it there (requirements-tools.txt)")
+    return found[-1]
+
+
+def _wheel(tmp_path: Path) -> Path:
+    """A one-module wheel, so the test needs no index."""
+    whl = tmp_path / "tinypkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("tinypkg/__init__.py", "VALUE = 1\n")
+        z.writestr("tinypkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n")
+        z.writestr("tinypkg-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("tinypkg-1.0.dist-info/RECORD", "")
+    return whl
+
+
+def test_uv_install_byte_compiles_like_pip(tmp_path):
+    uv = installers.Uv(_uv(), tmp_path / "store", ("--no-index",), ())
+    venv, log = tmp_path / "venv", tmp_path / "log"
+    uv.venv(sys.executable, venv, log)
+    uv.install(venv, [str(_wheel(tmp_path))], log)
+    pkg = next(venv.glob("lib/python*/site-packages/tinypkg"))
+    assert list((pkg / "__pycache__").glob("__init__.*.pyc")), log.read_text()[-2000:]

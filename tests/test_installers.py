@@ -40,3 +40,30 @@ def test_uv_install_byte_compiles_like_pip(tmp_path):
     uv.install(venv, [str(_wheel(tmp_path))], log)
     pkg = next(venv.glob("lib/python*/site-packages/tinypkg"))
     assert list((pkg / "__pycache__").glob("__init__.*.pyc")), log.read_text()[-2000:]
+
+
+
+def test_from_a_venv_without_pip_the_index_and_the_builds_use_a_python_that_has_it(tmp_path):
+    """uv makes venvs without pip (the pins' env is one): a sweep or gate run from it must still read
+    release metadata (`pip download`) and pip's index config through an interpreter that has pip."""
+    import subprocess
+
+    base = getattr(sys, "_base_executable", sys.executable)
+    venv = tmp_path / "nopip"
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True)
+    # what the pins' env holds that matters here: `packaging`, and no pip
+    import shutil
+
+    import packaging
+
+    shutil.copytree(Path(packaging.__file__).parent, tmp_path / "lib" / "packaging")
+    next(venv.glob("lib/python*/site-packages")).joinpath("lib.pth").write_text(str(tmp_path / "lib") + "\n")
+    root = Path(__file__).resolve().parents[1]
+    code = ("from harness.gate.metadata import PipIndex, python_with_pip; from harness.gate.envspec import _python; "
+            "print(python_with_pip()); print(PipIndex().pip[0]); print(_python(None))")
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                       env={"PYTHONPATH": str(root), "PATH": os.environ.get("PATH", "")}, check=True)
+    chosen = r.stdout.split()
+    assert len(chosen) == 3
+    for python in chosen:
+        assert subprocess.run([python, "-m", "pip", "--version"], capture_output=True).returncode == 0, python

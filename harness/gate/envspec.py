@@ -287,7 +287,9 @@ def _python(python: str | None) -> str:
     if python:
         return python
     if sys.version_info[:2] == (3, 12):
-        return sys.executable
+        from harness.gate.metadata import python_with_pip  # a uv-made venv (the gate's own) has no pip
+
+        return python_with_pip()
     raise EnvBuildError(f"ckpt-harness: building a venv needs Python 3.12 (megatron-bridge 0.6.x requires it), this is "
                         f"{sys.version.split()[0]}: run this file with python3.12 (scripts/ensure-env finds one; CKPT_HARNESS_PYTHON names it)")
 

@@ -9,6 +9,7 @@ bare python3.12); version logic comes from `packaging` when importable, else pip
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -145,6 +146,14 @@ def default_cache() -> Path:
     return Path(os.environ.get("CKPT_HARNESS_HOME") or Path.home() / ".cache" / "ckpt-harness")
 
 
+def python_with_pip() -> str:
+    """This interpreter when it has pip, else the one its venv was made from: uv makes venvs without
+    pip, and the index metadata, pip's index config and uv's own bootstrap all ask pip."""
+    if importlib.util.find_spec("pip") is not None:
+        return sys.executable
+    return getattr(sys, "_base_executable", None) or sys.executable
+
+
 class PipIndex(MetadataSource):
     """`pip download --no-deps --only-binary=:all: --python-version 3.12` (pip's own index config),
     METADATA read from the wheel, the parse cached as JSON under <cache>/metadata (exact pins only:
@@ -152,7 +161,7 @@ class PipIndex(MetadataSource):
 
     def __init__(self, cache: Path | None = None, pip: list[str] | None = None):
         self.dir = (cache or default_cache()) / "metadata"
-        self.pip = pip or [sys.executable, "-m", "pip"]
+        self.pip = pip or [python_with_pip(), "-m", "pip"]
 
     def index(self, requirement: str) -> Metadata:
         req = Requirement(requirement)

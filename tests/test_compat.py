@@ -188,3 +188,19 @@ def test_the_megatron_import_guard_names_an_arch_list_only_where_no_gpu_is_visib
     assert cuda.JIT_ARCH_LIST in _shim._record
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     assert cuda.guard_megatron_import() is False and os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"  # the user's wins
+
+
+@pytest.mark.parametrize("getter", ["get_write_results_queue", "_get_write_results_queue"])
+def test_the_spawn_queue_shim_finds_the_lazy_queue_under_either_name(monkeypatch, getter):
+    """megatron-core 0.15 names its lazy spawn-Manager getter `_get_write_results_queue`, 0.19
+    `get_write_results_queue`; missed, every rank's first save on 0.15.3 starts a spawn Manager
+    (a fresh interpreter, ~7 s a phase: the Core 0.15.3 sweep ran 15-26 s a case instead of ~2 s)."""
+    import types
+
+    from harness.compat import mcore
+
+    fs = types.SimpleNamespace(_results_queue=None, **{getter: lambda: None})
+    monkeypatch.setattr(mcore, "_filesystem_async", lambda: fs)
+    assert mcore._spawn_queue_pending(torch.device("cpu"))
+    mcore._patch_results_queue()
+    assert not mcore._spawn_queue_pending(torch.device("cpu"))  # applied: nothing pending

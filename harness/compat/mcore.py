@@ -24,9 +24,10 @@ def _filesystem_async():
 
 def _spawn_queue_pending(device: torch.device) -> bool:
     """megatron-core still creates its write-results queue lazily (a module-level None that
-    get_write_results_queue fills with a spawn-mode Manager queue)."""
+    get_write_results_queue, `_get_write_results_queue` up to 0.15, fills with a spawn-mode Manager queue)."""
     fs = _filesystem_async()
-    return hasattr(fs, "get_write_results_queue") and getattr(fs, "_results_queue", False) is None
+    lazy = hasattr(fs, "get_write_results_queue") or hasattr(fs, "_get_write_results_queue")
+    return lazy and getattr(fs, "_results_queue", False) is None
 
 
 def _patch_results_queue() -> None:

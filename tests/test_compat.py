@@ -204,3 +204,34 @@ def test_the_spawn_queue_shim_finds_the_lazy_queue_under_either_name(monkeypatch
     assert mcore._spawn_queue_pending(torch.device("cpu"))
     mcore._patch_results_queue()
     assert not mcore._spawn_queue_pending(torch.device("cpu"))  # applied: nothing pending
+
+
+def test_the_missing_step_workaround_suits_a_copy_loop_of_either_kind():
+    """fully_reshardable loads carry no 'step' (the 0.19 defect the workaround steps around); the
+    workaround must leave each param's own step as it is under 0.19's loop (skips a non-tensor)
+    and under 0.15's (copies every destination key: None raised `copy_(): ... not NoneType`)."""
+    import types
+
+    main = torch.nn.Parameter(torch.zeros(3))
+    state = {main: {"exp_avg": torch.zeros(3), "step": torch.tensor(7.0)}}
+    opt = types.SimpleNamespace(config=types.SimpleNamespace(), model_param_group_index_map={"w": (0, 0)},
+                                optimizer=types.SimpleNamespace(param_groups=[{"params": [main]}], state=state))
+
+    def copy_every_key(self, model_param, tensors):  # megatron-core 0.15.3
+        dst = {"param": main, **state[main]}
+        with torch.no_grad():
+            for key in dst:
+                dst[key].copy_(tensors[key])
+
+    def skip_non_tensors(self, model_param, tensors):  # megatron-core 0.19.2
+        dst = {"param": main, **state[main]}
+        with torch.no_grad():
+            for key in dst:
+                if isinstance(tensors[key], torch.Tensor):
+                    dst[key].copy_(tensors[key])
+
+    loaded = {"param": torch.ones(3), "exp_avg": torch.full((3,), 2.0)}
+    for original in (copy_every_key, skip_non_tensors):
+        mcore.keep_own_step(original)(opt, "w", dict(loaded))
+        assert torch.equal(main.detach(), torch.ones(3)) and torch.equal(state[main]["exp_avg"], torch.full((3,), 2.0))
+        assert state[main]["step"].item() == 7.0

@@ -38,6 +38,7 @@ gets it once per job), as Megatron-LM keeps them in its checkpointing_context.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,13 +203,12 @@ class McoreDist(Backend):
             from megatron.core.dist_checkpointing.strategies.fully_parallel import (
                 FullyParallelSaveStrategyWrapper,
             )
-            from megatron.core.dist_checkpointing.strategies.torch import (
-                TorchDistSaveShardedStrategy,
-            )
+            from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
             from harness.core.memory import track
 
-            strategy = TorchDistSaveShardedStrategy()
+            # Megatron-LM's own factory (0.15's TorchDistSaveShardedStrategy has no default backend/version)
+            strategy = get_default_save_sharded_strategy()
             if o.cache_metadata:
                 strategy.use_cached_ckpt_structure = True
                 strategy.thread_count = 1  # Megatron-LM: no per-rank parallel save for a sync save
@@ -241,7 +241,13 @@ class McoreDist(Backend):
                 TorchDistLoadShardedStrategy,
             )
 
-            strategy = TorchDistLoadShardedStrategy(cache_metadata=o.cache_metadata)
+            if "cache_metadata" in inspect.signature(TorchDistLoadShardedStrategy).parameters:
+                strategy = TorchDistLoadShardedStrategy(cache_metadata=o.cache_metadata)
+            elif o.cache_metadata:  # the release has no load-side metadata cache: a hole, not the release's fault
+                raise AttributeError("module 'megatron.core.dist_checkpointing.strategies.torch' has no attribute "
+                                     "'TorchDistLoadShardedStrategy(cache_metadata=)' (load metadata cache)")
+            else:
+                strategy = TorchDistLoadShardedStrategy()
             if o.load_strategy == "fully_parallel":
                 strategy = FullyParallelLoadStrategyWrapper(strategy, _dp_cp_group(), exchange_algo="broadcast")
             self._load_strategy = strategy

@@ -102,6 +102,17 @@ WORKAROUNDS: dict[str, str] = {
 DEFAULT_WORKAROUNDS = tuple(WORKAROUNDS)
 
 
+def _own_step(optimizer, model_param):
+    """The destination's Adam step for `model_param` (None where the optimizer keeps none or lays state out otherwise)."""
+    if getattr(optimizer.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+        return None  # that branch sets scaled states; 0.19 skips a non-tensor there
+    try:
+        group_index, group_order = optimizer.model_param_group_index_map[model_param]
+        return optimizer.optimizer.state[optimizer.optimizer.param_groups[group_index]["params"][group_order]].get("step")
+    except (AttributeError, KeyError, IndexError):
+        return None
+
+
 def apply_workaround(name: str) -> None:
     """The process-wide patch behind a workaround (the others act on one optimizer, harness.models.training)."""
     if name != "fully_reshardable_step":
@@ -109,14 +120,22 @@ def apply_workaround(name: str) -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
-    if getattr(original, "_ckpt_harness", False):
-        return
+    if not getattr(original, "_ckpt_harness", False):
+        DistributedOptimizer._set_main_param_and_optimizer_states = keep_own_step(original)
+
+
+def keep_own_step(original):
+    """`_set_main_param_and_optimizer_states` that, when the loaded tensors carry no 'step', copies the
+    destination's own step onto itself (every release's loop accepts that: 0.19 also skips a
+    non-tensor, 0.15 copies every destination key and fails on None)."""
 
     def skip_missing_step(self, model_param, tensors):
-        return original(self, model_param, {"step": None, **tensors})
+        if "step" not in tensors:
+            tensors = {**tensors, "step": _own_step(self, model_param)}
+        return original(self, model_param, tensors)
 
     skip_missing_step._ckpt_harness = True
-    DistributedOptimizer._set_main_param_and_optimizer_states = skip_missing_step
+    return skip_missing_step
 
 
 # ------------------------------------------------------------------ APIs that moved between releases

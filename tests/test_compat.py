@@ -235,3 +235,21 @@ def test_the_missing_step_workaround_suits_a_copy_loop_of_either_kind():
         mcore.keep_own_step(original)(opt, "w", dict(loaded))
         assert torch.equal(main.detach(), torch.ones(3)) and torch.equal(state[main]["exp_avg"], torch.full((3,), 2.0))
         assert state[main]["step"].item() == 7.0
+
+
+def test_the_moe_router_shim_binds_the_name_core_leaves_unbound_without_te(monkeypatch):
+    """megatron-core 0.15.3/0.16.1 moe_utils binds te_general_gemm only when TE imports; every MoE
+    forward without TE then raised NameError (11 cases of the Core 0.16.1 sweep)."""
+    import types
+
+    def router_gating_linear(inp, weight, bias, router_dtype):  # the module's own shape of the call
+        return te_module.te_general_gemm is not None
+
+    te_module = types.SimpleNamespace(router_gating_linear=router_gating_linear)
+    monkeypatch.setattr(mcore, "_moe_utils", lambda: te_module)
+    with pytest.raises(AttributeError):
+        router_gating_linear(None, None, None, None)
+    assert mcore._router_gemm_unbound(torch.device("cpu"))
+    mcore._bind_router_gemm()
+    assert not mcore._router_gemm_unbound(torch.device("cpu"))
+    assert router_gating_linear(None, None, None, None) is False  # the torch fallback branch

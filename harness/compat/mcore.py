@@ -50,6 +50,23 @@ def _cross_process_results_queue() -> None:
     _filesystem_async()._results_queue = mp.get_context("fork").Manager().Queue()
 
 
+def _moe_utils():
+    from megatron.core.transformer.moe import moe_utils
+
+    return moe_utils
+
+
+def _router_gemm_unbound(device: torch.device) -> bool:
+    """moe_utils imported te_general_gemm inside its TE try-block and, without TE, never bound it:
+    router_gating_linear's `if te_general_gemm is not None` raises NameError."""
+    m = _moe_utils()
+    return hasattr(m, "router_gating_linear") and not hasattr(m, "te_general_gemm")
+
+
+def _bind_router_gemm() -> None:
+    _moe_utils().te_general_gemm = None  # the value the module's own fallback branch expects
+
+
 #: The on-demand shim every async save asks for (`require`): mcore_dist with `async_save: mcore`
 #: and verl_manager with `async_save` (verl's saves go through the same megatron-core writer).
 ASYNC_RESULTS_QUEUE = "mcore_dist async_save: cross-process write-results queue"
@@ -63,6 +80,15 @@ SHIMS: tuple[Shim, ...] = (
         _patch_results_queue,
         _spawn_queue_pending,
         "when filesystem_async no longer creates a module-level spawn Manager queue on first save",
+    ),
+    Shim(
+        "MoE router without Transformer-Engine",
+        "megatron-core's MoE router (moe_utils.router_gating_linear) tests `te_general_gemm is not None`, "
+        "a name bound only when TE imports: without TE every MoE forward raises NameError; bound to None, "
+        "the module's own torch fallback runs",
+        _bind_router_gemm,
+        _router_gemm_unbound,
+        "when moe_utils binds te_general_gemm without TE (0.19.2 does; 0.15.3 and 0.16.1 do not)",
     ),
     # ---- mcore_dist save/load strategies (backend options; on demand: only a backend that asks gets it)
     Shim(

@@ -83,6 +83,8 @@ def test_an_expected_failure_is_not_judged_where_the_case_could_not_run():
         ("AttributeError", "'AutoBridge' object has no attribute 'save_hf_adapter'",
          'File "/v/lib/python3.12/site-packages/megatron/bridge/models/conversion/auto_bridge.py", line 3', "megatron-bridge"),
         ("AttributeError", "module 'transformers' has no attribute 'LlamaConfig'", "", "transformers"),
+        # any installed package: an old datasets re-resolved beside the pinned pyarrow (Core 0.16.1 + Bridge 0.3.1)
+        ("AttributeError", "module 'pyarrow' has no attribute 'PyExtensionType'", "", "pyarrow"),
     ],
 )
 def test_a_moved_upstream_api_is_named_with_package_and_version(exc_type, message, tb, package):

@@ -103,6 +103,7 @@ def apply_expected_failure(xfail: XFail | None, result: CaseResult) -> None:
 _UPSTREAM = (("megatron.bridge", "megatron-bridge"), ("megatron", "megatron-core"),  # megatron.core, megatron.training
              ("transformers", "transformers"), ("peft", "peft"), ("torch", "torch"))
 _API_ERRORS = ("ImportError", "ModuleNotFoundError", "AttributeError")
+_OWN = ("harness", "cases", "tests", "benchmarks")  # this project's own top-level modules
 _NAMED_MODULE = re.compile(r"No module named '([\w.]+)'|cannot import name '\w+' from '([\w.]+)'|module '([\w.]+)' has no attribute")
 _FRAME = re.compile(r'File ".*?site-packages/([\w/]+)\.py"')
 # An attribute missing on a builtin value (None where a dict was expected) is bad data, not a moved API.
@@ -121,6 +122,9 @@ def api_unavailable(exc_type: str, message: str, traceback_text: str) -> str | N
     frames = _FRAME.findall(traceback_text)
     module = next((g for g in named.groups() if g), "") if named else (frames[-1].replace("/", ".") if frames else "")
     dist = next((d for prefix, d in _UPSTREAM if module == prefix or module.startswith(prefix + ".")), None)
+    if dist is None:  # any other installed package (pyarrow under an old datasets), never the harness itself
+        owners = [d for d in metadata.packages_distributions().get(module.split(".")[0], []) if d != "ckpt-harness"]
+        dist = owners[0] if owners and module.split(".")[0] not in _OWN else None
     if dist is None:
         return None
     try:

@@ -190,3 +190,23 @@ def test_saves_without_megatrons_param_sync_under_overlap_param_gather_fail():
     assert _checks(good)["model-weights"] == "passed" and _checks(good)["propagation"] == "passed", good.failure_text()
     bad = run_case(_spec(**opts), RunOptions(rank_hooks=("doubles:skip_param_sync",)))
     assert _checks(bad)["model-weights"] == "failed", bad.failure_text()
+
+
+def test_the_async_writer_is_asked_for_the_way_each_core_line_takes_it():
+    """`save(async_strategy=)` arrived in megatron-core 0.17; 0.15/0.16 write async with their own
+    writer only. The Core sweep saw `save() got an unexpected keyword argument 'async_strategy'` on
+    0.15.3 and 0.16.1; another writer there is a missing API (a hole), named as one."""
+    from harness.backends.mcore_dist import async_save_kwargs
+    from harness.orchestration.runner import api_unavailable
+
+    def save_019(sharded_state_dict, checkpoint_dir, sharded_strategy=None, async_sharded_save=False, async_strategy="nvrx"):
+        """megatron-core 0.19's signature (the parts that matter here)"""
+
+    def save_016(sharded_state_dict, checkpoint_dir, sharded_strategy=None, async_sharded_save=False):
+        """megatron-core 0.16's"""
+
+    assert async_save_kwargs(save_019, "mcore") == {"async_strategy": "mcore"}
+    assert async_save_kwargs(save_016, "mcore") == {}
+    with pytest.raises(AttributeError) as err:
+        async_save_kwargs(save_016, "nvrx")
+    assert api_unavailable("AttributeError", str(err.value), "").startswith("API not available in megatron-core ")

@@ -56,6 +56,17 @@ from harness.run.events import record_event
 NVRX_MODULE = "nvidia_resiliency_ext"
 
 
+def async_save_kwargs(save: Any, writer: str) -> dict[str, Any]:
+    """What `dist_checkpointing.save` takes to pick the async writer: `async_strategy=` from Core
+    0.17 on; before it megatron-core's own writer was the only one (another is a missing API)."""
+    if "async_strategy" in inspect.signature(save).parameters:
+        return {"async_strategy": writer}
+    if writer != "mcore":
+        raise AttributeError(f"module 'megatron.core.dist_checkpointing' has no attribute "
+                             f"'save(async_strategy={writer!r})' (only megatron-core's own async writer)")
+    return {}
+
+
 @dataclass(frozen=True)
 class McoreDistOptions:
     save_strategy: Literal["default", "fully_parallel"] = "default"
@@ -279,8 +290,8 @@ class McoreDist(Backend):
             from harness.compat.mcore import ASYNC_RESULTS_QUEUE
 
             require(ASYNC_RESULTS_QUEUE)
-            request = dist_checkpointing.save(sharded_state, str(directory), strategy, async_sharded_save=True,
-                                              async_strategy=o.async_save, **kwargs)
+            kwargs.update(async_save_kwargs(dist_checkpointing.save, o.async_save))
+            request = dist_checkpointing.save(sharded_state, str(directory), strategy, async_sharded_save=True, **kwargs)
             self._async_queue().schedule_async_request(request)
             self._pending.append(directory)
         if strategy is not None and hasattr(strategy, "last"):
@@ -313,12 +324,15 @@ class McoreDist(Backend):
 
     def _async_queue(self):
         if self._calls is None:
-            from megatron.core.dist_checkpointing.strategies.torch import (
-                get_async_strategy,
-            )
+            from megatron.core.dist_checkpointing.strategies import torch as torch_strategies
 
-            _, modules = get_async_strategy(self.strategy.async_save)
-            self._calls = modules["AsyncCallsQueue"]()
+            if hasattr(torch_strategies, "get_async_strategy"):
+                _, modules = torch_strategies.get_async_strategy(self.strategy.async_save)
+                self._calls = modules["AsyncCallsQueue"]()
+            else:  # before 0.17: megatron-core's own queue (save() refused any other writer above)
+                from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+                self._calls = AsyncCallsQueue()
         return self._calls
 
     @property

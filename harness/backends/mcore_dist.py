@@ -50,6 +50,7 @@ import torch.distributed as dist
 from harness.backends import Backend
 from harness.core.context import RankContext
 from harness.core.parity import EXACT
+from harness.core.result import missing_api
 from harness.judge.checks import STRATEGY_CHECK
 from harness.run.events import record_event
 
@@ -62,8 +63,7 @@ def async_save_kwargs(save: Any, writer: str) -> dict[str, Any]:
     if "async_strategy" in inspect.signature(save).parameters:
         return {"async_strategy": writer}
     if writer != "mcore":
-        raise AttributeError(f"module 'megatron.core.dist_checkpointing' has no attribute "
-                             f"'save(async_strategy={writer!r})' (only megatron-core's own async writer)")
+        raise missing_api("megatron.core.dist_checkpointing", f"save(async_strategy={writer!r})")  # only its own writer
     return {}
 
 
@@ -255,8 +255,8 @@ class McoreDist(Backend):
             if "cache_metadata" in inspect.signature(TorchDistLoadShardedStrategy).parameters:
                 strategy = TorchDistLoadShardedStrategy(cache_metadata=o.cache_metadata)
             elif o.cache_metadata:  # the release has no load-side metadata cache: a hole, not the release's fault
-                raise AttributeError("module 'megatron.core.dist_checkpointing.strategies.torch' has no attribute "
-                                     "'TorchDistLoadShardedStrategy(cache_metadata=)' (load metadata cache)")
+                raise missing_api("megatron.core.dist_checkpointing.strategies.torch",
+                                  "TorchDistLoadShardedStrategy(cache_metadata=)")
             else:
                 strategy = TorchDistLoadShardedStrategy()
             if o.load_strategy == "fully_parallel":

@@ -12,6 +12,20 @@ from harness.core.parity import BITWISE, Mismatch, Tolerance
 STATUSES = ("passed", "failed", "error", "xfailed", "not-run")
 #: Statuses a run counts as green.
 GREEN = ("passed", "xfailed")
+#: How an error says the harness could not drive an upstream API in this release (a coverage hole):
+#: "API not available in <package> <version>: <what>" (harness.orchestration.runner.api_unavailable)
+API_MISSING = "API not available in "
+
+
+def api_missing_line(error: str | None) -> str | None:
+    """The API_MISSING line of a result's error, if it has one."""
+    return next((ln.strip() for ln in (error or "").splitlines() if ln.startswith(API_MISSING)), None)
+
+
+def missing_api(module: str, what: str) -> AttributeError:
+    """What a driver raises when it finds (by signature or attribute) that this release lacks what the
+    case asks of `module`: an AttributeError in the form api_unavailable names with package and version."""
+    return AttributeError(f"module '{module}' has no attribute '{what}'")
 
 
 def shows_diff(name: str, tolerance: Any) -> bool:

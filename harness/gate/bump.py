@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.core.result import GREEN
+from harness.core.result import API_MISSING, GREEN
 from harness.gate import classify, compare, envspec
 from harness.gate.golden import NOT_WRITTEN
 
@@ -149,7 +149,7 @@ def reason(error: str | None) -> str:
     lines = (error or "").strip().splitlines()
     if not lines:
         return ""
-    if lines[0].startswith("API not available in ") or lines[0].startswith(NOT_WRITTEN):
+    if lines[0].startswith((API_MISSING, NOT_WRITTEN)):
         return lines[0]
     exc_type, message = exception_of(error or "")
     return f"{exc_type}: {message.splitlines()[0] if message else ''}" if exc_type else lines[0]

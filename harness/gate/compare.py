@@ -37,6 +37,7 @@ from typing import Any
 
 from harness.core.parity import Tolerance
 from harness.core.result import (
+    api_missing_line,
     shows_diff,  # the one predicate for "this check's diff is toleranced"
 )
 from harness.gate import classify
@@ -135,7 +136,7 @@ def _status_findings(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Fin
     if bs == "xfailed" and cs == "failed" and "XPASS(strict)" in (c.get("error") or ""):
         return [Finding(cid, "fixed-upstream", "known defect no longer reproduces: drop the xfail from the matrix "
                         f"(was: {b.get('xfail_reason') or 'xfail'}); not a regression", bs, cs)]
-    api = next((ln.strip() for ln in (c.get("error") or "").splitlines() if ln.startswith("API not available in ")), None)
+    api = api_missing_line(c.get("error"))
     if bs in OK and cs in BAD and api:  # not a refusal: the candidate removed or moved an API the stack calls
         return [Finding(cid, "regression", f"{bs} -> {cs}{named}: {_first_line(api, 200)}", bs, cs)]
     if bs == "passed" and cs in BAD and (raised := _raised(c)):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator
 from harness.backends import ref_of
 from harness.core.memory import MiB, PhaseMemory
 from harness.core.parity import BUDGET
-from harness.core.result import CaseResult, Check
+from harness.core.result import API_MISSING, CaseResult, Check, api_missing_line
 from harness.core.spec import CaseSpec, XFail
 from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
@@ -82,8 +82,7 @@ def apply_expected_failure(xfail: XFail | None, result: CaseResult) -> None:
         return
     if result.status in ("failed", "error"):
         unexpected = xfail.explains(result)
-        if unexpected and result.status == "error" and any(
-                ln.startswith("API not available in ") for ln in (result.error or "").splitlines()):
+        if unexpected and result.status == "error" and api_missing_line(result.error):
             # the case could not run here (and the defect is not that API's absence): neither met nor missed, a hole
             result.notes.append(f"expected failure not judged: the case could not run here ({xfail.reason})")
             return
@@ -104,7 +103,8 @@ def apply_expected_failure(xfail: XFail | None, result: CaseResult) -> None:
 _UPSTREAM = (("megatron.bridge", "megatron-bridge"), ("megatron", "megatron-core"),  # megatron.core, megatron.training
              ("transformers", "transformers"), ("peft", "peft"), ("torch", "torch"))
 _API_ERRORS = ("ImportError", "ModuleNotFoundError", "AttributeError")
-_OWN = ("harness", "cases", "tests", "benchmarks")  # this project's own top-level modules
+#: this project's own top-level modules, never an upstream's (verl also ships a top-level `tests`)
+_OWN = ("harness", "cases", "tests", "benchmarks")
 _NAMED_MODULE = re.compile(r"No module named '([\w.]+)'|cannot import name '\w+' from '([\w.]+)'|module '([\w.]+)' has no attribute")
 _FRAME = re.compile(r'File ".*?site-packages/([\w/]+)\.py"')
 # An attribute missing on a builtin value (None where a dict was expected) is bad data, not a moved API.
@@ -123,16 +123,16 @@ def api_unavailable(exc_type: str, message: str, traceback_text: str) -> str | N
     frames = _FRAME.findall(traceback_text)
     module = next((g for g in named.groups() if g), "") if named else (frames[-1].replace("/", ".") if frames else "")
     dist = next((d for prefix, d in _UPSTREAM if module == prefix or module.startswith(prefix + ".")), None)
-    if dist is None:  # any other installed package (pyarrow under an old datasets), never the harness itself
-        owners = [d for d in metadata.packages_distributions().get(module.split(".")[0], []) if d != "ckpt-harness"]
-        dist = owners[0] if owners and module.split(".")[0] not in _OWN else None
+    top = module.split(".")[0]
+    if dist is None and top not in _OWN:  # any other installed package (pyarrow under an old datasets)
+        dist = next(iter(metadata.packages_distributions().get(top, [])), None)
     if dist is None:
         return None
     try:
         version = metadata.version(dist)
     except metadata.PackageNotFoundError:
         version = "(not installed)"
-    return f"API not available in {dist} {version}: {exc_type}: {message.splitlines()[0] if message else ''}"
+    return f"{API_MISSING}{dist} {version}: {exc_type}: {message.splitlines()[0] if message else ''}"
 
 
 def error_text(exc: Exception, tb: str | None = None) -> str:

@@ -45,6 +45,9 @@ class FakeIndex(MetadataSource):
             raise LookupError(f"no {requirement} on the fake index")
         return max(hits, key=lambda m: Version(m.version))
 
+    def versions(self, name: str) -> list[str]:
+        return sorted({m.version for m in self.metas if m.name == name}, key=Version, reverse=True)
+
 
 def project(tmp_path: Path, requirements: list[str], constraints: list[str], nodeps: list[str] = ()) -> Path:
     root = tmp_path / "proj"
@@ -162,6 +165,34 @@ def test_a_user_pin_moves_dependents_too(tmp_path):
     assert [d.name for d in rs.dropped] == ["contourpy"]
     rs = resolve_release_set(["numpy==2.4.0"], root, base, FakeIndex(Metadata("numpy", "2.4.0", ())))
     assert rs.dropped == ()
+
+
+def test_a_dropped_dependent_gets_the_newest_release_that_fits_and_its_requirements_move(tmp_path):
+    """datasets 5.2.0 needs huggingface-hub>=1.31, which an old transformers moves below 1.0: left unpinned,
+    pip kept the fsspec pin and backtracked to an ancient datasets with no bounds (it then failed at
+    import); the set names the newest datasets that accepts the moved hub and follows its requirements."""
+    pins = ["megatron-core==0.19.2", "transformers==5.12.1", "huggingface-hub==1.33.0", "datasets==5.2.0", "fsspec==2026.9.0"]
+    root = project(tmp_path, ["transformers==5.12.1", "datasets==5.2.0"], pins, nodeps=["megatron-bridge==0.6.2"])
+    base = venv(tmp_path, {"datasets": ("5.2.0", ["huggingface-hub>=1.31.0,<3.0", "fsspec<=2026.9.0"]),
+                           "transformers": ("5.12.1", ["huggingface-hub>=1.3.0"])})
+    ds = [Metadata("datasets", "5.2.0", ("huggingface-hub>=1.31.0,<3.0", "fsspec<=2026.9.0")),
+          Metadata("datasets", "5.0.1", ("huggingface-hub>=0.25.0,<2.0", "fsspec>=2023.1.0,<=2026.6.0")),
+          Metadata("datasets", "2.2.1", ("huggingface-hub", "fsspec"))]
+    others = [bridge("0.3.1", "transformers<5.0.0", "megatron-core"), core("0.16.1"),
+              Metadata("transformers", "4.57.6", ("huggingface-hub<1.0,>=0.34.0",)), Metadata("huggingface-hub", "0.36.2", ()),
+              Metadata("fsspec", "2026.6.0", ()), Metadata("fsspec", "2026.9.0", ())]
+    idx = FakeIndex(*others, *ds)
+    rs = resolve_release_set(["megatron-bridge==0.3.1"], root, base, idx)
+    moved = {c.name: c for c in rs.resolved}
+    assert SpecifierSet(moved["datasets"].spec[len("datasets"):]) == SpecifierSet("==5.0.1")
+    assert "5.0.1" in moved["datasets"].reason and "huggingface-hub" in moved["datasets"].reason
+    assert not SpecifierSet(moved["fsspec"].spec[len("fsspec"):]).contains("2026.9.0")  # followed: the fsspec pin moves too
+    assert "datasets" not in {d.name for d in rs.dropped}
+    # a source that cannot list releases leaves the dependent to pip (dropped, as before)
+    plain = FakeIndex(*others, *ds)
+    plain.versions = lambda name: []
+    rs = resolve_release_set(["megatron-bridge==0.3.1"], root, base, plain)
+    assert "datasets" in {d.name for d in rs.dropped} and "datasets" not in {c.name for c in rs.resolved}
 
 
 # ---------------------------------------------------------------- the user wins
@@ -295,6 +326,9 @@ def test_pip_index_reads_a_downloaded_wheel_and_caches_exact_pins(tmp_path):
         assert (m.name, m.version, m.requires) == ("megatron-core", "0.15.3", ("numpy<2",))
     assert stub.with_suffix(".calls").read_text().splitlines() == ["megatron-core==0.15.3"]  # second answer from the cache
     assert json.loads((tmp_path / "cache" / "metadata" / "megatron-core-0.15.3.json").read_text())["version"] == "0.15.3"
+    listing = releases.PipIndex(tmp_path / "cache", pip=[sys.executable, "-c", "print('datasets (5.2.0)'); "
+                                "print('Available versions: 5.0.1, 5.2.0, 5.3.0rc1, 2.2.1')"])
+    assert listing.versions("datasets") == ["5.2.0", "5.0.1", "2.2.1"]  # newest first, no pre-release
     bad = releases.PipIndex(tmp_path / "cache", pip=[sys.executable, "-c", "import sys; print('no such version', file=sys.stderr); sys.exit(1)"])
     with pytest.raises(LookupError, match="no such version"):
         bad.index("nothing==1.0")

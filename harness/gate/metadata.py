@@ -135,6 +135,11 @@ class MetadataSource:
         """The newest release matching `requirement` (NAME==V or a range) on the package index."""
         raise NotImplementedError
 
+    def versions(self, name: str) -> list[str]:
+        """The final releases of `name` on the index, newest first; [] when the source cannot list them
+        (a dropped dependent is then left to pip, as before)."""
+        return []
+
     def wheel(self, path: Path) -> Metadata:
         return read_wheel(path)
 
@@ -183,6 +188,20 @@ class PipIndex(MetadataSource):
         if meta.version:
             (self.dir / f"{meta.name}-{meta.version}.json").write_text(json.dumps(asdict(meta), indent=1) + "\n")
         return meta
+
+    def versions(self, name: str) -> list[str]:
+        """`pip index versions` (pip's index config, Python 3.12 wheels); pre-releases left out."""
+        cmd = [*self.pip, "index", "versions", name, "--python-version", "3.12", "--only-binary=:all:"]
+        r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("Available versions:")), "")
+        out = []
+        for v in line.partition(":")[2].split(","):
+            try:
+                if v.strip() and not Version(v.strip()).is_prerelease:
+                    out.append(v.strip())
+            except InvalidVersion:
+                continue
+        return sorted(out, key=Version, reverse=True)
 
 
 # ---------------------------------------------------------------- version logic

@@ -320,6 +320,7 @@ def resolve_release_set(specs: list[str], root: Path, baseline_venv: Path | None
 
     overridden: list[str] = []
     conflicts: list[str] = []
+    tried: set[str] = set()
     while queue:
         meta, with_deps = queue.pop(0)
         who = f"{meta.name} {meta.version or '?'}"
@@ -353,6 +354,17 @@ def resolve_release_set(specs: list[str], root: Path, baseline_venv: Path | None
                     queue.append((follow, True))
                 except LookupError as exc:
                     notes.append(str(exc))
+        if not queue:  # settled: a dependent that must leave its pin gets the newest release that fits the moves
+            moved = _moved(companions, needs, user, pins)
+            for d in _dependents(companions, needs, user, pins, pin_files, nodeps, rdeps):
+                if d.name in tried or d.name in HEAVY:
+                    continue
+                tried.add(d.name)
+                if fit := _newest_accepting(source, d.name, needs[d.name].spec() if d.name in needs else SpecifierSet(""), moved):
+                    needs.setdefault(d.name, _Need()).items.append((SpecifierSet(f"=={fit.version}"), d.why, True))
+                    companions[d.name] = [d.why, f"newest {d.name} on the index that accepts it: {fit.version}"]
+                    followed.add(d.name)
+                    queue.append((fit, True))
 
     for name, need in needs.items():
         # a companion's line carries every requirement on it; elsewhere pip enforces only the with-deps ones
@@ -372,10 +384,7 @@ def _dependents(companions: dict[str, list[str]], needs: dict[str, _Need], user:
     """Pinned packages whose own requirement on a moved package cannot hold with its new range,
     transitively: a dropped dependent must leave its pin, so its own pinned dependents that require
     exactly that pin go as well."""
-    moved: dict[str, SpecifierSet] = {n: needs[n].spec() for n in companions}
-    for n, m in user.items():
-        if m.version and n in pins and m.version != pins[n]:
-            moved[n] = SpecifierSet(f"=={m.version}")
+    moved = _moved(companions, needs, user, pins)
     dropped: dict[str, Dropped] = {}
     work = list(moved)
     while work:
@@ -392,3 +401,31 @@ def _dependents(companions: dict[str, list[str]], needs: dict[str, _Need], user:
                     work.append(dep)
                     break
     return tuple(dropped[n] for n in sorted(dropped))
+
+
+def _moved(companions: dict[str, list[str]], needs: dict[str, _Need], user: dict[str, Metadata], pins: dict[str, str]) -> dict[str, SpecifierSet]:
+    """The packages that leave their pin, each with the range it moves to."""
+    moved: dict[str, SpecifierSet] = {n: needs[n].spec() for n in companions}
+    for n, m in user.items():
+        if m.version and n in pins and m.version != pins[n]:
+            moved[n] = SpecifierSet(f"=={m.version}")
+    return moved
+
+
+def _newest_accepting(source: MetadataSource, name: str, within: SpecifierSet, moved: dict[str, SpecifierSet],
+                      tries: int = 12) -> Metadata | None:
+    """The newest release of a dropped dependent whose own requirements fit every moved range.
+
+    Why: left unpinned, pip keeps the other pins and backtracks to whatever release declares no bound
+    at all: datasets 5.2.0 dropped for huggingface-hub<1.0 came back as datasets 2.2.1 (no bound on
+    fsspec/dill), which imports pyarrow's removed PyExtensionType. Naming the release and following
+    its requirements moves those pins instead. None when no release among the newest `tries` fits."""
+    for v in [v for v in source.versions(name) if within.contains(v, prereleases=True)][:tries]:
+        try:
+            meta = source.index(f"{name}=={v}")
+        except LookupError:
+            continue
+        reqs = [r for r in _parse_requires(meta.requires) if normalize(r.name) in moved]
+        if all(compatible(r.specifier, moved[normalize(r.name)]) for r in reqs):
+            return meta
+    return None

@@ -1,7 +1,8 @@
 """`ckpt-harness`: run a matrix for CI or by hand.
 
 Exit codes: 0 every case passed or failed as a named xfail (cases the machine cannot run are
-`not-run`, counted apart, listed with their reason); 1 a case failed or errored; 2 bad input (a
+`not-run`, cases the release under test lacks an API for are `not-applicable`, both counted apart,
+listed with their reason); 1 a case failed or errored; 2 bad input (a
 matrix, a results file); 3 `--fail-on-not-run` and some case was not run; 4 no case matches `-k`.
 """
 
@@ -50,9 +51,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         finished.append(r)
         if report_path:  # after every case: a run killed half-way keeps what it finished
             report.write_json(finished, report_path, str(args.matrix), time.perf_counter() - start, complete=False)
-        style = {"passed": "green", "xfailed": "yellow", "not-run": "cyan"}.get(r.status, "bold red")
+        style = {"passed": "green", "xfailed": "yellow", "not-run": "cyan", "not-applicable": "cyan"}.get(r.status, "bold red")
         console.print(f"[{len(finished)}/{len(specs)}] [{style}]{r.status.upper():8}[/] {escape(r.id)}  {r.phases.get('total', 0):.1f}s"
-                      + (f"  ({escape(r.not_run_reason or '')})" if r.status == "not-run" else ""), highlight=False)
+                      + (f"  ({escape(r.hole_reason or '')})" if r.hole_reason else ""), highlight=False)
 
     # Plain lines, no live display: a refresh thread in the parent is unsafe when ranks fork.
     if args.jobs < 1:
@@ -82,16 +83,16 @@ def _console() -> Console:
 
 def _summarize(results, title: str, wall: float, report_path: Path | None, label: str, console: Console | None = None,
                fail_on_not_run: bool = False) -> int:
-    """The summary table, results.json when asked, and the exit code: 0 when every case is green or
-    not-run (1 on a failure or error; 3 when a case was not run and `fail_on_not_run`)."""
-    from harness.core.result import GREEN
+    """The summary table, results.json when asked, and the exit code: 0 when every case is green,
+    not-run or not-applicable (1 on a failure or error; 3 when a case was not run and `fail_on_not_run`)."""
+    from harness.core.result import GREEN, HOLES
     from harness.report import results as report
 
     console = console or _console()
     report.print_summary(results, title, wall, console)
     if report_path:
         console.print(f"results: {report.write_json(results, report_path, label, wall)}")
-    if any(r.status not in (*GREEN, "not-run") for r in results):
+    if any(r.status not in (*GREEN, *HOLES) for r in results):
         return 1
     if fail_on_not_run and any(r.status == "not-run" for r in results):
         console.print("[bold red]--fail-on-not-run: this machine could not run every case (reasons above)[/]")

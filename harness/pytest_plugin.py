@@ -90,6 +90,8 @@ class CaseItem(pytest.Item):
                 f.write(json.dumps(result.to_dict(), default=str) + "\n")
         if result.status == "not-run":
             pytest.skip(f"not run: {result.not_run_reason}")
+        if result.status == "not-applicable":
+            pytest.skip(f"not applicable: {result.not_applicable_reason}")
         if result.status == "xfailed":
             pytest.xfail(f"{result.xfail_reason}")
         if result.status != "passed":

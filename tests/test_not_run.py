@@ -88,7 +88,7 @@ def _results() -> list[CaseResult]:
 
 def test_junit_html_markdown_and_summary_show_not_run_with_its_reason(tmp_path):
     results = _results()
-    assert report.counts(results) == {"passed": 1, "failed": 0, "error": 0, "xfailed": 0, "not-run": 1}
+    assert report.counts(results) == {"passed": 1, "failed": 0, "error": 0, "xfailed": 0, "not-run": 1, "not-applicable": 0}
     root = ET.parse(report.write_junit(results, tmp_path / "j.xml", "s", 1.0)).getroot()
     assert root.get("skipped") == "1" and root.get("failures") == "0"
     (skipped,) = root.iter("skipped")

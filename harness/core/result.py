@@ -2,24 +2,36 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from harness.core.parity import BITWISE, Mismatch, Tolerance
 
 #: Case statuses, in the order reports list them. `not-run`: the machine lacks what the case
-#: requires (harness.core.requires); its reason is in `not_run_reason`, and it is never counted green.
-STATUSES = ("passed", "failed", "error", "xfailed", "not-run")
+#: requires (harness.core.requires); its reason is in `not_run_reason`. `not-applicable`: the release
+#: under test lacks an API the case needs (a package this environment moved from the project's pins);
+#: its reason, the API_MISSING line, is in `not_applicable_reason`. Neither is ever counted green.
+STATUSES = ("passed", "failed", "error", "xfailed", "not-run", "not-applicable")
 #: Statuses a run counts as green.
 GREEN = ("passed", "xfailed")
+#: Statuses that showed nothing either way (coverage holes with a reason): neither green nor failing.
+HOLES = ("not-run", "not-applicable")
 #: How an error says the harness could not drive an upstream API in this release (a coverage hole):
 #: "API not available in <package> <version>: <what>" (harness.orchestration.runner.api_unavailable)
 API_MISSING = "API not available in "
+_API_LINE = re.compile(rf"^{API_MISSING}(\S+) (\S+): (.*)$", re.M)
 
 
 def api_missing_line(error: str | None) -> str | None:
     """The API_MISSING line of a result's error, if it has one."""
     return next((ln.strip() for ln in (error or "").splitlines() if ln.startswith(API_MISSING)), None)
+
+
+def api_missing_parts(error: str | None) -> tuple[str, str, str] | None:
+    """(package, version, what) of the API_MISSING line in `error`, if it has one."""
+    m = _API_LINE.search(error or "")
+    return (m[1], m[2], m[3]) if m else None
 
 
 def missing_api(module: str, what: str) -> AttributeError:
@@ -70,12 +82,18 @@ class CaseResult:
     error: str | None = None
     xfail_reason: str | None = None
     not_run_reason: str | None = None
+    not_applicable_reason: str | None = None
     notes: list[str] = field(default_factory=list)
     compat_shims: list[str] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict)
     backend_options: dict[str, Any] = field(default_factory=dict)  # the backend's options (its strategy)
     #: what the backend recorded it ran, per world phase and rank (harness.backends.record_event)
     backend_events: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hole_reason(self) -> str | None:
+        """Why a `not-run` or `not-applicable` case showed nothing (None for any other status)."""
+        return {"not-run": self.not_run_reason, "not-applicable": self.not_applicable_reason}.get(self.status)
 
     def check(self, name: str) -> Check | None:
         return next((c for c in self.checks if c.name == name), None)

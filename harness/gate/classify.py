@@ -23,6 +23,8 @@ import re
 from dataclasses import replace
 from typing import Any, Iterable
 
+from harness.core.result import api_missing_parts
+
 #: The upstream entry points users call (issue 18 item 3): a candidate that loses one breaks users.
 PUBLIC_APIS = frozenset({
     # Megatron-Bridge
@@ -40,7 +42,6 @@ PUBLIC_APIS = frozenset({
     # peft / transformers
     "PeftModel", "LoraConfig", "get_peft_model", "AutoModelForCausalLM", "from_pretrained", "save_pretrained",
 })
-API_LINE = re.compile(r"^API not available in (\S+) (\S+): (.*)$", re.M)
 _MISSING = re.compile(r"has no attribute '(\w+)'|cannot import name '(\w+)'|No module named '([\w.]+)'")
 
 
@@ -62,18 +63,18 @@ def _pair_problem(versions: dict[str, Any]) -> str | None:
 
 
 def cause(case: dict[str, Any], base_versions: dict[str, Any], cand_versions: dict[str, Any]) -> tuple[str, str] | None:
-    """('api-break' | 'not-evaluated', why) for a candidate case in error, or None (compare's call stands)."""
-    if case.get("status") != "error":
+    """('api-break' | 'not-evaluated', why) for a candidate case in error or not-applicable (an error in a
+    release that lacks an API the case needs), or None (compare's call stands)."""
+    if case.get("status") not in ("error", "not-applicable"):
         return None
-    error = case.get("error") or ""
-    if m := API_LINE.search(error):
-        package, version, what = m.groups()
+    if parts := api_missing_parts(case.get("error") or case.get("not_applicable_reason")):
+        package, version, what = parts
         if base_versions.get(package) == cand_versions.get(package) and base_versions.get(package) is not None:
             return ("not-evaluated", f"the harness's call fails in {package} {version}, the same version on both sides, so "
                     f"not the candidate: {what}")
         name = missing_name(what)
         if name in PUBLIC_APIS:
-            return "api-break", f"{package} {version} no longer offers {name}, a public API users call: {what}"
+            return "api-break", f"{package} {version} does not offer {name}, a public API users call: {what}"
         return ("not-evaluated", f"the harness has no driver for {package} {version}: it reaches for "
                 f"{name or 'an internal API'} that this release does not offer ({what})")
     if problem := _pair_problem(cand_versions):
@@ -99,8 +100,10 @@ def case_kind(case_id: str) -> str:
 
 
 def evaluated(cand: dict[str, Any], findings: Iterable[Any]) -> int:
-    """How many candidate cases gave a real result (passed, failed, xfailed, or an error the
-    candidate is to blame for): the gate can say nothing only when this is 0."""
+    """How many candidate cases gave a real result (passed, failed, xfailed, an error the candidate is
+    to blame for, or a public API it removed): the gate can say nothing only when this is 0."""
+    findings = list(findings)
     holes = {f.case for f in findings if f.kind == "not-evaluated"}
+    breaks = {f.case for f in findings if f.kind == "api-break"}
     return sum(1 for r in cand.get("results") or []
-               if r["id"] not in holes and r.get("status") in ("passed", "failed", "xfailed", "error"))
+               if r["id"] not in holes and (r.get("status") in ("passed", "failed", "xfailed", "error") or r["id"] in breaks))

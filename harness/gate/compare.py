@@ -11,15 +11,15 @@ Classes of finding (one case can have several):
 |---|---|---|
 | regression | passed/xfailed -> failed/error; or a check that passed on base fails on the candidate (named) | yes |
 | new-refusal | base passed, candidate failed/error and its error or failed-check text names an exception (`...Error`, `...Exception`): the candidate raised where the baseline loaded (replaces `regression` for that case) | yes |
-| api-break | a candidate case errors because the candidate removed or renamed a public API users call (harness.gate.classify.PUBLIC_APIS) | yes |
+| api-break | a candidate case errors or is `not-applicable` because the candidate removed or renamed a public API users call (harness.gate.classify.PUBLIC_APIS) | yes |
 | diff-growth | a toleranced check's max abs diff grew past the tolerance's atol, by more than `diff_factor` x, or from 0 to > 0 | yes |
 | memory-growth | a phase's per-rank peak delta grew by more than `memory_pct` % AND more than `memory_mib` MiB | yes |
 | fixed-upstream | base xfailed -> candidate fails with XPASS(strict): the defect is fixed, drop the xfail | no |
-| not-evaluated | a candidate case errors for the harness's own limits: an API missing in a package unchanged between the sides, an internal API the harness's driver needs, or a Bridge/Core pair that is no release set (harness.gate.classify): a coverage hole, counted per case kind | no (listed) |
+| not-evaluated | a candidate case errors or is `not-applicable` for the harness's own limits: an API missing in a package unchanged between the sides, an internal API the harness's driver needs, or a Bridge/Core pair that is no release set (harness.gate.classify): a coverage hole, counted per case kind | no (listed) |
 | disappeared | a case on base is absent on the candidate, or a check that passed on base is absent or not run in a candidate case that passed/xfailed: coverage lost | no (warning) |
 | appeared | a case only on the candidate | no |
 | fixed | base failed/error -> candidate passed | no |
-| not-run | a case ran on base and is `not-run` on the candidate (its reason: the machine lacked CUDA, TE, ...), or the reverse: coverage moved with the machine, not the code | no (listed) |
+| not-run | a case ran on base and is `not-run` on the candidate (its reason: the machine lacked CUDA, TE, ...), or the reverse, or `not-applicable` on the base (the base release lacks an API the case needs): coverage moved with the machine or the release, not the code | no (listed) |
 | time-growth | phases.total grew > 1.5x and > 5 s | no |
 
 A disappeared case only warns: a renamed or re-tagged matrix entry disappears and appears under
@@ -129,6 +129,11 @@ def _status_findings(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Fin
     if "not-run" in (bs, cs) and bs != cs:
         side, reason = ("candidate", c.get("not_run_reason")) if cs == "not-run" else ("base", b.get("not_run_reason"))
         return [Finding(cid, "not-run", f"{bs} -> {cs}: not run on the {side} ({reason or 'no reason recorded'}); "
+                        "neither a regression nor a pass", bs, cs)]
+    if cs == "not-applicable" and bs != cs:  # the candidate lacks an API the case needs: classify says whose limit
+        return [Finding(cid, "regression", f"{bs} -> {cs}: {_first_line(c.get('not_applicable_reason'), 200)}", bs, cs)]
+    if bs == "not-applicable" and bs != cs:
+        return [Finding(cid, "not-run", f"{bs} -> {cs}: not applicable to the base ({_first_line(b.get('not_applicable_reason'))}); "
                         "neither a regression nor a pass", bs, cs)]
     bc, cc = _checks(b), _checks(c)
     newly_failed = [n for n, ch in cc.items() if ch.get("status") == "failed" and bc.get(n, {}).get("status") == "passed"]

@@ -16,8 +16,9 @@ from typing import Any, Callable, Iterable, Iterator
 from harness.backends import ref_of
 from harness.core.memory import MiB, PhaseMemory
 from harness.core.parity import BUDGET
-from harness.core.result import API_MISSING, CaseResult, Check, api_missing_line
+from harness.core.result import API_MISSING, CaseResult, Check, api_missing_line, api_missing_parts
 from harness.core.spec import CaseSpec, XFail
+from harness.report.results import moved_from_pins
 from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
 
@@ -76,13 +77,14 @@ def apply_xfail(spec: CaseSpec, result: CaseResult) -> None:
 def apply_expected_failure(xfail: XFail | None, result: CaseResult) -> None:
     """Strict expected failure: the named failure becomes `xfailed`, another failure stays
     `failed` (with why), and a pass becomes `failed` as XPASS(strict). A `not-run` case showed
-    nothing either way and stays `not-run`. The golden corpus gives one where what it read shows a
-    known defect (harness.gate.golden)."""
+    nothing either way and stays `not-run`; a `not-applicable` one stays so unless the named defect is
+    that missing API itself. The golden corpus gives one where what it read shows a known defect
+    (harness.gate.golden)."""
     if xfail is None or result.status == "not-run":
         return
-    if result.status in ("failed", "error"):
+    if result.status in ("failed", "error", "not-applicable"):
         unexpected = xfail.explains(result)
-        if unexpected and result.status == "error" and api_missing_line(result.error):
+        if unexpected and (result.status == "not-applicable" or (result.status == "error" and api_missing_line(result.error))):
             # the case could not run here (and the defect is not that API's absence): neither met nor missed, a hole
             result.notes.append(f"expected failure not judged: the case could not run here ({xfail.reason})")
             return
@@ -109,6 +111,21 @@ _NAMED_MODULE = re.compile(r"No module named '([\w.]+)'|cannot import name '\w+'
 _FRAME = re.compile(r'File ".*?site-packages/([\w/]+)\.py"')
 # An attribute missing on a builtin value (None where a dict was expected) is bad data, not a moved API.
 _DATA_OBJECT = re.compile(r"^'(NoneType|dict|list|tuple|str|bytes|int|float|bool)' object has no attribute")
+_OBJECT = re.compile(r"^'(\w+)' object has no attribute")
+
+
+def _class_module(class_name: str) -> str | None:
+    """The module of the upstream class named `class_name` among the modules imported here: an
+    "'AutoBridge' object has no attribute" names no module, and the traceback's last upstream frame
+    is whatever called the harness (torch's launcher), which blamed torch for Bridge's and Core's
+    missing methods."""
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not any(name == p or name.startswith(p + ".") for p, _ in _UPSTREAM) or name.startswith("torch"):
+            continue
+        cls = getattr(mod, class_name, None)
+        if isinstance(cls, type) and cls.__name__ == class_name:
+            return cls.__module__
+    return None
 
 
 def api_unavailable(exc_type: str, message: str, traceback_text: str) -> str | None:
@@ -121,7 +138,9 @@ def api_unavailable(exc_type: str, message: str, traceback_text: str) -> str | N
         return None
     named = _NAMED_MODULE.search(message)
     frames = _FRAME.findall(traceback_text)
-    module = next((g for g in named.groups() if g), "") if named else (frames[-1].replace("/", ".") if frames else "")
+    obj = _OBJECT.match(message)
+    module = (next((g for g in named.groups() if g), "") if named else (obj and _class_module(obj[1]))
+              or (frames[-1].replace("/", ".") if frames else ""))
     dist = next((d for prefix, d in _UPSTREAM if module == prefix or module.startswith(prefix + ".")), None)
     top = module.split(".")[0]
     if dist is None and top not in _OWN:  # any other installed package (pyarrow under an old datasets)
@@ -198,6 +217,10 @@ def case_envelope(result: CaseResult, options: RunOptions, timeout_s: float | No
     except Exception as exc:  # a rank's or the harness's error is reported, not raised: the matrix goes on
         result.status = "error"
         result.error = error_text(exc, traceback.format_exc())
+        if (api := api_missing_parts(result.error)) and api[0] in moved_from_pins():
+            # the release under test lacks what the case needs: not-applicable to it, the traceback kept in `error`
+            result.status = "not-applicable"
+            result.not_applicable_reason = f"{api_missing_line(result.error)} (this environment moved {api[0]} from the project's pins)"
     finally:
         result.phases["total"] = round(time.perf_counter() - start, 3)
         if options.keep:

@@ -12,7 +12,7 @@ from typing import Any
 
 from harness.core.parity import Tolerance
 
-_COLOR = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#8250df", "xfailed": "#9a6700", "not-run": "#57606a"}
+_COLOR = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#8250df", "xfailed": "#9a6700", "not-run": "#57606a", "not-applicable": "#57606a"}
 _RANKS = ("#0969da", "#cf222e", "#1a7f37", "#9a6700", "#8250df", "#bf3989", "#0550ae", "#57606a")
 _MiB = 1024 * 1024
 _CSS = """
@@ -69,6 +69,8 @@ def _case(r: dict[str, Any]) -> str:
         parts.append(f"<table><tr><th>check</th><th>status</th><th>detail</th><th>max |Δ|</th><th>tolerance</th></tr>{checks}</table>")
     if r.get("not_run_reason"):
         parts.append(f"<p>not run on this machine: {escape(r['not_run_reason'])}</p>")
+    if r.get("not_applicable_reason"):
+        parts.append(f"<p>not applicable to this release: {escape(r['not_applicable_reason'])}</p>")
     if r.get("xfail_reason"):
         parts.append(f"<p>expected failure (named upstream defect): {escape(r['xfail_reason'])}</p>")
     if r.get("error"):
@@ -99,7 +101,8 @@ def render(doc: dict[str, Any], title: str) -> str:
         rows.append(
             f'<tr><td><a href="#{_anchor(r["id"])}">{escape(r["id"])}</a></td><td>{_status(r["status"])}</td>'
             f'<td>{sum(c["status"] == "passed" for c in checks)}/{len(checks)}{" " + escape(", ".join(bad)) if bad else ""}'
-            f'{" not run: " + escape(r["not_run_reason"]) if r.get("not_run_reason") else ""}</td>'
+            f'{" not run: " + escape(r["not_run_reason"]) if r.get("not_run_reason") else ""}'
+            f'{" not applicable: " + escape(r["not_applicable_reason"]) if r.get("not_applicable_reason") else ""}</td>'
             f'<td class="num">{r.get("phases", {}).get("total", 0):.1f}</td>'
             f'<td class="num">{"-" if not save0 else f"{save0["peak_delta"] / _MiB:.1f}"}</td></tr>')
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title><style>{_CSS}</style></head><body>"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import sys
 from collections import Counter
 from datetime import datetime, timezone
@@ -17,9 +18,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from harness.core.parity import Tolerance
-from harness.core.result import STATUSES, CaseResult, shows_diff
+from harness.core.result import HOLES, STATUSES, CaseResult, shows_diff
 
-_STYLE = {"passed": "green", "failed": "bold red", "error": "bold magenta", "xfailed": "yellow", "not-run": "cyan"}
+_STYLE = {"passed": "green", "failed": "bold red", "error": "bold magenta", "xfailed": "yellow", "not-run": "cyan", "not-applicable": "cyan"}
 _VERSIONED = ("torch", "megatron-core", "megatron-bridge", "transformers", "peft")
 
 
@@ -41,6 +42,20 @@ def environment() -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def moved_from_pins(env: dict | None = None) -> set[str]:
+    """The distributions this venv's release set moved from the project's pins (asked, resolved as a
+    companion, or dropped as a dependent); empty for the pins' own venv or outside the harness's venvs.
+    Why: an API missing in one of these is the release's (the case is not-applicable to it), while on
+    the pins every API the harness calls exists, so a missing one there is the harness's own error."""
+    env = environment() if env is None else env
+    if not env:
+        return set()
+    rs = env.get("release_set") or {}
+    names = [o.get("name") for o in env.get("overrides") or []]
+    names += [c.get("name") for key in ("resolved", "dropped") for c in rs.get(key) or []]
+    return {re.sub(r"[-_.]+", "-", n).lower() for n in names if n}
 
 
 def counts(results: Iterable[CaseResult]) -> dict[str, int]:
@@ -77,12 +92,13 @@ def write_json(results: list[CaseResult], path: Path, matrix: str, wall_s: float
 def write_junit(results: list[CaseResult], path: Path, suite: str, wall_s: float) -> Path:
     """JUnit XML for CI test views: one testcase per case; `failed` -> <failure>, `error` ->
     <error> (both with the failure text), `xfailed` -> <skipped> naming the upstream defect,
-    `not-run` -> <skipped> with what the machine lacks."""
+    `not-run` -> <skipped> with what the machine lacks, `not-applicable` -> <skipped> with the API the
+    release lacks."""
     import xml.etree.ElementTree as ET
 
     c = counts(results)
     root = ET.Element("testsuite", name=suite, tests=str(len(results)), failures=str(c["failed"]), errors=str(c["error"]),
-                      skipped=str(c["xfailed"] + c["not-run"]), time=f"{wall_s:.3f}")
+                      skipped=str(c["xfailed"] + c["not-run"] + c["not-applicable"]), time=f"{wall_s:.3f}")
     for r in results:
         tc = ET.SubElement(root, "testcase", classname=f"ckpt_harness.{r.case}", name=r.id, time=f"{r.phases.get('total', 0):.3f}")
         text = r.failure_text()
@@ -92,8 +108,8 @@ def write_junit(results: list[CaseResult], path: Path, suite: str, wall_s: float
             ET.SubElement(tc, "error", message=(r.error or "error").strip().splitlines()[0][:500]).text = text
         elif r.status == "xfailed":
             ET.SubElement(tc, "skipped", message=f"xfail (named upstream defect): {r.xfail_reason}")
-        elif r.status == "not-run":
-            ET.SubElement(tc, "skipped", message=f"not run: {r.not_run_reason}")
+        elif r.status in HOLES:
+            ET.SubElement(tc, "skipped", message=f"{r.status.replace('-', ' ')}: {r.hole_reason}")
     path.parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
     return path
@@ -152,18 +168,20 @@ def print_summary(results: list[CaseResult], title: str, wall_s: float, console:
             console.print(r.failure_text(), markup=False, highlight=False)
         elif r.status == "xfailed":
             console.print(f"[yellow]xfailed[/] {escape(r.id)}: {escape(r.xfail_reason or '')}", highlight=False)
-    for reason, ids in not_run_groups(results).items():
-        console.print(f"[cyan]not-run[/] ({len(ids)}): {escape(reason)}", highlight=False)
-        for i in ids:
-            console.print(f"  {escape(i)}", highlight=False)
+    for status in HOLES:
+        for reason, ids in not_run_groups(results, status).items():
+            console.print(f"[cyan]{status}[/] ({len(ids)}): {escape(reason)}", highlight=False)
+            for i in ids:
+                console.print(f"  {escape(i)}", highlight=False)
 
 
-def not_run_groups(results: Iterable[CaseResult]) -> dict[str, list[str]]:
-    """Not-run case ids grouped by their reason (one line per missing thing, not per case)."""
+def not_run_groups(results: Iterable[CaseResult], status: str = "not-run") -> dict[str, list[str]]:
+    """Case ids of one hole status (`not-run`, `not-applicable`) grouped by their reason (one line per
+    missing thing, not per case)."""
     out: dict[str, list[str]] = {}
     for r in results:
-        if r.status == "not-run":
-            out.setdefault(r.not_run_reason or "(no reason recorded)", []).append(r.id)
+        if r.status == status:
+            out.setdefault(r.hole_reason or "(no reason recorded)", []).append(r.id)
     return out
 
 
@@ -189,7 +207,8 @@ def markdown(doc: dict) -> str:
         cell = f"{ok}/{len(checks)}" + (f" (failed: {', '.join(failed)})" if failed else "")
         d, tol = _worst_toleranced(checks)
         diff = "-" if d is None else ("0" if d == 0 else f"{d:.1e}") + (f" ({tol})" if tol else "")
-        status = r["status"] + (f" ({r.get('not_run_reason')})" if r["status"] == "not-run" else "")
+        why = r.get("not_run_reason") if r["status"] == "not-run" else r.get("not_applicable_reason") if r["status"] == "not-applicable" else None
+        status = r["status"] + (f" ({why})" if why else "")
         rows.append(f"| `{r['id']}` | {status} | {cell} | {diff} | {r.get('phases', {}).get('total', 0):.1f} |")
     s = doc.get("summary", {})
     total = ", ".join(f"{n} {k}" for k, n in s.items() if n)

@@ -115,7 +115,7 @@ def test_the_harness_step_imports_the_harness_from_its_checkout_not_the_bisected
     import harness.gate.bisect as b
 
     r, shas = repo()
-    monkeypatch.setattr(b, "step", lambda tree, *a: {"case": (tree / "state").read_text().split()[0]})
+    monkeypatch.setattr(b, "step", lambda tree, *a, **k: {"case": (tree / "state").read_text().split()[0]})
     seen = {}
 
     def fake_bisect(repo_, good, bad, command, out, extra_env=None):
@@ -131,3 +131,21 @@ def test_the_harness_step_imports_the_harness_from_its_checkout_not_the_bisected
     probe = subprocess.run([seen["command"][0], "-S", "-m", "harness.gate.bisect", "--help"], cwd=tmp_path,
                            env={"PYTHONPATH": seen["env"]["PYTHONPATH"]}, capture_output=True, text=True)
     assert probe.returncode == 0, probe.stderr
+
+
+def test_each_step_builds_the_release_set_the_tree_declares_unless_exact(tmp_path, monkeypatch):
+    """A Bridge commit of the 0.3 era needs its Core line and transformers<5: by default the step's env
+    takes the tree's release set (companions), --exact builds the pins plus the tree alone."""
+    import harness.gate.bisect as b
+    from harness.gate import envspec
+
+    asked = []
+
+    def fake_ensure(specs, cache, root, python=None, companions=True):
+        asked.append(companions)
+        raise envspec.EnvBuildError("stop here")
+
+    monkeypatch.setattr(envspec, "ensure", fake_ensure)
+    assert b.step(tmp_path, "matrices/smoke.yaml", None, tmp_path, tmp_path / "r") is None
+    assert b.step(tmp_path, "matrices/smoke.yaml", None, tmp_path, tmp_path / "r", exact=True) is None
+    assert asked == [True, False]

@@ -139,13 +139,16 @@ def signature(results_json: Path) -> dict[str, str]:
     return {r["id"]: r["status"] for r in doc.get("results") or []}
 
 
-def step(tree: Path, matrix: str, k: str | None, cache: Path, report: Path) -> dict[str, str] | None:
+def step(tree: Path, matrix: str, k: str | None, cache: Path, report: Path, exact: bool = False) -> dict[str, str] | None:
     """The outcome signature at the tree's current commit, or None when it cannot be evaluated
-    (the env does not build or megatron-core does not import, or the run wrote no results)."""
+    (the env does not build or megatron-core does not import, or the run wrote no results).
+    The env is the pins plus the tree and, unless `exact`, the release set the tree declares (its
+    pyproject's ranges, the Core line of its version): a Bridge commit of the 0.3 era beside Core 0.19
+    and transformers 5 says nothing about that commit."""
     from harness.gate import envspec
 
     try:
-        venv = envspec.ensure([str(tree)], cache, ROOT, companions=False)
+        venv = envspec.ensure([str(tree)], cache, ROOT, companions=not exact)
         envspec.check_import(venv, ("megatron.core",), root=ROOT)
     except (envspec.EnvBuildError, ValueError):
         return None
@@ -158,7 +161,7 @@ def step(tree: Path, matrix: str, k: str | None, cache: Path, report: Path) -> d
 def _step_main(args: argparse.Namespace) -> int:
     tree = Path(args.tree)
     commit = _git(tree, "rev-parse", "--short=12", "HEAD").strip()
-    got = step(tree, args.matrix, args.k, Path(args.cache), Path(args.report) / commit)
+    got = step(tree, args.matrix, args.k, Path(args.cache), Path(args.report) / commit, exact=args.exact)
     if got is None:
         return EXIT_STEP_SKIP
     if args.record:
@@ -176,6 +179,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--matrix", default="matrices/smoke.yaml")
     p.add_argument("--cache", type=Path, default=None, help="where venvs live (default: $CKPT_HARNESS_HOME or ~/.cache/ckpt-harness)")
     p.add_argument("--step-command", default=None, help="replaces the harness step: exit 0 good, 1 bad, 125 skip")
+    p.add_argument("--exact", action="store_true",
+                   help="each step's env is the pins plus the tree only (default: plus the release set the tree declares)")
     p.add_argument("--out", type=Path, required=True)
     return p
 
@@ -191,7 +196,8 @@ def run_cli(args: argparse.Namespace) -> int:
         else:
             cache = (args.cache or envspec._default_cache()).resolve()
             base = [sys.executable, "-m", "harness.gate.bisect", "--tree", str(out / "worktree"), "--matrix", args.matrix,
-                    "--cache", str(cache), "--report", str(out / "runs"), *(["-k", args.k] if args.k else [])]
+                    "--cache", str(cache), "--report", str(out / "runs"), *(["-k", args.k] if args.k else []),
+                    *(["--exact"] if args.exact else [])]
             good_sig = out / "good-signature.json"
             # the outcomes at GOOD and BAD first: nothing to look for when they agree
             sigs = {}
@@ -200,7 +206,7 @@ def run_cli(args: argparse.Namespace) -> int:
                 tree = out / f"{name}-tree"
                 _git(args.repo.resolve(), "worktree", "add", "--detach", str(tree), sha)
                 try:
-                    sigs[name] = step(tree, args.matrix, args.k, cache, out / "runs" / name)
+                    sigs[name] = step(tree, args.matrix, args.k, cache, out / "runs" / name, exact=args.exact)
                 finally:
                     _git(args.repo.resolve(), "worktree", "remove", "--force", str(tree), check=False)
                 if sigs[name] is None:
@@ -233,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", required=True)
     p.add_argument("--good-signature", default=None)
     p.add_argument("--record", default=None, help="write this commit's signature here and exit 0")
+    p.add_argument("--exact", action="store_true")
     args = p.parse_args(argv)
     try:
         return _step_main(args)

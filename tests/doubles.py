@@ -521,7 +521,7 @@ class CorruptSecondSave(McoreDist):
     live job is untouched; a lowest-bit flip of a moment rounds away in the next weight update);
     the first save is correct."""
 
-    def save_state(self, ctx, sharded_state, directory):
+    def save_state(self, ctx, sharded_state, directory, **kwargs):
         if self._saves == 1 and ctx.rank == 0:
             from megatron.core.dist_checkpointing.dict_utils import nested_values
             from megatron.core.dist_checkpointing.mapping import (
@@ -533,7 +533,7 @@ class CorruptSecondSave(McoreDist):
                       if isinstance(v, ShardedTensor) and "exp_avg." in v.key and is_main_replica(v.replica_id) and v.data.numel())
             sh.data = sh.data.detach().clone()
             sh.data.view(-1).view(torch.int32)[0] ^= 1 << 22
-        super().save_state(ctx, sharded_state, directory)
+        super().save_state(ctx, sharded_state, directory, **kwargs)
 
 
 def skip_param_sync() -> None:

@@ -63,8 +63,12 @@ class TrainingState(Protocol):
     optimizer: Any  # megatron-core MegatronOptimizer
     scheduler: Any  # megatron-core OptimizerParamScheduler, or None
 
-    def sharded_state(self, is_loading: bool) -> dict:
-        """{"model": ..., "optimizer": ...} as megatron-core's sharded state dicts."""
+    def sharded_state(self, is_loading: bool, metadata: dict | None = None) -> dict:
+        """{"model": ..., "optimizer": ...} as megatron-core's sharded state dicts, built with the
+        sharded_state_dict `metadata` (None: the job's own, as Megatron-LM builds it)."""
+
+    def content_metadata(self) -> dict:
+        """The job's sharded_state_dict metadata as Megatron-LM saves it in the checkpoint."""
 
     def restore(self, state: dict) -> None:
         """Put a loaded `sharded_state` into the live model and optimizer."""

@@ -30,6 +30,11 @@ megatron/training/checkpointing.py wires it (save_checkpoint / _load_global_dist
                   `validate_access_integrity`, and the load strategy caches the checkpoint
                   metadata (`TorchDistLoadShardedStrategy(cache_metadata=True)`); only repeated
                   saves in one job use the cache, so the case must save more than once
+  content_metadata  true (Megatron-LM since Core 0.13): a training save passes the job's sharded_state_dict
+                  metadata (`_build_sharded_state_dict_metadata`: the distributed optimizer's sharding type,
+                  ...) as `save(content_metadata=)`, and a load builds the model's and optimizer's sharded
+                  state dicts from what `load_content_metadata` reads back, as Megatron-LM's load does;
+                  false: written as before Core 0.13 (no content metadata), and read with the job's own
 
 Strategy objects live as long as the backend instance (one per rank function: harness.models.training
 gets it once per job), as Megatron-LM keeps them in its checkpointing_context.
@@ -48,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from harness.backends import Backend
+from harness.backends._mcore_events import event_problems as _event_problems
 from harness.core.context import RankContext
 from harness.core.parity import EXACT
 from harness.core.result import missing_api
@@ -73,6 +79,7 @@ class McoreDistOptions:
     load_strategy: Literal["default", "fully_parallel"] = "default"
     async_save: Literal["none", "mcore", "nvrx"] = "none"
     cache_metadata: bool = False
+    content_metadata: bool = True
 
 
 def is_complete(directory: Path) -> bool:
@@ -113,42 +120,6 @@ def _tracked_exchange(calls: list) -> Iterator[None]:
         yield
     finally:
         fully_parallel.exchange_by_distribution = original
-
-
-def _event_problems(o: McoreDistOptions, ev: dict) -> list[str]:
-    """What in one recorded save or load differs from what options `o` ask."""
-    out = []
-    if ev["op"] == "save":
-        if ev["strategy"] != o.save_strategy:
-            out.append(f"ran the {ev['strategy']} save strategy, asked {o.save_strategy}")
-        if ev["strategy"] == "fully_parallel":
-            if ev["group"] != ev["dp_cp"]:
-                out.append(f"distributed over a group of {ev['group']} ranks, the DP x CP group has {ev['dp_cp']}")
-            want = "cached" if o.cache_metadata and ev["n"] > 1 else "computed"
-            if ev.get("distribution") != want:
-                out.append(f"save distribution {ev.get('distribution') or 'not applied'}, expected {want}")
-        if o.cache_metadata:
-            want = min(ev["n"] - 1, 2)
-            if ev["plan_reuse"] != want:
-                out.append(f"started from plan-cache level {ev['plan_reuse']}, megatron-core's cache gives save {ev['n']} level {want} "
-                           "(0: plans from scratch, 1: cached local plan, 2: cached central plan + global metadata)")
-            if ev["validated"] != (ev["n"] == 1):
-                out.append(f"validate_access_integrity={ev['validated']} (Megatron-LM validates only a job's first save)")
-        elif ev["plan_reuse"] is not None:
-            out.append(f"plan cache in use (level {ev['plan_reuse']}) without cache_metadata")
-        if ev["async"] != o.async_save:
-            out.append(f"async_save {ev['async']}, asked {o.async_save}")
-    else:
-        if ev["strategy"] != o.load_strategy:
-            out.append(f"ran the {ev['strategy']} load strategy, asked {o.load_strategy}")
-        if ev["strategy"] == "fully_parallel":
-            if ev["group"] != ev["dp_cp"]:
-                out.append(f"distributed over a group of {ev['group']} ranks, the DP x CP group has {ev['dp_cp']}")
-            if ev["group"] > 1 and not ev.get("exchanges"):
-                out.append("no tensor exchange between the group's ranks (each read everything itself)")
-        if o.cache_metadata and not ev.get("metadata_cached"):
-            out.append("the load strategy cached no checkpoint metadata")
-    return out
 
 
 class McoreDist(Backend):
@@ -266,7 +237,22 @@ class McoreDist(Backend):
 
     # ------------------------------------------------------------------ save / load
 
-    def save_state(self, ctx: RankContext, sharded_state: dict, directory: Path) -> None:
+    def save_training(self, ctx: RankContext, job: Any, directory: Path) -> None:
+        """Megatron-LM's training save: the job's sharded state with its metadata, and that metadata
+        as the checkpoint's content metadata (option content_metadata)."""
+        meta = job.content_metadata() if self.strategy.content_metadata else None
+        self.save_state(ctx, job.sharded_state(is_loading=False), directory, content_metadata=meta)
+
+    def load_training(self, ctx: RankContext, job: Any, directory: Path) -> None:
+        """Megatron-LM's training load: the sharded state built from the checkpoint's content metadata
+        (the job's own where the checkpoint has none), recorded for the strategy check."""
+        from megatron.core import dist_checkpointing
+
+        found = dist_checkpointing.load_content_metadata(checkpoint_dir=str(directory))
+        record_event({"op": "content_metadata", "read": found, "job": job.content_metadata()})
+        job.restore(self.load_state(ctx, job.sharded_state(is_loading=True, metadata=found), directory))
+
+    def save_state(self, ctx: RankContext, sharded_state: dict, directory: Path, content_metadata: dict | None = None) -> None:
         from megatron.core import dist_checkpointing
 
         o = self.strategy
@@ -276,7 +262,7 @@ class McoreDist(Backend):
             directory.mkdir(parents=True, exist_ok=False)  # dist_checkpointing expects it to exist
         dist.barrier()
         strategy = self._save_strategy_obj()
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {} if content_metadata is None else {"content_metadata": content_metadata}
         if o.cache_metadata and self._saves:  # Megatron-LM: already validated by the first save
             kwargs["validate_access_integrity"] = False
         event = self._save_event(strategy, directory, validated="validate_access_integrity" not in kwargs)
@@ -349,22 +335,24 @@ class McoreDist(Backend):
         cache_metadata what megatron-core's caches gave each save of a job (save 1 plans from
         scratch and validates access integrity; save 2 starts from the cached local plan, save 3
         from the cached central plan and global metadata, the fully-parallel distribution is
-        cached from save 2) and that each load cached the checkpoint's metadata. None when every
-        option is at its default (nothing was asked)."""
+        cached from save 2) and that each load cached the checkpoint's metadata; and each training
+        load read back the content metadata the save wrote (option content_metadata). None when every
+        option is at its default and no training checkpoint was loaded (nothing was asked)."""
         from harness.core.result import Check
 
         o = self.strategy
-        if o == McoreDistOptions():
+        read_back = any(e["op"] == "content_metadata" for ranks in events.values() for evs in ranks.values() for e in evs)
+        if o == McoreDistOptions() and not read_back:
             return None
         problems: list[str] = []
-        seen: dict[str, set] = {"save": set(), "load": set()}
+        seen: dict[str, set] = {"save": set(), "load": set(), "content_metadata": set()}
         for phase, ranks in sorted(events.items()):
             for rank, evs in sorted(ranks.items()):
                 for ev in evs:
                     where = f"{phase}@rank{rank} {ev['op']} {ev.get('n', '')}".rstrip()
                     problems += [f"{where}: {p}" for p in _event_problems(o, ev)]
                     seen[ev["op"]].add(phase)
-        if not seen["save"]:
+        if not seen["save"] and o != McoreDistOptions():
             problems.append("no save ran through this backend")
         if o.load_strategy != "default" and not seen["load"]:
             problems.append("no load ran through this backend")
@@ -375,7 +363,9 @@ class McoreDist(Backend):
         n_saves = sum(1 for ranks in events.values() for evs in ranks.values() for e in evs if e["op"] == "save")
         n_loads = sum(1 for ranks in events.values() for evs in ranks.values() for e in evs if e["op"] == "load")
         return Check(STRATEGY_CHECK, "passed", f"{n_saves} rank-save(s) in {sorted(seen['save'])} and {n_loads} rank-load(s) in "
-                     f"{sorted(seen['load'])} ran what was asked: {asked}", tolerance=EXACT)
+                     f"{sorted(seen['load'])} ran what was asked: {asked}"
+                     + ("; every training load read back the content metadata its save wrote" if read_back and o.content_metadata else ""),
+                     tolerance=EXACT)
 
     def pending_saves(self) -> int:
         return len(self._pending)

@@ -192,15 +192,17 @@ def as_chunks(model: Any) -> list:
     return [c.module if isinstance(c, _BaseDataParallel) else c for c in chunks]
 
 
-def sharded_state_dict(model: Any) -> dict:
+def sharded_state_dict(model: Any, metadata: dict | None = None) -> dict:
     """The model's sharded state dict in Megatron-LM's layout (training/checkpointing.py
     `generate_state_dict`): one chunk's as it is, several under `model0`, `model1`, ... The
     ShardedTensor keys inside carry global layer numbers, so what lands on disk does not depend on
-    how the layers were split into chunks."""
+    how the layers were split into chunks. `metadata`: the sharded_state_dict metadata a training
+    checkpoint passes (None: the model-only call, without it)."""
     chunks = as_chunks(model)
+    kw = {} if metadata is None else {"metadata": metadata}
     if len(chunks) == 1:
-        return chunks[0].sharded_state_dict()
-    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+        return chunks[0].sharded_state_dict(**kw)
+    return {f"model{i}": c.sharded_state_dict(**kw) for i, c in enumerate(chunks)}
 
 
 def load_state_dict(model: Any, state: dict) -> None:

@@ -29,18 +29,33 @@ def scheduler_view(scheduler, optimizer) -> dict[str, Any] | None:
     return {"state": {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in scheduler.state_dict().items()}, "lr": lrs}
 
 
-def sharded_state(ddp, optimizer, sharding: str | None, mem_efficient: bool, is_loading: bool) -> dict:
-    """What a training checkpoint holds: model (every chunk, harness.models.sharded_state_dict) and
-    (if sharding is given) optimizer."""
-    model_sd = model_sharded_state(ddp)
-    state = {"model": model_sd}
+def users_metadata(sharding: str | None, mem_efficient: bool) -> dict[str, Any]:
+    """The sharded_state_dict metadata Megatron-LM builds for a job (training/checkpointing.py
+    `_build_sharded_state_dict_metadata`) and saves as the checkpoint's content metadata: the
+    distributed optimizer's sharding type (mem_efficient only for fully_reshardable), no singleton
+    local shards, no chained-optimizer prefix. Its `dp_cp_group` is added at call time, never saved."""
+    meta: dict[str, Any] = {}
     if sharding is not None:
-        metadata = {
-            "distrib_optim_sharding_type": sharding,
-            "distrib_optim_fully_reshardable_mem_efficient": mem_efficient,
-            "chained_optim_avoid_prefix": True,
-        }
-        state["optimizer"] = optimizer.sharded_state_dict(model_sharded_state(ddp), is_loading=is_loading, metadata=metadata)
+        meta["distrib_optim_sharding_type"] = sharding
+        if sharding == "fully_reshardable":
+            meta["distrib_optim_fully_reshardable_mem_efficient"] = mem_efficient
+    meta["singleton_local_shards"] = False
+    meta["chained_optim_avoid_prefix"] = True
+    return meta
+
+
+def sharded_state(ddp, optimizer, sharding: str | None, mem_efficient: bool, is_loading: bool,
+                  metadata: dict[str, Any] | None = None) -> dict:
+    """What a training checkpoint holds: model (every chunk, harness.models.sharded_state_dict) and
+    (if sharding is given) optimizer, both built with `metadata` as Megatron-LM passes it (default:
+    the job's own, `users_metadata`; a load passes what the checkpoint's content metadata says)."""
+    from megatron.core import parallel_state
+
+    meta = dict(users_metadata(sharding, mem_efficient) if metadata is None else metadata)
+    meta["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    state = {"model": model_sharded_state(ddp, metadata=meta)}
+    if sharding is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sharded_state(ddp, metadata=meta), is_loading=is_loading, metadata=meta)
     return state
 
 
@@ -58,8 +73,12 @@ class TrainingJob:
     bridge: Any = None  # harness.models.bridge.BridgeModel for a Megatron-Bridge model (AutoBridge, provider, HF dir)
     seed: int = 0  # the model's seed (a backend's CPU RNG-tracker shim derives from it)
 
-    def sharded_state(self, is_loading: bool) -> dict:
-        return sharded_state(self.chunks, self.optimizer, self.sharding, self.mem_efficient, is_loading)
+    def sharded_state(self, is_loading: bool, metadata: dict[str, Any] | None = None) -> dict:
+        return sharded_state(self.chunks, self.optimizer, self.sharding, self.mem_efficient, is_loading, metadata)
+
+    def content_metadata(self) -> dict[str, Any]:
+        """What Megatron-LM saves as this job's checkpoint content metadata."""
+        return users_metadata(self.sharding, self.mem_efficient)
 
     def restore(self, state: dict) -> None:
         load_state_dict(self.chunks, state["model"])

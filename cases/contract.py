@@ -79,11 +79,12 @@ class Case(ABC):
             raise ValueError(f"case {self.name} cannot be expected to refuse (expect: refuse is for cases that judge a refusal)")
         if spec.xfail is not None:
             budgets = {f"memory-budget:{b.phase}@rank{b.rank}" for b in spec.budgets}
-            unknown = [c for c in spec.xfail.checks
-                       if check_base(c) not in self.checks and c not in budgets and c != STRATEGY_CHECK]
+            unknown = [c for c in spec.xfail.checks if check_base(c) not in self.checks and c not in budgets
+                       and c != STRATEGY_CHECK and c not in backend.checks]
             if unknown:
                 raise ValueError(
                     f"xfail.checks names {unknown}, which case {self.name} never records; its checks: {list(self.checks)}"
+                    + (f", backend {spec.backend}'s: {list(backend.checks)}" if backend.checks else "")
                     + (f", budgets: {sorted(budgets)}" if budgets else "")
                 )
         self.validate_options(spec, opts)

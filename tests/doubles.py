@@ -19,6 +19,7 @@ import torch
 
 from harness.backends.bridge_hf import BridgeHF
 from harness.backends.bridge_peft import BridgePeft
+from harness.backends.bridge_training import BridgeTraining
 from harness.backends.mcore_dist import McoreDist
 from harness.core.context import RankContext
 
@@ -584,3 +585,41 @@ def use_doubles(**names: str):
             yield
 
     return _doubles
+
+
+class BridgeTrainingScrambledRng(BridgeTraining):
+    """A Bridge load after which rank 0's python RNG is reseeded (what a resume that restores another
+    rank's, or no, RNG state looks like); the load is recorded after the reseed."""
+
+    def load_training(self, ctx, job, directory):
+        import random
+
+        from harness.backends import bridge_training
+
+        real = bridge_training.rng_digest
+
+        def reseeded():
+            if ctx.rank == 0:
+                random.seed(12345)
+            return real()
+
+        bridge_training.rng_digest = reseeded
+        try:
+            super().load_training(ctx, job, directory)
+        finally:
+            bridge_training.rng_digest = real
+
+
+class BridgeTrainingSampleOffByOne(BridgeTraining):
+    """After Bridge's save, the train state on disk counts one consumed sample less (a data position
+    one draw off): both train_state.pt files, as a defective writer would leave them."""
+
+    def save_training(self, ctx, job, directory):
+        super().save_training(ctx, job, directory)
+        torch.distributed.barrier()
+        if ctx.rank == 0:
+            for f in [Path(directory) / "latest_train_state.pt", *Path(directory).glob("iter_*/train_state.pt")]:
+                sd = torch.load(f, weights_only=False)
+                sd["consumed_train_samples"] -= 1
+                torch.save(sd, f)
+        torch.distributed.barrier()

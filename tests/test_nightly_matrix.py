@@ -29,8 +29,9 @@ MAX_WORLD_CPU = 4
 
 
 def _needs_gpu(spec) -> bool:
-    """What the matrix says needs a GPU: the TE entries (tag te) and the timed 1.1B saves."""
-    return spec.tag == "te" or spec.model == "gpt-1b"
+    """What the matrix says needs a GPU: the TE entries (tags te, moe-te) and the timed 1.1B saves,
+    each declaring `requires: [cuda, ...]`."""
+    return "cuda" in spec.requires
 
 
 def test_nightly_matrix_expands_with_stable_unique_ids_and_gpu_requirements():

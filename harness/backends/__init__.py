@@ -86,6 +86,8 @@ class Backend(ABC):
     #: can act on. The golden corpus's rollback direction (an older stack reading newer files) passes
     #: these as a clean refusal; any other exception (AttributeError, KeyError) is a crash and fails.
     refusals: ClassVar[tuple[str, ...]] = ()
+    #: The checks `strategy_check` may add besides `strategy` (an xfail may name them).
+    checks: ClassVar[tuple[str, ...]] = ()
 
     def notes(self) -> list[str]:
         """Lines for the result's notes (e.g. which upstream defects this configuration steps around)."""

@@ -9,6 +9,7 @@ condition is there (an error raised, an attribute missing), never because a vers
   verl    verl: VERL_WORKAROUNDS, apply_verl_workaround, VERL_SHIMS (verl_rng_tracker_state,
           mbridge_te_spec with its helper te_spec), quiet_verl_noise
   noise   log and warning filters (quiet_known_noise)
+  bridge_training  Megatron-Bridge training checkpoints on CPU (on demand: CUDA_RNG_STATE, RNG_TRACKER_STATE)
 Here: the Shim record, `install` (a rank's shims), `require` (an on-demand shim), `installed` (what
 the current case applied) and `begin_case`.
 
@@ -33,9 +34,9 @@ __all__ = ["Shim", "all_shims", "begin_case", "install", "installed", "require"]
 
 def all_shims() -> tuple[Shim, ...]:
     """Every Shim record, install order (the verl and Bridge shims are applied by their own functions)."""
-    from harness.compat import cuda, mcore
+    from harness.compat import bridge_training, cuda, mcore
 
-    return cuda.SHIMS + mcore.SHIMS
+    return cuda.SHIMS + mcore.SHIMS + bridge_training.SHIMS
 
 
 def install(device: torch.device) -> list[str]:

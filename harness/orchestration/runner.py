@@ -62,10 +62,12 @@ def budget_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
 
 def strategy_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
     """The backend's `strategy` check (its options asked what every save and load ran), if its
-    options ask anything."""
+    options ask anything, or the checks a backend reads from what its saves and loads recorded."""
     from harness.backends import get_backend
 
     check = get_backend(ref_of(spec)).strategy_check(result.backend_events)
+    if isinstance(check, (list, tuple)):  # a backend with several (bridge_training: train-state, flops, rng-state)
+        return list(check)
     return [check] if check is not None else []
 
 

@@ -25,5 +25,7 @@ def warm(bridge: bool = False, modules: tuple[str, ...] = ()) -> None:
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
     import megatron.core.parallel_state  # noqa: F401
     import megatron.core.tensor_parallel  # noqa: F401
+    if any(name.split(".")[:2] == ["megatron", "bridge"] for name in modules):
+        import_megatron_bridge()  # a backend's Bridge module (bridge_training) imports only through the TE stand-in
     for name in modules:
         importlib.import_module(name)

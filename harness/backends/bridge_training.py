@@ -1,0 +1,202 @@
+"""Megatron-Bridge's own training checkpoints (issue 19): `megatron.bridge.training.checkpointing`
+`save_checkpoint` / `load_checkpoint` over the live job, as Bridge's train loop calls them.
+
+A client backend like verl_manager: it overrides `save_training` / `load_training` over the live
+`TrainingJob` (model chunks, distributed optimizer, LR scheduler). Each call gets a `GlobalState`
+whose `ConfigContainer` holds what Bridge's checkpointing reads: the model config (the job's own
+TransformerConfig, what a recipe's provider builds), the optimizer and DDP configs, RNG and logger
+configs, and the `CheckpointConfig` under test (`save`, `load`, `ckpt_format`, `fully_parallel_save`,
+`load_optim`, `load_rng`, `finetune`, `dist_ckpt_optim_fully_reshardable` from the job's sharding).
+A recipe's train/dataset/tokenizer configs are not read by checkpointing and stay unset. Before its
+first load a rank initialises megatron-core's microbatch calculator (Bridge's initialize.py does:
+`load_checkpoint` updates it), and the save's `TrainState` carries step, consumed samples
+(step x GLOBAL_BATCH) and floating point operations (step x FLOPS_PER_STEP, the harness's count).
+
+Layout, as Bridge writes it: `<dir>/iter_<N:07d>/` (the torch_dist checkpoint with model, optimizer,
+scheduler and RNG, `run_config.yaml`, `train_state.pt`), `<dir>/latest_train_state.pt` and
+`<dir>/latest_checkpointed_iteration.txt`.
+
+CPU: the on-demand shims of harness.compat.bridge_training (torch.cuda.get_rng_state, an RNG
+tracker with a state); `SystemExit` from Bridge's load (it sys.exit()s on some failures, exit code
+0, which would make the rank vanish) becomes a RuntimeError naming it. A load that finds nothing
+returns (0, 0) in Bridge with a warning only: here it is a FileNotFoundError (a resume that starts
+from scratch must not pass).
+
+Its checks (from what each save and load recorded): `train-state` (the iteration, step and consumed
+samples a load restores are the ones its save wrote), `flops` (the FLOP count, exactly), and `rng-state`: the RNG states (python, numpy, torch,
+megatron's tracker) are restored on every rank where TP and PP are unchanged (Bridge restores the
+DP-rank-0 state of each (TP, PP) rank; at another TP/PP it ignores them by design, and the check
+says so); with `finetune` or `load_optim: false`/`load_rng: false` what must not be restored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.backends import Backend
+from harness.core.context import RankContext
+from harness.run.events import record_event
+
+FLOPS_PER_STEP = 1.5e9  # the harness's FLOP count per optimizer step (what the TrainState carries)
+
+
+@dataclass(frozen=True)
+class BridgeTrainingOptions:
+    fully_parallel_save: bool = True  # CheckpointConfig's default
+    load_optim: bool = True
+    load_rng: bool = True
+    finetune: bool = False
+
+
+def rng_digest() -> dict[str, str]:
+    """A digest per RNG this rank holds (python, numpy, torch, megatron's tracker), read without drawing."""
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    def h(b: bytes) -> str:
+        return hashlib.sha256(b).hexdigest()[:12]
+
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return {"python": h(repr(random.getstate()).encode()), "numpy": h(np.random.get_state()[1].tobytes()),
+            "torch": h(torch.get_rng_state().numpy().tobytes()),
+            "tracker": h(b"".join(k.encode() + v.numpy().tobytes() for k, v in sorted(tracker.items())))}
+
+
+def _place() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "dp_rank": ps.get_data_parallel_rank()}
+
+
+def _train_state(state: Any) -> dict[str, float]:
+    ts = state.train_state
+    return {k: float(getattr(ts, k)) for k in ("step", "consumed_train_samples", "floating_point_operations_so_far")}
+
+
+class BridgeTraining(Backend):
+    name = "bridge_training"
+    capabilities = frozenset({"training_state", "manager"})
+    refusals = ("CheckpointingException",)  # Bridge loads through megatron-core's dist_checkpointing
+    Options = BridgeTrainingOptions
+    preload = ("megatron.bridge.training.checkpointing",)
+    checks = ("train-state", "flops", "rng-state")  # harness.backends._bridge_state
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        self._context: dict = {}  # Bridge's checkpointing_context: strategies kept across a job's saves
+
+    def configured(self, options: Any) -> "BridgeTraining":
+        other = super().configured(options)
+        other._context = {}
+        return other
+
+    # ------------------------------------------------------------------ Bridge's config
+
+    def _prepare(self, job: Any) -> None:
+        from megatron.core import num_microbatches_calculator as nmc
+        from megatron.core import parallel_state as ps
+
+        from harness.compat import require
+        from harness.compat.bridge_training import CUDA_RNG_STATE, RNG_TRACKER_STATE
+        from harness.compat.te import import_megatron_bridge
+        from harness.models.training import GLOBAL_BATCH
+
+        import_megatron_bridge()
+        require(CUDA_RNG_STATE)
+        require(RNG_TRACKER_STATE)
+        nmc.destroy_num_microbatches_calculator()  # Bridge's initialize.py sets it up; load_checkpoint updates it
+        nmc.init_num_microbatches_calculator(torch.distributed.get_rank(), None, GLOBAL_BATCH, 1,
+                                             ps.get_data_parallel_world_size(), False)
+
+    def _state(self, job: Any, **checkpoint: Any) -> Any:
+        from megatron.bridge.training.config import (
+            CheckpointConfig,
+            ConfigContainer,
+            DistributedDataParallelConfig,
+            LoggerConfig,
+            OptimizerConfig,
+            RNGConfig,
+        )
+        from megatron.bridge.training.state import GlobalState
+
+        distopt = job.sharding is not None
+        model_cfg = job.chunks[0].config
+        cfg = ConfigContainer(
+            model=model_cfg, train=None, scheduler=None, dataset=None, tokenizer=None, logger=LoggerConfig(),
+            optimizer=OptimizerConfig(optimizer="adam", use_distributed_optimizer=distopt, bf16=model_cfg.bf16, fp16=model_cfg.fp16),
+            ddp=DistributedDataParallelConfig(use_distributed_optimizer=distopt), rng=RNGConfig(seed=job.seed),
+            checkpoint=CheckpointConfig(ckpt_format="torch_dist", fully_parallel_save=self.options.fully_parallel_save,
+                                        dist_ckpt_optim_fully_reshardable=job.sharding == "fully_reshardable",
+                                        distrib_optim_fully_reshardable_mem_efficient=bool(job.mem_efficient), **checkpoint),
+        )
+        state = GlobalState()
+        state.cfg = cfg
+        return state
+
+    # ------------------------------------------------------------------ training state
+
+    def save_training(self, ctx: RankContext, job: Any, directory: Path) -> None:
+        from megatron.bridge.training.checkpointing import save_checkpoint
+        from megatron.bridge.training.state import TrainState
+
+        from harness.models.training import GLOBAL_BATCH
+
+        self._prepare(job)
+        state = self._state(job, save=str(directory), load=None)
+        flops = job.step * FLOPS_PER_STEP
+        state.train_state = TrainState(step=job.step, consumed_train_samples=job.step * GLOBAL_BATCH,
+                                       floating_point_operations_so_far=int(flops), do_train=True)
+        save_checkpoint(state, job.chunks, job.optimizer, job.scheduler, flops, checkpointing_context=self._context)
+        record_event({"op": "save", "iteration": job.step, "train_state": _train_state(state), "rng": rng_digest(), **_place()})
+
+    def load_training(self, ctx: RankContext, job: Any, directory: Path) -> None:
+        from megatron.bridge.training.checkpointing import load_checkpoint
+        from megatron.bridge.training.state import TrainState
+
+        o = self.options
+        self._prepare(job)
+        state = self._state(job, save=None, load=str(directory), load_optim=o.load_optim, load_rng=o.load_rng, finetune=o.finetune)
+        state.train_state = TrainState()
+        try:
+            iteration, flops = load_checkpoint(state, job.chunks, job.optimizer, job.scheduler, checkpointing_context=self._context)
+        except SystemExit as exc:  # Bridge's load exits the process on some failures
+            raise RuntimeError(f"megatron-bridge load_checkpoint called sys.exit({exc.code!r}) loading {directory}") from None
+        if iteration == 0 and not o.finetune:
+            raise FileNotFoundError(f"megatron-bridge load_checkpoint found no checkpoint under {directory} and returned "
+                                    "(0, 0): the job would train from scratch with only a warning")
+        job.step = iteration
+        record_event({"op": "load", "iteration": iteration, "flops": flops, "train_state": _train_state(state),
+                      "rng": rng_digest(), **_place()})
+
+    def strategy_check(self, events: dict[str, dict[str, list[dict]]]) -> list[Any]:
+        """What every load restored against what its save wrote: checks train-state, flops, rng-state."""
+        from harness.backends._bridge_state import state_check
+
+        return state_check(self.options, events)
+
+    # ------------------------------------------------------------------ the abstract format methods
+
+    def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
+        raise NotImplementedError("bridge_training saves a live training job (save_training), not a bare model")
+
+    def load(self, ctx: RankContext, model: Any, directory: Path) -> None:
+        raise NotImplementedError("bridge_training loads a live training job (load_training), not a bare model")
+
+    def read_full(self, ctx: RankContext | None, directory: Path) -> dict[str, torch.Tensor]:
+        """The tensors of the iteration `latest_checkpointed_iteration.txt` names, unsharded."""
+        from megatron.core import dist_checkpointing
+
+        it = int((Path(directory) / "latest_checkpointed_iteration.txt").read_text().strip())
+        plain = dist_checkpointing.load_plain_tensors(str(Path(directory) / f"iter_{it:07d}"))
+        return {k: v for k, v in plain.items() if isinstance(v, torch.Tensor)}
+
+
+BACKEND = BridgeTraining()

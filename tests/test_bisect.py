@@ -149,3 +149,25 @@ def test_each_step_builds_the_release_set_the_tree_declares_unless_exact(tmp_pat
     assert b.step(tmp_path, "matrices/smoke.yaml", None, tmp_path, tmp_path / "r") is None
     assert b.step(tmp_path, "matrices/smoke.yaml", None, tmp_path, tmp_path / "r", exact=True) is None
     assert asked == [True, False]
+
+
+def test_a_commit_with_a_not_applicable_case_is_skipped_not_judged(tmp_path, monkeypatch):
+    """A main-branch Bridge commit that calls a Megatron-LM development API its paired Core release
+    lacks cannot say whether the defect is there: skip (125), never good or bad."""
+    import json as _json
+
+    import harness.gate.bisect as b
+    from harness.gate import envspec
+
+    monkeypatch.setattr(envspec, "ensure", lambda *a, **k: tmp_path / "venv")
+    monkeypatch.setattr(envspec, "check_import", lambda *a, **k: None)
+    status = {"s": "not-applicable"}
+
+    def fake_run(cmd, **kw):
+        report = Path(cmd[cmd.index("--report") + 1])
+        (report / "results.json").write_text(_json.dumps({"results": [{"id": "c[x]", "status": status["s"]}]}))
+
+    monkeypatch.setattr(b.subprocess, "run", fake_run)
+    assert b.step(tmp_path, "m.yaml", None, tmp_path, tmp_path / "r1") is None
+    status["s"] = "failed"
+    assert b.step(tmp_path, "m.yaml", None, tmp_path, tmp_path / "r2") == {"c[x]": "failed"}

@@ -123,3 +123,13 @@ def test_a_method_missing_on_an_upstream_object_is_blamed_on_its_class_not_on_th
     # a class no upstream module defines keeps the frame's package
     got = runner.api_unavailable("AttributeError", "'Nowhere' object has no attribute 'x'", tb)
     assert got.startswith("API not available in torch "), got
+
+
+def test_a_class_attribute_missing_is_blamed_on_the_class_package():
+    """"type object 'ModelType' has no attribute 'encoder_and_decoder'" (a main-branch Bridge commit on
+    Core 0.17.1): megatron-core's enum, not the Bridge frame that read it."""
+    import megatron.core.enums  # noqa: F401
+
+    tb = 'File "/v/lib/python3.12/site-packages/megatron/bridge/models/model_provider.py", line 654, in _create_model'
+    got = runner.api_unavailable("AttributeError", "type object 'ModelType' has no attribute 'encoder_and_decoder'", tb)
+    assert got.startswith("API not available in megatron-core "), got

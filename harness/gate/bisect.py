@@ -141,7 +141,9 @@ def signature(results_json: Path) -> dict[str, str]:
 
 def step(tree: Path, matrix: str, k: str | None, cache: Path, report: Path, exact: bool = False) -> dict[str, str] | None:
     """The outcome signature at the tree's current commit, or None when it cannot be evaluated
-    (the env does not build or megatron-core does not import, or the run wrote no results).
+    (the env does not build or megatron-core does not import, the run wrote no results, or a case is
+    not-applicable: the commit needs an API the released companions lack, e.g. a Bridge commit of
+    main that called a Megatron-LM development API its paired Core release does not have).
     The env is the pins plus the tree and, unless `exact`, the release set the tree declares (its
     pyproject's ranges, the Core line of its version): a Bridge commit of the 0.3 era beside Core 0.19
     and transformers 5 says nothing about that commit."""
@@ -155,7 +157,10 @@ def step(tree: Path, matrix: str, k: str | None, cache: Path, report: Path, exac
     report.mkdir(parents=True, exist_ok=True)
     subprocess.run([str(venv / "bin" / "python"), "-m", "harness.cli", "run", matrix, "--report", str(report),
                     *(["-k", k] if k else [])], cwd=ROOT, check=False)
-    return signature(report / "results.json") if (report / "results.json").exists() else None
+    if not (report / "results.json").exists():
+        return None
+    sig = signature(report / "results.json")
+    return None if any(s == "not-applicable" for s in sig.values()) else sig
 
 
 def _step_main(args: argparse.Namespace) -> int:
@@ -210,7 +215,8 @@ def run_cli(args: argparse.Namespace) -> int:
                 finally:
                     _git(args.repo.resolve(), "worktree", "remove", "--force", str(tree), check=False)
                 if sigs[name] is None:
-                    raise BisectError(f"the {name} commit {rev} could not be evaluated (no env, no import or no results)")
+                    raise BisectError(f"the {name} commit {rev} could not be evaluated (no env, no import, no results, or a case "
+                                      f"not-applicable to it: see {out / 'runs' / name})")
             if sigs["good"] == sigs["bad"]:
                 print(f"ckpt-harness bisect: nothing flipped between {args.good} and {args.bad} for -k {args.k!r}")
                 return EXIT_NOTHING_FLIPPED

@@ -113,7 +113,7 @@ _NAMED_MODULE = re.compile(r"No module named '([\w.]+)'|cannot import name '\w+'
 _FRAME = re.compile(r'File ".*?site-packages/([\w/]+)\.py"')
 # An attribute missing on a builtin value (None where a dict was expected) is bad data, not a moved API.
 _DATA_OBJECT = re.compile(r"^'(NoneType|dict|list|tuple|str|bytes|int|float|bool)' object has no attribute")
-_OBJECT = re.compile(r"^'(\w+)' object has no attribute")
+_OBJECT = re.compile(r"^(?:type object )?'(\w+)' (?:object )?has no attribute")
 
 
 def _class_module(class_name: str) -> str | None:

@@ -45,8 +45,28 @@ def test_an_internal_api_the_harness_reaches_for_is_a_coverage_hole():
 
 def test_a_bridge_core_pair_that_is_no_release_set_is_not_blamed():
     cand_v = {**PINS, "megatron-core": "0.18.2"}  # Bridge 0.6.2 was built against Core 0.19
-    (f,), _ = run(cand_v, "error", "RuntimeError: something deep in the Bridge")
+    (f,), _ = run(cand_v, "error", 'File "/v/site-packages/megatron/bridge/models/x.py", line 1\nRuntimeError: something deep in the Bridge')
     assert f.kind == "not-evaluated" and "not a valid release set" in f.detail
+    # a Bridge case whose error is an API the paired-for Core has and this one lacks: the pair, not "no driver"
+    (g,), _ = run(cand_v, "not-applicable", "API not available in megatron-core 0.18.2: ModuleNotFoundError: No module named "
+                  "'megatron.core._rank_utils'\nFile \"/v/site-packages/megatron/bridge/__init__.py\"")
+    assert g.kind == "not-evaluated" and "not a valid release set" in g.detail
+
+
+def test_a_core_only_case_beside_an_invalid_pair_is_judged_as_any_other():
+    """Core 0.15.3 beside the pinned Bridge 0.6.2: an mcore_dist case that errors in Core is a real result."""
+    cand_v = {**PINS, "megatron-core": "0.15.3"}
+    (f,), _ = run(cand_v, "error", "NameError: name 'warnings' is not defined")
+    assert f.kind in ("regression", "new-refusal") and f.failing
+
+
+def test_a_package_the_table_does_not_list_is_known_unchanged_from_the_pip_freeze():
+    base = {**doc(PINS, **{"r[x]": ("passed", "")}), "environment": {"pip_freeze": ["pyarrow==26.0.1", "numpy==2.5.5"]}}
+    cand = {**doc({**PINS, "megatron-core": "0.15.3"}, **{"r[x]": ("error", "API not available in pyarrow 26.0.1: ImportError: "
+                                                                         "pyarrow requires NumPy 2.0 or newer, found 1.26.4")}),
+            "environment": {"pip_freeze": ["pyarrow==26.0.1", "numpy==1.26.4"]}}
+    (f,) = compare(base, cand)
+    assert f.kind == "not-evaluated" and "same version on both sides" in f.detail and "pyarrow 26.0.1" in f.detail
 
 
 def test_a_wrong_value_stays_a_regression_and_a_valid_pair_error_stays_red():
@@ -59,8 +79,10 @@ def test_a_wrong_value_stays_a_regression_and_a_valid_pair_error_stays_red():
 
 def test_evaluated_counts_only_real_results():
     cand_v = {**PINS, "megatron-core": "0.18.2"}
-    findings, cand = run(cand_v, "error", "RuntimeError: x")
+    findings, cand = run(cand_v, "error", 'File "/v/site-packages/megatron/bridge/a.py"\nRuntimeError: x')  # a Bridge case, invalid pair
     assert classify.evaluated(cand, findings) == 0
+    findings, cand = run(cand_v, "error", "RuntimeError: x")  # a Core-only case beside it: real
+    assert classify.evaluated(cand, findings) == 1
     findings, cand = run({**PINS, "megatron-core": "0.19.1"}, "error", "RuntimeError: x")
     assert classify.evaluated(cand, findings) == 1
 

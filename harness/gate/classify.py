@@ -67,24 +67,48 @@ def cause(case: dict[str, Any], base_versions: dict[str, Any], cand_versions: di
     release that lacks an API the case needs), or None (compare's call stands)."""
     if case.get("status") not in ("error", "not-applicable"):
         return None
+    if _uses_bridge(case) and (problem := _pair_problem(cand_versions)):
+        return "not-evaluated", f"not a valid release set: {problem}"
     if parts := api_missing_parts(case.get("error") or case.get("not_applicable_reason")):
         package, version, what = parts
         if base_versions.get(package) == cand_versions.get(package) and base_versions.get(package) is not None:
-            return ("not-evaluated", f"the harness's call fails in {package} {version}, the same version on both sides, so "
-                    f"not the candidate: {what}")
+            return ("not-evaluated", f"it fails in {package} {version}, the same version on both sides (the environment "
+                    f"around the candidate, or the harness's call), so not the candidate: {what}")
         name = missing_name(what)
         if name in PUBLIC_APIS:
             return "api-break", f"{package} {version} does not offer {name}, a public API users call: {what}"
         return ("not-evaluated", f"the harness has no driver for {package} {version}: it reaches for "
                 f"{name or 'an internal API'} that this release does not offer ({what})")
-    if problem := _pair_problem(cand_versions):
-        return "not-evaluated", f"not a valid release set: {problem}"
     return None
+
+
+_BRIDGE_BACKENDS = ("bridge_hf", "bridge_peft", "bridge_training")
+
+
+def _uses_bridge(case: dict[str, Any]) -> bool:
+    """Whether a case ran Megatron-Bridge (a Bridge backend, an HF model Bridge builds, or a Bridge frame
+    in its error): only such a case is blamed on a Bridge/Core pair that is no release set; a Core-only
+    case beside it is judged as any other."""
+    text = f"{case.get('error') or ''}\n{case.get('not_applicable_reason') or ''}"
+    return ("megatron/bridge" in text or "megatron.bridge" in text or case.get("backend") in _BRIDGE_BACKENDS
+            or str(case.get("model") or "").startswith("hf-"))
+
+
+def versions_of(doc: dict[str, Any]) -> dict[str, Any]:
+    """A results document's versions table plus every package of its environment's pip freeze (so a
+    package the table does not list, pyarrow beside an old numpy, is known unchanged or moved)."""
+    out: dict[str, Any] = {}
+    for line in (doc.get("environment") or {}).get("pip_freeze") or []:
+        name, sep, version = str(line).partition("==")
+        if sep:
+            out[re.sub(r"[-_.]+", "-", name).lower()] = version.strip()
+    out.update(doc.get("versions") or {})
+    return out
 
 
 def reclassify(findings: Iterable[Any], base: dict[str, Any], cand: dict[str, Any]) -> list[Any]:
     """compare's findings with the candidate's own errors sorted into api-break / not-evaluated."""
-    bv, cv = base.get("versions") or {}, cand.get("versions") or {}
+    bv, cv = versions_of(base), versions_of(cand)
     cases = {r["id"]: r for r in cand.get("results") or []}
     out = []
     for f in findings:

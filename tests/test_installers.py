@@ -42,6 +42,21 @@ def test_uv_install_byte_compiles_like_pip(tmp_path):
     assert list((pkg / "__pycache__").glob("__init__.*.pyc")), log.read_text()[-2000:]
 
 
+def test_uv_ignores_the_config_of_the_directory_it_runs_in(tmp_path, monkeypatch):
+    """A bisect step runs in a Megatron-Bridge checkout whose pyproject names its own uv index
+    (pypi.nvidia.com): the env must be built with pip's index configuration alone. Planted here as
+    a uv version requirement no uv meets, which fails any install that reads it."""
+    work = tmp_path / "checkout"
+    work.mkdir()
+    (work / "pyproject.toml").write_text('[project]\nname = "x"\nversion = "0"\n\n[tool.uv]\nrequired-version = "==0.0.1"\n')
+    monkeypatch.chdir(work)
+    uv = installers.Uv(_uv(), tmp_path / "store", ("--no-index",), ())
+    venv, log = tmp_path / "venv", tmp_path / "log"
+    uv.venv(sys.executable, venv, log)
+    uv.install(venv, [str(_wheel(tmp_path))], log)
+    assert next(venv.glob("lib/python*/site-packages/tinypkg")).is_dir()
+
+
 
 def test_from_a_venv_without_pip_the_index_and_the_builds_use_a_python_that_has_it(tmp_path):
     """uv makes venvs without pip (the pins' env is one): a sweep or gate run from it must still read

@@ -111,10 +111,13 @@ class Uv:
 
     def run(self, args: list[str], log: Path) -> None:
         # UV_COMPILE_BYTECODE: pip writes .pyc at install, uv does not; without it a new env pays the
-        # compile in its first run (a gate then reports the candidate's cases as slower: 5 s -> 14.6 s)
+        # compile in its first run (a gate then reports the candidate's cases as slower: 5 s -> 14.6 s).
+        # UV_NO_CONFIG: uv would read the pyproject.toml/uv.toml of the working directory, and a bisect
+        # step runs in a Megatron-Bridge checkout whose [[tool.uv.index]] names pypi.nvidia.com: every
+        # step's env failed to build (and was skipped) on a machine that reaches only pip's own index.
         run_logged([str(self.binary), *args], log, env={**os.environ, "UV_CACHE_DIR": str(self.store),
                                                         "UV_LINK_MODE": "hardlink", "UV_COMPILE_BYTECODE": "1",
-                                                        **dict(self.env)})
+                                                        "UV_NO_CONFIG": "1", **dict(self.env)})
 
     def venv(self, python: str, venv: Path, log: Path) -> None:
         self.run(["venv", "--quiet", "--python", python, str(venv)], log)

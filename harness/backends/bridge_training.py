@@ -22,11 +22,12 @@ tracker with a state); `SystemExit` from Bridge's load (it sys.exit()s on some f
 returns (0, 0) in Bridge with a warning only: here it is a FileNotFoundError (a resume that starts
 from scratch must not pass).
 
-Its checks (from what each save and load recorded): `train-state` (the iteration, step and consumed
-samples a load restores are the ones its save wrote), `flops` (the FLOP count, exactly), and `rng-state`: the RNG states (python, numpy, torch,
-megatron's tracker) are restored on every rank where TP and PP are unchanged (Bridge restores the
-DP-rank-0 state of each (TP, PP) rank; at another TP/PP it ignores them by design, and the check
-says so); with `finetune` or `load_optim: false`/`load_rng: false` what must not be restored.
+Its checks (from what each save and load recorded): `train-state` (the iteration, step and
+consumed samples a load restores are the ones its save wrote), `flops` (the FLOP count, exactly) and
+`rng-state` (python, numpy, torch and megatron-tracker RNG states restored on every rank where TP and
+PP are unchanged: Bridge restores the DP-rank-0 state of each (TP, PP) rank; at another TP/PP it
+ignores them by design, and with `finetune` or `load_rng: false` it does not load them: the check
+says which).
 """
 
 from __future__ import annotations

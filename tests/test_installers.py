@@ -82,3 +82,31 @@ def test_from_a_venv_without_pip_the_index_and_the_builds_use_a_python_that_has_
     assert len(chosen) == 3
     for python in chosen:
         assert subprocess.run([python, "-m", "pip", "--version"], capture_output=True).returncode == 0, python
+
+
+def test_a_source_tree_is_built_afresh_for_every_env(tmp_path, monkeypatch):
+    """A bisect moves one worktree path through many commits; uv keyed its build of a local directory by
+    path and pyproject.toml, so a later commit's env got an earlier commit's build (the first bisect over
+    Megatron-Bridge blamed the wrong commit). Two envs from one path, a source edit between them."""
+    from harness.gate import envspec
+    from harness.gate.metadata import python_with_pip
+
+    tree = tmp_path / "tinytree"
+    (tree / "tinytree").mkdir(parents=True)
+    (tree / "pyproject.toml").write_text('[build-system]\nrequires = ["flit_core>=3.4,<4"]\nbuild-backend = "flit_core.buildapi"\n\n'
+                                         '[project]\nname = "tinytree"\nversion = "1.0"\ndescription = "x"\n')
+    init = tree / "tinytree" / "__init__.py"
+    py = python_with_pip()
+    args, env = installers.uv_index_args(installers._pip_config(py))
+    uv = installers.Uv(_uv(), tmp_path / "store", tuple(args), tuple(sorted(env.items())))
+    monkeypatch.setattr(envspec, "Uv", type("U", (), {"configured": staticmethod(lambda *a, **k: uv)}))
+    seen = {}
+    for n in (1, 2):
+        init.write_text(f'"""x"""\nX = {n}\n')
+        o = envspec.parse_spec(str(tree))
+        req = envspec.Request(f"{o.requirement}\n", "", "", overrides=(o,))
+        venv = tmp_path / f"venv{n}"
+        envspec._build(venv, req, [str(tree)], tmp_path, py, Path(envspec.__file__).resolve().parents[2])
+        site = next(venv.glob("lib/python*/site-packages/tinytree/__init__.py"))
+        seen[n] = site.read_text().strip().splitlines()[-1]
+    assert seen == {1: "X = 1", 2: "X = 2"}, seen

@@ -315,9 +315,12 @@ def _build(venv: Path, req: Request, specs: list[str], cache: Path, python: str,
     nodeps_args = ["--no-deps", "-r", str(files / NODEPS)] if _has_requirements(req.nodeps) else []
     if uv:
         (venv / UV_JSON).write_text(json.dumps({"uv": str(uv.binary), "store": str(uv.store), "python": python}) + "\n")
-        uv.install(venv, main_args, log)
+        # a source tree is built afresh: uv keys its cached build of a local directory by path and
+        # pyproject.toml, so a bisect's worktree (one path, many commits) got an earlier commit's build
+        fresh = [a for o in req.overrides if o.kind == "tree" for a in ("--refresh-package", o.name, "--reinstall-package", o.name)]
+        uv.install(venv, [*main_args, *fresh], log)
         if nodeps_args:
-            uv.install(venv, nodeps_args, log)
+            uv.install(venv, [*nodeps_args, *fresh], log)
     else:
         pip = pip_command(venv)
         run_logged([*pip, "install", "--upgrade", "pip"], log)

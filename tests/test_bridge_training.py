@@ -84,3 +84,40 @@ def test_the_checks_read_the_events():
     ft = _run(BridgeTrainingOptions(finetune=True), _ev("save", 3), _ev("load", 3))
     assert ft["train-state"].status == "failed" and "flops" not in ft  # a finetune that kept the iteration
     assert state_check(o, {"save": {"0": [_ev("save", 3)]}}) == []
+
+
+# ------------------------------------------------------------------ provider overrides (audit item 5)
+
+
+class _Provider:
+    tensor_model_parallel_size = 1
+    params_dtype = fp16 = bf16 = None
+
+    def __init__(self):
+        self.finalized = False
+
+    def finalize(self):
+        self.finalized = True
+
+
+class _NewProvider(_Provider):
+    def apply_overrides_and_finalize(self, dtype=None, overrides=None):
+        self.called = (dtype, dict(overrides))
+        self.finalize()
+
+
+def test_provider_fields_go_through_apply_overrides_and_finalize_and_an_unknown_field_is_refused():
+    import torch
+
+    from harness.models.bridge import finalize_provider
+
+    new = _NewProvider()
+    finalize_provider(new, torch.bfloat16, {"tensor_model_parallel_size": 2})
+    assert new.called == (torch.bfloat16, {"tensor_model_parallel_size": 2}) and new.finalized
+    old = _Provider()  # a Bridge before apply_overrides_and_finalize (0.3, 0.4)
+    finalize_provider(old, torch.bfloat16, {"tensor_model_parallel_size": 2})
+    assert (old.tensor_model_parallel_size, old.bf16, old.fp16, old.finalized) == (2, True, False, True)
+    renamed = _Provider()  # a field a bump renamed: an error, never a silently created attribute
+    with pytest.raises(AttributeError, match="no attribute 'tensor_parallel_size'"):
+        finalize_provider(renamed, torch.float32, {"tensor_parallel_size": 2})
+    assert not renamed.finalized and not hasattr(renamed, "tensor_parallel_size")

@@ -107,39 +107,49 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     torch_dtype = HF_DTYPES[dtype]
     bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=torch_dtype)
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    provider.tensor_model_parallel_size = topo.tp
-    provider.pipeline_model_parallel_size = topo.pp
-    provider.transformer_layer_spec = (
-        zero_centered_local_spec if getattr(provider, "layernorm_zero_centered_gamma", False)
-        else get_gpt_layer_local_spec(num_experts=getattr(spec, "num_experts", None), moe_grouped_gemm=False,
-                                      qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm")
-    )
+    overrides: dict[str, Any] = {
+        "tensor_model_parallel_size": topo.tp, "pipeline_model_parallel_size": topo.pp, "pipeline_dtype": torch_dtype,
+        "transformer_layer_spec": (
+            zero_centered_local_spec if getattr(provider, "layernorm_zero_centered_gamma", False)
+            else get_gpt_layer_local_spec(num_experts=getattr(spec, "num_experts", None), moe_grouped_gemm=False,
+                                          qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm")),
+        **{name: False for name in FUSIONS},
+    }
     if getattr(spec, "num_experts", None):
         # SequentialMLP (local experts one by one): grouped GEMM and permute fusion need TE/CUDA kernels.
         # The provider's alltoall dispatcher stays: harness.compat's shims run it on CPU/gloo.
-        provider.expert_model_parallel_size = topo.ep
-        provider.expert_tensor_parallel_size = topo.etp
-        provider.moe_grouped_gemm = False
-        provider.moe_permute_fusion = False
-    for name in FUSIONS:
-        setattr(provider, name, False)
-    provider.params_dtype = torch_dtype
-    provider.pipeline_dtype = torch_dtype
-    provider.fp16 = False
-    provider.bf16 = dtype == "bf16"
+        overrides.update(expert_model_parallel_size=topo.ep, expert_tensor_parallel_size=topo.etp,
+                         moe_grouped_gemm=False, moe_permute_fusion=False)
     if getattr(spec, "pad_vocab", False):  # the Bridge's default (no padding) otherwise
-        provider.should_pad_vocab = True
+        overrides["should_pad_vocab"] = True
     peft = None
     if adapter is not None:
         peft = adapter.make()
         provider.register_pre_wrap_hook(lambda m: peft(m, training=True))
-    provider.finalize()
+    finalize_provider(provider, torch_dtype, overrides)
     modules = provider.provide_distributed_model(
         ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None, use_cpu_initialization=True,
         mixed_precision_wrapper=Float16Module if dtype == "bf16" else None,
     )
     experts = getattr(spec, "num_experts", None)
     return BridgeModel(bridge, modules, peft, ddp_config, str(hf_dir), experts // topo.ep if experts else None, provider)
+
+
+def finalize_provider(provider: Any, dtype: torch.dtype, overrides: dict[str, Any]) -> None:
+    """The provider's dtype and fields set as verl sets them (transformer_impl.py): through
+    `apply_overrides_and_finalize`, which refuses a field the provider does not have (a bump that
+    renames one is an error, never a silently created attribute); a Bridge without it (before 0.5)
+    gets the same refusal here, then `finalize()`."""
+    if hasattr(provider, "apply_overrides_and_finalize"):
+        provider.apply_overrides_and_finalize(dtype=dtype, overrides=overrides)
+        return
+    unknown = sorted(k for k in overrides if not hasattr(provider, k))
+    if unknown:
+        raise AttributeError(f"{type(provider).__name__} has no attribute {unknown[0]!r} (also: {unknown[1:]})")
+    provider.params_dtype, provider.fp16, provider.bf16 = dtype, dtype == torch.float16, dtype == torch.bfloat16
+    for name, value in overrides.items():
+        setattr(provider, name, value)
+    provider.finalize()
 
 
 def forward_module(bm: BridgeModel):

@@ -96,7 +96,7 @@ def test_cli_writes_results_and_exit_codes(tmp_path, capsys):
     assert loaded["mismatches"] and loaded["mismatches"][0]["key"] and loaded["mismatches"][0]["max_abs_diff"] > 0
     assert "mismatches" not in bad  # written once, under the check that found them
     assert by_backend["mcore_dist"]["status"] == "passed" and by_backend["mcore_dist"]["phases"]["save"] > 0
-    assert doc["summary"] == {"passed": 1, "failed": 1, "error": 0, "xfailed": 0, "not-run": 0}
+    assert doc["summary"] == {"passed": 1, "failed": 1, "error": 0, "xfailed": 0, "not-run": 0, "not-applicable": 0}
     assert doc["versions"]["megatron-core"] == "0.19.2"
     out = capsys.readouterr().out
     assert "1 passed" in out and "1 failed" in out

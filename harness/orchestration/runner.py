@@ -124,7 +124,7 @@ def _class_module(class_name: str) -> str | None:
     for name, mod in list(sys.modules.items()):
         if mod is None or not any(name == p or name.startswith(p + ".") for p, _ in _UPSTREAM) or name.startswith("torch"):
             continue
-        cls = getattr(mod, class_name, None)
+        cls = vars(mod).get(class_name)  # never getattr: a lazy module (transformers) would import on it
         if isinstance(cls, type) and cls.__name__ == class_name:
             return cls.__module__
     return None

@@ -1,18 +1,15 @@
-"""The `training-state` check of bridge_training: what each Bridge load restored (iteration,
-consumed samples, FLOPs, RNG states) against what its save wrote, from the events both recorded
-(harness.run.events: per world phase, per rank)."""
+"""The checks of bridge_training (train-state, flops, rng-state): what each Bridge load restored
+(iteration, consumed samples, FLOPs, RNG states) against what its save wrote, from the events both
+recorded (harness.run.events: per world phase, per rank)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from harness.run.events import each_event
+
 TRAIN_STATE_CHECK, FLOPS_CHECK, RNG_CHECK = "train-state", "flops", "rng-state"
 FLOPS = "floating_point_operations_so_far"
-
-
-def _events(events: dict[str, dict[str, list[dict]]], op: str) -> list[tuple[str, str, dict]]:
-    return [(phase, rank, e) for phase, ranks in sorted(events.items()) for rank, evs in sorted(ranks.items())
-            for e in evs if e.get("op") == op]
 
 
 def _rng_problems(o: Any, where: str, load: dict, saves: list[dict]) -> tuple[list[str], list[str]]:
@@ -37,7 +34,7 @@ def state_check(o: Any, events: dict[str, dict[str, list[dict]]]) -> list[Any]:
     from harness.core.parity import EXACT
     from harness.core.result import Check
 
-    saves, loads = _events(events, "save"), _events(events, "load")
+    saves, loads = each_event(events, "save"), each_event(events, "load")
     if not loads:
         return []
     found: dict[str, list[str]] = {TRAIN_STATE_CHECK: [], FLOPS_CHECK: [], RNG_CHECK: []}

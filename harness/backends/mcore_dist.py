@@ -58,7 +58,7 @@ from harness.core.context import RankContext
 from harness.core.parity import EXACT
 from harness.core.result import missing_api
 from harness.judge.checks import STRATEGY_CHECK
-from harness.run.events import record_event
+from harness.run.events import each_event, record_event
 
 NVRX_MODULE = "nvidia_resiliency_ext"
 
@@ -341,17 +341,16 @@ class McoreDist(Backend):
         from harness.core.result import Check
 
         o = self.strategy
-        read_back = any(e["op"] == "content_metadata" for ranks in events.values() for evs in ranks.values() for e in evs)
+        flat = each_event(events)
+        read_back = any(e["op"] == "content_metadata" for _, _, e in flat)
         if o == McoreDistOptions() and not read_back:
             return None
         problems: list[str] = []
         seen: dict[str, set] = {"save": set(), "load": set(), "content_metadata": set()}
-        for phase, ranks in sorted(events.items()):
-            for rank, evs in sorted(ranks.items()):
-                for ev in evs:
-                    where = f"{phase}@rank{rank} {ev['op']} {ev.get('n', '')}".rstrip()
-                    problems += [f"{where}: {p}" for p in _event_problems(o, ev)]
-                    seen[ev["op"]].add(phase)
+        for phase, rank, ev in flat:
+            where = f"{phase}@rank{rank} {ev['op']} {ev.get('n', '')}".rstrip()
+            problems += [f"{where}: {p}" for p in _event_problems(o, ev)]
+            seen[ev["op"]].add(phase)
         if not seen["save"] and o != McoreDistOptions():
             problems.append("no save ran through this backend")
         if o.load_strategy != "default" and not seen["load"]:
@@ -360,8 +359,7 @@ class McoreDist(Backend):
         if problems:
             return Check(STRATEGY_CHECK, "failed", f"asked {asked}; " + "; ".join(problems[:12])
                          + (f"; ... {len(problems) - 12} more" if len(problems) > 12 else ""), tolerance=EXACT)
-        n_saves = sum(1 for ranks in events.values() for evs in ranks.values() for e in evs if e["op"] == "save")
-        n_loads = sum(1 for ranks in events.values() for evs in ranks.values() for e in evs if e["op"] == "load")
+        n_saves, n_loads = (sum(e["op"] == op for _, _, e in flat) for op in ("save", "load"))
         return Check(STRATEGY_CHECK, "passed", f"{n_saves} rank-save(s) in {sorted(seen['save'])} and {n_loads} rank-load(s) in "
                      f"{sorted(seen['load'])} ran what was asked: {asked}"
                      + ("; every training load read back the content metadata its save wrote" if read_back and o.content_metadata else ""),

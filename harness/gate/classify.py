@@ -97,11 +97,13 @@ def _uses_bridge(case: dict[str, Any]) -> bool:
 def versions_of(doc: dict[str, Any]) -> dict[str, Any]:
     """A results document's versions table plus every package of its environment's pip freeze (so a
     package the table does not list, pyarrow beside an old numpy, is known unchanged or moved)."""
+    from harness.gate.metadata import normalize
+
     out: dict[str, Any] = {}
     for line in (doc.get("environment") or {}).get("pip_freeze") or []:
         name, sep, version = str(line).partition("==")
         if sep:
-            out[re.sub(r"[-_.]+", "-", name).lower()] = version.strip()
+            out[normalize(name)] = version.strip()
     out.update(doc.get("versions") or {})
     return out
 

@@ -145,7 +145,8 @@ def finalize_provider(provider: Any, dtype: torch.dtype, overrides: dict[str, An
         return
     unknown = sorted(k for k in overrides if not hasattr(provider, k))
     if unknown:
-        raise AttributeError(f"{type(provider).__name__} has no attribute {unknown[0]!r} (also: {unknown[1:]})")
+        raise AttributeError(f"{type(provider).__name__} has no attribute {unknown[0]!r}"
+                             + (f" (also: {unknown[1:]})" if unknown[1:] else ""))
     provider.params_dtype, provider.fp16, provider.bf16 = dtype, dtype == torch.float16, dtype == torch.bfloat16
     for name, value in overrides.items():
         setattr(provider, name, value)

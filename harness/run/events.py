@@ -12,6 +12,13 @@ def record_event(event: dict) -> None:
     _events.append(dict(event))
 
 
+def each_event(events: dict[str, dict[str, list[dict]]], op: str | None = None) -> list[tuple[str, str, dict]]:
+    """(phase, rank, event) for every event of a case's `backend_events` (per world phase, per rank,
+    as the envelope drained them), phases and ranks in sorted order; only those of `op` when given."""
+    return [(phase, rank, e) for phase, ranks in sorted(events.items()) for rank, evs in sorted(ranks.items())
+            for e in evs if op is None or e.get("op") == op]
+
+
 def drain_events() -> list[dict]:
     out = list(_events)
     _events.clear()

@@ -40,6 +40,10 @@ class TrainOut:
     final_more: list[list[Shard]] = field(default_factory=list)
     #: one record per save the backend finalized (async saves: harness.backends.Backend.finalize_saves)
     finalized_saves: list[dict] = field(default_factory=list)
+    #: view "fresh": the optimizer and scheduler right after a finetune start (training.fresh_view)
+    fresh: dict[str, Any] | None = None
+    #: per step of `losses_after`: the LR it used and the grad norm (training.train_steps' trace)
+    trace_after: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,12 @@ class TrainPhase:
     views: tuple[str, ...] = field(default=("optimizer",))
     resave_to: tuple[str, ...] = ()
     reload_from: tuple[str, ...] = ()
+    #: a finetune: start from this training checkpoint's weights (backend.load_pretrained), the job's
+    #: own checkpoint directory being `run_dir`
+    pretrained_from: str | None = None
+    run_dir: str | None = None
+    #: the finetune's reference: after its save the job restarts as a finetune would (training.restart)
+    restart_after_save: bool = False
 
 
 def phase_of(model: ModelSpec, opts: training.TrainOptions, backend: BackendRef, **kw: Any) -> TrainPhase:
@@ -93,7 +103,8 @@ def _save(ctx: RankContext, backend, job: "training.TrainingJob", step: int, dir
 def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
     backend = get_backend(p.backend)
     p2p = {} if "vpp_overlap_p2p" in p.workarounds else MCORE_P2P_DEFAULTS  # megatron-core's own, to show the defect
-    ddp, optimizer = training.build_training(p.model, p.topo, p.cfg, truth.DECOY_SEED_OFFSET if p.load_from else 0, **p2p)
+    decoy = truth.DECOY_SEED_OFFSET if p.load_from or p.pretrained_from else 0  # a load must overwrite every weight
+    ddp, optimizer = training.build_training(p.model, p.topo, p.cfg, decoy, **p2p)
     propagated = training.propagation(ddp, optimizer, p.cfg)
     scheduler = training.build_scheduler(optimizer, p.cfg)  # after propagation: a warmup changes the optimizer's lr
     job = training.TrainingJob(ddp, optimizer, scheduler, sharding=p.sharding, mem_efficient=p.mem_efficient, step=p.first_step,
@@ -101,17 +112,25 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
     step = p.first_step
     if p.load_from is not None:
         training.load_training(ctx, backend, job, Path(p.load_from), p.workarounds)
+    if p.pretrained_from is not None:
+        training.load_pretrained(ctx, backend, job, Path(p.pretrained_from), Path(p.run_dir or "."))
+        step = job.step
     before = training.train_steps(ddp, optimizer, p.model, step, p.steps_before_save, scheduler)
     step += p.steps_before_save
     training.sync_params(ddp, optimizer, p.cfg)
     out = TrainOut(propagated, before, [])
     if "optimizer" in p.views:
         out.optimizer_shards, out.steps = training.optimizer_view(ddp, optimizer)
+    if "optimizer" in p.views or "weights" in p.views:
         out.model_shards = local_shards(ddp)
     if p.save_to is not None:
         out.shard_bytes = training.rank_state_bytes(ddp, optimizer)
         _save(ctx, backend, job, step, p.save_to, out)
-    out.losses_after = training.train_steps(ddp, optimizer, p.model, step, p.steps_after, scheduler)
+    if p.restart_after_save:
+        scheduler, step = training.restart(optimizer, p.cfg), 0
+    if "fresh" in p.views:
+        out.fresh = training.fresh_view(optimizer, scheduler)
+    out.losses_after = training.train_steps(ddp, optimizer, p.model, step, p.steps_after, scheduler, trace=out.trace_after)
     step += p.steps_after
     training.sync_params(ddp, optimizer, p.cfg)
     if "final" in p.views:

@@ -97,6 +97,14 @@ class Case(ABC):
         the error message, e.g. " with damage 'flip-byte'"."""
         return self.model_kind, self.needs, ""
 
+    def backends(self, spec: CaseSpec, opts: Any) -> list[Any]:
+        """Every backend the case drives (harness.backends.BackendRef), the spec's first: the runner
+        preloads each and lets each judge what its own saves and loads recorded (`strategy_check`).
+        A case whose option names another backend (resume's and finetune's `load_with`) adds it."""
+        from harness.backends import ref_of
+
+        return [ref_of(spec)]
+
     def machine_requirements(self, opts: Any) -> frozenset[str]:
         """What these options need of the machine (harness.core.requires). The GPT cases share the
         `layer_spec` option (harness.models.build_gpt): `te` needs Transformer-Engine (and with it

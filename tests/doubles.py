@@ -623,3 +623,32 @@ class BridgeTrainingSampleOffByOne(BridgeTraining):
                 sd["consumed_train_samples"] -= 1
                 torch.save(sd, f)
         torch.distributed.barrier()
+
+
+class BridgeTrainingFinetuneIgnoresPath(BridgeTraining):
+    """A finetune start that never reads its pretrained checkpoint (Bridge returning (0, 0) with a
+    warning): the job stays at its random init and reports a fresh start."""
+
+    def load_pretrained(self, ctx, job, directory, run_dir):
+        job.step = 0
+
+
+class BridgeTrainingFinetuneKeepsOptimizer(BridgeTraining):
+    """A finetune start that restores the whole training state (optimizer, scheduler, iteration) of
+    the pretrained checkpoint, as a resume would."""
+
+    def load_pretrained(self, ctx, job, directory, run_dir):
+        from harness.compat.mcore import DEFAULT_WORKAROUNDS
+        from harness.models.training import load_training
+
+        load_training(ctx, self, job, directory, DEFAULT_WORKAROUNDS)  # with the harness's megatron-core workarounds
+        job.step = 0
+
+
+class BridgeTrainingSchedulerNotRestored(BridgeTraining):
+    """A resume whose LR scheduler keeps its fresh state (saved, never restored: the warmup replays)."""
+
+    def load_training(self, ctx, job, directory):
+        super().load_training(ctx, job, directory)
+        job.scheduler.num_steps = 0  # as built: OptimizerParamScheduler.load_state_dict would add to num_steps
+        job.scheduler.step(increment=0)

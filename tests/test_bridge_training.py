@@ -18,6 +18,9 @@ from harness.orchestration.runner import RunOptions, run_case
 _doubles = use_doubles(
     test_bridge_scrambled_rng="doubles:BridgeTrainingScrambledRng",
     test_bridge_sample_off_by_one="doubles:BridgeTrainingSampleOffByOne",
+    test_bridge_ft_ignores_path="doubles:BridgeTrainingFinetuneIgnoresPath",
+    test_bridge_ft_keeps_optimizer="doubles:BridgeTrainingFinetuneKeepsOptimizer",
+    test_bridge_scheduler_not_restored="doubles:BridgeTrainingSchedulerNotRestored",
 )
 
 
@@ -52,6 +55,7 @@ def test_a_resume_at_another_tp_says_the_rng_is_not_restored(tmp_path):
 @pytest.mark.parametrize("backend, check, words", [
     ("test_bridge_scrambled_rng", "rng-state", "python not restored"),
     ("test_bridge_sample_off_by_one", "train-state", "consumed_train_samples"),
+    ("test_bridge_scheduler_not_restored", "lr", "resumed [0.0001, 0.00055, 0.001]"),
 ])
 def test_a_defective_resume_fails_its_check(tmp_path, backend, check, words):
     r = run_case(_spec(backend=backend), RunOptions(workdir=tmp_path))
@@ -62,7 +66,7 @@ def test_a_defective_resume_fails_its_check(tmp_path, backend, check, words):
 def _ev(op, iteration, flops=4.5e9, rng="a", tp=1, **place):
     ts = {"step": float(iteration), "consumed_train_samples": 4.0 * iteration, "floating_point_operations_so_far": flops}
     e = {"op": op, "iteration": iteration, "train_state": ts, "rng": {"python": rng, "numpy": "n", "torch": "t", "tracker": "k"},
-         "tp": tp, "pp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, **place}
+         "tp": tp, "pp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "backend": "bridge_training", **place}
     if op == "load":
         e["flops"] = flops
     return e
@@ -83,7 +87,11 @@ def test_the_checks_read_the_events():
     assert moved.status == "passed" and "by design" in moved.detail
     ft = _run(BridgeTrainingOptions(finetune=True), _ev("save", 3), _ev("load", 3))
     assert ft["train-state"].status == "failed" and "flops" not in ft  # a finetune that kept the iteration
+    fell_back = _run(o, _ev("save", 3), _ev("load", 0, finetune=True, pretrained="ckpt"))  # Bridge set finetune itself
+    assert fell_back["train-state"].status == "passed" and "flops" not in fell_back, fell_back
+    assert _run(o, _ev("save", 3), _ev("load", 3, finetune=True))["train-state"].status == "failed"
     assert state_check(o, {"save": {"0": [_ev("save", 3)]}}) == []
+    assert state_check(o, {"save": {"0": [_ev("save", 3)]}, "load": {"0": [{**_ev("load", 3), "backend": "mcore_dist"}]}}) == []
 
 
 # ------------------------------------------------------------------ provider overrides (audit item 5)
@@ -121,3 +129,64 @@ def test_provider_fields_go_through_apply_overrides_and_finalize_and_an_unknown_
     with pytest.raises(AttributeError, match="no attribute 'tensor_parallel_size'"):
         finalize_provider(renamed, torch.float32, {"tensor_parallel_size": 2})
     assert not renamed.finalized and not hasattr(renamed, "tensor_parallel_size")
+
+
+# ------------------------------------------------------------------ finetune (pretrained_checkpoint) and interop
+
+
+def _finetune(src="dp2", dst="tp2", backend="bridge_training", expect="pass", backend_options=None, **opts):
+    opts.setdefault("sharding", "fully_reshardable")
+    opts.setdefault("lr_schedule", "warmup-cosine")
+    return CaseSpec("finetune", "gpt-gqa", backend, Topology.parse(src), Topology.parse(dst), options=tuple(sorted(opts.items())),
+                    backend_options=tuple(sorted((backend_options or {}).items())), expect=expect, timeout_s=200)
+
+
+def test_a_finetune_starts_from_the_weights_only(tmp_path):
+    r = run_case(_finetune(), RunOptions(workdir=tmp_path))
+    c = _checks(r)
+    assert r.status == "passed" and c["pretrained-weights"] == c["fresh-start"] == c["lr"] == c["train-state"] == "passed", r.failure_text()
+    assert r.check("pretrained-weights").max_abs_diff == 0.0 and "flops" not in c
+    assert "scheduler step 0" in r.check("fresh-start").detail
+
+
+@pytest.mark.parametrize("backend, failed", [
+    ("test_bridge_ft_ignores_path", {"pretrained-weights", "losses", "grad-norm", "final-weights"}),
+    ("test_bridge_ft_keeps_optimizer", {"fresh-start", "lr", "losses", "grad-norm", "final-weights", "flops"}),  # flops: Bridge 0.6.2 float32
+])
+def test_a_defective_finetune_fails_its_checks(tmp_path, backend, failed):
+    r = run_case(_finetune(src="dp2", dst="dp2", backend=backend), RunOptions(workdir=tmp_path))
+    assert r.status == "failed" and {n for n, st in _checks(r).items() if st == "failed"} == failed, r.failure_text()
+
+
+def test_a_pretrained_checkpoint_that_is_not_there_is_refused_and_a_silent_start_fails(tmp_path):
+    r = run_case(_finetune(src="dp2", dst="dp2", expect="refuse", pretrained="missing"), RunOptions(workdir=tmp_path))
+    assert r.status == "passed" and "FileNotFoundError" in r.check("refusal").detail, r.failure_text()
+    silent = run_case(_finetune(src="dp2", dst="dp2", backend="test_bridge_ft_ignores_path", expect="refuse", pretrained="empty"),
+                      RunOptions(workdir=tmp_path))
+    assert silent.status == "failed" and "expected to refuse but completed" in silent.check("refusal").detail
+
+
+def test_a_megatron_lm_layout_is_written_and_bridge_resumes_it(tmp_path):
+    spec = CaseSpec("resume", "gpt-gqa", "mcore_dist", Topology.parse("dp2"), Topology.parse("tp2"),
+                    options=(("load_with", "bridge_training"), ("lr_schedule", "warmup-cosine"), ("sharding", "fully_reshardable")),
+                    backend_options=(("layout", "megatron-lm"),), timeout_s=200)
+    r = run_case(spec, RunOptions(workdir=tmp_path, keep=True))
+    c = _checks(r)
+    assert r.status == "passed" and c["losses"] == c["lr"] == "passed" and c["train-state"] == "not-run", r.failure_text()
+    ckpt = next(Path(n.split(" at ", 1)[1]) for n in r.notes if n.startswith("scratch kept at")) / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3" and (ckpt / "iter_0000003" / "metadata.json").is_file()
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    common = load_common_state_dict(str(ckpt / "iter_0000003"))
+    assert common["iteration"] == 3 and common["args"].tensor_model_parallel_size == 1 and "opt_param_scheduler" in common
+
+
+def test_backend_refs_in_case_options_parse_or_name_what_is_wrong():
+    from harness.backends import parse_ref
+
+    ref = parse_ref("mcore_dist strict=assume_ok_unexpected cache_metadata=true")
+    assert dict(ref.options) == {"strict": "assume_ok_unexpected", "cache_metadata": True}
+    for bad, words in (("mcore_dist strict", "is not key=value"), ("nope", "unknown backend"),
+                       ("mcore_dist strict=sometimes", "option 'strict'")):
+        with pytest.raises(ValueError, match=words):
+            parse_ref(bad)

@@ -4,7 +4,8 @@ what the checkpoint says; the `strategy` check fails when the round trip loses o
 
 from __future__ import annotations
 
-from harness.backends.mcore_dist import McoreDist, McoreDistOptions, _event_problems
+from harness.backends._mcore_events import event_problems as _event_problems
+from harness.backends.mcore_dist import McoreDist, McoreDistOptions
 from harness.models.training.views import users_metadata
 
 JOB = users_metadata("fully_reshardable", False)
@@ -19,8 +20,9 @@ def test_users_metadata_is_megatron_lms():
 
 
 def _events(read):
-    save = {"op": "save", "n": 1, "strategy": "default", "group": None, "dp_cp": 1, "plan_reuse": None, "validated": True, "async": "none"}
-    return {"save": {"0": [save]}, "load": {"0": [{"op": "content_metadata", "read": read, "job": JOB}]}}
+    save = {"op": "save", "n": 1, "strategy": "default", "group": None, "dp_cp": 1, "plan_reuse": None, "validated": True, "async": "none",
+            "backend": "mcore_dist"}
+    return {"save": {"0": [save]}, "load": {"0": [{"op": "content_metadata", "read": read, "job": JOB, "backend": "mcore_dist"}]}}
 
 
 def test_a_lost_or_changed_content_metadata_fails_the_strategy_check():

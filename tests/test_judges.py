@@ -121,7 +121,7 @@ def _train_outs(parts=2, step=2.0, shared=0, flip=False, losses=None, knobs_ok=T
     return [
         TrainOut(_knobs(knobs_ok), [], losses if r == parts - 1 else [None] * len(losses or []),
                  optimizer_shards=o_split[r], steps={"values": [step], "shared_step_tensors": shared},
-                 model_shards=m_split[r], final_shards=m_split[r])
+                 model_shards=m_split[r], final_shards=m_split[r], trace_after=_trace(len(losses or [])))
         for r in range(parts)
     ]
 
@@ -164,7 +164,12 @@ def test_resume_judge_tolerance_by_topology():
 # --------------------------------------------------------------------------- bf16 mixed precision
 
 
-def _bf16_outs(parts=2, step=2.0, losses=None, weights_delta=None):
+def _trace(n, norm_delta=0.0, lrs=None):
+    """A per-step trace as train_steps records it: the LR each step used and its grad norm."""
+    return [{"lr": (lrs or [1e-3] * n)[i], "grad_norm": 2.8 + 0.2 * i + norm_delta} for i in range(n)]
+
+
+def _bf16_outs(parts=2, step=2.0, losses=None, weights_delta=None, norm_delta=0.0, lrs=None):
     """Training outputs of a bf16 job: fp32 main params (the distributed optimizer's `param`
     entries), fp32 moments, and bf16 model weights that are the main params cast down."""
     main = {k: v + 1e-4 for k, v in _canonical().items()}  # not bf16-representable: the cast rounds
@@ -176,7 +181,7 @@ def _bf16_outs(parts=2, step=2.0, losses=None, weights_delta=None):
     return [
         TrainOut(_knobs(), [], losses if r == parts - 1 else [None] * len(losses or []),
                  optimizer_shards=o_split[r], steps={"values": [step], "shared_step_tensors": 0},
-                 model_shards=m_split[r], final_shards=f_split[r])
+                 model_shards=m_split[r], final_shards=f_split[r], trace_after=_trace(len(losses or []), norm_delta, lrs))
         for r in range(parts)
     ]
 
@@ -236,17 +241,25 @@ def test_resume_bf16_tolerances_are_measured_bounds():
     base = [4.9, 4.91, 5.0]
     ref = _bf16_outs(losses=base)
     measured = [x + 7.6e-4 for x in base]  # the measured bf16 max across a topology change
-    ok = resume.judge(3, "dp2", "dp1", ref, _bf16_outs(parts=1, losses=measured, weights_delta=2.9e-3), "bf16")
+    ok = resume.judge(3, "dp2", "dp1", ref, _bf16_outs(parts=1, losses=measured, weights_delta=2.9e-3, norm_delta=6.0e-3), "bf16")
     s = _statuses(ok)
-    assert s == {"propagation": "passed", "losses": "passed", "final-weights": "passed", "weights-match-main-params": "passed"}
-    assert ok[1].tolerance.label.startswith("atol=0.002") and ok[2].tolerance.label.startswith("atol=0.005")
-    reset = [x + 3.7e-3 for x in base]  # what a reset Adam step does in bf16 (dp_reshardable, measured)
-    s = _statuses(resume.judge(3, "dp2", "dp1", ref, _bf16_outs(parts=1, losses=reset, weights_delta=7.8e-3), "bf16"))
-    assert s["losses"] == "failed" and s["final-weights"] == "failed"
+    assert s == {"propagation": "passed", "losses": "passed", "lr": "passed", "grad-norm": "passed", "final-weights": "passed",
+                 "weights-match-main-params": "passed"}
+    checks = {c.name: c for c in ok}
+    assert checks["losses"].tolerance.label.startswith("atol=0.002") and checks["final-weights"].tolerance.label.startswith("atol=0.005")
+    assert checks["grad-norm"].tolerance.label.startswith("atol=0.01")
+    reset = [x + 3.7e-3 for x in base]  # what a reset Adam step does in bf16 (dp_reshardable, measured: grad norm 6.2e-2 off)
+    s = _statuses(resume.judge(3, "dp2", "dp1", ref, _bf16_outs(parts=1, losses=reset, weights_delta=7.8e-3, norm_delta=6.2e-2), "bf16"))
+    assert s["losses"] == "failed" and s["final-weights"] == "failed" and s["grad-norm"] == "failed"
+    # a scheduler saved but not restored: the resumed steps replay the warmup's LRs
+    replay = _bf16_outs(parts=1, losses=measured, lrs=[1e-4, 5.5e-4, 1e-3])
+    s = _statuses(resume.judge(3, "dp2", "dp1", ref, replay, "bf16"))
+    assert s["lr"] == "failed" and s["grad-norm"] == "passed"
     # same topology: bitwise in bf16 too; fp32 keeps RESUME_TOLERANCE and records the new check not-run
     assert _statuses(resume.judge(3, "dp2", "dp2", ref, _bf16_outs(losses=measured), "bf16"))["losses"] == "failed"
     fp32 = resume.judge(3, "dp2", "dp1", _train_outs(losses=base), _train_outs(parts=1, losses=base))
     assert fp32[1].tolerance == resume.RESUME_TOLERANCE and _statuses(fp32)["weights-match-main-params"] == "not-run"
+    assert {c.name: c for c in fp32}["grad-norm"].tolerance == resume.RESUME_TOLERANCE
 
 
 def test_reshard_weights_bf16_judge():

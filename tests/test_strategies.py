@@ -8,7 +8,8 @@ import pytest
 from doubles import use_doubles
 
 from harness.backends import get_backend, ref_of
-from harness.backends.mcore_dist import McoreDistOptions, _event_problems
+from harness.backends._mcore_events import event_problems as _event_problems
+from harness.backends.mcore_dist import McoreDistOptions
 from harness.core import memory
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology

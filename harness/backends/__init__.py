@@ -27,6 +27,8 @@ case needs):
                   `save_state`/`load_state` of the job's sharded state dict; a client backend
                   (verl's MegatronCheckpointManager builds its own sharded dicts and loads into
                   the live objects) overrides them: both fit one interface, no runner special case.
+  finetune        start a new job from a training checkpoint's weights only (`load_pretrained`:
+                  Bridge's `pretrained_checkpoint`, Megatron-LM's --finetune)
   read_plain      `read_full`: every tensor unsharded, with no model (an independent reader)
   hf_export       write an HF checkpoint from a Bridge model (`save`); `hf_import` reads one (`load`)
   adapter_export  write an HF PEFT adapter from a Bridge model with LoRA (`save`)
@@ -52,7 +54,7 @@ import torch
 from harness.core.context import RankContext
 from harness.core.options import NoOptions, parse_options
 
-CAPABILITIES = frozenset({"weights", "training_state", "read_plain", "hf_export", "hf_import", "adapter_export", "manager"})
+CAPABILITIES = frozenset({"weights", "training_state", "finetune", "read_plain", "hf_export", "hf_import", "adapter_export", "manager"})
 ENTRY_POINT_GROUP = "ckpt_harness.backends"
 
 
@@ -168,6 +170,14 @@ class Backend(ABC):
         """Collective: fill the live job (built for this world's topology) from `directory`."""
         job.restore(self.load_state(ctx, job.sharded_state(is_loading=True), directory))
 
+    def load_pretrained(self, ctx: RankContext, job: TrainingState, directory: Path, run_dir: Path) -> None:
+        """Collective, capability "finetune": start the new job (built for this world's topology)
+        from the weights of the training checkpoint `directory`, as a finetune does: not its
+        optimizer state, scheduler or iteration. `run_dir` is the job's own checkpoint directory
+        (empty: nothing to resume). A path that holds no checkpoint must raise, never leave the
+        job at its random init."""
+        raise NotImplementedError(f"backend {self.name} cannot start a job from a pretrained checkpoint")
+
     @abstractmethod
     def read_full(self, ctx: RankContext | None, directory: Path) -> dict[str, torch.Tensor]:
         """Every tensor the checkpoint holds, unsharded, by checkpoint key (no model needed)."""
@@ -226,6 +236,25 @@ def resolve(name: str | BackendRef, options: dict[str, Any] | None = None) -> Ba
     if name not in table:
         raise KeyError(f"unknown backend {name!r}; available: {sorted(table)}")
     return BackendRef(table[name], opts)
+
+
+def parse_ref(text: str) -> BackendRef:
+    """A backend named in a case option, with its options: `"mcore_dist"` or
+    `"mcore_dist strict=assume_ok_unexpected save_strategy=fully_parallel"` (values true/false and
+    integers as such, the rest strings). ValueError names the word that does not parse."""
+    name, *pairs = text.split()
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ValueError(f"backend {text!r}: {pair!r} is not key=value")
+        options[key] = {"true": True, "false": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
+    try:
+        ref = resolve(name, options)
+    except KeyError as exc:
+        raise ValueError(exc.args[0]) from None
+    get_backend(ref)  # its options parse, or ValueError naming them
+    return ref
 
 
 def ref_of(spec: Any) -> BackendRef:

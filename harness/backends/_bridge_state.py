@@ -12,10 +12,16 @@ TRAIN_STATE_CHECK, FLOPS_CHECK, RNG_CHECK = "train-state", "flops", "rng-state"
 FLOPS = "floating_point_operations_so_far"
 
 
+def _finetune(o: Any, load: dict) -> bool:
+    """Whether the load was a finetune: Bridge sets `checkpoint.finetune` itself when it falls back
+    to `pretrained_checkpoint` (the event says what the config held after the load)."""
+    return bool(load.get("finetune", o.finetune))
+
+
 def _rng_problems(o: Any, where: str, load: dict, saves: list[dict]) -> tuple[list[str], list[str]]:
     """(problems, notes) about one rank's RNG after a load."""
-    if not o.load_rng or o.finetune:
-        return [], [f"RNG not loaded ({'finetune' if o.finetune else 'load_rng: false'})"]
+    if not o.load_rng or _finetune(o, load):
+        return [], [f"RNG not loaded ({'finetune' if _finetune(o, load) else 'load_rng: false'})"]
     same = [s for s in saves if (s["tp"], s["pp"]) == (load["tp"], load["pp"])]
     if not same:
         s = saves[0]
@@ -34,15 +40,21 @@ def state_check(o: Any, events: dict[str, dict[str, list[dict]]]) -> list[Any]:
     from harness.core.parity import EXACT
     from harness.core.result import Check
 
-    saves, loads = each_event(events, "save"), each_event(events, "load")
+    saves, loads = each_event(events, "save", "bridge_training"), each_event(events, "load", "bridge_training")
     if not loads:
         return []
+    if not saves and not all(_finetune(o, ev) for _, _, ev in loads):  # a checkpoint another backend wrote
+        got = sorted({(ev["iteration"], ev["flops"]) for _, _, ev in loads})
+        why = (f"the checkpoint was written by another backend (no bridge_training save in this case) and there is "
+               f"nothing of its own to compare with: restored (iteration, FLOPs) {got}; the resumed trajectory is judged by the case")
+        return [Check(n, "not-run", why, tolerance=EXACT) for n in (TRAIN_STATE_CHECK, FLOPS_CHECK, RNG_CHECK)]
     found: dict[str, list[str]] = {TRAIN_STATE_CHECK: [], FLOPS_CHECK: [], RNG_CHECK: []}
     notes: set[str] = set()
+    finetune = all(_finetune(o, ev) for _, _, ev in loads)
     for phase, rank, ev in loads:
         where = f"{phase}@rank{rank}"
-        if o.finetune:
-            if ev["iteration"] != 0 or ev["train_state"]["step"] != 0:
+        if _finetune(o, ev):
+            if ev["iteration"] != 0 or ev["train_state"]["step"] != 0 or ev["train_state"]["consumed_train_samples"] != 0:
                 found[TRAIN_STATE_CHECK].append(f"{where}: finetune restored iteration {ev['iteration']} (train state "
                                                 f"{ev['train_state']}); a finetune starts at 0")
             _, n = _rng_problems(o, where, ev, saves)
@@ -63,14 +75,14 @@ def state_check(o: Any, events: dict[str, dict[str, list[dict]]]) -> list[Any]:
         found[RNG_CHECK] += p
         notes.update(n)
     passed = {
-        TRAIN_STATE_CHECK: "finetune: iteration and train state start at 0" if o.finetune
+        TRAIN_STATE_CHECK: "finetune: iteration and train state start at 0" if finetune
         else f"{len(loads)} rank-load(s) restored the iteration, step and consumed samples saved",
-        FLOPS_CHECK: "finetune: not restored" if o.finetune else "the FLOP count saved is the one restored and returned, exactly",
+        FLOPS_CHECK: "finetune: not restored" if finetune else "the FLOP count saved is the one restored and returned, exactly",
         RNG_CHECK: "; ".join(sorted(notes)) or "python, numpy, torch and tracker RNG states restored on every rank",
     }
     out = []
     for name, problems in found.items():
-        if name == FLOPS_CHECK and o.finetune:
+        if name == FLOPS_CHECK and finetune:
             continue
         detail = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
         out.append(Check(name, "failed" if problems else "passed", detail or passed[name], tolerance=EXACT))

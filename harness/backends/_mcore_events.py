@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.run.events import each_event
+
 
 def event_problems(o: Any, ev: dict) -> list[str]:
     """What in one recorded save or load differs from what options `o` ask."""
@@ -47,3 +49,44 @@ def event_problems(o: Any, ev: dict) -> list[str]:
         if o.cache_metadata and not ev.get("metadata_cached"):
             out.append("the load strategy cached no checkpoint metadata")
     return out
+
+
+def strategy_check(o: Any, default: Any, events: dict[str, dict[str, list[dict]]], backend: str) -> Any:
+    """Every save and load of the case ran what the options asked (events recorded by
+    save_state/load_state in each rank): the wrapper class and the group it spans (the DP x CP
+    group of that world), the fully-parallel load's exchange, the async strategy, and with
+    cache_metadata what megatron-core's caches gave each save of a job (save 1 plans from
+    scratch and validates access integrity; save 2 starts from the cached local plan, save 3
+    from the cached central plan and global metadata, the fully-parallel distribution is
+    cached from save 2) and that each load cached the checkpoint's metadata; and each training
+    load read back the content metadata the save wrote (option content_metadata). None when every
+    option is at its `default` (the strategy fields; strict and layout are not strategies) and no
+    training checkpoint was loaded (nothing was asked)."""
+    from harness.core.parity import EXACT
+    from harness.core.result import Check
+    from harness.judge.checks import STRATEGY_CHECK
+
+    flat = each_event(events, backend=backend)
+    read_back = any(e["op"] == "content_metadata" for _, _, e in flat)
+    if o == default and not read_back:
+        return None
+    problems: list[str] = []
+    seen: dict[str, set] = {"save": set(), "load": set(), "content_metadata": set()}
+    for phase, rank, ev in flat:
+        where = f"{phase}@rank{rank} {ev['op']} {ev.get('n', '')}".rstrip()
+        problems += [f"{where}: {p}" for p in event_problems(o, ev)]
+        seen[ev["op"]].add(phase)
+    if not seen["save"] and o != default:
+        problems.append("no save ran through this backend")
+    if o.load_strategy != "default" and not seen["load"]:
+        problems.append("no load ran through this backend")
+    asked = ", ".join(f"{k}={v}" for k, v in vars(o).items())
+    if problems:
+        return Check(STRATEGY_CHECK, "failed", f"asked {asked}; " + "; ".join(problems[:12])
+                     + (f"; ... {len(problems) - 12} more" if len(problems) > 12 else ""), tolerance=EXACT)
+    n_saves, n_loads = (sum(e["op"] == op for _, _, e in flat) for op in ("save", "load"))
+    return Check(STRATEGY_CHECK, "passed", f"{n_saves} rank-save(s) in {sorted(seen['save'])} and {n_loads} rank-load(s) in "
+                 f"{sorted(seen['load'])} ran what was asked: {asked}"
+                 + ("; every training load read back the content metadata its save wrote" if read_back and o.content_metadata else ""),
+                 tolerance=EXACT)
+

@@ -84,7 +84,7 @@ def _train_state(state: Any) -> dict[str, float]:
 
 class BridgeTraining(Backend):
     name = "bridge_training"
-    capabilities = frozenset({"training_state", "manager"})
+    capabilities = frozenset({"training_state", "manager", "finetune"})
     refusals = ("CheckpointingException",)  # Bridge loads through megatron-core's dist_checkpointing
     Options = BridgeTrainingOptions
     preload = ("megatron.bridge.training.checkpointing",)
@@ -156,26 +156,42 @@ class BridgeTraining(Backend):
         state.train_state = TrainState(step=job.step, consumed_train_samples=job.step * GLOBAL_BATCH,
                                        floating_point_operations_so_far=int(flops), do_train=True)
         save_checkpoint(state, job.chunks, job.optimizer, job.scheduler, flops, checkpointing_context=self._context)
-        record_event({"op": "save", "iteration": job.step, "train_state": _train_state(state), "rng": rng_digest(), **_place()})
+        record_event({"op": "save", "iteration": job.step, "train_state": _train_state(state), "rng": rng_digest(), **_place()}, self.name)
 
-    def load_training(self, ctx: RankContext, job: Any, directory: Path) -> None:
+    def _load(self, job: Any, directory: Path, **checkpoint: Any) -> tuple[int, float, Any]:
+        """Bridge's load_checkpoint with this CheckpointConfig: (iteration, FLOPs, the GlobalState)."""
         from megatron.bridge.training.checkpointing import load_checkpoint
         from megatron.bridge.training.state import TrainState
 
         o = self.options
         self._prepare(job)
-        state = self._state(job, save=None, load=str(directory), load_optim=o.load_optim, load_rng=o.load_rng, finetune=o.finetune)
+        state = self._state(job, save=None, load_optim=o.load_optim, load_rng=o.load_rng, finetune=o.finetune, **checkpoint)
         state.train_state = TrainState()
         try:
             iteration, flops = load_checkpoint(state, job.chunks, job.optimizer, job.scheduler, checkpointing_context=self._context)
         except SystemExit as exc:  # Bridge's load exits the process on some failures
             raise RuntimeError(f"megatron-bridge load_checkpoint called sys.exit({exc.code!r}) loading {directory}") from None
-        if iteration == 0 and not o.finetune:
+        return iteration, flops, state
+
+    def _loaded(self, iteration: int, flops: float, state: Any, **more: Any) -> None:
+        record_event({"op": "load", "iteration": iteration, "flops": flops, "train_state": _train_state(state),
+                      "finetune": bool(state.cfg.checkpoint.finetune), "rng": rng_digest(), **_place(), **more}, self.name)
+
+    def load_training(self, ctx: RankContext, job: Any, directory: Path) -> None:
+        iteration, flops, state = self._load(job, directory, load=str(directory))
+        if iteration == 0 and not self.options.finetune:
             raise FileNotFoundError(f"megatron-bridge load_checkpoint found no checkpoint under {directory} and returned "
                                     "(0, 0): the job would train from scratch with only a warning")
         job.step = iteration
-        record_event({"op": "load", "iteration": iteration, "flops": flops, "train_state": _train_state(state),
-                      "rng": rng_digest(), **_place()})
+        self._loaded(iteration, flops, state)
+
+    def load_pretrained(self, ctx: RankContext, job: Any, directory: Path, run_dir: Path) -> None:
+        """A recipe's finetune start: `checkpoint.load` is the job's own (empty) directory and
+        `checkpoint.pretrained_checkpoint` the given one; Bridge falls back to it and sets
+        `finetune` (weights only, iteration 0; bf16 main params reloaded from the weights)."""
+        iteration, flops, state = self._load(job, directory, load=str(run_dir), pretrained_checkpoint=str(directory))
+        job.step = iteration
+        self._loaded(iteration, flops, state, pretrained=str(directory))
 
     def strategy_check(self, events: dict[str, dict[str, list[dict]]]) -> list[Any]:
         """What every load restored against what its save wrote: checks train-state, flops, rng-state."""

@@ -3,8 +3,8 @@
 Saves and loads any sharded state dict (model weights, or model + optimizer for training
 checkpoints, or adapters only); a model is a chunk list (harness.models: one chunk, or one per
 virtual pipeline stage under `model0`, `model1`, ... as Megatron-LM lays them out). Loads are
-strict (RAISE_ALL): a key the state expects but the checkpoint lacks, or the reverse, is an error,
-never a silently kept initial value.
+strict (RAISE_ALL, unless option `strict` says otherwise): a key the state expects but the
+checkpoint lacks, or the reverse, is an error, never a silently kept initial value.
 
 Options (matrix `backend_options` or axes `backend.<option>`), each wired as Megatron-LM's
 megatron/training/checkpointing.py wires it (save_checkpoint / _load_global_dist_base_checkpoint):
@@ -35,6 +35,19 @@ megatron/training/checkpointing.py wires it (save_checkpoint / _load_global_dist
                   ...) as `save(content_metadata=)`, and a load builds the model's and optimizer's sharded
                   state dicts from what `load_content_metadata` reads back, as Megatron-LM's load does;
                   false: written as before Core 0.13 (no content metadata), and read with the job's own
+  strict          raise_all (the harness's: a key the job asks for that the checkpoint lacks, or one
+                  the checkpoint holds that the job does not ask for, is an error); assume_ok_unexpected
+                  (Megatron-LM's `--dist-ckpt-strictness` default, Bridge's `dist_ckpt_strictness`) or
+                  log_all: what users load with, e.g. a Megatron-Bridge training checkpoint whose RNG and
+                  rerun-state keys a plain job does not ask for
+
+  layout          plain (the dist checkpoint is the directory, as verl writes it); megatron-lm: a
+                  training save writes Megatron-LM's layout (harness.backends._megatron_lm: `iter_NNNNNNN/`
+                  with `args`, `iteration` and the scheduler in the common state, then the tracker file)
+
+A training load given a Megatron-LM / Megatron-Bridge checkpoint root (the tracker file naming
+`iter_NNNNNNN/`) reads that iteration, as Megatron-LM's `--load` does, and restores the scheduler
+state it carries (`opt_param_scheduler`).
 
 Strategy objects live as long as the backend instance (one per rank function: harness.models.training
 gets it once per job), as Megatron-LM keeps them in its checkpointing_context.
@@ -53,12 +66,10 @@ import torch
 import torch.distributed as dist
 
 from harness.backends import Backend
-from harness.backends._mcore_events import event_problems as _event_problems
+from harness.backends._megatron_lm import common_state, iteration_dir, restore_scheduler, write_tracker
 from harness.core.context import RankContext
-from harness.core.parity import EXACT
 from harness.core.result import missing_api
-from harness.judge.checks import STRATEGY_CHECK
-from harness.run.events import each_event, record_event
+from harness.run.events import record_event
 
 NVRX_MODULE = "nvidia_resiliency_ext"
 
@@ -80,6 +91,8 @@ class McoreDistOptions:
     async_save: Literal["none", "mcore", "nvrx"] = "none"
     cache_metadata: bool = False
     content_metadata: bool = True
+    strict: Literal["raise_all", "assume_ok_unexpected", "log_all"] = "raise_all"
+    layout: Literal["plain", "megatron-lm"] = "plain"
 
 
 def is_complete(directory: Path) -> bool:
@@ -168,6 +181,8 @@ class McoreDist(Backend):
         if o.async_save != "none" and not getattr(case, "finalizes_saves", False):
             raise ValueError(f"backend option async_save {o.async_save!r}: case {case.name} does not run an async save's "
                              "finalize step (the training cases reshard-optimizer and resume do)")
+        if o.layout == "megatron-lm" and o.async_save != "none":
+            raise ValueError("backend option layout 'megatron-lm' writes the tracker file after the save: not with an async save")
         if o.cache_metadata and getattr(opts, "saves", 1) < 2:
             raise ValueError("backend option cache_metadata caches what a previous save of the same job computed: it only "
                              f"means something when the job saves more than once (case {case.name}"
@@ -240,17 +255,30 @@ class McoreDist(Backend):
     def save_training(self, ctx: RankContext, job: Any, directory: Path) -> None:
         """Megatron-LM's training save: the job's sharded state with its metadata, and that metadata
         as the checkpoint's content metadata (option content_metadata)."""
+        from harness.models.training import GLOBAL_BATCH
+
         meta = job.content_metadata() if self.strategy.content_metadata else None
-        self.save_state(ctx, job.sharded_state(is_loading=False), directory, content_metadata=meta)
+        state, root = job.sharded_state(is_loading=False), directory
+        if self.strategy.layout == "megatron-lm":
+            directory = root / f"iter_{job.step:07d}"
+            state.update(common_state(job, self.strategy.save_strategy == "fully_parallel", job.step * GLOBAL_BATCH))
+        self.save_state(ctx, state, directory, content_metadata=meta)
+        if self.strategy.layout == "megatron-lm":
+            dist.barrier()
+            if ctx.is_rank0:
+                write_tracker(root, job.step)
 
     def load_training(self, ctx: RankContext, job: Any, directory: Path) -> None:
         """Megatron-LM's training load: the sharded state built from the checkpoint's content metadata
         (the job's own where the checkpoint has none), recorded for the strategy check."""
         from megatron.core import dist_checkpointing
 
+        directory = iteration_dir(directory)
         found = dist_checkpointing.load_content_metadata(checkpoint_dir=str(directory))
-        record_event({"op": "content_metadata", "read": found, "job": job.content_metadata()})
-        job.restore(self.load_state(ctx, job.sharded_state(is_loading=True, metadata=found), directory))
+        record_event({"op": "content_metadata", "read": found, "job": job.content_metadata()}, self.name)
+        state = self.load_state(ctx, job.sharded_state(is_loading=True, metadata=found), directory)
+        job.restore(state)
+        restore_scheduler(job, state)
 
     def save_state(self, ctx: RankContext, sharded_state: dict, directory: Path, content_metadata: dict | None = None) -> None:
         from megatron.core import dist_checkpointing
@@ -282,7 +310,7 @@ class McoreDist(Backend):
             self._pending.append(directory)
         if strategy is not None and hasattr(strategy, "last"):
             event["distribution"] = strategy.last
-        record_event(event)
+        record_event(event, self.name)
         self._saves += 1
 
     def _save_event(self, strategy: Any, directory: Path, validated: bool) -> dict:
@@ -329,41 +357,13 @@ class McoreDist(Backend):
         return is_complete(directory)
 
     def strategy_check(self, events: dict[str, dict[str, list[dict]]]) -> Any:
-        """Every save and load of the case ran what the options asked (events recorded by
-        save_state/load_state in each rank): the wrapper class and the group it spans (the DP x CP
-        group of that world), the fully-parallel load's exchange, the async strategy, and with
-        cache_metadata what megatron-core's caches gave each save of a job (save 1 plans from
-        scratch and validates access integrity; save 2 starts from the cached local plan, save 3
-        from the cached central plan and global metadata, the fully-parallel distribution is
-        cached from save 2) and that each load cached the checkpoint's metadata; and each training
-        load read back the content metadata the save wrote (option content_metadata). None when every
-        option is at its default and no training checkpoint was loaded (nothing was asked)."""
-        from harness.core.result import Check
+        """Every save and load of the case ran what the options asked (harness.backends._mcore_events)."""
+        from dataclasses import replace
+
+        from harness.backends._mcore_events import strategy_check
 
         o = self.strategy
-        flat = each_event(events)
-        read_back = any(e["op"] == "content_metadata" for _, _, e in flat)
-        if o == McoreDistOptions() and not read_back:
-            return None
-        problems: list[str] = []
-        seen: dict[str, set] = {"save": set(), "load": set(), "content_metadata": set()}
-        for phase, rank, ev in flat:
-            where = f"{phase}@rank{rank} {ev['op']} {ev.get('n', '')}".rstrip()
-            problems += [f"{where}: {p}" for p in _event_problems(o, ev)]
-            seen[ev["op"]].add(phase)
-        if not seen["save"] and o != McoreDistOptions():
-            problems.append("no save ran through this backend")
-        if o.load_strategy != "default" and not seen["load"]:
-            problems.append("no load ran through this backend")
-        asked = ", ".join(f"{k}={v}" for k, v in vars(o).items())
-        if problems:
-            return Check(STRATEGY_CHECK, "failed", f"asked {asked}; " + "; ".join(problems[:12])
-                         + (f"; ... {len(problems) - 12} more" if len(problems) > 12 else ""), tolerance=EXACT)
-        n_saves, n_loads = (sum(e["op"] == op for _, _, e in flat) for op in ("save", "load"))
-        return Check(STRATEGY_CHECK, "passed", f"{n_saves} rank-save(s) in {sorted(seen['save'])} and {n_loads} rank-load(s) in "
-                     f"{sorted(seen['load'])} ran what was asked: {asked}"
-                     + ("; every training load read back the content metadata its save wrote" if read_back and o.content_metadata else ""),
-                     tolerance=EXACT)
+        return strategy_check(o, replace(McoreDistOptions(), strict=o.strict, layout=o.layout), events, self.name)
 
     def pending_saves(self) -> int:
         return len(self._pending)
@@ -395,15 +395,15 @@ class McoreDist(Backend):
                  "group": dist.get_world_size(group) if group is not None else None,
                  "dp_cp": parallel_state.get_data_parallel_world_size(with_context_parallel=True)}
         if strategy is None:
-            state = dist_checkpointing.load(sharded_state, str(directory), strict=StrictHandling.RAISE_ALL)
+            state = dist_checkpointing.load(sharded_state, str(directory), strict=StrictHandling(self.strategy.strict))
         else:
             calls: list = []
             with _tracked_exchange(calls):
-                state = dist_checkpointing.load(sharded_state, str(directory), strategy, strict=StrictHandling.RAISE_ALL)
+                state = dist_checkpointing.load(sharded_state, str(directory), strategy, strict=StrictHandling(self.strategy.strict))
             event["exchanges"] = len(calls)
             base = getattr(strategy, "base_strategy", strategy)
             event["metadata_cached"] = getattr(base, "cached_global_metadata", None) is not None
-        record_event(event)
+        record_event(event, self.name)
         return state
 
     def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
@@ -419,7 +419,7 @@ class McoreDist(Backend):
     def read_full(self, ctx: RankContext | None, directory: Path) -> dict[str, torch.Tensor]:
         from megatron.core import dist_checkpointing
 
-        plain = dist_checkpointing.load_plain_tensors(str(directory))
+        plain = dist_checkpointing.load_plain_tensors(str(iteration_dir(directory)))
         return {k: v for k, v in plain.items() if isinstance(v, torch.Tensor)}
 
 

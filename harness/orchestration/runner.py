@@ -60,15 +60,19 @@ def budget_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
     return checks
 
 
-def strategy_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
-    """The backend's `strategy` check (its options asked what every save and load ran), if its
-    options ask anything, or the checks a backend reads from what its saves and loads recorded."""
+def strategy_checks(spec: CaseSpec, result: CaseResult, refs: list | None = None) -> list[Check]:
+    """Each backend's `strategy` check (its options asked what every save and load ran), if its
+    options ask anything, or the checks a backend reads from what its saves and loads recorded;
+    `refs`: the backends the case drove (Case.backends; default the spec's). A check name two
+    backends both record is kept once, the first backend's."""
     from harness.backends import get_backend
 
-    check = get_backend(ref_of(spec)).strategy_check(result.backend_events)
-    if isinstance(check, (list, tuple)):  # a backend with several (bridge_training: train-state, flops, rng-state)
-        return list(check)
-    return [check] if check is not None else []
+    out: list[Check] = []
+    for ref in refs or [ref_of(spec)]:
+        check = get_backend(ref).strategy_check(result.backend_events)
+        found = list(check) if isinstance(check, (list, tuple)) else [check] if check is not None else []
+        out += [c for c in found if all(c.name != o.name for o in out)]
+    return out
 
 
 def apply_xfail(spec: CaseSpec, result: CaseResult) -> None:
@@ -257,11 +261,13 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
         result.phases["total"] = 0.0
         return result
     with case_envelope(result, options, spec.timeout_s) as env:
-        backend = get_backend(ref_of(spec))
-        warm(bridge=get_model(spec.model).kind == "hf", modules=backend.preload)  # idempotent; forked ranks inherit the imports
-        result.notes += backend.notes()
+        refs = case.backends(spec, opts)
+        driven = [get_backend(r) for r in refs]
+        # idempotent; forked ranks inherit the imports
+        warm(bridge=get_model(spec.model).kind == "hf", modules=tuple(m for b in driven for m in b.preload))
+        result.notes += [n for b in driven for n in b.notes()]
         case.run(spec, opts, env, result)
-        result.checks.extend(strategy_checks(spec, result))
+        result.checks.extend(strategy_checks(spec, result, refs))
         result.checks.extend(budget_checks(spec, result))
     apply_xfail(spec, result)
     return result

@@ -27,14 +27,17 @@ from harness.models.training.config import (
     workaround_notes,
 )
 from harness.models.training.loop import (
+    load_pretrained,
     load_training,
     prime_optimizer_state,
+    restart,
     sync_params,
     train_steps,
     unshare_adam_step,
 )
 from harness.models.training.views import (
     TrainingJob,
+    fresh_view,
     leaf_optimizers,
     optimizer_view,
     rank_state_bytes,
@@ -53,12 +56,15 @@ __all__ = [
     "built_dtype",
     "built_layer_spec",
     "cp_rule",
+    "fresh_view",
     "leaf_optimizers",
+    "load_pretrained",
     "load_training",
     "optimizer_view",
     "prime_optimizer_state",
     "propagation",
     "rank_state_bytes",
+    "restart",
     "scheduler_view",
     "sharded_state",
     "sync_params",

@@ -18,9 +18,11 @@ from harness.models.training.config import GLOBAL_BATCH, TrainConfig
 from harness.models.training.views import TrainingJob, leaf_optimizers
 
 
-def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int, scheduler=None) -> list[float | None]:
+def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int, scheduler=None,
+                trace: list[dict] | None = None) -> list[float | None]:
     """Run `steps` optimizer steps (and scheduler steps, when there is one, as Megatron-LM's
-    train_step does); return the global-mean loss per step (None off the last stage)."""
+    train_step does); return the global-mean loss per step (None off the last stage). `trace`, when
+    given, gets each step's LR (the one the step used) and the grad norm the optimizer clipped by."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -63,7 +65,10 @@ def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int, sc
             micro_batch_size=1,
             forward_only=False,
         )
-        ok, _, _ = optimizer.step()
+        lr = max(float(g["lr"]) for o in leaf_optimizers(optimizer) for g in o.param_groups)
+        ok, grad_norm, _ = optimizer.step()
+        if trace is not None:
+            trace.append({"lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm)})
         if not ok:
             raise RuntimeError(f"optimizer step {step} was skipped (found inf/nan)")
         if scheduler is not None:
@@ -127,3 +132,25 @@ def sync_params(ddp, optimizer, cfg: TrainConfig) -> None:
     compat.prepare_param_sync(optimizer)
     for d in ddp:
         d.start_param_sync(force_sync=True)
+
+
+def load_pretrained(ctx: RankContext, backend, job: TrainingJob, directory: Path, run_dir: Path) -> None:
+    """backend.load_pretrained into the live job: a finetune's start from `directory`'s weights.
+    No optimizer workaround applies: a finetune loads no optimizer state."""
+    with track("load"):
+        backend.load_pretrained(ctx, job, directory, run_dir)
+
+
+def restart(optimizer, cfg: TrainConfig):
+    """What a finetune start keeps of a trained job: its weights only. The Adam state goes (a
+    fresh torch Adam has none until its first step), bf16 main params are reloaded from the bf16
+    weights (what Megatron-LM and Bridge do when they load no optimizer: `reload_model_params`),
+    and a new scheduler starts at step 0 (returned). The reference a finetune's trajectory is
+    judged against."""
+    from harness.models.training.build import build_scheduler
+
+    for opt in leaf_optimizers(optimizer):
+        opt.optimizer.state.clear()
+    if cfg.dtype == "bf16":
+        optimizer.reload_model_params()
+    return build_scheduler(optimizer, cfg)

@@ -185,3 +185,15 @@ def rank_state_bytes(ddp, optimizer) -> int:
         for st in opt.optimizer.state.values():
             total += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
     return total
+
+
+def fresh_view(optimizer, scheduler) -> dict[str, Any]:
+    """What a job's optimizer and scheduler hold right after a finetune start: how many Adam
+    states and non-zero moment elements, the step values, the scheduler's step and the LRs in
+    the optimizer (a fresh start: no state, scheduler step 0, the schedule's first LR)."""
+    states = [st for o in leaf_optimizers(optimizer) for st in o.optimizer.state.values() if st]
+    nonzero = sum(int(torch.count_nonzero(v)) for st in states for k, v in st.items() if k.startswith("exp_avg"))
+    steps = sorted({float(st["step"]) for st in states if "step" in st})
+    lrs = sorted({float(g["lr"]) for o in leaf_optimizers(optimizer) for g in o.param_groups})
+    return {"adam_states": len(states), "nonzero_moments": nonzero, "steps": steps,
+            "scheduler_steps": None if scheduler is None else int(scheduler.num_steps), "lrs": lrs}

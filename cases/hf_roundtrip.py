@@ -13,6 +13,16 @@ Checks:
                    dtype, inside Float16Module for bf16
   export-dtype     the export's config.json declares the source config's dtype (`torch_dtype`,
                    transformers 5 `dtype`) and every floating tensor of the export has that dtype
+  export-integrity the export's files (harness.judge.hf_integrity, headers only): index vs shard
+                   headers both ways and total_size, source keys/shapes/dtypes, lm_head as tied says
+  refusal          (expect: refuse) the export raised one of `refuse_with`
+
+Option `shards` (default 1): the fixture is written in that many safetensors shards with an index;
+the Bridge keeps the source's sharding in its export, so the index checks meet a real index.
+Option `unmapped_source_key` (a key, default none): the fixture also holds this tensor, which no
+Bridge mapping produces (as real checkpoints hold persisted buffers or unknown keys). What the
+export does with it is the finding: carried (export-bitwise and export-integrity pass), dropped
+(both fail naming the key) or refused (`expect: refuse`: the `refusal` check judges the raise).
 
 Option `dtype` (fp32 | bf16, default fp32): bf16 writes the fixture in bf16 (config dtype
 bfloat16), builds the Bridge model in bf16 inside Float16Module, and compares Megatron's and
@@ -36,11 +46,13 @@ from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.core.zoo import HFModelSpec, get_model
-from harness.judge.checks import knob_check, state_check, tensor_check
+from harness.judge.checks import knob_check, not_run_checks, refusal_check, state_check, tensor_check
+from harness.judge.hf_integrity import Expected, export_integrity, source_infos
 from harness.models import bridge as mb
 from harness.models.hf import config_dtype, hf_logits, write_fixture
 from harness.models.mcore import DType
 from harness.run.envelope import RunEnv, timed
+from harness.run.world import WorldError, exception_of
 
 # Megatron's and transformers' fp32 kernels differ (fused QKV, vocab-parallel logits, RoPE in a
 # different order); measured max |diff| on the fixtures ~2e-7 (notes: ~1e-7).
@@ -69,6 +81,9 @@ class Options(DdpKnobs):
     """hf-roundtrip's options: the DDP knobs and the precision of fixture, model and export."""
 
     dtype: DType = "fp32"
+    shards: int = 1
+    unmapped_source_key: str = ""
+    refuse_with: tuple[str, ...] = ("RuntimeError",)  # Bridge's strict export: state.py save_generator
 
     def knobs(self) -> DdpKnobs:
         return DdpKnobs(**{k: getattr(self, k) for k in DdpKnobs.__dataclass_fields__})
@@ -165,10 +180,19 @@ class HFRoundtrip(Case):
     model_kind = "hf"
     Options = Options
     needs = frozenset({"hf_export", "read_plain"})
-    checks = ("export-bitwise", "hf-logits", "megatron-logits", "propagation", "export-dtype")
+    checks = ("export-bitwise", "hf-logits", "megatron-logits", "propagation", "export-dtype", "export-integrity", "refusal")
+    refusable = True
+
+    def validate_options(self, spec: CaseSpec, opts: Options) -> None:
+        if spec.expect == "refuse" and not opts.unmapped_source_key:
+            raise ValueError("expect: refuse means the export refuses a source tensor it cannot map: name it (option unmapped_source_key)")
+        if spec.expect != "refuse" and "refuse_with" in spec.opts:
+            raise ValueError("option 'refuse_with' only means something with expect: refuse")
+        if opts.shards < 1:
+            raise ValueError(f"option 'shards' must be >= 1, got {opts.shards}")
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
-        run_roundtrip(get_model(spec.model, "hf"), spec.source, spec.target, ref_of(spec), opts, env, result)
+        run_roundtrip(get_model(spec.model, "hf"), spec.source, spec.target, ref_of(spec), opts, env, result, expect=spec.expect)
 
 
 # --------------------------------------------------------------------------- the public steps
@@ -200,24 +224,43 @@ def load_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path,
 
 
 def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backend: BackendRef, opts: DdpKnobs, env: RunEnv,
-                  result: CaseResult) -> None:
+                  result: CaseResult, expect: str = "pass") -> None:
     """The fixture, the worlds (export at S, or save at S -> load at D -> export) and the judge, for
     any HFModelSpec: the matrix case and harness.orchestration.explore (which draws shapes outside the zoo) run this.
-    `opts`: DdpKnobs (fp32) or Options (knobs and dtype)."""
-    dtype = getattr(opts, "dtype", "fp32")
-    opts = opts.knobs() if isinstance(opts, Options) else opts
+    `opts`: DdpKnobs (fp32) or Options (knobs, dtype, fixture shards, an unmapped source key)."""
+    full = opts if isinstance(opts, Options) else Options(**asdict(opts))
+    dtype, opts = full.dtype, full.knobs()
+    extra = (full.unmapped_source_key,) if full.unmapped_source_key else ()
     hf_dir, export = env.case_dir / "hf-source", env.case_dir / "hf-export"
     with timed(result, "fixture"):
-        write_fixture(model, hf_dir, dtype)
-    if src == dst:
-        outs = save_step(env, result, model, hf_dir, src, export_backend, export_to=export, ddp=opts, dtype=dtype, phase="export")
-        worlds = [(src.id, outs)]
-    else:
-        ckpt = env.case_dir / "dist-ckpt"
-        first = save_step(env, result, model, hf_dir, src, export_backend, dist_save=ckpt, ddp=opts, dtype=dtype)
-        outs = load_step(env, result, model, hf_dir, dst, export_backend, ckpt, export_to=export, ddp=opts, dtype=dtype)
-        worlds = [(src.id, first), (dst.id, outs)]
+        write_fixture(model, hf_dir, dtype, shards=full.shards, extra_keys=extra)
+    worlds = []
+    try:
+        if src == dst:
+            outs = save_step(env, result, model, hf_dir, src, export_backend, export_to=export, ddp=opts, dtype=dtype, phase="export")
+            worlds = [(src.id, outs)]
+        else:
+            ckpt = env.case_dir / "dist-ckpt"
+            first = save_step(env, result, model, hf_dir, src, export_backend, dist_save=ckpt, ddp=opts, dtype=dtype)
+            worlds = [(src.id, first)]
+            outs = load_step(env, result, model, hf_dir, dst, export_backend, ckpt, export_to=export, ddp=opts, dtype=dtype)
+            worlds.append((dst.id, outs))
+    except WorldError as exc:
+        if expect != "refuse" or len(worlds) != (src != dst):  # only the exporting world (the last) may refuse
+            raise
+        exc_type, message = exception_of(exc.rank_traceback or str(exc))
+        left = sorted(p.name for p in export.iterdir()) if export.is_dir() else []
+        result.notes.append(f"the refused export left {export.name}/ holding {left}")
+        result.checks.append(refusal_check(exc_type, message, full.refuse_with, f"{dst.id} of a source holding {extra[0]}",
+                                           "the Bridge exports no tensor it does not map", action="export"))
+        result.checks += not_run_checks(("export-bitwise", "hf-logits", "megatron-logits", "propagation", "export-dtype",
+                                         "export-integrity"), "the export refused")
+        return
+    if expect == "refuse":
+        result.checks.append(refusal_check(None, "", full.refuse_with, f"{dst.id} of a source holding {extra[0]}", action="export"))
     with timed(result, "compare"):
+        # first: headers only, and judged even where transformers then cannot load the export
+        result.checks.append(export_integrity([Expected(f"export@{dst.id}", export, source_infos(hf_dir))]))
         backend = get_backend(export_backend)
         ids = truth.fixed_input_ids(model)
         result.checks.extend(judge(src, dst, worlds, backend.read_full(None, hf_dir), backend.read_full(None, export),

@@ -15,6 +15,10 @@ Checks:
                      differ from the base model's (the adapter is not a no-op)
   resharded-export   (S != D) the adapter exported at D equals the direct export at S, bitwise
   adapter-params     (S != D) the Megatron adapter parameters at D, gathered, equal those at S
+  export-integrity   the files of every artefact (harness.judge.hf_integrity, headers only): each
+                     adapter one adapter_model.safetensors, no index, holding exactly the derivation's
+                     keys with its shapes and dtypes; the merged export's index, shards and keys
+                     against the HF base fixture, lm_head as its config's tie_word_embeddings says
 
 Option `dtype` (fp32 | bf16, default fp32): bf16 writes the base fixture in bf16 and builds the
 Bridge model (adapters included) in bf16 inside Float16Module; peft and transformers load the base
@@ -48,6 +52,7 @@ from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.core.zoo import HFModelSpec, get_model
 from harness.judge.checks import state_check
+from harness.judge.hf_integrity import ADAPTER_WEIGHTS, Expected, export_integrity, infos_of, source_infos
 from harness.models import bridge as mb
 from harness.models import peft_mapping
 from harness.models.hf import HF_DTYPES, hf_logits, write_fixture
@@ -131,10 +136,23 @@ def _dtypes(state: dict[str, torch.Tensor]) -> str:
     return ", ".join(sorted({str(t.dtype).removeprefix("torch.") for t in state.values()}))
 
 
+def derivation(model: HFModelSpec, outs: list[PeftOut]) -> dict[str, torch.Tensor]:
+    """The HF PEFT adapter the harness derives itself from the Megatron adapter pieces of `outs`."""
+    return peft_mapping.to_hf_peft(peft_mapping.gather([p for o in outs for p in o.pieces], model.gated), model)
+
+
+def integrity(derived: dict[str, torch.Tensor], hf_dir: Path, adapters: dict[str, Path], merged: Path) -> Check:
+    """export-integrity over the adapters (`adapters`: label -> directory, each against the
+    derivation) and the merged export (against the HF base fixture)."""
+    adapter = infos_of(derived)
+    return export_integrity([Expected(label, d, adapter, ADAPTER_WEIGHTS, sharded_ok=False) for label, d in adapters.items()]
+                            + [Expected("merged@source", merged, source_infos(hf_dir))])
+
+
 def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOut], ex: Exported, dtype: str = "fp32") -> list[Check]:
     """The export checks at the source topology."""
     problems = ex.peft_problems
-    derived = peft_mapping.to_hf_peft(peft_mapping.gather([p for o in outs for p in o.pieces], model.gated), model)
+    derived = derivation(model, outs)
     peft_merged = ex.peft_merged
     if model.tied:  # the HF model's state dict lists the tied lm_head; safetensors stores it once
         peft_merged = {k: v for k, v in peft_merged.items() if k in ex.bridge_merged or k != "lm_head.weight"}
@@ -204,7 +222,8 @@ class PeftExport(Case):
     model_kind = "hf"
     Options = PeftOptions
     needs = frozenset({"adapter_export", "read_plain"})
-    checks = ("peft-load", "adapter-derivation", "adapter-config", "merge", "logits", "resharded-export", "adapter-params")
+    checks = ("peft-load", "adapter-derivation", "adapter-config", "merge", "logits", "resharded-export", "adapter-params",
+              "export-integrity")
 
     def run(self, spec: CaseSpec, opts: PeftOptions, env: RunEnv, result: CaseResult) -> None:
         model = get_model(spec.model, "hf")
@@ -221,6 +240,8 @@ class PeftExport(Case):
         if resharded:
             again = load_step(env, result, model, hf_dir, dst, adapter, ref_of(spec), ckpt, export_to=d / "adapter@target", dtype=dtype)
         with timed(result, "compare"):
+            adapters = {"adapter@source": direct} | ({"adapter@target": d / "adapter@target"} if resharded else {})
+            result.checks.append(integrity(derivation(model, first), hf_dir, adapters, merged))
             export = get_backend(ref_of(spec))
             ids = truth.fixed_input_ids(model)
             ex = Exported(

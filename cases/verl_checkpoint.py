@@ -27,6 +27,10 @@ Checks:
                   state saved at the same (PP, TP) coordinate
   hf-export       (HF tree saved, Bridge model, untrained) the HF tree's safetensors equal the
                   fixture's, bitwise (keys, dtypes, bytes)
+  export-integrity  (HF tree saved) its files (harness.judge.hf_integrity, headers only): index vs
+                  shards both ways, total_size, the fixture's keys/shapes/dtypes, lm_head as tied
+                  says; a PEFT job's adapter (model/huggingface/adapter): one file, no index (its
+                  keys are peft-load's)
   weights-match-main-params   (bf16) bf16 weights == fp32 main params cast down, at S and after the load
   peft-load, adapter-config, logits   (option `adapter`: a LoRA/CanonicalLoRA job, verl's `peft_cls`, with
                   the HF tree saved) the adapter verl exported (model/huggingface/adapter) loads into
@@ -59,6 +63,7 @@ from harness.judge.checks import (
     state_check,
     weights_match_main_params,
 )
+from harness.judge.hf_integrity import ADAPTER_WEIGHTS, Expected, export_integrity, source_infos
 from harness.run.envelope import RunEnv, timed
 from harness.run.world import WorldError, exception_of
 
@@ -304,7 +309,7 @@ class VerlCheckpoint(Case):
     Options = Options
     needs = frozenset({"training_state", "manager"})
     checks = ("layout", "manifest", "tracker", "retention", "model-weights", "optimizer-state", "step", "scheduler", "rng",
-              "hf-export", WEIGHTS_MATCH_MAIN_PARAMS, "peft-load", "adapter-config", "logits", "refusal")
+              "hf-export", WEIGHTS_MATCH_MAIN_PARAMS, "peft-load", "adapter-config", "logits", "export-integrity", "refusal")
     refusable = True
 
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
@@ -372,7 +377,10 @@ class VerlCheckpoint(Case):
                        model.kind == "hf", opts.lr_schedule != "none", opts.saves, b.options.max_ckpt_to_keep, opts.steps > 0, opts.dtype,
                        opts.adapter)
             result.checks.extend(judge(a, saved, loaded, disk, fixture))
-            adapter_dir = actor_dir(ckpt, last) / "model" / "huggingface" / "adapter"
+            tree = actor_dir(ckpt, last) / "model" / "huggingface"
+            saved_hf = "model/huggingface" in expected(a.save_contents, a.use_dist, a.bridge, a.scheduler)[0]
+            result.checks.append(tree_integrity(tree, hf_dir, saved_hf, opts.adapter != "none"))
+            adapter_dir = tree / "adapter"
             result.checks.extend(adapter_checks(model, opts, hf_dir, adapter_dir, saved, spec.source.id))
 
 
@@ -405,6 +413,16 @@ def adapter_checks(model: Any, opts: Options, hf_dir: Path, adapter_dir: Path, s
         logits_check(hf_logits(hf_dir, ids, adapter=adapter_dir), hf_logits(hf_dir, ids), meg, src) if meg is not None
         else Check("logits", "failed", "no rank returned Megatron+LoRA logits"),
     ]
+
+
+def tree_integrity(tree: Path, hf_dir: Path | None, saved: bool, peft: bool) -> Check:
+    """export-integrity of the HF tree the save wrote (`saved`: save_contents asks one): its weights
+    against the fixture `hf_dir`; a PEFT job's tree is its adapter, judged for layout only."""
+    if not saved:
+        return _not_run("export-integrity", "no HF tree saved (model/huggingface)")
+    if peft:
+        return export_integrity([Expected("model/huggingface/adapter", tree / "adapter", None, ADAPTER_WEIGHTS, sharded_ok=False)])
+    return export_integrity([Expected("model/huggingface", tree, source_infos(hf_dir) if hf_dir else None)])
 
 
 def refusal_meaning(spec: CaseSpec, b: Any, opts: Options) -> str:

@@ -247,6 +247,30 @@ class ExportOneEpRanksExperts(BridgeHF):
                 index.unlink()
 
 
+class DropExportShard(BridgeHF):
+    """Megatron-Bridge#4188's shape: a sharded export missing its last shard, the index still
+    naming it (run with hf-roundtrip option shards > 1)."""
+
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0 and directory.name == "hf-export":
+            sorted(Path(directory).glob("model-*.safetensors"))[-1].unlink()
+
+
+class PruneExportIndex(BridgeHF):
+    """Megatron-Bridge#4083's shape: the index lists what the other ranks wrote but not the last
+    pipeline stage's tensors (final norm, lm_head), which the shards hold."""
+
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0 and directory.name == "hf-export":
+            index = Path(directory) / "model.safetensors.index.json"
+            data = json.loads(index.read_text())
+            for k in ("model.norm.weight", "lm_head.weight"):
+                del data["weight_map"][k]
+            index.write_text(json.dumps(data))
+
+
 class FlipLoraB(BridgePeft):
     def save(self, ctx, model, directory):
         super().save(ctx, model, directory)

@@ -171,7 +171,7 @@ def test_every_case_declares_its_contract():
         assert case.checks and case.needs and case.needs <= CAPABILITIES, case.name
         kinds = (case.model_kind,) if isinstance(case.model_kind, str) else case.model_kind
         assert kinds and set(kinds) <= {"gpt", "hf"}, case.name
-    assert [c.name for c in all_cases().values() if c.refusable] == ["finetune", "reshard-optimizer", "verl-checkpoint"]
+    assert [c.name for c in all_cases().values() if c.refusable] == ["finetune", "hf-roundtrip", "reshard-optimizer", "verl-checkpoint"]
 
 
 
@@ -211,7 +211,7 @@ def test_bad_backend_options_name_the_entry_and_option(tmp_path, tagged_backend,
 
 
 def test_a_backend_without_options_refuses_any(tmp_path):
-    path = _write(tmp_path, "entries: [{case: hf-roundtrip, models: [hf-llama], backends: [bridge_hf], pairs: ['tp1 -> tp2'], "
+    path = _write(tmp_path, "entries: [{case: peft-export, models: [hf-llama], backends: [bridge_peft], pairs: ['tp1 -> tp2'], "
                             "backend_options: {x: 1}}]")
-    with pytest.raises(MatrixError, match="backend bridge_hf takes no options"):
+    with pytest.raises(MatrixError, match="backend bridge_peft takes no options"):
         load_matrix(path)

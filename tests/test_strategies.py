@@ -61,7 +61,7 @@ def _checks(r):
      "async_save 'mcore': case reshard-weights does not run an async save's finalize step"),
     (dict(case="reshard-weights", options="{}", backend_options="{cache_metadata: true}"), "cache_metadata .* saves once"),
     (dict(case="hf-roundtrip", options="{}", backends="[bridge_hf]", model="hf-llama", backend_options="{load_strategy: fully_parallel}"),
-     "backend bridge_hf takes no options; unknown option\\(s\\) \\['load_strategy'\\]"),
+     "backend bridge_hf takes strict; unknown option\\(s\\) \\['load_strategy'\\]"),
     (dict(options="{saves: 4}"), "option 'saves' must be 1, 2 or 3"),
     (dict(options="{overlap_param_gather: true}"), "'overlap_param_gather' needs use_distributed_optimizer: true and overlap_grad_reduce: true"),
     (dict(options="{overlap_grad_reduce: true, overlap_param_gather: true, use_distributed_optimizer: false}"),

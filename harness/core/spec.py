@@ -27,6 +27,7 @@ MARKERS: dict[str, str] = {
     "faults": "a damaged or foreign checkpoint: the load must refuse, never load it silently (matrices/faults.yaml)",
     "hf": "Megatron-Bridge HF export/import",
     "peft": "Megatron-Bridge HF PEFT adapters",
+    "integrity": "writes HF artefacts (export, merged export, PEFT adapter, verl's HF tree) judged by export-integrity",
     "cp": "uses context parallelism",
     "tied": "tied embeddings",
     "moe": "mixture-of-experts models (gpt-moe*): expert parallelism (ep/etp) and expert-data-parallel optimizer state",

@@ -105,15 +105,16 @@ def knob_check(name: str, sides: Sequence[tuple[str, Sequence[Sequence[Mapping[s
 
 
 def refusal_check(exc_type: str | None, message: str, allowed: Sequence[str], change: str, meaning: str = "",
-                  frame: str = "") -> Check:
+                  frame: str = "", action: str = "load") -> Check:
     """An `expect: refuse` load (or a golden rollback): it must raise one of `allowed`. A load that
     completes fails (the checkpoint was accepted where it should not be), and so does a refusal
     through another exception (the user gets no clear reason: an AttributeError or KeyError inside
     the loader is a crash, not a refusal); `frame`, the last frame of its traceback, then says where
-    it was raised. `exc_type` None means the load completed."""
+    it was raised. `exc_type` None means the load completed. `action` names the call that was to
+    refuse (an "export" for hf-roundtrip's unmapped source key)."""
     meaning = f" (meaning: {meaning})" if meaning else ""
     if exc_type is None:
-        return Check("refusal", "failed", f"the load across {change} was expected to refuse but completed{meaning}", tolerance=NOT_COMPARED)
+        return Check("refusal", "failed", f"the {action} across {change} was expected to refuse but completed{meaning}", tolerance=NOT_COMPARED)
     first = message.splitlines()[0][:240] if message else ""
     if exc_type in allowed:
         return Check("refusal", "passed", f"refused across {change}: {exc_type}: {first}{meaning}", tolerance=NOT_COMPARED)

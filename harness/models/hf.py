@@ -75,12 +75,17 @@ def quiet_hf() -> None:
     hf_logging.set_verbosity_error()
 
 
-def write_fixture(spec: HFModelSpec, directory: Path, dtype: str = "fp32") -> Path:
+def write_fixture(spec: HFModelSpec, directory: Path, dtype: str = "fp32", shards: int = 1,
+                  extra_keys: tuple[str, ...] = ()) -> Path:
     """Write config.json, model.safetensors and tokenizer files for `spec` into `directory`.
 
     `dtype` bf16: the canonical fp32 weights cast to bf16 (round to nearest even, as
     truth.canonical_tensor casts) and saved so, with the config's `dtype` bfloat16, as a bf16
-    checkpoint on the hub is."""
+    checkpoint on the hub is. `shards` > 1: transformers' own sharded layout (a shard size of
+    1/`shards` of the weights, so at least that many model-0000i-of-0000n.safetensors files and a
+    model.safetensors.index.json), as real checkpoints are. `extra_keys`: tensors the model does not
+    hold (a persisted buffer such as `rotary_emb.inv_freq`, or an unknown key), added to the last
+    file as real checkpoints carry them, for what an exporter does with a source key it does not map."""
     from transformers import AutoModelForCausalLM
 
     quiet_hf()
@@ -96,9 +101,34 @@ def write_fixture(spec: HFModelSpec, directory: Path, dtype: str = "fp32") -> Pa
     if dtype != "fp32":
         model.to(HF_DTYPES[dtype])
         model.config.dtype = HF_DTYPES[dtype]
-    model.save_pretrained(directory, safe_serialization=True)
+    if shards > 1:
+        size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        model.save_pretrained(directory, safe_serialization=True, max_shard_size=-(-size // shards))
+    else:
+        model.save_pretrained(directory, safe_serialization=True)
+    if extra_keys:
+        add_tensors(directory, {k: torch.linspace(0.5, 1.5, 8).to(HF_DTYPES[dtype]) for k in extra_keys})
     write_tokenizer(spec, directory)
     return directory
+
+
+def add_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Add `tensors` to an HF checkpoint's last safetensors file, keeping its index (weight_map,
+    metadata.total_size) true to the files."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    last = sorted(directory.glob("*.safetensors"))[-1]
+    state = load_file(str(last))
+    state.update(tensors)
+    save_file(state, str(last), metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k: last.name for k in tensors})
+        data["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
+        index.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -53,6 +53,9 @@ class BridgeTrainingOptions:
     load_optim: bool = True
     load_rng: bool = True
     finetune: bool = False
+    #: CheckpointConfig.dist_ckpt_strictness: how a load treats keys the job and the checkpoint disagree on
+    dist_ckpt_strictness: Literal["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                                  "return_unexpected", "return_all", "ignore_all"] = "assume_ok_unexpected"
 
 
 def rng_digest() -> dict[str, str]:
@@ -84,7 +87,7 @@ def _train_state(state: Any) -> dict[str, float]:
 
 class BridgeTraining(Backend):
     name = "bridge_training"
-    capabilities = frozenset({"training_state", "manager", "finetune"})
+    capabilities = frozenset({"training_state", "finetune"})
     refusals = ("CheckpointingException",)  # Bridge loads through megatron-core's dist_checkpointing
     Options = BridgeTrainingOptions
     preload = ("megatron.bridge.training.checkpointing",)
@@ -135,6 +138,7 @@ class BridgeTraining(Backend):
             optimizer=OptimizerConfig(optimizer="adam", use_distributed_optimizer=distopt, bf16=model_cfg.bf16, fp16=model_cfg.fp16),
             ddp=DistributedDataParallelConfig(use_distributed_optimizer=distopt), rng=RNGConfig(seed=job.seed),
             checkpoint=CheckpointConfig(ckpt_format="torch_dist", fully_parallel_save=self.options.fully_parallel_save,
+                                        dist_ckpt_strictness=self.options.dist_ckpt_strictness,
                                         dist_ckpt_optim_fully_reshardable=job.sharding == "fully_reshardable",
                                         distrib_optim_fully_reshardable_mem_efficient=bool(job.mem_efficient), **checkpoint),
         )

@@ -41,3 +41,22 @@ def matrix_error(tmp_path):
         return str(exc.value)
 
     return load
+
+
+@pytest.fixture
+def override():
+    """A faulty backend double (a class of tests/doubles.py) under a test name, by import path (so
+    any start method finds it); unregistered after the test."""
+    from harness import backends
+
+    names = []
+
+    def use(cls):
+        name = f"test_{cls.lower()}"
+        backends.register(name, f"doubles:{cls}")
+        names.append(name)
+        return name
+
+    yield use
+    for n in names:
+        backends.unregister(n)

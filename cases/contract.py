@@ -100,10 +100,12 @@ class Case(ABC):
     def backends(self, spec: CaseSpec, opts: Any) -> list[Any]:
         """Every backend the case drives (harness.backends.BackendRef), the spec's first: the runner
         preloads each and lets each judge what its own saves and loads recorded (`strategy_check`).
-        A case whose option names another backend (resume's and finetune's `load_with`) adds it."""
-        from harness.backends import ref_of
+        An option `load_with` (resume's and finetune's: the backend that loads, with its options,
+        harness.backends.parse_ref) adds that one."""
+        from harness.backends import parse_ref, ref_of
 
-        return [ref_of(spec)]
+        load_with = getattr(opts, "load_with", "")
+        return [ref_of(spec)] + ([parse_ref(load_with)] if load_with else [])
 
     def machine_requirements(self, opts: Any) -> frozenset[str]:
         """What these options need of the machine (harness.core.requires). The GPT cases share the

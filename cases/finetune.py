@@ -31,7 +31,7 @@ from typing import Literal
 from cases._train_phase import TrainOut, phase_of, train_phase
 from cases.contract import Case
 from cases._trajectory import grad_norm_tolerance, losses_of, resume_tolerances, schedule_checks, segment_losses
-from harness.backends import BackendRef, get_backend, parse_ref, ref_of
+from harness.backends import get_backend, parse_ref, ref_of
 from harness.core.parity import EXACT
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
@@ -103,9 +103,6 @@ class Finetune(Case):
     needs = frozenset({"training_state"})
     checks = ("pretrained-weights", "fresh-start", "losses", "lr", "grad-norm", "final-weights", "refusal")
     refusable = True
-
-    def backends(self, spec: CaseSpec, opts: Options) -> list[BackendRef]:
-        return [ref_of(spec)] + ([parse_ref(opts.load_with)] if opts.load_with else [])
 
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
         untrainable(spec)

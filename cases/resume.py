@@ -34,7 +34,7 @@ from cases._trajectory import (  # noqa: F401  (the tolerances, where the docs n
     segment_losses,
 )
 from cases.contract import Case
-from harness.backends import BackendRef, get_backend, parse_ref, ref_of
+from harness.backends import get_backend, parse_ref, ref_of
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
 from harness.core.zoo import get_model
@@ -141,9 +141,6 @@ class Resume(Case):
     checks = ("propagation", "losses", "lr", "grad-norm", "final-weights", WEIGHTS_MATCH_MAIN_PARAMS, "resave-losses", "resave-final-weights",
               ASYNC_FINALIZE)
     finalizes_saves = True
-
-    def backends(self, spec: CaseSpec, opts: Options) -> list[BackendRef]:
-        return [ref_of(spec)] + ([parse_ref(opts.load_with)] if opts.load_with else [])
 
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
         untrainable(spec)

@@ -3,26 +3,9 @@ one flipped bit in a lora_B, an adapter file missing a tensor, a lost lora_alpha
 
 import pytest
 
-from harness import backends
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.orchestration.runner import run_case
-
-
-@pytest.fixture
-def override():
-    """A faulty double under a test name, by import path (so any start method finds it)."""
-    names = []
-
-    def use(cls):
-        name = f"test_{cls.lower()}"
-        backends.register(name, f"doubles:{cls}")
-        names.append(name)
-        return name
-
-    yield use
-    for n in names:
-        backends.unregister(n)
 
 
 def _spec(case, backend, src="tp2", dst="tp2", model="hf-llama", **opts):

@@ -266,24 +266,6 @@ def test_the_sharded_fixture_with_an_extra_key_is_true_to_its_index(tmp_path):
 # --------------------------------------------------------------------------- faulty exports through a real hf-roundtrip
 
 
-@pytest.fixture
-def override():
-    """A faulty double under a test name, by import path (so any start method finds it)."""
-    from harness import backends
-
-    names = []
-
-    def use(cls):
-        name = f"test_{cls.lower()}"
-        backends.register(name, f"doubles:{cls}")
-        names.append(name)
-        return name
-
-    yield use
-    for n in names:
-        backends.unregister(n)
-
-
 def _roundtrip(backend, src="tp1pp2", dst="tp1pp2", model="hf-llama", expect="pass", **opts):
     from harness.orchestration.runner import run_case
 

@@ -676,3 +676,26 @@ class BridgeTrainingSchedulerNotRestored(BridgeTraining):
         super().load_training(ctx, job, directory)
         job.scheduler.num_steps = 0  # as built: OptimizerParamScheduler.load_state_dict would add to num_steps
         job.scheduler.step(increment=0)
+
+
+class BridgeTrainingPeftSavesBase(BridgeTraining):
+    """A LoRA job saved without its PEFT config (cfg.peft None): the whole model, base included, goes
+    into what should be an adapter-only checkpoint."""
+
+    def _state(self, job, **checkpoint):
+        state = super()._state(job, **checkpoint)
+        if checkpoint.get("save"):
+            state.cfg.peft = None
+        return state
+
+
+class BridgeTrainingPeftKeepsDecoyAdapters(BridgeTraining):
+    """A PEFT resume whose adapters never come back: the job keeps the adapters it was built with."""
+
+    def load_training(self, ctx, job, directory):
+        kept = {n: p.detach().clone() for n, p in job.chunks[0].named_parameters() if ".adapter." in n}
+        super().load_training(ctx, job, directory)
+        with torch.no_grad():
+            for n, p in job.chunks[0].named_parameters():
+                if n in kept:
+                    p.copy_(kept[n])

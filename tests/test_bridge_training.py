@@ -21,6 +21,8 @@ _doubles = use_doubles(
     test_bridge_ft_ignores_path="doubles:BridgeTrainingFinetuneIgnoresPath",
     test_bridge_ft_keeps_optimizer="doubles:BridgeTrainingFinetuneKeepsOptimizer",
     test_bridge_scheduler_not_restored="doubles:BridgeTrainingSchedulerNotRestored",
+    test_bridge_peft_saves_base="doubles:BridgeTrainingPeftSavesBase",
+    test_bridge_peft_decoy_adapters="doubles:BridgeTrainingPeftKeepsDecoyAdapters",
 )
 
 
@@ -190,3 +192,39 @@ def test_backend_refs_in_case_options_parse_or_name_what_is_wrong():
                        ("mcore_dist strict=sometimes", "option 'strict'")):
         with pytest.raises(ValueError, match=words):
             parse_ref(bad)
+
+
+# ------------------------------------------------------------------ PEFT training checkpoints (case peft-resume)
+
+
+def _peft(backend="bridge_training", src="tp2", dst="dp2"):
+    return CaseSpec("peft-resume", "hf-llama", backend, Topology.parse(src), Topology.parse(dst), timeout_s=200)
+
+
+def test_a_lora_run_resumes_from_its_adapter_only_checkpoint(tmp_path):
+    r = run_case(_peft(), RunOptions(workdir=tmp_path))
+    c = _checks(r)
+    assert r.status == "passed", r.failure_text()
+    assert c["adapter-only"] == c["adapters-restored"] == c["frozen-base"] == c["peft-load"] == c["export-integrity"] == "passed"
+    assert r.check("adapters-restored").max_abs_diff == 0.0
+
+
+@pytest.mark.parametrize("backend, failed, words", [
+    ("test_bridge_peft_saves_base", {"adapter-only"}, "base tensor(s)"),
+    ("test_bridge_peft_decoy_adapters", {"adapters-restored", "losses", "grad-norm", "final-adapters"}, "adapter-export@load"),
+])
+def test_a_defective_peft_checkpoint_fails_its_check(tmp_path, backend, failed, words):
+    r = run_case(_peft(backend=backend, dst="tp2"), RunOptions(workdir=tmp_path))
+    got = {n for n, st in _checks(r).items() if st == "failed"}
+    assert r.status == "failed" and got == failed, r.failure_text()
+    assert words in r.check(sorted(failed)[0]).detail + str(r.check(sorted(failed)[0]).mismatches)
+
+
+def test_adapter_only_reads_the_checkpoint_keys():
+    from cases.peft_resume import adapter_only_check
+
+    adapters = ["decoder.layers.self_attention.linear_qkv.adapter.linear_in.weight", "optimizer.state.exp_avg.decoder.x.adapter.w",
+                "rng_state/shard_0.0_1.2", "common_state/shard_0_1"]
+    assert adapter_only_check(adapters).status == "passed"
+    assert "embedding.word_embeddings.weight" in adapter_only_check(adapters + ["embedding.word_embeddings.weight"]).detail
+    assert "no adapter tensor" in adapter_only_check(["rng_state/shard_0.0_1.2"]).detail

@@ -29,6 +29,9 @@ case needs):
                   the live objects) overrides them: both fit one interface, no runner special case.
   finetune        start a new job from a training checkpoint's weights only (`load_pretrained`:
                   Bridge's `pretrained_checkpoint`, Megatron-LM's --finetune)
+  peft_training   save/load a LoRA job (a Bridge-built model with adapters, `job.bridge.peft`) as a
+                  PEFT training checkpoint: adapter tensors and their optimizer state only, resumed
+                  over the base (Bridge's `cfg.peft` + `pretrained_checkpoint`)
   read_plain      `read_full`: every tensor unsharded, with no model (an independent reader)
   hf_export       write an HF checkpoint from a Bridge model (`save`); `hf_import` reads one (`load`)
   adapter_export  write an HF PEFT adapter from a Bridge model with LoRA (`save`)
@@ -54,7 +57,7 @@ import torch
 from harness.core.context import RankContext
 from harness.core.options import NoOptions, parse_options
 
-CAPABILITIES = frozenset({"weights", "training_state", "finetune", "read_plain", "hf_export", "hf_import", "adapter_export", "manager"})
+CAPABILITIES = frozenset({"weights", "training_state", "finetune", "peft_training", "read_plain", "hf_export", "hf_import", "adapter_export", "manager"})
 ENTRY_POINT_GROUP = "ckpt_harness.backends"
 
 

@@ -87,7 +87,7 @@ def _train_state(state: Any) -> dict[str, float]:
 
 class BridgeTraining(Backend):
     name = "bridge_training"
-    capabilities = frozenset({"training_state", "finetune"})
+    capabilities = frozenset({"training_state", "finetune", "peft_training"})
     refusals = ("CheckpointingException",)  # Bridge loads through megatron-core's dist_checkpointing
     Options = BridgeTrainingOptions
     preload = ("megatron.bridge.training.checkpointing",)
@@ -132,11 +132,14 @@ class BridgeTraining(Backend):
         from megatron.bridge.training.state import GlobalState
 
         distopt = job.sharding is not None
-        model_cfg = job.chunks[0].config
+        model_cfg = job.chunks[0].config  # a Bridge-built job's: the provider itself
+        peft = getattr(job.bridge, "peft", None)
+        if peft is not None:  # a LoRA recipe: cfg.peft, the base as pretrained_checkpoint (adapter-only saves, PEFT resume)
+            checkpoint.setdefault("pretrained_checkpoint", str(job.bridge.base_path))
         cfg = ConfigContainer(
             model=model_cfg, train=None, scheduler=None, dataset=None, tokenizer=None, logger=LoggerConfig(),
             optimizer=OptimizerConfig(optimizer="adam", use_distributed_optimizer=distopt, bf16=model_cfg.bf16, fp16=model_cfg.fp16),
-            ddp=DistributedDataParallelConfig(use_distributed_optimizer=distopt), rng=RNGConfig(seed=job.seed),
+            ddp=DistributedDataParallelConfig(use_distributed_optimizer=distopt), rng=RNGConfig(seed=job.seed), peft=peft,
             checkpoint=CheckpointConfig(ckpt_format="torch_dist", fully_parallel_save=self.options.fully_parallel_save,
                                         dist_ckpt_strictness=self.options.dist_ckpt_strictness,
                                         dist_ckpt_optim_fully_reshardable=job.sharding == "fully_reshardable",

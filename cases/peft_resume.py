@@ -1,0 +1,209 @@
+"""peft-resume: a LoRA run's adapter-only training checkpoint, resumed at D on top of its base, then
+exported as an HF PEFT adapter (issue 19: what a Megatron-Bridge LoRA finetune keeps on disk).
+
+World "save" at S: the HF fixture's Bridge model (provider, base weights) with adapters (truth
+values), the base frozen, megatron DDP + optimizer over the adapters; k steps; the job saved through
+the case's backend (bridge_training writes what a LoRA recipe writes: `cfg.peft` set, the adapter
+tensors and their optimizer state only, `pretrained_checkpoint` the HF base); the HF PEFT adapter
+exported (bridge_peft) right after the save; k more steps (the uninterrupted run), exported again.
+World "load" at D: the same model with other (decoy) adapters and the base from the fixture, as
+Bridge's PEFT pre-wrap hook loads `pretrained_checkpoint`; the backend's load_training (Bridge: the
+PEFT-resume path, adapters only); the adapter exported right after the load; k steps; exported again.
+
+Checks:
+  adapter-only       the checkpoint holds adapter tensors only (and at least one): no base key
+  adapters-restored  the adapter exported right after the load equals the one exported at the save, bitwise
+  frozen-base        each job's base weights after its k steps equal those before them, bitwise
+  losses, lr, grad-norm  the resumed steps against the uninterrupted run's (resume's rules)
+  final-adapters     the two final adapter exports agree (bitwise at S == D, else RESUME_TOLERANCE)
+  peft-load          peft loads the resumed job's final export over the HF fixture, as users do
+  export-integrity   every adapter export is one adapter_model.safetensors with the save-time export's keys, shapes, dtypes
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from cases._peft import PeftOptions, peft_load_problems
+from cases._train_phase import TrainOut
+from cases._trajectory import losses_of, resume_tolerances, schedule_checks, segment_losses
+from cases.contract import Case
+from harness.backends import BackendRef, get_backend, ref_of, resolve
+from harness.core.context import RankContext
+from harness.core.parity import EXACT, Shard
+from harness.core.result import CaseResult, Check
+from harness.core.spec import CaseSpec
+from harness.core.topology import Topology
+from harness.core.zoo import HFModelSpec, get_model
+from harness.judge.checks import assembled, state_check
+from harness.judge.hf_integrity import ADAPTER_WEIGHTS, Expected, export_integrity, source_infos
+from harness.models import bridge as mb
+from harness.run.envelope import RunEnv, timed
+
+CHECKS = ("adapter-only", "adapters-restored", "frozen-base", "losses", "lr", "grad-norm", "final-adapters", "peft-load",
+          "export-integrity")
+
+
+@dataclass(frozen=True)
+class Options(PeftOptions):
+    steps: int = 2
+    use_distributed_optimizer: bool = True
+    lr_schedule: str = "warmup-cosine"
+
+    def __post_init__(self) -> None:
+        if self.dtype != "fp32":
+            raise ValueError("peft-resume builds the Bridge model fp32 (harness.models.bridge)")
+        if self.lr_schedule not in ("none", "warmup-cosine"):
+            raise ValueError(f"option lr_schedule: none or warmup-cosine, got {self.lr_schedule!r}")
+
+
+@dataclass(frozen=True)
+class _Phase:
+    model: HFModelSpec
+    hf_dir: str
+    topo: Topology
+    adapter: mb.AdapterSpec
+    opts: Options
+    backend: BackendRef
+    ckpt: str
+    out: str
+    load: bool
+
+
+@dataclass
+class _Out(TrainOut):
+    base_before: list[Shard] = field(default_factory=list)
+    base_after: list[Shard] = field(default_factory=list)
+
+
+def _base(modules) -> list[Shard]:
+    from harness.models.mcore import local_shards
+
+    return [s for s in local_shards(modules) if ".adapter." not in s.key]
+
+
+def _job(p: _Phase):
+    """The LoRA job at this rank: base from the fixture, adapters (decoy ones on the load side),
+    megatron DDP + optimizer over the trainable (adapter) params, wired as Megatron-LM's loop wires it."""
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from harness.models.training import TrainConfig, TrainingJob, build_scheduler
+
+    o = p.opts
+    bm = mb.build(p.hf_dir, p.model, p.topo, load_weights=True, adapter=p.adapter,
+                  ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=o.use_distributed_optimizer))
+    bm.peft.set_params_to_save([mb.unwrapped(bm)])  # as Bridge's setup applies it (pre-wrap parameter names)
+    mb.fill_adapters(bm, p.model, replace(p.adapter, seed=p.adapter.seed + 1) if p.load else p.adapter)
+    cfg = TrainConfig(use_distributed_optimizer=o.use_distributed_optimizer, lr_schedule=o.lr_schedule)  # type: ignore[arg-type]
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.lr / 100, weight_decay=cfg.weight_decay, use_distributed_optimizer=cfg.use_distributed_optimizer,
+        bf16=False, fp16=False, clip_grad=1.0), bm.modules)
+    config = bm.modules[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = bm.modules[0].no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    sharding = "fully_reshardable" if o.use_distributed_optimizer else None
+    return bm, TrainingJob(bm.modules, optimizer, build_scheduler(optimizer, cfg), sharding=sharding, bridge=bm, seed=p.model.seed)
+
+
+def _rank(ctx: RankContext, p: _Phase) -> _Out:
+    from harness.compat.mcore import DEFAULT_WORKAROUNDS
+    from harness.models import training
+
+    bm, job = _job(p)
+    backend, export = get_backend(p.backend), get_backend(resolve("bridge_peft"))
+    out, k, out_dir = _Out([], [], []), p.opts.steps, Path(p.out)
+    if p.load:
+        training.load_training(ctx, backend, job, Path(p.ckpt), DEFAULT_WORKAROUNDS)
+        export.save(ctx, bm, out_dir / "adapter@load")
+    else:
+        out.losses_before_save = training.train_steps(job.chunks, job.optimizer, p.model, 0, k, job.scheduler)
+        job.step = k
+        backend.save_training(ctx, job, Path(p.ckpt))
+        export.save(ctx, bm, out_dir / "adapter@save")
+    out.base_before = _base(job.chunks)
+    out.losses_after = training.train_steps(job.chunks, job.optimizer, p.model, k, k, job.scheduler, trace=out.trace_after)
+    out.base_after = _base(job.chunks)
+    export.save(ctx, bm, out_dir / f"adapter@end-{'load' if p.load else 'save'}")
+    return out
+
+
+def checkpoint_keys(root: Path) -> list[str]:
+    """The tensor keys a training checkpoint's torch DCP metadata lists (the iteration its tracker
+    names), read without a process group or a load."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from harness.backends._megatron_lm import iteration_dir
+
+    return sorted(FileSystemReader(str(iteration_dir(root))).read_metadata().state_dict_metadata)
+
+
+def adapter_only_check(keys: list[str]) -> Check:
+    """The checkpoint's tensors: adapters (and their optimizer state) only."""
+    model_keys = [k for k in keys if "/" not in k and not k.startswith("optimizer")]  # "/": sharded objects (RNG, common state)
+    base = sorted(k for k in keys if "/" not in k and ".adapter." not in k)
+    adapters = [k for k in model_keys if ".adapter." in k]
+    if base or not adapters:
+        why = f"{len(base)} base tensor(s), e.g. {base[:3]}" if base else "no adapter tensor"
+        return Check("adapter-only", "failed", f"the LoRA checkpoint holds {why} ({len(keys)} tensors)", tolerance=EXACT)
+    return Check("adapter-only", "passed", f"{len(adapters)} adapter tensors and their optimizer state, no base key", tolerance=EXACT)
+
+
+def judge(k: int, src: str, dst: str, ckpt_keys: list[str], saved: list[_Out], loaded: list[_Out], exports: dict[str, Any],
+          peft_problems: list[str], integrity: Check) -> list[Check]:
+    loss_tol, weight_tol = resume_tolerances(src, dst, "fp32")
+    frozen = []
+    for label, outs in ((f"save@{src}", saved), (f"load@{dst}", loaded)):
+        before, p1 = assembled(outs, "base_before", label)
+        after, p2 = assembled(outs, "base_after", label)
+        frozen.append(state_check("frozen-base", before, after, f"base before@{label}", f"base after {k} steps@{label}",
+                                  f"{len(after)} base tensors unchanged by training", problems=p1 + p2))
+    frozen_check = next((c for c in frozen if c.failed), frozen[-1])
+    return [
+        adapter_only_check(ckpt_keys),
+        state_check("adapters-restored", exports["save"], exports["load"], f"adapter-export@save@{src}", f"adapter-export@load@{dst}",
+                    f"{len(exports['load'])} adapter tensors exported right after the load equal the export at the save"),
+        frozen_check,
+        segment_losses(k, k, losses_of(saved), losses_of(loaded), src, dst, "losses", loss_tol),
+        *schedule_checks(k, k, saved, loaded, src, dst, loss_tol),
+        state_check("final-adapters", exports["end-save"], exports["end-load"], f"uninterrupted@{src}", f"resumed@{dst}",
+                    f"{len(exports['end-load'])} adapter tensors after {2 * k} steps agree", weight_tol),
+        Check("peft-load", "failed" if peft_problems else "passed",
+              "; ".join(peft_problems) or "peft loads the resumed job's export over the fixture: no missing or unexpected key", tolerance=EXACT),
+        integrity,
+    ]
+
+
+class PeftResume(Case):
+    name = "peft-resume"
+    description = "a LoRA run's adapter-only training checkpoint saved at S, resumed at D over its base, exported for peft"
+    model_kind = "hf"
+    Options = Options
+    needs = frozenset({"training_state", "peft_training"})
+    checks = CHECKS
+
+    def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
+        from harness.models.hf import write_fixture
+
+        model, ref = get_model(spec.model, "hf"), ref_of(spec)
+        hf_dir, ckpt, out = env.case_dir / "hf-source", env.case_dir / "ckpt", env.case_dir / "exports"
+        with timed(result, "fixture"):
+            write_fixture(model, hf_dir)
+        phase = dict(model=model, hf_dir=str(hf_dir), adapter=opts.spec(model), opts=opts, backend=ref, ckpt=str(ckpt), out=str(out))
+        saved = env.launch(result, "save", _rank, _Phase(topo=spec.source, load=False, **phase), spec.source)
+        loaded = env.launch(result, "load", _rank, _Phase(topo=spec.target, load=True, **phase), spec.target)
+        with timed(result, "compare"):
+            peft = get_backend(resolve("bridge_peft"))
+            exports = {tag: peft.read_full(None, out / f"adapter@{tag}") for tag in ("save", "load", "end-save", "end-load")}
+            reference = source_infos(out / "adapter@save")
+            integrity = export_integrity([Expected(f"adapter@{tag}", out / f"adapter@{tag}", reference, weights=ADAPTER_WEIGHTS,
+                                                   sharded_ok=False) for tag in ("save", "load", "end-save", "end-load")])
+            keys = checkpoint_keys(ckpt)
+            result.checks.extend(judge(opts.steps, spec.source.id, spec.target.id, keys, saved, loaded, exports,
+                                       peft_load_problems(hf_dir, out / "adapter@end-load"), integrity))
+
+
+CASE = PeftResume()

@@ -22,10 +22,11 @@ Checks:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cases._bridge_job import base_shards, bridge_job
 from cases._peft import PeftOptions, peft_load_problems
 from cases._train_phase import TrainOut
 from cases._trajectory import losses_of, resume_tolerances, schedule_checks, segment_losses
@@ -78,42 +79,11 @@ class _Out(TrainOut):
     base_after: list[Shard] = field(default_factory=list)
 
 
-def _base(modules) -> list[Shard]:
-    from harness.models.mcore import local_shards
-
-    return [s for s in local_shards(modules) if ".adapter." not in s.key]
-
-
-def _job(p: _Phase):
-    """The LoRA job at this rank: base from the fixture, adapters (decoy ones on the load side),
-    megatron DDP + optimizer over the trainable (adapter) params, wired as Megatron-LM's loop wires it."""
-    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from harness.models.training import TrainConfig, TrainingJob, build_scheduler
-
-    o = p.opts
-    bm = mb.build(p.hf_dir, p.model, p.topo, load_weights=True, adapter=p.adapter,
-                  ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=o.use_distributed_optimizer))
-    bm.peft.set_params_to_save([mb.unwrapped(bm)])  # as Bridge's setup applies it (pre-wrap parameter names)
-    mb.fill_adapters(bm, p.model, replace(p.adapter, seed=p.adapter.seed + 1) if p.load else p.adapter)
-    cfg = TrainConfig(use_distributed_optimizer=o.use_distributed_optimizer, lr_schedule=o.lr_schedule)  # type: ignore[arg-type]
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.lr / 100, weight_decay=cfg.weight_decay, use_distributed_optimizer=cfg.use_distributed_optimizer,
-        bf16=False, fp16=False, clip_grad=1.0), bm.modules)
-    config = bm.modules[0].config
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = bm.modules[0].no_sync
-    config.grad_scale_func = optimizer.scale_loss
-    sharding = "fully_reshardable" if o.use_distributed_optimizer else None
-    return bm, TrainingJob(bm.modules, optimizer, build_scheduler(optimizer, cfg), sharding=sharding, bridge=bm, seed=p.model.seed)
-
-
 def _rank(ctx: RankContext, p: _Phase) -> _Out:
     from harness.compat.mcore import DEFAULT_WORKAROUNDS
     from harness.models import training
 
-    bm, job = _job(p)
+    bm, job = bridge_job(p.model, p.hf_dir, p.topo, p.adapter, p.opts.use_distributed_optimizer, p.opts.lr_schedule, decoy=p.load)
     backend, export = get_backend(p.backend), get_backend(resolve("bridge_peft"))
     out, k, out_dir = _Out([], [], []), p.opts.steps, Path(p.out)
     if p.load:
@@ -124,9 +94,9 @@ def _rank(ctx: RankContext, p: _Phase) -> _Out:
         job.step = k
         backend.save_training(ctx, job, Path(p.ckpt))
         export.save(ctx, bm, out_dir / "adapter@save")
-    out.base_before = _base(job.chunks)
+    out.base_before = base_shards(job.chunks)
     out.losses_after = training.train_steps(job.chunks, job.optimizer, p.model, k, k, job.scheduler, trace=out.trace_after)
-    out.base_after = _base(job.chunks)
+    out.base_after = base_shards(job.chunks)
     export.save(ctx, bm, out_dir / f"adapter@end-{'load' if p.load else 'save'}")
     return out
 

@@ -699,3 +699,10 @@ class BridgeTrainingPeftKeepsDecoyAdapters(BridgeTraining):
             for n, p in job.chunks[0].named_parameters():
                 if n in kept:
                     p.copy_(kept[n])
+
+
+class BridgeTrainingNoopLoad(BridgeTraining):
+    """A resume that reads nothing: the job keeps the weights it was built with."""
+
+    def load_training(self, ctx, job, directory):
+        job.step = 0

@@ -1,0 +1,48 @@
+"""A training job on a Megatron-Bridge model built from an HF fixture (the provider path), as a
+Bridge recipe trains one: the cases that save such jobs through a training backend share it
+(peft-resume: LoRA adapters over a frozen base; bridge-hf-interop: the whole model)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from harness.core.parity import Shard
+from harness.core.topology import Topology
+from harness.core.zoo import HFModelSpec
+from harness.models import bridge as mb
+
+
+def bridge_job(model: HFModelSpec, hf_dir: str, topo: Topology, adapter: mb.AdapterSpec | None, use_distributed_optimizer: bool,
+               lr_schedule: str, decoy: bool) -> tuple[mb.BridgeModel, Any]:
+    """(BridgeModel, TrainingJob) at this rank: megatron DDP + optimizer over the trainable params,
+    wired as Megatron-LM's loop wires it. With `adapter`: the base from the fixture (frozen) and the
+    adapters' truth values, other ones when `decoy`; without: the fixture's weights, or the
+    provider's own init when `decoy` (a load must overwrite every weight)."""
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from harness.models.training import TrainConfig, TrainingJob, build_scheduler
+
+    bm = mb.build(hf_dir, model, topo, load_weights=adapter is not None or not decoy, adapter=adapter,
+                  ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer))
+    if adapter is not None:
+        bm.peft.set_params_to_save([mb.unwrapped(bm)])  # as Bridge's setup applies it (pre-wrap parameter names)
+        mb.fill_adapters(bm, model, replace(adapter, seed=adapter.seed + 1) if decoy else adapter)
+    cfg = TrainConfig(use_distributed_optimizer=use_distributed_optimizer, lr_schedule=lr_schedule)  # type: ignore[arg-type]
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.lr / 100, weight_decay=cfg.weight_decay, use_distributed_optimizer=use_distributed_optimizer,
+        bf16=False, fp16=False, clip_grad=1.0), bm.modules)
+    config = bm.modules[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = bm.modules[0].no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    sharding = "fully_reshardable" if use_distributed_optimizer else None
+    return bm, TrainingJob(bm.modules, optimizer, build_scheduler(optimizer, cfg), sharding=sharding, bridge=bm, seed=model.seed)
+
+
+def base_shards(modules) -> list[Shard]:
+    """This rank's shards of every non-adapter weight."""
+    from harness.models.mcore import local_shards
+
+    return [s for s in local_shards(modules) if ".adapter." not in s.key]

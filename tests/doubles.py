@@ -706,3 +706,12 @@ class BridgeTrainingNoopLoad(BridgeTraining):
 
     def load_training(self, ctx, job, directory):
         job.step = 0
+
+
+class BridgeTrainingSkipFinalize(BridgeTraining):
+    """An async save never finalized: the job goes on (and a resume reads) as if it were complete."""
+
+    def finalize_saves(self, ctx):
+        pending, self._pending = self._pending, []
+        return [{"directory": str(d), "complete_before": self.checkpoint_complete(d), "complete_after": self.checkpoint_complete(d)}
+                for d in pending]

@@ -24,6 +24,7 @@ _doubles = use_doubles(
     test_bridge_peft_saves_base="doubles:BridgeTrainingPeftSavesBase",
     test_bridge_peft_decoy_adapters="doubles:BridgeTrainingPeftKeepsDecoyAdapters",
     test_bridge_noop_load="doubles:BridgeTrainingNoopLoad",
+    test_bridge_skip_finalize="doubles:BridgeTrainingSkipFinalize",
 )
 
 
@@ -264,3 +265,24 @@ def test_the_interop_judge_fails_a_lossy_import_and_an_untrained_export():
     assert {c.name: c.status for c in judge({"save": trained, "load": trained, "import": lossy}, fixture, ok, "tp2", "pp2")}["hf-import"] == "failed"
     s = {c.name: c.status for c in judge({"save": fixture, "load": fixture, "import": fixture}, fixture, ok, "tp2", "pp2")}
     assert s["trained"] == "failed"
+
+
+# ------------------------------------------------------------------ async saves
+
+
+def test_an_async_bridge_save_is_complete_only_after_its_finalize(tmp_path):
+    opts = {"async_save": True, "use_persistent_ckpt_worker": False}
+    r = run_case(_spec(src="dp2", dst="tp2", backend_options=opts), RunOptions(workdir=tmp_path))
+    c = _checks(r)
+    assert c["async-finalize"] == c["losses"] == c["lr"] == "passed", r.failure_text()
+    skipped = run_case(_spec(src="dp2", dst="tp2", backend="test_bridge_skip_finalize", backend_options=opts), RunOptions(workdir=tmp_path))
+    assert _checks(skipped)["async-finalize"] == "failed", skipped.failure_text()
+
+
+def test_the_persistent_async_worker_is_not_run_on_a_cpu_rank(tmp_path):
+    import torch
+
+    r = run_case(_spec(backend_options={"async_save": True}), RunOptions(workdir=tmp_path))
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine runs the persistent worker")
+    assert r.status == "not-run" and "persistent checkpoint worker" in r.not_run_reason

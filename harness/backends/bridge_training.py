@@ -53,6 +53,12 @@ class BridgeTrainingOptions:
     load_optim: bool = True
     load_rng: bool = True
     finetune: bool = False
+    #: CheckpointConfig.async_save (async_strategy mcore): the save returns before the checkpoint is
+    #: complete; Bridge's maybe_finalize_async_save completes it (Backend.finalize_saves)
+    async_save: bool = False
+    #: CheckpointConfig.use_persistent_ckpt_worker: Bridge's validation requires it with async_save (its
+    #: default); false: megatron-core's per-save forked writer (what runs on a CPU rank, see unavailable)
+    use_persistent_ckpt_worker: bool = True
     #: CheckpointConfig.dist_ckpt_strictness: how a load treats keys the job and the checkpoint disagree on
     dist_ckpt_strictness: Literal["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
                                   "return_unexpected", "return_all", "ignore_all"] = "assume_ok_unexpected"
@@ -96,11 +102,59 @@ class BridgeTraining(Backend):
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
         self._context: dict = {}  # Bridge's checkpointing_context: strategies kept across a job's saves
+        self._async: Any = None  # the GlobalState whose async calls queue holds this job's pending saves
+        self._pending: list[Path] = []
 
     def configured(self, options: Any) -> "BridgeTraining":
         other = super().configured(options)
-        other._context = {}
+        other._context, other._async, other._pending = {}, None, []
         return other
+
+    def unavailable(self) -> str | None:
+        o = self.options
+        if o.async_save and o.use_persistent_ckpt_worker and not torch.cuda.is_available():
+            return ("async_save with Bridge's persistent checkpoint worker (a spawn-mode process megatron-core starts per "
+                    "rank) never takes the save request in a forked CPU rank: schedule_async_call waits on its queue "
+                    "forever (probed on this machine); on CPU the harness runs async_save with "
+                    "use_persistent_ckpt_worker: false")
+        return None
+
+    def validate_case(self, case: Any, source: Any, target: Any, opts: Any) -> None:
+        if self.options.async_save and not getattr(case, "finalizes_saves", False):
+            raise ValueError(f"backend option async_save: case {case.name} does not run an async save's finalize step "
+                             "(the training cases reshard-optimizer and resume do)")
+
+    # ------------------------------------------------------------------ async saves
+
+    @property
+    def saves_async(self) -> bool:
+        return self.options.async_save
+
+    def checkpoint_complete(self, directory: Path) -> bool | None:
+        """Bridge's rule: the tracker names an iteration whose dist checkpoint is finished
+        (metadata.json and torch DCP's .metadata); finalize writes the tracker last."""
+        tracker = Path(directory) / "latest_checkpointed_iteration.txt"
+        if not tracker.is_file():
+            return False
+        it = Path(directory) / f"iter_{int(tracker.read_text().strip()):07d}"
+        return (it / "metadata.json").is_file() and (it / ".metadata").is_file()
+
+    def pending_saves(self) -> int:
+        return len(self._pending)
+
+    def finalize_saves(self, ctx: RankContext) -> list[dict]:
+        """Bridge's maybe_finalize_async_save(blocking=True), as its train loop calls it before the
+        next save and at the end of training."""
+        from megatron.bridge.training.checkpointing import maybe_finalize_async_save
+
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        before = [self.checkpoint_complete(d) for d in pending]
+        torch.distributed.barrier()  # nobody's finalize may write before every rank looked
+        maybe_finalize_async_save(self._async, self._async.cfg.checkpoint, blocking=True)
+        return [{"directory": str(d), "complete_before": b, "complete_after": self.checkpoint_complete(d)}
+                for d, b in zip(pending, before)]
 
     # ------------------------------------------------------------------ Bridge's config
 
@@ -142,6 +196,8 @@ class BridgeTraining(Backend):
             ddp=DistributedDataParallelConfig(use_distributed_optimizer=distopt), rng=RNGConfig(seed=job.seed), peft=peft,
             checkpoint=CheckpointConfig(ckpt_format="torch_dist", fully_parallel_save=self.options.fully_parallel_save,
                                         dist_ckpt_strictness=self.options.dist_ckpt_strictness,
+                                        async_save=self.options.async_save and checkpoint.get("save") is not None,
+                                        async_strategy="mcore", use_persistent_ckpt_worker=self.options.use_persistent_ckpt_worker,
                                         dist_ckpt_optim_fully_reshardable=job.sharding == "fully_reshardable",
                                         distrib_optim_fully_reshardable_mem_efficient=bool(job.mem_efficient), **checkpoint),
         )
@@ -159,6 +215,18 @@ class BridgeTraining(Backend):
 
         self._prepare(job)
         state = self._state(job, save=str(directory), load=None)
+        if self.options.async_save:  # one queue for the job's saves, as Bridge's GlobalState keeps it
+            from harness.compat import require
+            from harness.compat.mcore import ASYNC_RESULTS_QUEUE
+
+            require(ASYNC_RESULTS_QUEUE)  # the writer is a forked child: its results need a cross-process queue
+            if self._async is None:
+                state.initialize_async_checkpoint_worker()
+                self._async = state
+            else:
+                self._async.cfg = state.cfg
+            state = self._async
+            self._pending.append(Path(directory))
         flops = job.step * FLOPS_PER_STEP
         state.train_state = TrainState(step=job.step, consumed_train_samples=job.step * GLOBAL_BATCH,
                                        floating_point_operations_so_far=int(flops), do_train=True)

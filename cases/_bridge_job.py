@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from harness.backends import BackendRef
 from harness.core.parity import Shard
 from harness.core.topology import Topology
 from harness.core.zoo import HFModelSpec
@@ -14,18 +15,22 @@ from harness.models import bridge as mb
 
 
 def bridge_job(model: HFModelSpec, hf_dir: str, topo: Topology, adapter: mb.AdapterSpec | None, use_distributed_optimizer: bool,
-               lr_schedule: str, decoy: bool) -> tuple[mb.BridgeModel, Any]:
-    """(BridgeModel, TrainingJob) at this rank: megatron DDP + optimizer over the trainable params,
-    wired as Megatron-LM's loop wires it. With `adapter`: the base from the fixture (frozen) and the
-    adapters' truth values, other ones when `decoy`; without: the fixture's weights, or the
-    provider's own init when `decoy` (a load must overwrite every weight)."""
+               lr_schedule: str, decoy: bool, backend: BackendRef) -> tuple[mb.BridgeModel, Any]:
+    """(BridgeModel, TrainingJob) at this rank, the model built as `backend`'s client builds it:
+    megatron DDP + optimizer over the trainable params, wired as Megatron-LM's loop wires it. With
+    `adapter`: the base from the fixture (frozen) and the adapters' truth values; when `decoy`, no
+    HF weights are asked (a resume's base comes the client's way: Bridge's PEFT pre-wrap hook loads
+    its pretrained_checkpoint) and the adapters get other values. Without: the fixture's weights, or
+    the provider's own init when `decoy` (a load must overwrite every weight)."""
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from harness.models.training import TrainConfig, TrainingJob, build_scheduler
 
-    bm = mb.build(hf_dir, model, topo, load_weights=adapter is not None or not decoy, adapter=adapter,
-                  ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer))
+    from harness.backends import get_backend
+
+    bm = get_backend(backend).build_bridge_model(hf_dir, model, topo, load_weights=not decoy, adapter=adapter,
+                                                 ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer))
     if adapter is not None:
         bm.peft.set_params_to_save([mb.unwrapped(bm)])  # as Bridge's setup applies it (pre-wrap parameter names)
         mb.fill_adapters(bm, model, replace(adapter, seed=adapter.seed + 1) if decoy else adapter)

@@ -69,7 +69,8 @@ def _rank(ctx: RankContext, p: _Phase) -> None:
         export.save(ctx, bm, out / "hf@import")
         return
     o = p.opts
-    bm, job = bridge_job(p.model, p.hf_dir, p.topo, None, o.use_distributed_optimizer, o.lr_schedule, decoy=p.role == "load")
+    bm, job = bridge_job(p.model, p.hf_dir, p.topo, None, o.use_distributed_optimizer, o.lr_schedule, decoy=p.role == "load",
+                         backend=p.backend)
     backend = get_backend(p.backend)
     if p.role == "save":
         training.train_steps(job.chunks, job.optimizer, p.model, 0, o.steps, job.scheduler)

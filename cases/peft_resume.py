@@ -6,13 +6,15 @@ values), the base frozen, megatron DDP + optimizer over the adapters; k steps; t
 the case's backend (bridge_training writes what a LoRA recipe writes: `cfg.peft` set, the adapter
 tensors and their optimizer state only, `pretrained_checkpoint` the HF base); the HF PEFT adapter
 exported (bridge_peft) right after the save; k more steps (the uninterrupted run), exported again.
-World "load" at D: the same model with other (decoy) adapters and the base from the fixture, as
-Bridge's PEFT pre-wrap hook loads `pretrained_checkpoint`; the backend's load_training (Bridge: the
+World "load" at D: the model built as the backend's client builds a resumed LoRA job, no HF weights
+asked (bridge_training: Bridge's own PEFT pre-wrap hook loads the base from `pretrained_checkpoint`
+and applies the adapters), other (decoy) adapters; the backend's load_training (Bridge: the
 PEFT-resume path, adapters only); the adapter exported right after the load; k steps; exported again.
 
 Checks:
   adapter-only       the checkpoint holds adapter tensors only (and at least one): no base key
   adapters-restored  the adapter exported right after the load equals the one exported at the save, bitwise
+  base-restored      the base right after the load equals the base the save world trained over (the fixture), bitwise
   frozen-base        each job's base weights after its k steps equal those before them, bitwise
   losses, lr, grad-norm  the resumed steps against the uninterrupted run's (resume's rules)
   final-adapters     the two final adapter exports agree (bitwise at S == D, else RESUME_TOLERANCE)
@@ -43,7 +45,7 @@ from harness.judge.hf_integrity import ADAPTER_WEIGHTS, Expected, export_integri
 from harness.models import bridge as mb
 from harness.run.envelope import RunEnv, timed
 
-CHECKS = ("adapter-only", "adapters-restored", "frozen-base", "losses", "lr", "grad-norm", "final-adapters", "peft-load",
+CHECKS = ("adapter-only", "adapters-restored", "base-restored", "frozen-base", "losses", "lr", "grad-norm", "final-adapters", "peft-load",
           "export-integrity")
 
 
@@ -83,7 +85,8 @@ def _rank(ctx: RankContext, p: _Phase) -> _Out:
     from harness.compat.mcore import DEFAULT_WORKAROUNDS
     from harness.models import training
 
-    bm, job = bridge_job(p.model, p.hf_dir, p.topo, p.adapter, p.opts.use_distributed_optimizer, p.opts.lr_schedule, decoy=p.load)
+    bm, job = bridge_job(p.model, p.hf_dir, p.topo, p.adapter, p.opts.use_distributed_optimizer, p.opts.lr_schedule, decoy=p.load,
+                         backend=p.backend)
     backend, export = get_backend(p.backend), get_backend(resolve("bridge_peft"))
     out, k, out_dir = _Out([], [], []), p.opts.steps, Path(p.out)
     if p.load:
@@ -132,10 +135,16 @@ def judge(k: int, src: str, dst: str, ckpt_keys: list[str], saved: list[_Out], l
         frozen.append(state_check("frozen-base", before, after, f"base before@{label}", f"base after {k} steps@{label}",
                                   f"{len(after)} base tensors unchanged by training", problems=p1 + p2))
     frozen_check = next((c for c in frozen if c.failed), frozen[-1])
+    base_saved, q1 = assembled(saved, "base_before", f"save@{src}")
+    base_loaded, q2 = assembled(loaded, "base_before", f"load@{dst}")
+    base_check = state_check("base-restored", base_saved, base_loaded, f"base@save@{src}", f"base after the load@{dst}",
+                             f"{len(base_loaded)} base tensors at {dst} (from pretrained_checkpoint) equal the base saved against",
+                             problems=q1 + q2)
     return [
         adapter_only_check(ckpt_keys),
         state_check("adapters-restored", exports["save"], exports["load"], f"adapter-export@save@{src}", f"adapter-export@load@{dst}",
                     f"{len(exports['load'])} adapter tensors exported right after the load equal the export at the save"),
+        base_check,
         frozen_check,
         segment_losses(k, k, losses_of(saved), losses_of(loaded), src, dst, "losses", loss_tol),
         *schedule_checks(k, k, saved, loaded, src, dst, loss_tol),

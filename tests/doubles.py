@@ -715,3 +715,13 @@ class BridgeTrainingSkipFinalize(BridgeTraining):
         pending, self._pending = self._pending, []
         return [{"directory": str(d), "complete_before": self.checkpoint_complete(d), "complete_after": self.checkpoint_complete(d)}
                 for d in pending]
+
+
+class BridgeTrainingPeftBaseNotLoaded(BridgeTraining):
+    """A LoRA resume built without Bridge's PEFT pre-wrap hook: the base keeps the provider's init (its
+    pretrained_checkpoint never read)."""
+
+    def build_bridge_model(self, hf_dir, spec, topo, *, load_weights=True, ddp_config=None, adapter=None):
+        from harness.backends import Backend
+
+        return Backend.build_bridge_model(self, hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config, adapter=adapter)

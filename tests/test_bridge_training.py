@@ -25,6 +25,7 @@ _doubles = use_doubles(
     test_bridge_peft_decoy_adapters="doubles:BridgeTrainingPeftKeepsDecoyAdapters",
     test_bridge_noop_load="doubles:BridgeTrainingNoopLoad",
     test_bridge_skip_finalize="doubles:BridgeTrainingSkipFinalize",
+    test_bridge_peft_base_not_loaded="doubles:BridgeTrainingPeftBaseNotLoaded",
 )
 
 
@@ -207,13 +208,15 @@ def test_a_lora_run_resumes_from_its_adapter_only_checkpoint(tmp_path):
     r = run_case(_peft(), RunOptions(workdir=tmp_path))
     c = _checks(r)
     assert r.status == "passed", r.failure_text()
-    assert c["adapter-only"] == c["adapters-restored"] == c["frozen-base"] == c["peft-load"] == c["export-integrity"] == "passed"
+    assert c["adapter-only"] == c["adapters-restored"] == c["base-restored"] == c["frozen-base"] == c["peft-load"] == "passed"
+    assert c["export-integrity"] == "passed"
     assert r.check("adapters-restored").max_abs_diff == 0.0
 
 
 @pytest.mark.parametrize("backend, failed, words", [
     ("test_bridge_peft_saves_base", {"adapter-only"}, "base tensor(s)"),
     ("test_bridge_peft_decoy_adapters", {"adapters-restored", "losses", "grad-norm", "final-adapters"}, "adapter-export@load"),
+    ("test_bridge_peft_base_not_loaded", {"base-restored", "losses", "grad-norm", "final-adapters"}, "base after the load"),
 ])
 def test_a_defective_peft_checkpoint_fails_its_check(tmp_path, backend, failed, words):
     r = run_case(_peft(backend=backend, dst="tp2"), RunOptions(workdir=tmp_path))

@@ -124,6 +124,37 @@ class BridgeTraining(Backend):
             raise ValueError(f"backend option async_save: case {case.name} does not run an async save's finalize step "
                              "(the training cases reshard-optimizer and resume do)")
 
+    def build_bridge_model(self, hf_dir: Path | str, spec: Any, topo: Any, *, load_weights: bool = True, ddp_config: Any = None,
+                           adapter: Any = None) -> Any:
+        """A LoRA job resumed as a Bridge recipe builds it: with adapters and no HF weights asked, the
+        provider runs Bridge's own PEFT pre-wrap hook (training.setup._create_peft_pre_wrap_hook), which
+        loads the base from `pretrained_checkpoint` (the HF directory) and applies the adapters; the
+        hook sets `finetune`, which setup.py clears again before the resume load (setup.py:398-402)."""
+        from harness.models import bridge as mb
+
+        if adapter is None or load_weights:
+            return super().build_bridge_model(hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config, adapter=adapter)
+
+        def hook_for(provider: Any, peft: Any):
+            from megatron.bridge.training.config import CheckpointConfig, ConfigContainer, LoggerConfig
+            from megatron.bridge.training.setup import _create_peft_pre_wrap_hook
+            from megatron.bridge.training.state import GlobalState
+
+            state = GlobalState()
+            state.cfg = ConfigContainer(model=provider, train=None, scheduler=None, dataset=None, tokenizer=None, logger=LoggerConfig(),
+                                        optimizer=None, ddp=None, peft=peft,
+                                        checkpoint=CheckpointConfig(ckpt_format="torch_dist", pretrained_checkpoint=str(hf_dir)))
+            hook = _create_peft_pre_wrap_hook(state.cfg, state)
+
+            def run(model: Any) -> Any:
+                out = hook(model)
+                state.cfg.checkpoint.finetune = False
+                return out
+
+            return run
+
+        return mb.build(hf_dir, spec, topo, load_weights=False, adapter=adapter, ddp_config=ddp_config, peft_hook=hook_for)
+
     # ------------------------------------------------------------------ async saves
 
     @property

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -83,7 +83,8 @@ class BridgeModel:
 
 
 def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights: bool = True,
-          adapter: AdapterSpec | None = None, ddp_config=None, dtype: str = "fp32") -> BridgeModel:
+          adapter: AdapterSpec | None = None, ddp_config=None, dtype: str = "fp32",
+          peft_hook: Callable[[Any, Any], Callable] | None = None) -> BridgeModel:
     """AutoBridge -> provider (local layer spec, fusions off) -> model at this rank.
 
     Megatron-Bridge's default layer spec is Transformer-Engine's and its finalize() asserts on
@@ -125,7 +126,8 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     peft = None
     if adapter is not None:
         peft = adapter.make()
-        provider.register_pre_wrap_hook(lambda m: peft(m, training=True))
+        # peft_hook(provider, peft): a client's own pre-wrap hook (Bridge's PEFT hook loads the base first)
+        provider.register_pre_wrap_hook(peft_hook(provider, peft) if peft_hook else (lambda m: peft(m, training=True)))
     finalize_provider(provider, torch_dtype, overrides)
     modules = provider.provide_distributed_model(
         ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None, use_cpu_initialization=True,

@@ -21,9 +21,54 @@ def _cmd_list(args: argparse.Namespace) -> int:
     from harness.orchestration.matrix import load_matrix
 
     m = load_matrix(args.matrix, args.max_world)
-    for spec in m.select(args.k):
+    try:
+        specs = _sharded(m.select(args.k), args)
+    except ValueError as exc:
+        print(f"ckpt-harness list: {exc}", file=sys.stderr)
+        return 2
+    for spec in specs:
         print(spec.id + "".join(f"  # {n}" for n in spec.notes))
     return 0
+
+
+def _sharded(specs: list, args: argparse.Namespace) -> list:
+    """The part `--shard I/N` selects (harness.orchestration.shard), balanced by `--durations`."""
+    if not getattr(args, "shard", None):
+        return specs
+    from harness.orchestration import shard
+
+    index, total = shard.parse_shard(args.shard)
+    return shard.select(specs, index, total, shard.durations_of(args.durations) if args.durations else None)
+
+
+def _add_shard(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shard", default=None, metavar="I/N", help="only part I of N, a deterministic balanced split "
+                   "(every runner computes the same one; `merge` joins the parts' results)")
+    p.add_argument("--durations", type=Path, default=None, metavar="RESULTS",
+                   help="balance --shard by the case durations of a previous results.json (else by world size and model)")
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from harness.report import merge, results as report
+
+    try:
+        expected = None
+        if args.matrix:
+            from harness.orchestration.matrix import load_matrix
+
+            expected = [s.id for s in load_matrix(args.matrix, args.max_world).select(args.k)]
+        doc = merge.merge([merge.read_part(p) for p in args.parts], expected)
+    except ValueError as exc:  # MergeError, or a matrix that does not load
+        print(f"ckpt-harness merge: {exc}", file=sys.stderr)
+        return 2
+    import json
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(doc, indent=2, default=str))
+    (args.out / "results.md").write_text(report.markdown(doc))
+    print(f"merged {len(args.parts)} part(s), {len(doc['results'])} cases: {doc['summary']} -> {args.out}")
+    bad = doc["summary"].get("failed", 0) + doc["summary"].get("error", 0)
+    return 1 if bad else 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -33,11 +78,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     console = _console()
     matrix = load_matrix(args.matrix, args.max_world)
-    specs = matrix.select(args.k)
+    try:
+        specs = _sharded(matrix.select(args.k), args)
+    except ValueError as exc:
+        console.print(f"[red]{escape(str(exc))}[/]")
+        return 2
     if not specs:
         console.print(f"[red]no case of {args.matrix} matches -k {args.k!r}[/]")
         return 4
-    console.print(f"[bold]{matrix.name}[/]: {len(specs)} case(s) from {args.matrix}")
+    part = f" (shard {args.shard})" if args.shard else ""
+    console.print(f"[bold]{matrix.name}[/]: {len(specs)} case(s) from {args.matrix}{part}")
     options = RunOptions(
         dist_backend=args.dist_backend, workdir=args.workdir, keep=args.keep,
         launcher=args.launcher, torchrun_template=args.torchrun_template, start_method=args.start_method,
@@ -245,11 +295,20 @@ def main(argv: list[str] | None = None) -> int:
                      help="run N cases at once in forked workers (gloo + mp launcher only; scripts/smoke uses 2)")
     run.add_argument("--fail-on-not-run", action="store_true",
                      help="exit 3 when a case is not-run (the machine lacks CUDA devices, NCCL, TE, memory): a GPU job whose runner lost its GPUs goes red")
+    _add_shard(run)
     run.set_defaults(func=_cmd_run)
     ls = sub.add_parser("list", help="list the case ids of a matrix")
     ls.add_argument("matrix", type=Path)
     ls.add_argument("-k", default=None)
     _add_max_world(ls)
+    _add_shard(ls)
+    mg = sub.add_parser("merge", help="one results.json + results.md from the results of a matrix's shards")
+    mg.add_argument("parts", type=Path, nargs="+", help="the shards' results.json files or report dirs")
+    mg.add_argument("--out", type=Path, required=True, help="write DIR/results.json and DIR/results.md")
+    mg.add_argument("--matrix", type=Path, default=None, help="check every case the matrix selects is in exactly one part")
+    mg.add_argument("-k", default=None)
+    _add_max_world(mg)
+    mg.set_defaults(func=_cmd_merge)
     ls.set_defaults(func=_cmd_list)
     gate = sub.add_parser("gate", help="run a candidate Megatron-Bridge/-Core against the pinned baseline: one verdict")
     gate.add_argument("matrix", type=Path, nargs="?", default=Path("matrices/smoke.yaml"))

@@ -4,8 +4,8 @@ Bridge recipe trains one: the cases that save such jobs through a training backe
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 from harness.backends import BackendRef
 from harness.core.parity import Shard
@@ -14,8 +14,17 @@ from harness.core.zoo import HFModelSpec
 from harness.models import bridge as mb
 
 
-def bridge_job(model: HFModelSpec, hf_dir: str, topo: Topology, adapter: mb.AdapterSpec | None, use_distributed_optimizer: bool,
-               lr_schedule: str, decoy: bool, backend: BackendRef) -> tuple[mb.BridgeModel, Any]:
+@dataclass(frozen=True)
+class BridgeJobOptions:
+    """The options of a case that trains such a job: its steps, the optimizer's sharding, the LR schedule."""
+
+    steps: int = 2
+    use_distributed_optimizer: bool = True
+    lr_schedule: Literal["none", "warmup-cosine"] = "warmup-cosine"
+
+
+def bridge_job(model: HFModelSpec, hf_dir: str, topo: Topology, adapter: mb.AdapterSpec | None, opts: BridgeJobOptions,
+               decoy: bool, backend: BackendRef) -> tuple[mb.BridgeModel, Any]:
     """(BridgeModel, TrainingJob) at this rank, the model built as `backend`'s client builds it:
     megatron DDP + optimizer over the trainable params, wired as Megatron-LM's loop wires it. With
     `adapter`: the base from the fixture (frozen) and the adapters' truth values; when `decoy`, no
@@ -29,20 +38,21 @@ def bridge_job(model: HFModelSpec, hf_dir: str, topo: Topology, adapter: mb.Adap
 
     from harness.backends import get_backend
 
+    distopt = opts.use_distributed_optimizer
     bm = get_backend(backend).build_bridge_model(hf_dir, model, topo, load_weights=not decoy, adapter=adapter,
-                                                 ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer))
+                                                 ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=distopt))
     if adapter is not None:
         bm.peft.set_params_to_save([mb.unwrapped(bm)])  # as Bridge's setup applies it (pre-wrap parameter names)
         mb.fill_adapters(bm, model, replace(adapter, seed=adapter.seed + 1) if decoy else adapter)
-    cfg = TrainConfig(use_distributed_optimizer=use_distributed_optimizer, lr_schedule=lr_schedule)  # type: ignore[arg-type]
+    cfg = TrainConfig(use_distributed_optimizer=distopt, lr_schedule=opts.lr_schedule)
     optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.lr / 100, weight_decay=cfg.weight_decay, use_distributed_optimizer=use_distributed_optimizer,
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.lr / 100, weight_decay=cfg.weight_decay, use_distributed_optimizer=distopt,
         bf16=False, fp16=False, clip_grad=1.0), bm.modules)
     config = bm.modules[0].config
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = bm.modules[0].no_sync
     config.grad_scale_func = optimizer.scale_loss
-    sharding = "fully_reshardable" if use_distributed_optimizer else None
+    sharding = "fully_reshardable" if distopt else None
     return bm, TrainingJob(bm.modules, optimizer, build_scheduler(optimizer, cfg), sharding=sharding, bridge=bm, seed=model.seed)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from cases._bridge_job import BridgeJobOptions as Options
 from cases._bridge_job import bridge_job
 from cases.contract import Case
 from harness.backends import BackendRef, get_backend, ref_of, resolve
@@ -38,13 +39,6 @@ from harness.models import bridge as mb
 from harness.run.envelope import RunEnv, timed
 
 TAGS = ("save", "load", "import")
-
-
-@dataclass(frozen=True)
-class Options:
-    steps: int = 2
-    use_distributed_optimizer: bool = True
-    lr_schedule: str = "warmup-cosine"
 
 
 @dataclass(frozen=True)
@@ -69,8 +63,7 @@ def _rank(ctx: RankContext, p: _Phase) -> None:
         export.save(ctx, bm, out / "hf@import")
         return
     o = p.opts
-    bm, job = bridge_job(p.model, p.hf_dir, p.topo, None, o.use_distributed_optimizer, o.lr_schedule, decoy=p.role == "load",
-                         backend=p.backend)
+    bm, job = bridge_job(p.model, p.hf_dir, p.topo, None, o, decoy=p.role == "load", backend=p.backend)
     backend = get_backend(p.backend)
     if p.role == "save":
         training.train_steps(job.chunks, job.optimizer, p.model, 0, o.steps, job.scheduler)

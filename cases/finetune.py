@@ -41,9 +41,6 @@ from harness.models.training import TrainOptions, cp_rule, untrainable, workarou
 from harness.run.envelope import RunEnv, timed
 from harness.run.world import WorldError, exception_of
 
-PRETRAINED = ("saved", "missing", "empty", "foreign")
-
-
 @dataclass(frozen=True)
 class Options(TrainOptions):
     steps: int = 3

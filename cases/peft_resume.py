@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cases._bridge_job import base_shards, bridge_job
+from cases._bridge_job import BridgeJobOptions, base_shards, bridge_job
 from cases._peft import PeftOptions, peft_load_problems
 from cases._train_phase import TrainOut
-from cases._trajectory import losses_of, resume_tolerances, schedule_checks, segment_losses
+from cases._trajectory import grad_norm_tolerance, losses_of, resume_tolerances, schedule_checks, segment_losses
 from cases.contract import Case
 from harness.backends import BackendRef, get_backend, ref_of, resolve
 from harness.core.context import RankContext
@@ -50,16 +50,10 @@ CHECKS = ("adapter-only", "adapters-restored", "base-restored", "frozen-base", "
 
 
 @dataclass(frozen=True)
-class Options(PeftOptions):
-    steps: int = 2
-    use_distributed_optimizer: bool = True
-    lr_schedule: str = "warmup-cosine"
-
+class Options(PeftOptions, BridgeJobOptions):
     def __post_init__(self) -> None:
         if self.dtype != "fp32":
             raise ValueError("peft-resume builds the Bridge model fp32 (harness.models.bridge)")
-        if self.lr_schedule not in ("none", "warmup-cosine"):
-            raise ValueError(f"option lr_schedule: none or warmup-cosine, got {self.lr_schedule!r}")
 
 
 @dataclass(frozen=True)
@@ -85,8 +79,7 @@ def _rank(ctx: RankContext, p: _Phase) -> _Out:
     from harness.compat.mcore import DEFAULT_WORKAROUNDS
     from harness.models import training
 
-    bm, job = bridge_job(p.model, p.hf_dir, p.topo, p.adapter, p.opts.use_distributed_optimizer, p.opts.lr_schedule, decoy=p.load,
-                         backend=p.backend)
+    bm, job = bridge_job(p.model, p.hf_dir, p.topo, p.adapter, p.opts, decoy=p.load, backend=p.backend)
     backend, export = get_backend(p.backend), get_backend(resolve("bridge_peft"))
     out, k, out_dir = _Out([], [], []), p.opts.steps, Path(p.out)
     if p.load:
@@ -128,15 +121,14 @@ def adapter_only_check(keys: list[str]) -> Check:
 def judge(k: int, src: str, dst: str, ckpt_keys: list[str], saved: list[_Out], loaded: list[_Out], exports: dict[str, Any],
           peft_problems: list[str], integrity: Check) -> list[Check]:
     loss_tol, weight_tol = resume_tolerances(src, dst, "fp32")
-    frozen = []
-    for label, outs in ((f"save@{src}", saved), (f"load@{dst}", loaded)):
-        before, p1 = assembled(outs, "base_before", label)
+    frozen, before = [], {}
+    for side, label, outs in (("save", f"save@{src}", saved), ("load", f"load@{dst}", loaded)):
+        before[side] = assembled(outs, "base_before", label)
         after, p2 = assembled(outs, "base_after", label)
-        frozen.append(state_check("frozen-base", before, after, f"base before@{label}", f"base after {k} steps@{label}",
-                                  f"{len(after)} base tensors unchanged by training", problems=p1 + p2))
+        frozen.append(state_check("frozen-base", before[side][0], after, f"base before@{label}", f"base after {k} steps@{label}",
+                                  f"{len(after)} base tensors unchanged by training", problems=before[side][1] + p2))
     frozen_check = next((c for c in frozen if c.failed), frozen[-1])
-    base_saved, q1 = assembled(saved, "base_before", f"save@{src}")
-    base_loaded, q2 = assembled(loaded, "base_before", f"load@{dst}")
+    (base_saved, q1), (base_loaded, q2) = before["save"], before["load"]
     base_check = state_check("base-restored", base_saved, base_loaded, f"base@save@{src}", f"base after the load@{dst}",
                              f"{len(base_loaded)} base tensors at {dst} (from pretrained_checkpoint) equal the base saved against",
                              problems=q1 + q2)
@@ -147,7 +139,7 @@ def judge(k: int, src: str, dst: str, ckpt_keys: list[str], saved: list[_Out], l
         base_check,
         frozen_check,
         segment_losses(k, k, losses_of(saved), losses_of(loaded), src, dst, "losses", loss_tol),
-        *schedule_checks(k, k, saved, loaded, src, dst, loss_tol),
+        *schedule_checks(k, k, saved, loaded, src, dst, grad_norm_tolerance(src, dst, "fp32")),
         state_check("final-adapters", exports["end-save"], exports["end-load"], f"uninterrupted@{src}", f"resumed@{dst}",
                     f"{len(exports['end-load'])} adapter tensors after {2 * k} steps agree", weight_tol),
         Check("peft-load", "failed" if peft_problems else "passed",

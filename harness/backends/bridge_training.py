@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 
 from harness.backends import Backend
+from harness.backends._megatron_lm import TRACKER, iteration_dir
 from harness.core.context import RankContext
 from harness.run.events import record_event
 
@@ -164,10 +165,9 @@ class BridgeTraining(Backend):
     def checkpoint_complete(self, directory: Path) -> bool | None:
         """Bridge's rule: the tracker names an iteration whose dist checkpoint is finished
         (metadata.json and torch DCP's .metadata); finalize writes the tracker last."""
-        tracker = Path(directory) / "latest_checkpointed_iteration.txt"
-        if not tracker.is_file():
+        if not (Path(directory) / TRACKER).is_file():
             return False
-        it = Path(directory) / f"iter_{int(tracker.read_text().strip()):07d}"
+        it = iteration_dir(directory)
         return (it / "metadata.json").is_file() and (it / ".metadata").is_file()
 
     def pending_saves(self) -> int:
@@ -317,8 +317,7 @@ class BridgeTraining(Backend):
         """The tensors of the iteration `latest_checkpointed_iteration.txt` names, unsharded."""
         from megatron.core import dist_checkpointing
 
-        it = int((Path(directory) / "latest_checkpointed_iteration.txt").read_text().strip())
-        plain = dist_checkpointing.load_plain_tensors(str(Path(directory) / f"iter_{it:07d}"))
+        plain = dist_checkpointing.load_plain_tensors(str(iteration_dir(directory)))
         return {k: v for k, v in plain.items() if isinstance(v, torch.Tensor)}
 
 

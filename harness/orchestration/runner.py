@@ -60,16 +60,16 @@ def budget_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
     return checks
 
 
-def strategy_checks(spec: CaseSpec, result: CaseResult, refs: list | None = None) -> list[Check]:
+def strategy_checks(spec: CaseSpec, result: CaseResult, driven: list | None = None) -> list[Check]:
     """Each backend's `strategy` check (its options asked what every save and load ran), if its
     options ask anything, or the checks a backend reads from what its saves and loads recorded;
-    `refs`: the backends the case drove (Case.backends; default the spec's). A check name two
-    backends both record is kept once, the first backend's."""
+    `driven`: the backends the case drove (Case.backends, configured; default the spec's). A check
+    name two backends both record is kept once, the first backend's."""
     from harness.backends import get_backend
 
     out: list[Check] = []
-    for ref in refs or [ref_of(spec)]:
-        check = get_backend(ref).strategy_check(result.backend_events)
+    for backend in driven or [get_backend(ref_of(spec))]:
+        check = backend.strategy_check(result.backend_events)
         found = list(check) if isinstance(check, (list, tuple)) else [check] if check is not None else []
         out += [c for c in found if all(c.name != o.name for o in out)]
     return out
@@ -261,13 +261,12 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
         result.phases["total"] = 0.0
         return result
     with case_envelope(result, options, spec.timeout_s) as env:
-        refs = case.backends(spec, opts)
-        driven = [get_backend(r) for r in refs]
+        driven = [get_backend(r) for r in case.backends(spec, opts)]
         # idempotent; forked ranks inherit the imports
         warm(bridge=get_model(spec.model).kind == "hf", modules=tuple(m for b in driven for m in b.preload))
         result.notes += [n for b in driven for n in b.notes()]
         case.run(spec, opts, env, result)
-        result.checks.extend(strategy_checks(spec, result, refs))
+        result.checks.extend(strategy_checks(spec, result, driven))
         result.checks.extend(budget_checks(spec, result))
     apply_xfail(spec, result)
     return result

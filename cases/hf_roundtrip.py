@@ -231,17 +231,20 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
     full = opts if isinstance(opts, Options) else Options(**asdict(opts))
     dtype, opts = full.dtype, full.knobs()
     extra = (full.unmapped_source_key,) if full.unmapped_source_key else ()
-    hf_dir, export = env.case_dir / "hf-source", env.case_dir / "hf-export"
-    with timed(result, "fixture"):
-        write_fixture(model, hf_dir, dtype, shards=full.shards, extra_keys=extra)
+    export = env.case_dir / "hf-export"
+    # the fixture and the save at S are the same for every target: once per run (harness.run.reuse)
+    hf_dir = env.source_files(result, "fixture", "write_fixture", (model, dtype, full.shards, extra),
+                              lambda d: write_fixture(model, d, dtype, shards=full.shards, extra_keys=extra))
     worlds = []
     try:
         if src == dst:
             outs = save_step(env, result, model, hf_dir, src, export_backend, export_to=export, ddp=opts, dtype=dtype, phase="export")
             worlds = [(src.id, outs)]
         else:
-            ckpt = env.case_dir / "dist-ckpt"
-            first = save_step(env, result, model, hf_dir, src, export_backend, dist_save=ckpt, ddp=opts, dtype=dtype)
+            root, first = env.launch_source(result, "save", _rank, lambda d: _Phase(
+                model, str(hf_dir), src, True, opts, export_backend=export_backend, dist_backend=resolve("mcore_dist"),
+                dist_save=str(d / "dist-ckpt"), dtype=dtype), src)
+            ckpt = root / "dist-ckpt"
             worlds = [(src.id, first)]
             outs = load_step(env, result, model, hf_dir, dst, export_backend, ckpt, export_to=export, ddp=opts, dtype=dtype)
             worlds.append((dst.id, outs))

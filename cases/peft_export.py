@@ -230,13 +230,14 @@ class PeftExport(Case):
         adapter = opts.spec(model)
         src, dst = spec.source, spec.target
         d = env.case_dir
-        hf_dir, direct, merged, ckpt = d / "hf-base", d / "adapter@source", d / "merged@source", d / "adapter-dist-ckpt"
         dtype = opts.dtype
-        with timed(result, "fixture"):
-            write_fixture(model, hf_dir, dtype)
+        # the base fixture and the world at S are the same for every target: once per run (harness.run.reuse)
+        hf_dir = env.source_files(result, "fixture", "write_fixture", (model, dtype, 1, ()), lambda p: write_fixture(model, p, dtype))
         resharded = src != dst
-        first = save_step(env, result, model, hf_dir, src, adapter, ref_of(spec), adapter_save=ckpt if resharded else None,
-                          export_to=direct, merged_to=merged, dtype=dtype)
+        root, first = env.launch_source(result, "save", _rank, lambda p: _Phase(
+            model, str(hf_dir), src, adapter, True, adapter_save=_opt(p / "adapter-dist-ckpt" if resharded else None),
+            export_to=_opt(p / "adapter@source"), merged_to=_opt(p / "merged@source"), **_paths(ref_of(spec), dtype)), src)
+        direct, merged, ckpt = root / "adapter@source", root / "merged@source", root / "adapter-dist-ckpt"
         if resharded:
             again = load_step(env, result, model, hf_dir, dst, adapter, ref_of(spec), ckpt, export_to=d / "adapter@target", dtype=dtype)
         with timed(result, "compare"):

@@ -141,11 +141,13 @@ class ReshardOptimizer(Case):
         cp_rule(spec, opts)
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
-        ckpt = env.case_dir / "ckpt"
         src, dst = spec.source.id, spec.target.id
         model, backend = get_model(spec.model, "gpt"), ref_of(spec)
         result.notes += workaround_notes(opts, spec.source, spec.target)
-        saved = save_step(env, result, model, opts, backend, spec.source, ckpt, opts.steps)
+        # the training at S and its save are the same for every target: once per run (harness.run.reuse)
+        root, saved = env.launch_source(result, "save", train_phase, lambda d: phase_of(
+            model, opts, backend, topo=spec.source, save_to=str(d / "ckpt"), steps_before_save=opts.steps), spec.source)
+        ckpt = root / "ckpt"
         finalized = finalize_gate(get_backend(backend), saved, [str(ckpt)])
         if finalized is not None:
             result.checks.append(finalized)

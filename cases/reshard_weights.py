@@ -272,9 +272,12 @@ def run_weights(model: ModelSpec, src: Topology, dst: Topology, backend: str, dt
     """The three worlds (save at S, load and re-save at D, read both checkpoints) and the judge,
     for any ModelSpec: the matrix case and harness.orchestration.explore (which draws models outside the zoo)
     run exactly this."""
-    ckpt_a, ckpt_b = env.case_dir / "ckpt-source", env.case_dir / "ckpt-resaved"
+    ckpt_b = env.case_dir / "ckpt-resaved"
     knobs = dict(logits=cp_forward(src, dst, layer_spec), dtype=dtype, layer_spec=layer_spec)
-    saved = save_step(env, result, model, src, backend, ckpt_a, **knobs)
+    # the save at S is the same for every target: once per run (harness.run.reuse), read-only after
+    root, saved = env.launch_source(result, "save", _rank_phase, lambda d: _Phase(
+        model, src, backend, None, str(d / "ckpt-source"), knobs["logits"], dtype, layer_spec), src)
+    ckpt_a = root / "ckpt-source"
     loaded = load_step(env, result, model, dst, backend, ckpt_a, save_to=ckpt_b, **knobs)
     plain = read_step(env, result, backend, [ckpt_a, ckpt_b])
     with timed(result, "compare"):

@@ -149,16 +149,17 @@ class Resume(Case):
             raise ValueError(f"option load_with: backend {opts.load_with!r} cannot load a training job (capability training_state)")
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
-        k, ckpt = opts.steps, env.case_dir / "ckpt"
-        later = tuple(str(env.case_dir / f"ckpt{i}") for i in range(2, opts.saves + 1))
+        k = opts.steps
         model, backend = get_model(spec.model, "gpt"), ref_of(spec)
         result.notes += workaround_notes(opts, spec.source, spec.target)
         # bf16 also records model + optimizer views (the reference's at its save, the resumed job's
         # right after its load: steps_before_save is 0 there) for weights-match-main-params.
         views = ("final", "optimizer") if opts.dtype == "bf16" else ("final",)
-        reference = env.launch(result, "save", train_phase, phase_of(
-            model, opts, backend, topo=spec.source, save_to=str(ckpt), steps_before_save=k, steps_after=k, views=views,
-            resave_to=later), spec.source)
+        # the reference run at S (and its saves) is the same for every target: once per run (harness.run.reuse)
+        root, reference = env.launch_source(result, "save", train_phase, lambda d: phase_of(
+            model, opts, backend, topo=spec.source, save_to=str(d / "ckpt"), steps_before_save=k, steps_after=k, views=views,
+            resave_to=tuple(str(d / f"ckpt{i}") for i in range(2, opts.saves + 1))), spec.source)
+        ckpt, later = root / "ckpt", tuple(str(root / f"ckpt{i}") for i in range(2, opts.saves + 1))
         finalized = finalize_gate(get_backend(backend), reference, [str(ckpt), *later])
         if finalized is not None:
             result.checks.append(finalized)

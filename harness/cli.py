@@ -91,7 +91,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     options = RunOptions(
         dist_backend=args.dist_backend, workdir=args.workdir, keep=args.keep,
         launcher=args.launcher, torchrun_template=args.torchrun_template, start_method=args.start_method,
-        rank_hooks=tuple(args.rank_hook),
+        rank_hooks=tuple(args.rank_hook), reuse=not args.no_reuse,
     )
     start = time.perf_counter()
     finished = []
@@ -174,7 +174,7 @@ def _cmd_gate(args: argparse.Namespace) -> int:
 
     cache = args.cache or envspec._default_cache()
     return run_gate(args.candidate, args.baseline, args.matrix, args.k, args.out, cache, _thresholds(args), cross=not args.skip_cross,
-                    corpus=args.corpus, exact=args.exact, jobs=args.jobs)
+                    corpus=args.corpus, exact=args.exact, jobs=args.jobs, reuse=not args.no_reuse)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_max_world(run)
     run.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
                      help="run N cases at once in forked workers (gloo + mp launcher only; scripts/smoke uses 2)")
+    run.add_argument("--no-reuse", action="store_true",
+                     help="every case runs its own source worlds (default: a source several cases share is saved once per run)")
     run.add_argument("--fail-on-not-run", action="store_true",
                      help="exit 3 when a case is not-run (the machine lacks CUDA devices, NCCL, TE, memory): a GPU job whose runner lost its GPUs goes red")
     _add_shard(run)
@@ -321,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     gate.add_argument("--corpus", type=Path, default=None,
                       help="also have the candidate check this golden corpus (one the previous pins wrote; CI caches it)")
     gate.add_argument("--skip-cross", action="store_true", help="no cross-version corpus (matrix comparison only)")
-    gate.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="cases at once in each side's matrix run "
-                      "(as `run --jobs`; gloo only)")
+    gate.add_argument("--jobs", "-j", type=int, default=2, metavar="N", help="cases at once in each side's matrix run "
+                      "(as `run --jobs`, smoke's 2 by default; gloo only)")
+    gate.add_argument("--no-reuse", action="store_true", help="each side's cases run their own source worlds (as `run --no-reuse`)")
     gate.add_argument("--exact", action="store_true", help="move only the named specs: no release-set companions "
                       "(a Bridge keeps today's Core and transformers pins)")
     _add_thresholds(gate)

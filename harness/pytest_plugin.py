@@ -5,12 +5,18 @@
     pytest matrices/smoke.yaml -k "tp2pp1dp1cp1->tp1pp2"
 
 xdist-safe: each item runs its own worlds with their own scratch dir; rendezvous goes through a
-FileStore in that dir, so two workers never race for a port.
+FileStore in that dir, so two workers never race for a port. A session shares one source store
+(harness.run.reuse: a source world several items share runs once) across its xdist workers: the
+controller makes it and names it in CKPT_HARNESS_SOURCES, which the workers it starts inherit,
+and removes it when the session ends; `--ckpt-no-reuse` turns it off.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -38,11 +44,44 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="cut every matrix topology above N ranks to fit (harness/core/cut.py): ckpt-harness run --max-world")
     group.addoption("--ckpt-rank-hook", action="append", default=[], metavar="MODULE:FUNCTION",
                     help="run this function in every rank before the case (repeatable)")
+    group.addoption("--ckpt-no-reuse", action="store_true",
+                    help="every item runs its own source worlds (no save once, load many: harness/run/reuse.py)")
+
+
+_SOURCES_ENV = "CKPT_HARNESS_SOURCES"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for name, help_text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {help_text}")
+    if not hasattr(config, "workerinput") and not config.getoption("--ckpt-no-reuse"):  # the controller (or a plain session)
+        parent = config.getoption("--ckpt-workdir")
+        if parent:
+            Path(parent).mkdir(parents=True, exist_ok=True)
+        config._ckpt_sources = tempfile.mkdtemp(prefix="ckpt-harness-sources-", dir=parent)
+        config._ckpt_sources_env = os.environ.get(_SOURCES_ENV)
+        os.environ[_SOURCES_ENV] = config._ckpt_sources  # for the xdist workers this session starts
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    sources = getattr(config, "_ckpt_sources", None)
+    if sources is None:
+        return
+    if config._ckpt_sources_env is None:
+        os.environ.pop(_SOURCES_ENV, None)
+    else:
+        os.environ[_SOURCES_ENV] = config._ckpt_sources_env
+    if not config.getoption("--ckpt-keep"):
+        shutil.rmtree(sources, ignore_errors=True)  # our own mkdtemp
+
+
+def _sources(config: pytest.Config) -> Path | None:
+    """This session's source store: the controller's (a worker reads it from the environment)."""
+    if config.getoption("--ckpt-no-reuse"):
+        return None
+    own = getattr(config, "_ckpt_sources", None)
+    found = own or os.environ.get(_SOURCES_ENV)
+    return Path(found) if found else None
 
 
 def pytest_collect_file(parent: pytest.Collector, file_path: Path):
@@ -79,6 +118,7 @@ class CaseItem(pytest.Item):
             keep=cfg.getoption("--ckpt-keep"),
             start_method=cfg.getoption("--ckpt-start-method"),
             rank_hooks=tuple(cfg.getoption("--ckpt-rank-hook")),
+            reuse=_sources(cfg) is not None, sources=_sources(cfg),
         )
         result = run_case(self.spec, options)
         self.user_properties.append(("ckpt_status", result.status))

@@ -725,3 +725,16 @@ class BridgeTrainingPeftBaseNotLoaded(BridgeTraining):
         from harness.backends import Backend
 
         return Backend.build_bridge_model(self, hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config, adapter=adapter)
+
+
+class LoadWritesIntoSource(McoreDist):
+    """A load that leaves a file behind in the checkpoint it read (and touches its metadata): what a
+    loader must never do to a source the run shares (harness.run.reuse)."""
+
+    def load(self, ctx, model, directory):
+        super().load(ctx, model, directory)
+        if ctx.rank == 0:
+            (Path(directory) / "loaded-by-me.txt").write_text("a loader wrote here")
+            meta = Path(directory) / "metadata.json"
+            if meta.exists():
+                meta.write_text(meta.read_text() + " ")

@@ -89,6 +89,8 @@ class CaseResult:
     backend_options: dict[str, Any] = field(default_factory=dict)  # the backend's options (its strategy)
     #: what the backend recorded it ran, per world phase and rank (harness.backends.record_event)
     backend_events: dict[str, Any] = field(default_factory=dict)
+    #: the run's stored source worlds this case wrote or reused (harness.run.reuse.SourceUse, as dicts)
+    reuse: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def hole_reason(self) -> str | None:

@@ -89,9 +89,12 @@ def build_side(side: Side, cache: Path) -> None:
     side.versions = json.loads(r.stdout) if r.returncode == 0 else {}
 
 
-def run_matrix(side: Side, matrix: Path, k: str | None, out: Path, jobs: int = 1) -> float:
+def run_matrix(side: Side, matrix: Path, k: str | None, out: Path, jobs: int = 2, reuse: bool = True) -> float:
+    """One side's matrix run, in its own environment: `run --jobs` and save once, load many as
+    smoke runs them (a stored source is that run's, so it is never shared across sides)."""
     start = time.perf_counter()
-    rc = _harness(side, ["run", str(matrix), "--report", str(out), "--jobs", str(jobs), *(["-k", k] if k else [])],
+    rc = _harness(side, ["run", str(matrix), "--report", str(out), "--jobs", str(jobs), *(["-k", k] if k else []),
+                         *([] if reuse else ["--no-reuse"])],
                   out / "run.log")
     if rc not in (0, 1) or not (out / "results.json").exists():
         raise GateError(f"the {side.name} matrix run exited {rc} without results:\n{_tail((out / 'run.log').read_text(errors='replace'))}")
@@ -237,7 +240,7 @@ def stored_corpus(reader: Side, corpus: Path, out: Path) -> tuple[Path, float]:
 
 def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str | None, out: Path, cache: Path,
              thresholds: compare.Thresholds = compare.Thresholds(), cross: bool = True, corpus: Path | None = None,
-             exact: bool = False, jobs: int = 1) -> int:
+             exact: bool = False, jobs: int = 2, reuse: bool = True) -> int:
     if out.exists() and any(out.iterdir()):
         print(f"ckpt-harness: {out} is not empty; the gate writes a new directory (it never overwrites or deletes)", file=sys.stderr)
         return 2
@@ -260,7 +263,7 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
         for s in sides:
             build_side(s, cache)
         for s in sides:
-            timings[f"{s.name} matrix"] = run_matrix(s, matrix, k, out / s.name, jobs)
+            timings[f"{s.name} matrix"] = run_matrix(s, matrix, k, out / s.name, jobs, reuse)
         base, cand = compare.load(out / "baseline"), compare.load(out / "candidate")
         findings = compare.compare(base, cand, thresholds)
         if cross:

@@ -9,7 +9,7 @@ import tempfile
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -20,6 +20,7 @@ from harness.core.result import API_MISSING, CaseResult, Check, api_missing_line
 from harness.core.spec import CaseSpec, XFail
 from harness.report.results import moved_from_pins
 from harness.run.envelope import RunEnv
+from harness.run.reuse import SourceStore
 from harness.run.world import WorldError, exception_of
 
 #: A world's wall-clock limit where no matrix entry gives one (the golden corpus; explore passes its own).
@@ -38,6 +39,10 @@ class RunOptions:
     #: each world's limit in runs without a matrix entry (golden make/check, explore); a matrix
     #: entry's own `timeout_s` wins in run_case
     timeout_s: float = DEFAULT_TIMEOUT_S
+    #: save once, load many (harness.run.reuse): a source world shared by several cases runs once per run
+    reuse: bool = True
+    #: the run's source store; run_cases makes one (under `workdir`) when None and `reuse`
+    sources: Path | None = None
 
 
 def _case_dirname(case_id: str) -> str:
@@ -195,12 +200,14 @@ def not_run_reason(spec: CaseSpec, options: RunOptions, opts: Any = _VALIDATE) -
 
 
 @contextmanager
-def case_envelope(result: CaseResult, options: RunOptions, timeout_s: float | None = None) -> Iterator[RunEnv]:
+def case_envelope(result: CaseResult, options: RunOptions, timeout_s: float | None = None, reuse: bool = True) -> Iterator[RunEnv]:
     """The one envelope of every way a case runs (run_case, golden make and check, explore).
 
     Yields the RunEnv of a fresh scratch directory (under `options.workdir`, named after the case)
     with `options`' dist backend, launcher and rank hooks, each world limited to `timeout_s`
-    (`options.timeout_s` when None). An exception raised inside is not raised further: the result
+    (`options.timeout_s` when None), sharing the run's source store when `options.sources` is set,
+    `reuse` holds and no rank hook may damage what a world writes; every case that used the store
+    gets its `source-unchanged` checks. An exception raised inside is not raised further: the result
     becomes `error` with `error_text` (the "API not available in <package> <version>" line first
     when an upstream API moved, then the failing rank's traceback or this process's). Otherwise,
     unless the body set `result.error`, the status is `failed` when a check failed, else `passed`.
@@ -214,10 +221,14 @@ def case_envelope(result: CaseResult, options: RunOptions, timeout_s: float | No
         case_dir=scratch, dist_backend=options.dist_backend, timeout_s=options.timeout_s if timeout_s is None else timeout_s,
         launcher=options.launcher, torchrun_template=options.torchrun_template, start_method=options.start_method,
         hooks=tuple(options.rank_hooks),
+        store=SourceStore(options.sources) if reuse and options.reuse and options.sources and not options.rank_hooks else None,
     )
     start = time.perf_counter()
     try:
-        yield env
+        try:
+            yield env
+        finally:  # also after an error: a loader that wrote into a source must not hand it to the next case
+            result.checks.extend(env.source_checks())
         if result.error is None:
             result.status = "failed" if result.failed_checks else "passed"
     except Exception as exc:  # a rank's or the harness's error is reported, not raised: the matrix goes on
@@ -260,7 +271,8 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
         result.status, result.not_run_reason = "not-run", reason
         result.phases["total"] = 0.0
         return result
-    with case_envelope(result, options, spec.timeout_s) as env:
+    # a case with memory budgets measures its own saves: it never takes a stored source
+    with case_envelope(result, options, spec.timeout_s, reuse=not spec.budgets) as env:
         driven = [get_backend(r) for r in case.backends(spec, opts)]
         # idempotent; forked ranks inherit the imports
         warm(bridge=get_model(spec.model).kind == "hf", modules=tuple(m for b in driven for m in b.preload))
@@ -281,15 +293,47 @@ def run_cases(
     every case needs, so workers start warm): a case is still a world per phase, run the same way,
     and most worlds here are 1-2 ranks that leave a 2-core machine half idle between phases."""
     specs = list(specs)
-    if jobs > 1 and len(specs) > 1:
-        return _run_parallel(specs, options or RunOptions(), on_result, jobs)
-    results = []
-    for spec in specs:
-        r = run_case(spec, options)
-        results.append(r)
-        if on_result:
-            on_result(r)
-    return results
+    with source_store(options or RunOptions()) as options:
+        if jobs > 1 and len(specs) > 1:
+            return _run_parallel(specs, options, on_result, jobs)
+        results = []
+        for spec in specs:
+            r = run_case(spec, options)
+            results.append(r)
+            if on_result:
+                on_result(r)
+        return results
+
+
+@contextmanager
+def source_store(options: RunOptions) -> Iterator[RunOptions]:
+    """`options` with a fresh source store for this run (under `workdir`, removed at the end
+    unless `keep`) when reuse is on and none is given; a given store is the caller's to remove."""
+    if not options.reuse or options.sources is not None:
+        yield options
+        return
+    parent = Path(options.workdir) if options.workdir else None
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="ckpt-harness-sources-", dir=parent))
+    try:
+        yield replace(options, sources=root)
+    finally:
+        if not options.keep:
+            shutil.rmtree(root, ignore_errors=True)  # our own mkdtemp
+
+
+def writers_first(specs: list[CaseSpec]) -> list[int]:
+    """The order parallel workers take `specs` in: the first case of each likely source (case,
+    model, backend and options, source topology, case options) in matrix order, then the rest,
+    so two workers rarely wait on one store entry (the store's real key decides what is shared)."""
+    seen: set[str] = set()
+    first, rest = [], []
+    for i, spec in enumerate(specs):
+        group = repr((spec.case, spec.model, spec.backend, sorted(spec.backend_opts.items()), spec.source.id, sorted(spec.opts.items())))
+        (rest if group in seen else first).append(i)
+        seen.add(group)
+    return first + rest
 
 
 def _run_parallel(specs: list[CaseSpec], options: RunOptions, on_result, jobs: int) -> list[CaseResult]:
@@ -326,7 +370,7 @@ def _run_parallel(specs: list[CaseSpec], options: RunOptions, on_result, jobs: i
     # the worker on it. A worker is not a daemon, so its cases can start ranks.
     method = "fork" if threading.active_count() == 1 else "forkserver"
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(method)) as pool:
-        futures = {pool.submit(run_case, spec, options): i for i, spec in enumerate(specs)}
+        futures = {pool.submit(run_case, specs[i], options): i for i in writers_first(specs)}
         for done in as_completed(futures):
             i = futures[done]
             results[i] = done.result()

@@ -159,6 +159,8 @@ def print_summary(results: list[CaseResult], title: str, wall_s: float, console:
         f"[bold]{len(results)} cases[/] in {wall_s:.1f}s: "
         + ", ".join(f"[{_STYLE[s]}]{n} {s}[/]" for s, n in c.items() if n)
     )
+    if line := reuse_line(r.reuse for r in results):
+        console.print(f"[dim]{line}[/]")
     notes = sorted({c.detail for r in results for c in r.checks if c.status == "not-run"})
     for n in notes:
         console.print(f"[dim]– not run: {n}[/]")
@@ -173,6 +175,22 @@ def print_summary(results: list[CaseResult], title: str, wall_s: float, console:
             console.print(f"[cyan]{status}[/] ({len(ids)}): {escape(reason)}", highlight=False)
             for i in ids:
                 console.print(f"  {escape(i)}", highlight=False)
+
+
+def reuse_line(uses_per_case: Iterable[list[dict]]) -> str | None:
+    """One line on the run's save once, load many (harness.run.reuse): sources written, reuses, the
+    world time the reuses did not spend; None when no case used the store."""
+    wrote, reused, cases, saved = 0, 0, 0, 0.0
+    for uses in uses_per_case:
+        cases += any(u["role"] == "reused" for u in uses)
+        for u in uses:
+            wrote += u["role"] == "wrote"
+            reused += u["role"] == "reused"
+            saved += u["world_s"] if u["role"] == "reused" else 0.0
+    if not wrote and not reused:
+        return None
+    return (f"save once, load many: {wrote} source(s) written, {reused} reuse(s) by {cases} case(s), "
+            f"{saved:.0f} s of source worlds not run (ckpt-harness run --no-reuse runs every one)")
 
 
 def not_run_groups(results: Iterable[CaseResult], status: str = "not-run") -> dict[str, list[str]]:
@@ -213,4 +231,6 @@ def markdown(doc: dict) -> str:
     s = doc.get("summary", {})
     total = ", ".join(f"{n} {k}" for k, n in s.items() if n)
     rows.append(f"\n{len(doc['results'])} cases in {doc.get('wall_s', 0):.0f} s: {total}")
+    if line := reuse_line(r.get("reuse", []) for r in doc["results"]):
+        rows.append(f"\n{line}")
     return "\n".join(rows)

@@ -1,18 +1,21 @@
 """The one rank envelope: every world of every case gets parallel_state for its topology, the
 CPU shims, per-phase memory records, the shims it applied and the backend events the same way
-(`RunEnv.launch`), and one `timed` phase clock."""
+(`RunEnv.launch`), a world that writes a source checkpoint once per run (`RunEnv.launch_source`,
+harness.run.reuse), and one `timed` phase clock."""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from harness.core.result import CaseResult
+from harness.core.parity import NOT_COMPARED
+from harness.core.result import CaseResult, Check
 from harness.core.topology import Topology
 from harness.run import world
+from harness.run.reuse import PLACEHOLDER, SOURCE_UNCHANGED, SourceStore, SourceUse, source_key
 
 
 @dataclass(frozen=True)
@@ -56,10 +59,67 @@ class RunEnv:
     torchrun_template: str | None = None
     start_method: str | None = None  # None/auto: fork for gloo, spawn for NCCL
     hooks: tuple[str, ...] = ()  # rank hooks ("module:function"), run in every rank before the case's function
+    #: the run's store of source worlds (harness.run.reuse); None: every world runs in the case
+    store: SourceStore | None = None
+    uses: list[SourceUse] = field(default_factory=list)  # what this case took from (or wrote into) the store
 
     def launch(self, result: CaseResult, phase: str, fn: world.RankFn, arg: Any, topo: Topology | None) -> list[Any]:
         """One world for `topo` (one rank without parallel_state when None), timed into
         result.phases[phase]; its memory records and shims go into `result`. Returns each rank's value."""
+        outs = self._world(result, phase, fn, arg, topo)
+        self._record(result, phase, outs, memory=True)
+        return [o.value for o in outs]
+
+    def launch_source(self, result: CaseResult, phase: str, fn: world.RankFn, make_arg: Callable[[Path], Any],
+                      topo: Topology | None) -> tuple[Path, list[Any]]:
+        """A world that writes a checkpoint the case then only reads: `make_arg(root)` is its
+        argument with every output under `root`. With a store, the first case of the run with this
+        world's key (harness.run.reuse.source_key) runs it into the store and every later one gets
+        the same directory and rank values without running it (its events and shims recorded, its
+        memory not: that case measured none); either way the case gets `source-unchanged` when it
+        ends. Without a store, or when the argument names this case's scratch directory, the world
+        runs under the case's own `source-<phase>/`. Returns (root, each rank's value)."""
+        own = self.case_dir / f"source-{phase}"
+        probe = make_arg(PLACEHOLDER)
+        if self.store is None or str(self.case_dir) in repr(probe):
+            own.mkdir(parents=True, exist_ok=True)
+            return own, self.launch(result, phase, fn, make_arg(own), topo)
+        key = source_key(fn, probe, topo, {"dist_backend": self.dist_backend, "launcher": self.launcher,
+                                            "torchrun_template": self.torchrun_template})
+        root, outs, use = self.store.get_or_make(key, phase, result.id, lambda d: self._world(result, phase, fn, make_arg(d), topo))
+        self._record(result, phase, outs, memory=use.role == "wrote")
+        self.uses.append(use)
+        result.reuse.append(use.to_dict())
+        if use.role == "reused":
+            result.notes.append(f"{phase}: the source world of {use.writer} reused (store entry {use.key}, saved {use.world_s:.1f} s)")
+        return root, [o.value for o in outs]
+
+    def source_files(self, result: CaseResult, phase: str, what: str, spec: Any, make: Callable[[Path], Any]) -> Path:
+        """A file tree this process writes from `spec` alone (an HF fixture: `what` names the
+        writer, `make(dir)` writes it), timed as `phase`: once per run in the store like a source
+        world, else in the case's own `<phase>/`. Returns its directory."""
+        if self.store is None or str(self.case_dir) in repr(spec):
+            with timed(result, phase):
+                make(self.case_dir / phase)
+            return self.case_dir / phase
+        key = source_key(what, spec, None, {})
+        with timed(result, phase):
+            root, _, use = self.store.get_or_make(key, phase, result.id, lambda d: make(d))
+        self.uses.append(use)
+        result.reuse.append(use.to_dict())
+        return root
+
+    def source_checks(self) -> list[Check]:
+        """`source-unchanged` for each stored source this case used: its files hash as they did when written."""
+        checks = []
+        for use in self.uses:
+            problems = self.store.verify(use) if self.store is not None else []
+            detail = (f"the {use.phase} source {use.key} ({use.role}) changed while this case used it: " + "; ".join(problems[:10])
+                      + "; the entry is set aside") if problems else f"the {use.phase} source {use.key} ({use.role}) hashes as written"
+            checks.append(Check(SOURCE_UNCHANGED, "failed" if problems else "passed", detail, tolerance=NOT_COMPARED))
+        return checks
+
+    def _world(self, result: CaseResult, phase: str, fn: world.RankFn, arg: Any, topo: Topology | None) -> list[RankOut]:
         size = topo.world_size if topo is not None else 1
         workdir = self.case_dir / f"world-{phase}"
         call = (fn, arg, topo)
@@ -74,15 +134,18 @@ class RunEnv:
                     _envelope, call, size, workdir, backend=self.dist_backend, timeout_s=self.timeout_s,
                     start_method=self.start_method, hooks=self.hooks,
                 )
+        return outs
+
+    @staticmethod
+    def _record(result: CaseResult, phase: str, outs: list[RankOut], memory: bool) -> None:
         for rank, out in enumerate(outs):
-            for name, m in out.memory.items():
+            for name, m in (out.memory.items() if memory else ()):
                 key = name if name == phase else f"{phase}:{name}"
                 result.memory.setdefault(key, {})[str(rank)] = {**m, "shard_bytes": getattr(out.value, "shard_bytes", 0)}
             if out.events:
                 result.backend_events.setdefault(phase, {})[str(rank)] = out.events
         for out in outs:  # what any rank of any of the case's worlds applied, first-seen order
             result.compat_shims += [name for name in out.compat if name not in result.compat_shims]
-        return [o.value for o in outs]
 
 
 @contextmanager

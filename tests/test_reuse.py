@@ -194,15 +194,24 @@ def test_a_loader_that_writes_into_a_shared_source_fails_and_the_next_case_gets_
     assert len(list((tmp_path / "sources").glob("*.changed-*"))) == 2
 
 
-def test_no_reuse_budgets_and_rank_hooks_run_their_own_worlds(tmp_path):
+def test_no_reuse_and_rank_hooks_run_their_own_worlds(tmp_path):
     spec = _spec("reshard-weights", "gpt-gqa", "tp1", "tp2")
     assert not run_case(spec, RunOptions(workdir=tmp_path, reuse=False, sources=tmp_path / "s")).reuse
-    budgeted = replace(spec, budgets=(Budget("save", max_peak_delta_mib=4096),))
-    assert not run_case(budgeted, RunOptions(workdir=tmp_path, sources=tmp_path / "s")).reuse, "a budget measures its own save"
     hooked = RunOptions(workdir=tmp_path, sources=tmp_path / "s", rank_hooks=("test_reuse:harmless_hook",))
     assert not run_case(spec, hooked).reuse, "a rank hook may damage what a world writes"
     assert run_case(spec, RunOptions(workdir=tmp_path, sources=tmp_path / "s")).reuse, "and the same spec plainly does use the store"
     assert not [p for p in os.listdir(tmp_path / "s") if not p.endswith(".lock") and "changed" not in p][1:], "one entry"
+
+
+def test_a_budget_on_a_reused_world_is_judged_on_the_writers_measurement(tmp_path):
+    spec = _spec("reshard-weights", "gpt-gqa", "tp1", "tp2")
+    opts = RunOptions(workdir=tmp_path, sources=tmp_path / "s")
+    first = run_case(replace(spec, budgets=(Budget("save", max_peak_delta_mib=4096),)), opts)
+    tight = run_case(replace(spec, target=Topology.parse("pp2"), budgets=(Budget("save", max_peak_delta_mib=0.0),)), opts)
+    assert first.status == "passed" and [u["role"] for u in tight.reuse] == ["reused"]
+    assert tight.memory["save"]["0"]["measured_by"] == first.id and "measured_by" not in first.memory["save"]["0"]
+    check = tight.check("memory-budget:save@rank0")
+    assert check.status == "failed" and f"measured by {first.id}" in check.detail, "the writer's measurement, judged and named"
 
 
 def test_parallel_workers_take_the_writers_first():

@@ -34,6 +34,32 @@ def test_every_case_is_in_exactly_one_shard_and_the_split_is_stable(smoke, total
     assert max(loads) - min(loads) <= max(shard.estimate(s) for s in smoke)
 
 
+@pytest.mark.parametrize("total", [2, 3])
+def test_cases_sharing_a_source_stay_in_one_shard_within_20_percent(smoke, total):
+    """A source saved once per run (harness.run.reuse) is saved once per split too: every source
+    group of the smoke matrix (its fan-out included) lands in one shard, and the shards' estimated
+    loads stay within 20% of their mean."""
+    parts = shard.split(smoke, total)
+    where: dict[str, set[int]] = {}
+    for i, part in enumerate(parts):
+        for s in part:
+            where.setdefault(shard.source_group(s), set()).add(i)
+    assert sum(len(v) > 1 for v in where.values()) == 0
+    assert max(len([s for s in smoke if shard.source_group(s) == g]) for g in where) >= 10, "the matrix has a real fan-out"
+    loads = [sum(shard.estimate(s) for s in p) for p in parts]
+    assert (max(loads) - min(loads)) <= 0.2 * sum(loads) / total
+
+
+def test_a_group_heavier_than_the_cap_is_cut():
+    from harness.core.spec import CaseSpec
+    from harness.core.topology import Topology
+
+    specs = [CaseSpec("reshard-weights", "gpt-gqa", "mcore_dist", Topology.parse("tp2"), Topology.parse(t))
+             for t in ("tp1", "pp2", "dp2", "tp4", "pp4", "dp4", "tp2pp2", "tp2dp2", "pp2dp2", "tp1pp1")]
+    parts = shard.split(specs, 2)
+    assert all(parts) and abs(len(parts[0]) - len(parts[1])) <= 2, "one group of 10 equal cases still splits evenly"
+
+
 def test_durations_decide_the_balance(smoke):
     heavy = smoke[-1].id
     parts = shard.split(smoke, 2, {heavy: 10_000.0})

@@ -61,7 +61,8 @@ def budget_checks(spec: CaseSpec, result: CaseResult) -> list[Check]:
         fields = {k: v for k, v in m.items() if k in PhaseMemory.__dataclass_fields__}
         violation = b.violation(PhaseMemory(**fields), m.get("shard_bytes", 0))
         delta = m["peak_delta"] / MiB
-        checks.append(Check(name, "failed" if violation else "passed", violation or f"peak RSS delta {delta:.1f} MiB", tolerance=BUDGET))
+        by = f" (measured by {m['measured_by']}, whose source world this case reused)" if m.get("measured_by") else ""
+        checks.append(Check(name, "failed" if violation else "passed", (violation or f"peak RSS delta {delta:.1f} MiB") + by, tolerance=BUDGET))
     return checks
 
 
@@ -271,8 +272,7 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
         result.status, result.not_run_reason = "not-run", reason
         result.phases["total"] = 0.0
         return result
-    # a case with memory budgets measures its own saves: it never takes a stored source
-    with case_envelope(result, options, spec.timeout_s, reuse=not spec.budgets) as env:
+    with case_envelope(result, options, spec.timeout_s) as env:
         driven = [get_backend(r) for r in case.backends(spec, opts)]
         # idempotent; forked ranks inherit the imports
         warm(bridge=get_model(spec.model).kind == "hf", modules=tuple(m for b in driven for m in b.preload))
@@ -324,13 +324,15 @@ def source_store(options: RunOptions) -> Iterator[RunOptions]:
 
 
 def writers_first(specs: list[CaseSpec]) -> list[int]:
-    """The order parallel workers take `specs` in: the first case of each likely source (case,
-    model, backend and options, source topology, case options) in matrix order, then the rest,
+    """The order parallel workers take `specs` in: the first case of each likely source
+    (harness.orchestration.shard.source_group) in matrix order, then the rest,
     so two workers rarely wait on one store entry (the store's real key decides what is shared)."""
+    from harness.orchestration.shard import source_group
+
     seen: set[str] = set()
     first, rest = [], []
     for i, spec in enumerate(specs):
-        group = repr((spec.case, spec.model, spec.backend, sorted(spec.backend_opts.items()), spec.source.id, sorted(spec.opts.items())))
+        group = source_group(spec)
         (rest if group in seen else first).append(i)
         seen.add(group)
     return first + rest

@@ -3,8 +3,11 @@ item 3). Every runner computes the same split from the same matrix, so the N par
 exactly once; `ckpt-harness merge` (harness.report.merge) makes one report from their results.
 
 Balance: each case weighs what it took in a previous results.json (`--durations`), else an estimate
-from its world size and model kind; cases go heaviest first to the lightest shard (longest
-processing time first), ties by case id, so the split does not depend on dict or file order."""
+from its world size and model kind. The cases that likely share a stored source world
+(`source_group`: harness.run.reuse saves it once per run) stay in one shard, so a split does not
+save a source once per shard; a group heavier than a fifth of a shard's fair share is cut in parts
+of at most that (so the shards stay within about 20% of each other). The units go heaviest first to the lightest shard (longest processing time first),
+ties by their first case id, so the split does not depend on dict or file order."""
 
 from __future__ import annotations
 
@@ -54,15 +57,35 @@ def estimate(spec: Any) -> float:
     return SECONDS_PER_RANK * (ranks + 1) * (HF_FACTOR if hf else 1.0)
 
 
+def source_group(spec: Any) -> str:
+    """What decides a case's source world apart from the target (case, model, backend and its
+    options, source topology, case options): cases with the same group likely share one stored
+    source (the store's own key, harness.run.reuse.source_key, decides what is really shared)."""
+    return repr((spec.case, spec.model, spec.backend, sorted(spec.backend_opts.items()), spec.source.id, sorted(spec.opts.items())))
+
+
 def split(specs: Sequence[Any], total: int, durations: dict[str, float] | None = None) -> list[list[Any]]:
     """The `total` parts, each in matrix order; every spec in exactly one."""
     durations = durations or {}
     weight = {s.id: durations.get(s.id) or estimate(s) for s in specs}
+    cap = sum(weight.values()) / total / 5  # a unit's most: longest-first then ends within one unit of balance
+    groups: dict[str, list[Any]] = {}
+    for s in specs:
+        groups.setdefault(source_group(s), []).append(s)
+    units: list[list[Any]] = []
+    for members in groups.values():  # a group above the cap is cut (it would unbalance the split)
+        unit: list[Any] = []
+        for s in members:
+            if unit and sum(weight[u.id] for u in unit) + weight[s.id] > cap:
+                units.append(unit)
+                unit = []
+            unit.append(s)
+        units.append(unit)
     loads, parts = [0.0] * total, [set() for _ in range(total)]
-    for s in sorted(specs, key=lambda s: (-weight[s.id], s.id)):
+    for unit in sorted(units, key=lambda u: (-sum(weight[s.id] for s in u), u[0].id)):
         k = min(range(total), key=lambda j: (loads[j], j))
-        loads[k] += weight[s.id]
-        parts[k].add(s.id)
+        loads[k] += sum(weight[s.id] for s in unit)
+        parts[k].update(s.id for s in unit)
     return [[s for s in specs if s.id in part] for part in parts]
 
 

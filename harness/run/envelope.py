@@ -67,7 +67,7 @@ class RunEnv:
         """One world for `topo` (one rank without parallel_state when None), timed into
         result.phases[phase]; its memory records and shims go into `result`. Returns each rank's value."""
         outs = self._world(result, phase, fn, arg, topo)
-        self._record(result, phase, outs, memory=True)
+        self._record(result, phase, outs)
         return [o.value for o in outs]
 
     def launch_source(self, result: CaseResult, phase: str, fn: world.RankFn, make_arg: Callable[[Path], Any],
@@ -75,8 +75,8 @@ class RunEnv:
         """A world that writes a checkpoint the case then only reads: `make_arg(root)` is its
         argument with every output under `root`. With a store, the first case of the run with this
         world's key (harness.run.reuse.source_key) runs it into the store and every later one gets
-        the same directory and rank values without running it (its events and shims recorded, its
-        memory not: that case measured none); either way the case gets `source-unchanged` when it
+        the same directory and rank values without running it (its events, shims and memory
+        recorded, the memory marked `measured_by` the writer: the same world, measured once); either way the case gets `source-unchanged` when it
         ends. Without a store, or when the argument names this case's scratch directory, the world
         runs under the case's own `source-<phase>/`. Returns (root, each rank's value)."""
         own = self.case_dir / f"source-{phase}"
@@ -87,7 +87,7 @@ class RunEnv:
         key = source_key(fn, probe, topo, {"dist_backend": self.dist_backend, "launcher": self.launcher,
                                             "torchrun_template": self.torchrun_template})
         root, outs, use = self.store.get_or_make(key, phase, result.id, lambda d: self._world(result, phase, fn, make_arg(d), topo))
-        self._record(result, phase, outs, memory=use.role == "wrote")
+        self._record(result, phase, outs, measured_by=use.writer if use.role == "reused" else None)
         self.uses.append(use)
         result.reuse.append(use.to_dict())
         if use.role == "reused":
@@ -137,11 +137,12 @@ class RunEnv:
         return outs
 
     @staticmethod
-    def _record(result: CaseResult, phase: str, outs: list[RankOut], memory: bool) -> None:
+    def _record(result: CaseResult, phase: str, outs: list[RankOut], measured_by: str | None = None) -> None:
+        by = {"measured_by": measured_by} if measured_by else {}
         for rank, out in enumerate(outs):
-            for name, m in (out.memory.items() if memory else ()):
+            for name, m in out.memory.items():
                 key = name if name == phase else f"{phase}:{name}"
-                result.memory.setdefault(key, {})[str(rank)] = {**m, "shard_bytes": getattr(out.value, "shard_bytes", 0)}
+                result.memory.setdefault(key, {})[str(rank)] = {**m, "shard_bytes": getattr(out.value, "shard_bytes", 0), **by}
             if out.events:
                 result.backend_events.setdefault(phase, {})[str(rank)] = out.events
         for out in outs:  # what any rank of any of the case's worlds applied, first-seen order

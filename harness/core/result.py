@@ -89,6 +89,8 @@ class CaseResult:
     backend_options: dict[str, Any] = field(default_factory=dict)  # the backend's options (its strategy)
     #: what the backend recorded it ran, per world phase and rank (harness.backends.record_event)
     backend_events: dict[str, Any] = field(default_factory=dict)
+    #: where and when it ran when cases were packed onto a node's GPUs (harness.core.schedule.Placement.to_json)
+    placement: dict[str, Any] | None = None
 
     @property
     def hole_reason(self) -> str | None:

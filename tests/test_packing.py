@@ -118,10 +118,10 @@ def test_the_busy_fraction_is_what_the_plan_held(raw, node):
 
 
 def test_the_report_groups_one_line_per_packed_run():
-    recs = [Placement((0, 1), 4, 0.0, 10.0, run_started=1.0).to_json(), None,
+    recs = [Placement((0, 1), 4, 0.0, 10.0, run_started=1.0).to_json(), None, Placement((0,), 4, 0.0, 2.0, run_started=3.0).to_json(),
             Placement((2, 3), 4, 0.0, 10.0, run_started=1.0).to_json(), Placement((0,), 8, 0.0, 4.0, run_started=2.0).to_json()]
-    got = summaries(recs)
-    assert [(s.node_gpus, s.cases, s.busy_fraction) for s in got] == [(4, 2, 1.0), (8, 1, 0.125)]
+    got = summaries(recs)  # a merged report: one line per shard's run, even of nodes of one size
+    assert [(s.node_gpus, s.cases, s.busy_fraction) for s in got] == [(4, 2, 1.0), (8, 1, 0.125), (4, 1, 0.25)]
     doc = {"results": [{"id": f"c{i}", "status": "passed", "placement": r} for i, r in enumerate(recs)], "summary": {"passed": 4}}
     md = markdown(doc)
     assert "schedule: 2 case(s) packed on a 4-GPU node: wall 10.0 s vs 20.0 s one at a time (2.00x); GPUs busy 100.0%" in md

@@ -230,6 +230,8 @@ def run_packed(specs: Sequence[Any], options: Any, run_one: Callable[[Any, Any],
                 proc.start()
                 writer.close()  # the worker holds the only writer: its death reads as EOF here
                 running[reader] = (proc, job, gpus, time.perf_counter() - t0, devices)
+            if not running:  # cannot happen: every waiting case fits the empty node
+                raise RuntimeError(f"{len(packer.pending)} case(s) wait on an idle {node_gpus}-GPU node")
             for reader in wait(list(running)):
                 proc, job, gpus, start, devices = running.pop(reader)
                 try:

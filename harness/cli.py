@@ -26,8 +26,38 @@ def _cmd_list(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ckpt-harness list: {exc}", file=sys.stderr)
         return 2
+    if args.gpus_per_node:
+        return _print_plan(specs, args)
     for spec in specs:
         print(spec.id + "".join(f"  # {n}" for n in spec.notes))
+    return 0
+
+
+def _gpus(text: str) -> int:
+    """--gpus-per-node: N >= 1, or `auto` (the GPUs this process sees, asked of NVML: no CUDA context)."""
+    if text == "auto":
+        import torch
+
+        if (n := torch.cuda.device_count()) < 1:
+            raise argparse.ArgumentTypeError("auto: no GPU visible here; give a number")
+        return n
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a number of GPUs >= 1 or auto, got {text!r}")
+    return int(text)
+
+
+def _add_gpus(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpus-per-node", type=_gpus, default=None, metavar="N|auto",
+                   help="pack cases onto the node's N GPUs, several at once on disjoint sets, largest first "
+                        "(CUDA_VISIBLE_DEVICES per case; with gloo the sets are labels and worlds run on CPU); "
+                        "list: print the predicted schedule (docs/nightly-gpu.md)")
+
+
+def _print_plan(specs: list, args: argparse.Namespace) -> int:
+    from harness.orchestration import packing, shard
+
+    jobs = packing.jobs_of(specs, shard.durations_of(args.durations) if args.durations else None)
+    print("\n".join(packing.plan_lines(jobs, packing.plan(jobs, args.gpus_per_node))))
     return 0
 
 
@@ -45,7 +75,8 @@ def _add_shard(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", default=None, metavar="I/N", help="only part I of N, a deterministic balanced split "
                    "(every runner computes the same one; `merge` joins the parts' results)")
     p.add_argument("--durations", type=Path, default=None, metavar="RESULTS",
-                   help="balance --shard by the case durations of a previous results.json (else by world size and model)")
+                   help="balance --shard (and order --gpus-per-node) by the case durations of a previous results.json "
+                        "(else by world size and model)")
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
@@ -72,6 +103,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from harness.orchestration import shard
     from harness.orchestration.matrix import load_matrix
     from harness.orchestration.runner import RunOptions, run_cases
     from harness.report import results as report
@@ -103,6 +135,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             report.write_json(finished, report_path, str(args.matrix), time.perf_counter() - start, complete=False)
         style = {"passed": "green", "xfailed": "yellow", "not-run": "cyan", "not-applicable": "cyan"}.get(r.status, "bold red")
         console.print(f"[{len(finished)}/{len(specs)}] [{style}]{r.status.upper():8}[/] {escape(r.id)}  {r.phases.get('total', 0):.1f}s"
+                      + (f"  gpus {','.join(map(str, r.placement['gpus']))}" if r.placement else "")
                       + (f"  ({escape(r.hole_reason or '')})" if r.hole_reason else ""), highlight=False)
 
     # Plain lines, no live display: a refresh thread in the parent is unsafe when ranks fork.
@@ -110,8 +143,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         console.print(f"[red]--jobs must be >= 1, got {args.jobs}[/]")
         return 2
     try:
-        results = run_cases(specs, options, on_result=progress, jobs=args.jobs)
-    except ValueError as exc:  # jobs > 1 with NCCL or torchrun
+        results = run_cases(specs, options, on_result=progress, jobs=args.jobs, gpus_per_node=args.gpus_per_node,
+                            durations=shard.durations_of(args.durations) if args.durations and args.gpus_per_node else None)
+    except ValueError as exc:  # jobs > 1 with NCCL or torchrun; a node bigger than the GPUs seen
         console.print(f"[red]{escape(str(exc))}[/]")
         return 2
     wall = time.perf_counter() - start
@@ -298,12 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--fail-on-not-run", action="store_true",
                      help="exit 3 when a case is not-run (the machine lacks CUDA devices, NCCL, TE, memory): a GPU job whose runner lost its GPUs goes red")
     _add_shard(run)
+    _add_gpus(run)
     run.set_defaults(func=_cmd_run)
     ls = sub.add_parser("list", help="list the case ids of a matrix")
     ls.add_argument("matrix", type=Path)
     ls.add_argument("-k", default=None)
     _add_max_world(ls)
     _add_shard(ls)
+    _add_gpus(ls)
     mg = sub.add_parser("merge", help="one results.json + results.md from the results of a matrix's shards")
     mg.add_argument("parts", type=Path, nargs="+", help="the shards' results.json files or report dirs")
     mg.add_argument("--out", type=Path, required=True, help="write DIR/results.json and DIR/results.md")

@@ -379,6 +379,37 @@ def leak_a_process() -> None:
     subprocess.Popen(["sleep", "60"], start_new_session=True)
 
 
+def record_gpu_env() -> None:
+    """Rank hook of the GPU packing tests: this rank's GPU environment, one JSON file per rank under
+    $CKPT_HARNESS_TEST_GPU_LOG (the test sets it in the CLI's environment)."""
+    import os
+    import time
+
+    out = os.environ.get("CKPT_HARNESS_TEST_GPU_LOG")
+    if out:
+        rec = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "world_size": os.environ.get("WORLD_SIZE"), "time": time.time(),
+               "gpus": os.environ.get("CKPT_HARNESS_GPUS"), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        (Path(out) / f"rank-{os.getpid()}.json").write_text(json.dumps(rec))
+
+
+def fake_packed_case(spec: Any, options: Any):
+    """runner.run_case's stand-in for the packing executor's tests: no world, holds its GPUs for a
+    moment and reports the GPU environment its worker gave it; a case whose id names `dies` exits
+    without a word, as a worker killed mid-case would."""
+    import os
+    import time
+
+    from harness.core.result import CaseResult
+
+    if "dies" in spec.id:
+        os._exit(7)
+    start = time.time()
+    time.sleep(0.4)
+    return CaseResult(spec.id, spec.case, spec.model, spec.backend, spec.source.id, spec.target.id, status="passed",
+                      notes=[f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}",
+                             f"CKPT_HARNESS_GPUS={os.environ.get('CKPT_HARNESS_GPUS')}", f"ran {start} {time.time()}"])
+
+
 @dataclass(frozen=True)
 class _TaggedOptions:
     tag: str = "plain"

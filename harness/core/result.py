@@ -91,6 +91,8 @@ class CaseResult:
     backend_events: dict[str, Any] = field(default_factory=dict)
     #: the run's stored source worlds this case wrote or reused (harness.run.reuse.SourceUse, as dicts)
     reuse: list[dict[str, Any]] = field(default_factory=list)
+    #: where and when it ran when cases were packed onto a node's GPUs (harness.core.schedule.Placement.to_json)
+    placement: dict[str, Any] | None = None
 
     @property
     def hole_reason(self) -> str | None:

@@ -286,14 +286,23 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
 
 def run_cases(
     specs: Iterable[CaseSpec], options: RunOptions | None = None, on_result: Callable[[CaseResult], None] | None = None,
-    jobs: int = 1,
+    jobs: int = 1, gpus_per_node: int | None = None, durations: dict[str, float] | None = None,
 ) -> list[CaseResult]:
     """Every case, in matrix order in the returned list; `on_result` as each finishes. With `jobs` > 1
     the cases are spread over that many worker processes forked from this one (after the imports
     every case needs, so workers start warm): a case is still a world per phase, run the same way,
-    and most worlds here are 1-2 ranks that leave a 2-core machine half idle between phases."""
+    and most worlds here are 1-2 ranks that leave a 2-core machine half idle between phases.
+    With `gpus_per_node`, cases are packed onto that many GPUs, each on its own set, largest first
+    (harness.orchestration.packing; `durations` from a previous run order them)."""
     specs = list(specs)
     with source_store(options or RunOptions()) as options:
+        if gpus_per_node:
+            if jobs > 1:
+                raise ValueError("--gpus-per-node packs cases by their GPU need: it cannot take --jobs too")
+            from harness.orchestration.packing import run_packed
+
+            _preload(specs)
+            return run_packed(specs, options, run_case, gpus_per_node, durations, on_result)
         if jobs > 1 and len(specs) > 1:
             return _run_parallel(specs, options, on_result, jobs)
         results = []
@@ -338,18 +347,14 @@ def writers_first(specs: list[CaseSpec]) -> list[int]:
     return first + rest
 
 
-def _run_parallel(specs: list[CaseSpec], options: RunOptions, on_result, jobs: int) -> list[CaseResult]:
-    import multiprocessing
+def _preload(specs: list[CaseSpec]) -> None:
+    """What run_case would import, once here for every worker forked from this process."""
     import threading
-    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from harness.backends import get_backend
     from harness.core.zoo import get_model
     from harness.run.preload import warm
 
-    if options.dist_backend == "nccl" or options.launcher == "torchrun":
-        raise ValueError("jobs > 1 runs several worlds at once on this machine: gloo worlds from the mp launcher only "
-                         f"(got dist backend {options.dist_backend!r}, launcher {options.launcher!r}); GPUs take one world at a time")
     if threading.active_count() == 1:  # what run_case would import, once here, for every worker
         bridge, preload = False, set()
         for spec in specs:
@@ -365,6 +370,18 @@ def _run_parallel(specs: list[CaseSpec], options: RunOptions, on_result, jobs: i
             print(f"ckpt-harness: preloading failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
                   "the cases that need it will error", file=sys.stderr)
             warm(bridge=False)
+
+
+def _run_parallel(specs: list[CaseSpec], options: RunOptions, on_result, jobs: int) -> list[CaseResult]:
+    import multiprocessing
+    import threading
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    if options.dist_backend == "nccl" or options.launcher == "torchrun":
+        raise ValueError("jobs > 1 runs several worlds at once on this machine: gloo worlds from the mp launcher only "
+                         f"(got dist backend {options.dist_backend!r}, launcher {options.launcher!r}); on GPUs "
+                         "pack cases with --gpus-per-node instead")
+    _preload(specs)
     results: dict[int, CaseResult] = {}
     # fork when this process has one thread (the CLI): the workers inherit the imports above. A caller
     # with threads (pytest-xdist's execnet, an embedding program) gets forkserver workers instead, which

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from harness.core.parity import Tolerance
 from harness.core.result import HOLES, STATUSES, CaseResult, shows_diff
+from harness.core.schedule import summaries
 
 _STYLE = {"passed": "green", "failed": "bold red", "error": "bold magenta", "xfailed": "yellow", "not-run": "cyan", "not-applicable": "cyan"}
 _VERSIONED = ("torch", "megatron-core", "megatron-bridge", "transformers", "peft")
@@ -161,6 +162,8 @@ def print_summary(results: list[CaseResult], title: str, wall_s: float, console:
     )
     if line := reuse_line(r.reuse for r in results):
         console.print(f"[dim]{line}[/]")
+    for s in summaries(r.placement for r in results):
+        console.print(f"schedule: {s.line()}", highlight=False)
     notes = sorted({c.detail for r in results for c in r.checks if c.status == "not-run"})
     for n in notes:
         console.print(f"[dim]– not run: {n}[/]")
@@ -233,4 +236,6 @@ def markdown(doc: dict) -> str:
     rows.append(f"\n{len(doc['results'])} cases in {doc.get('wall_s', 0):.0f} s: {total}")
     if line := reuse_line(r.get("reuse", []) for r in doc["results"]):
         rows.append(f"\n{line}")
+    # GPU packing (harness.orchestration.packing): each case's set and times are its `placement`
+    rows += [f"\nschedule: {s.line()}" for s in summaries(r.get("placement") for r in doc["results"])]
     return "\n".join(rows)

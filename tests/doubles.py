@@ -379,6 +379,39 @@ def leak_a_process() -> None:
     subprocess.Popen(["sleep", "60"], start_new_session=True)
 
 
+#: what the chatty doubles below print, warn and write (a quiet console: tests/test_ranklog.py)
+CHATTER = "chatter from"
+
+
+def chatter() -> None:
+    """A rank hook that talks as libraries do: a print, a warning, and a C-level write to fd 2."""
+    import os
+    import warnings
+
+    print(f"{CHATTER} a rank's print", flush=True)
+    warnings.warn(f"{CHATTER} a rank's warning", RuntimeWarning)
+    os.write(2, f"{CHATTER} a rank's fd 2\n".encode())
+
+
+def chatter_then_fail() -> None:
+    """`chatter`, then the rank fails: its case errors, and its failure names the logs."""
+    chatter()
+    raise RuntimeError("a rank hook failed on purpose")
+
+
+class ChattyJudge(McoreDist):
+    """mcore_dist whose check in the parent talks, as peft warns when the parent loads an adapter."""
+
+    name = "chatty_dist"
+
+    def strategy_check(self, events: dict[str, dict[str, list[dict]]]) -> Any:
+        import warnings
+
+        print(f"{CHATTER} the parent's print", flush=True)
+        warnings.warn(f"{CHATTER} the parent's warning", RuntimeWarning)
+        return super().strategy_check(events)
+
+
 @dataclass(frozen=True)
 class _TaggedOptions:
     tag: str = "plain"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -89,6 +90,8 @@ class CaseResult:
     backend_options: dict[str, Any] = field(default_factory=dict)  # the backend's options (its strategy)
     #: what the backend recorded it ran, per world phase and rank (harness.backends.record_event)
     backend_events: dict[str, Any] = field(default_factory=dict)
+    #: the case's non-empty log files (rank and parent output; harness.run.ranklog), when it kept any
+    logs: list[str] = field(default_factory=list)
 
     @property
     def hole_reason(self) -> str | None:
@@ -124,4 +127,6 @@ class CaseResult:
             lines.extend(f"  {m}" for m in c.mismatches[:10])
             if len(c.mismatches) > 10:
                 lines.append(f"  ... and {len(c.mismatches) - 10} more")
+        if self.logs:  # one case's directory (harness.run.ranklog)
+            lines.append(f"logs in {os.path.dirname(self.logs[0])}: {', '.join(os.path.basename(p) for p in self.logs)}")
         return "\n".join(lines)

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 from harness.core.result import CaseResult
 from harness.core.topology import Topology
 from harness.run import world
+from harness.run.ranklog import LogFiles, safe_name
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class RunEnv:
     torchrun_template: str | None = None
     start_method: str | None = None  # None/auto: fork for gloo, spawn for NCCL
     hooks: tuple[str, ...] = ()  # rank hooks ("module:function"), run in every rank before the case's function
+    log_dir: Path | None = None  # the case's log directory (harness.run.ranklog): <phase>-rank<N>.log; None: the world's dir
 
     def launch(self, result: CaseResult, phase: str, fn: world.RankFn, arg: Any, topo: Topology | None) -> list[Any]:
         """One world for `topo` (one rank without parallel_state when None), timed into
@@ -63,16 +65,17 @@ class RunEnv:
         size = topo.world_size if topo is not None else 1
         workdir = self.case_dir / f"world-{phase}"
         call = (fn, arg, topo)
+        logs = LogFiles(str(self.log_dir), safe_name(phase), kept=True) if self.log_dir is not None else None
         with timed(result, phase):
             if self.launcher == "torchrun":
                 outs = world.launch_torchrun(
                     _envelope, call, size, workdir, backend=self.dist_backend, timeout_s=self.timeout_s,
-                    template=self.torchrun_template, hooks=self.hooks,
+                    template=self.torchrun_template, hooks=self.hooks, logs=logs,
                 )
             else:
                 outs = world.launch(
                     _envelope, call, size, workdir, backend=self.dist_backend, timeout_s=self.timeout_s,
-                    start_method=self.start_method, hooks=self.hooks,
+                    start_method=self.start_method, hooks=self.hooks, logs=logs,
                 )
         for rank, out in enumerate(outs):
             for name, m in out.memory.items():

@@ -157,3 +157,16 @@ def test_the_pytest_plugin_names_a_failing_case_s_logs_under_its_report(pytester
     (case_dir,) = (pytester.path / "rep" / "logs").iterdir()
     result.stdout.fnmatch_lines([f"*logs in {case_dir}: *save-rank0.log*"])
     assert f"{CHATTER} a rank's print" in (case_dir / "save-rank0.log").read_text()
+
+
+@pytest.mark.slow  # torchrun starts fresh interpreters: ~60 s per world on 2 cores
+def test_torchrun_ranks_write_their_own_logs_and_the_launcher_its_own(tmp_path):
+    from harness.run.probes import allreduce_ranks
+    from harness.run.world import launch_torchrun
+
+    logs = LogFiles(str(tmp_path / "logs"), "save", kept=True)
+    out = launch_torchrun(allreduce_ranks, 1.0, 2, tmp_path / "w", timeout_s=300, hooks=("doubles:chatter",), logs=logs)
+    assert [o["rank"] for o in out] == [0, 1]
+    for r in (0, 1):
+        assert f"{CHATTER} a rank's fd 2" in logs.rank(r).read_text()
+    assert not logs.launcher().exists() or CHATTER not in logs.launcher().read_text()

@@ -383,6 +383,7 @@ def launch_torchrun(
             pass
         spec_path.unlink(missing_ok=True)
     if logs is not None and logs.kept and output.strip():
+        logs.launcher().parent.mkdir(parents=True, exist_ok=True)
         with open(logs.launcher(), "a") as f:
             f.write(output)
     if proc.returncode != 0:

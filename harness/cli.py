@@ -9,6 +9,7 @@ matrix, a results file); 3 `--fail-on-not-run` and some case was not run; 4 no c
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -107,8 +108,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from harness.orchestration.matrix import load_matrix
     from harness.orchestration.runner import RunOptions, run_cases
     from harness.report import results as report
+    from harness.run import ranklog
 
     console = _console()
+    if args.verbose:
+        os.environ[ranklog.VERBOSE_ENV] = "1"  # ranks, workers and the noise filters read it
     matrix = load_matrix(args.matrix, args.max_world)
     try:
         specs = _sharded(matrix.select(args.k), args)
@@ -120,10 +124,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 4
     part = f" (shard {args.shard})" if args.shard else ""
     console.print(f"[bold]{matrix.name}[/]: {len(specs)} case(s) from {args.matrix}{part}")
+    log_root, temporary_logs = ranklog.run_root(args.report, args.workdir)
     options = RunOptions(
         dist_backend=args.dist_backend, workdir=args.workdir, keep=args.keep,
         launcher=args.launcher, torchrun_template=args.torchrun_template, start_method=args.start_method,
-        rank_hooks=tuple(args.rank_hook), reuse=not args.no_reuse,
+        rank_hooks=tuple(args.rank_hook), reuse=not args.no_reuse, log_dir=log_root,
     )
     start = time.perf_counter()
     finished = []
@@ -148,9 +153,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # jobs > 1 with NCCL or torchrun; a node bigger than the GPUs seen
         console.print(f"[red]{escape(str(exc))}[/]")
         return 2
+    finally:
+        logs = ranklog.finish_run(log_root, temporary_logs, keep=args.keep or any(r.status in ("failed", "error") for r in finished))
     wall = time.perf_counter() - start
     code = _summarize(results, f"{matrix.name} ({args.matrix})", wall, report_path, str(args.matrix), console,
                       fail_on_not_run=args.fail_on_not_run)
+    if logs:
+        console.print(f"logs: {logs}", highlight=False)
     if args.html:
         from harness.report import html as html_report
 
@@ -313,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default="auto")
     run.add_argument("--workdir", type=Path, default=None, help="parent of per-case scratch dirs (default: system temp)")
     run.add_argument("--keep", action="store_true", help="keep checkpoints and scratch dirs")
+    run.add_argument("-v", "--verbose", action="store_true", help="rank output, library logs and warnings on the terminal "
+                     "(as CKPT_HARNESS_VERBOSE=1); else each case's go to files under --report DIR/logs (no --report: "
+                     "a ckpt-harness-logs-* temp dir, kept when a case fails)")
     run.add_argument("--launcher", choices=("mp", "torchrun"), default="mp",
                      help="start ranks with torch.multiprocessing (default) or torchrun")
     run.add_argument("--torchrun-template", default=None,

@@ -112,6 +112,7 @@ class CaseItem(pytest.Item):
         from harness.orchestration.runner import RunOptions, run_case
 
         cfg = self.config
+        report_dir = cfg.getoption("--ckpt-report")
         options = RunOptions(
             dist_backend=cfg.getoption("--ckpt-dist-backend"),
             workdir=cfg.getoption("--ckpt-workdir"),
@@ -119,10 +120,12 @@ class CaseItem(pytest.Item):
             start_method=cfg.getoption("--ckpt-start-method"),
             rank_hooks=tuple(cfg.getoption("--ckpt-rank-hook")),
             reuse=_sources(cfg) is not None, sources=_sources(cfg),
+            # with a report, each case's rank and parent output is kept in DIR/logs/<case>/ (named in a
+            # failure); without, pytest captures the parent's and a failing world quotes its ranks'
+            log_dir=Path(report_dir) / "logs" if report_dir else None,
         )
         result = run_case(self.spec, options)
         self.user_properties.append(("ckpt_status", result.status))
-        report_dir = cfg.getoption("--ckpt-report")
         if report_dir:
             worker = getattr(cfg, "workerinput", {}).get("workerid", "main")
             Path(report_dir).mkdir(parents=True, exist_ok=True)

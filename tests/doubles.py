@@ -408,6 +408,37 @@ def fake_packed_case(spec: Any, options: Any):
     return CaseResult(spec.id, spec.case, spec.model, spec.backend, spec.source.id, spec.target.id, status="passed",
                       notes=[f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}",
                              f"CKPT_HARNESS_GPUS={os.environ.get('CKPT_HARNESS_GPUS')}", f"ran {start} {time.time()}"])
+#: what the chatty doubles below print, warn and write (a quiet console: tests/test_ranklog.py)
+CHATTER = "chatter from"
+
+
+def chatter() -> None:
+    """A rank hook that talks as libraries do: a print, a warning, and a C-level write to fd 2."""
+    import os
+    import warnings
+
+    print(f"{CHATTER} a rank's print", flush=True)
+    warnings.warn(f"{CHATTER} a rank's warning", RuntimeWarning)
+    os.write(2, f"{CHATTER} a rank's fd 2\n".encode())
+
+
+def chatter_then_fail() -> None:
+    """`chatter`, then the rank fails: its case errors, and its failure names the logs."""
+    chatter()
+    raise RuntimeError("a rank hook failed on purpose")
+
+
+class ChattyJudge(McoreDist):
+    """mcore_dist whose check in the parent talks, as peft warns when the parent loads an adapter."""
+
+    name = "chatty_dist"
+
+    def strategy_check(self, events: dict[str, dict[str, list[dict]]]) -> Any:
+        import warnings
+
+        print(f"{CHATTER} the parent's print", flush=True)
+        warnings.warn(f"{CHATTER} the parent's warning", RuntimeWarning)
+        return super().strategy_check(events)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -93,6 +94,8 @@ class CaseResult:
     reuse: list[dict[str, Any]] = field(default_factory=list)
     #: where and when it ran when cases were packed onto a node's GPUs (harness.core.schedule.Placement.to_json)
     placement: dict[str, Any] | None = None
+    #: the case's non-empty log files (rank and parent output; harness.run.ranklog), when it kept any
+    logs: list[str] = field(default_factory=list)
 
     @property
     def hole_reason(self) -> str | None:
@@ -128,4 +131,6 @@ class CaseResult:
             lines.extend(f"  {m}" for m in c.mismatches[:10])
             if len(c.mismatches) > 10:
                 lines.append(f"  ... and {len(c.mismatches) - 10} more")
+        if self.logs:  # one case's directory (harness.run.ranklog)
+            lines.append(f"logs in {os.path.dirname(self.logs[0])}: {', '.join(os.path.basename(p) for p in self.logs)}")
         return "\n".join(lines)

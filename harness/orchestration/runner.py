@@ -8,7 +8,7 @@ import sys
 import tempfile
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -19,6 +19,7 @@ from harness.core.parity import BUDGET
 from harness.core.result import API_MISSING, CaseResult, Check, api_missing_line, api_missing_parts
 from harness.core.spec import CaseSpec, XFail
 from harness.report.results import moved_from_pins
+from harness.run import ranklog
 from harness.run.envelope import RunEnv
 from harness.run.reuse import SourceStore
 from harness.run.world import WorldError, exception_of
@@ -43,6 +44,9 @@ class RunOptions:
     reuse: bool = True
     #: the run's source store; run_cases makes one (under `workdir`) when None and `reuse`
     sources: Path | None = None
+    #: each case's rank and parent output goes to log_dir/<case id>/ (harness.run.ranklog), named in
+    #: its result; None: rank output to the world's scratch dir, quoted on failure, the parent's left alone
+    log_dir: Path | None = None
 
 
 def _case_dirname(case_id: str) -> str:
@@ -213,15 +217,18 @@ def case_envelope(result: CaseResult, options: RunOptions, timeout_s: float | No
     when an upstream API moved, then the failing rank's traceback or this process's). Otherwise,
     unless the body set `result.error`, the status is `failed` when a check failed, else `passed`.
     The total time goes into result.phases["total"]; the scratch directory is removed unless
-    `options.keep` (a note then says where it is)."""
+    `options.keep` (a note then says where it is). With `options.log_dir`, the case's rank output
+    and this process's (judging in-process) go to its log directory, named in `result.logs`."""
     parent = Path(options.workdir) if options.workdir else None
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"{_case_dirname(result.id)[:80]}-", dir=parent))
+    quiet = ExitStack()  # closed last, in `finally`: what the case printed until then is in its log
+    logs = quiet.enter_context(ranklog.case_logs(options.log_dir, result.id, result.logs))
     env = RunEnv(
         case_dir=scratch, dist_backend=options.dist_backend, timeout_s=options.timeout_s if timeout_s is None else timeout_s,
         launcher=options.launcher, torchrun_template=options.torchrun_template, start_method=options.start_method,
-        hooks=tuple(options.rank_hooks),
+        hooks=tuple(options.rank_hooks), log_dir=logs,
         store=SourceStore(options.sources) if reuse and options.reuse and options.sources and not options.rank_hooks else None,
     )
     start = time.perf_counter()
@@ -245,6 +252,7 @@ def case_envelope(result: CaseResult, options: RunOptions, timeout_s: float | No
             result.notes.append(f"scratch kept at {scratch}")
         else:
             shutil.rmtree(scratch, ignore_errors=True)  # our own mkdtemp, nothing else
+        quiet.close()
 
 
 def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:

@@ -16,6 +16,7 @@ from harness.core.result import CaseResult, Check
 from harness.core.topology import Topology
 from harness.run import world
 from harness.run.reuse import PLACEHOLDER, SOURCE_UNCHANGED, SourceStore, SourceUse, source_key
+from harness.run.ranklog import LogFiles, safe_name
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class RunEnv:
     #: the run's store of source worlds (harness.run.reuse); None: every world runs in the case
     store: SourceStore | None = None
     uses: list[SourceUse] = field(default_factory=list)  # what this case took from (or wrote into) the store
+    log_dir: Path | None = None  # the case's log directory (harness.run.ranklog): <phase>-rank<N>.log; None: the world's dir
 
     def launch(self, result: CaseResult, phase: str, fn: world.RankFn, arg: Any, topo: Topology | None) -> list[Any]:
         """One world for `topo` (one rank without parallel_state when None), timed into
@@ -123,16 +125,17 @@ class RunEnv:
         size = topo.world_size if topo is not None else 1
         workdir = self.case_dir / f"world-{phase}"
         call = (fn, arg, topo)
+        logs = LogFiles(str(self.log_dir), safe_name(phase), kept=True) if self.log_dir is not None else None
         with timed(result, phase):
             if self.launcher == "torchrun":
                 outs = world.launch_torchrun(
                     _envelope, call, size, workdir, backend=self.dist_backend, timeout_s=self.timeout_s,
-                    template=self.torchrun_template, hooks=self.hooks,
+                    template=self.torchrun_template, hooks=self.hooks, logs=logs,
                 )
             else:
                 outs = world.launch(
                     _envelope, call, size, workdir, backend=self.dist_backend, timeout_s=self.timeout_s,
-                    start_method=self.start_method, hooks=self.hooks,
+                    start_method=self.start_method, hooks=self.hooks, logs=logs,
                 )
         return outs
 

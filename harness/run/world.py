@@ -44,6 +44,7 @@ import torch.multiprocessing as tmp
 
 from harness.core.context import RankContext, RankFn
 from harness.run.procs import descendants, kill
+from harness.run.ranklog import LogFiles, redirect_rank, tail
 
 
 class WorldError(RuntimeError):
@@ -70,6 +71,7 @@ class _WorldSpec:
     timeout_s: float
     threads: int = 1
     hooks: tuple[str, ...] = ()  # "module:function" run in every rank before `fn` (fault injection, plugins)
+    logs: LogFiles | None = None  # where each rank's fds 1/2 go (harness.run.ranklog); None: the workdir's rank<N>.log
 
 
 def choose_backend(world_size: int, requested: str = "auto") -> str:
@@ -142,32 +144,11 @@ def _rank_body(spec: _WorldSpec, rank: int, local_rank: int) -> None:
     dist.destroy_process_group()
 
 
-def _log_path(workdir: str | Path, rank: int) -> Path:
-    return Path(workdir) / f"rank{rank}.log"
+def _logs(spec: _WorldSpec) -> LogFiles:
+    return spec.logs or LogFiles(spec.workdir)
 
 
-def _capture_output(workdir: str, rank: int) -> None:
-    """Rank output is for failures: the libraries print per-rank banners and progress bars on every
-    build and export. Both fds go to the world's dir (CKPT_HARNESS_VERBOSE=1 keeps them on the
-    terminal); a failure report quotes the tail. SIGUSR1 dumps every thread's stack there, which
-    is how the parent shows where a hung rank sits.
-
-    sys.stdout/sys.stderr are reopened either way: a forked child inherits the parent's stream
-    objects, and a lock some parent thread held at fork time would block the child's first write.
-    """
-    import faulthandler
-
-    if os.environ.get("CKPT_HARNESS_VERBOSE") != "1":
-        fd = os.open(_log_path(workdir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
-    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-
-
-def _dump_stacks(ctx, workdir: str | Path) -> str:
+def _dump_stacks(ctx, logs: LogFiles) -> str:
     """Where the ranks that are still running sit (faulthandler, via SIGUSR1)."""
     alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
     for r in alive:
@@ -178,23 +159,15 @@ def _dump_stacks(ctx, workdir: str | Path) -> str:
     if not alive:
         return ""
     time.sleep(1.0)
-    return f"\nstill running: rank(s) {alive}; their stacks:" + _log_tail(workdir, alive, 40)
-
-
-def _log_tail(workdir: str | Path, ranks: list[int] | range, lines: int = 15) -> str:
-    out = []
-    for r in ranks:
-        path = _log_path(workdir, r)
-        text = path.read_text(errors="replace").strip() if path.exists() else ""
-        if text:
-            out.append(f"\n--- rank {r} output (last {lines} lines) ---\n" + "\n".join(text.splitlines()[-lines:]))
-    return "".join(out)
+    return f"\nstill running: rank(s) {alive}; their stacks:" + tail(logs, alive, 40)
 
 
 def _mp_entry(local_rank: int, spec: _WorldSpec) -> None:
     # Own process group: whatever this rank starts can be killed with it, even once orphaned.
     os.setpgid(0, 0)
-    _capture_output(spec.workdir, local_rank)
+    # Rank output is for failures: the libraries print banners, progress bars and warnings on every
+    # build and export; a failure report quotes the tail (CKPT_HARNESS_VERBOSE=1 keeps the terminal).
+    redirect_rank(_logs(spec).rank(local_rank))
     if spec.backend == "gloo":
         # gloo ranks run on CPU even on a GPU box; hide GPUs before anything initialises CUDA.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -235,7 +208,7 @@ def _states(ctx) -> str:
     )
 
 
-def _wait(ctx, workdir: Path, world_size: int, timeout_s: float, pids: list[int], seen: set) -> None:
+def _wait(ctx, workdir: Path, logs: LogFiles, world_size: int, timeout_s: float, pids: list[int], seen: set) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         seen |= descendants(pids)
@@ -245,13 +218,13 @@ def _wait(ctx, workdir: Path, world_size: int, timeout_s: float, pids: list[int]
         except tmp.ProcessRaisedException:
             raise _first_failure(ctx.error_files, world_size) from None
         except tmp.ProcessExitedException as exc:
-            raise WorldError(f"rank {exc.error_index} of {world_size} died: {exc}{_log_tail(workdir, [exc.error_index])}",
+            raise WorldError(f"rank {exc.error_index} of {world_size} died: {exc}{tail(logs, [exc.error_index])}",
                              rank=exc.error_index) from None
         early = [r for r, p in enumerate(ctx.processes) if p.exitcode == 0 and not _result_path(workdir, r).exists()]
         if early:
             # torch's _wrap turns SIGINT (its parent-death signal) into a silent exit 0.
             raise WorldError(f"rank(s) {early} of {world_size} exited without a result ({_states(ctx)})"
-                             f"{_log_tail(workdir, early)}", rank=early[0])
+                             f"{tail(logs, early)}", rank=early[0])
         if time.monotonic() > deadline:
             raise WorldTimeout(f"world of {world_size} rank(s) still running after {timeout_s:.0f}s; killed ({_states(ctx)})")
 
@@ -282,12 +255,14 @@ def launch(
     timeout_s: float = 300.0,
     start_method: str | None = None,
     hooks: tuple[str, ...] = (),
+    logs: LogFiles | None = None,
 ) -> list[Any]:
     """Run `fn(ctx, arg)` on `world_size` ranks; return each rank's return value, rank order.
 
     Raises WorldError carrying the failing rank's traceback when a rank raises or dies, and
     WorldTimeout when the world outlives `timeout_s`; every rank and every process a rank started
-    is gone when this returns or raises.
+    is gone when this returns or raises. Each rank's output goes to `logs` (default: rank<N>.log in
+    `workdir`, removed when the world succeeds).
     """
     backend = choose_backend(world_size, backend)
     start_method = choose_start_method(backend, start_method)
@@ -298,15 +273,15 @@ def launch(
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     store_file = workdir / f"rendezvous-{os.getpid()}-{time.monotonic_ns()}"
-    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), str(store_file), timeout_s, hooks=hooks)
+    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), str(store_file), timeout_s, hooks=hooks, logs=logs)
     ctx = _start(spec, world_size, start_method)
     pids = ctx.pids()
     seen: set[psutil.Process] = set()
     try:
         try:
-            _wait(ctx, workdir, world_size, timeout_s, pids, seen)
+            _wait(ctx, workdir, _logs(spec), world_size, timeout_s, pids, seen)
         except WorldError as err:
-            stacks = _dump_stacks(ctx, workdir)
+            stacks = _dump_stacks(ctx, _logs(spec))
             if stacks:
                 err.args = (str(err) + stacks,)
             raise
@@ -330,29 +305,34 @@ def launch(
         path = _result_path(workdir, rank)
         results.append(torch.load(path, weights_only=False))
         path.unlink()
-        _log_path(workdir, rank).unlink(missing_ok=True)  # output of a good world is noise
+        if not _logs(spec).kept:
+            _logs(spec).rank(rank).unlink(missing_ok=True)  # output of a good world is noise
     return results
 
 
-def run_from_env(fn: RankFn, arg: Any, workdir: str | Path, timeout_s: float, hooks: tuple[str, ...] = ()) -> Any:
+def run_from_env(fn: RankFn, arg: Any, workdir: str | Path, timeout_s: float, hooks: tuple[str, ...] = (),
+                 logs: LogFiles | None = None) -> Any:
     """The rank body under torchrun/srun: rendezvous from the standard env variables; the
-    process-group timeout is the case's, as in `launch`."""
+    process-group timeout is the case's, as in `launch`. With `logs`, the rank's output goes there
+    (else to the launcher's)."""
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     backend = os.environ.get("CKPT_HARNESS_DIST_BACKEND", "nccl" if torch.cuda.is_available() else "gloo")
     if backend == "gloo":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks run on CPU, as in `launch`
-    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), "", timeout_s, int(os.environ.get("OMP_NUM_THREADS", "1")), hooks)
+    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), "", timeout_s, int(os.environ.get("OMP_NUM_THREADS", "1")), hooks, logs)
     Path(workdir).mkdir(parents=True, exist_ok=True)
+    if logs is not None:
+        redirect_rank(logs.rank(rank))
     _rank_body(spec, rank, local_rank)
     return torch.load(_result_path(workdir, rank), weights_only=False)
 
 
-def dump_spec(path: Path, fn: RankFn, arg: Any, timeout_s: float, hooks: tuple[str, ...] = ()) -> None:
+def dump_spec(path: Path, fn: RankFn, arg: Any, timeout_s: float, hooks: tuple[str, ...] = (), logs: LogFiles | None = None) -> None:
     """What `python -m harness.run.rank_entry PATH` runs: fn and arg must be importable/picklable."""
     with open(path, "wb") as f:
-        pickle.dump({"fn": fn, "arg": arg, "timeout_s": timeout_s, "hooks": hooks}, f)
+        pickle.dump({"fn": fn, "arg": arg, "timeout_s": timeout_s, "hooks": hooks, "logs": logs}, f)
 
 
 def torchrun_prefix(world_size: int, template: str | None = None) -> list[str]:
@@ -376,15 +356,17 @@ def launch_torchrun(
     timeout_s: float = 300.0,
     template: str | None = None,
     hooks: tuple[str, ...] = (),
+    logs: LogFiles | None = None,
 ) -> list[Any]:
     """`launch`, but the ranks are started by torchrun (or srun + torchrun) running
-    `python -m harness.run.rank_entry`; same results, same errors, nothing left behind."""
+    `python -m harness.run.rank_entry`; same results, same errors, nothing left behind. With
+    `logs`, each rank's output goes there and the launcher's own to `logs.launcher()`."""
     import subprocess
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.pkl"
-    dump_spec(spec_path, fn, arg, timeout_s, hooks)
+    dump_spec(spec_path, fn, arg, timeout_s, hooks, logs)
     env = {**os.environ, "CKPT_HARNESS_DIST_BACKEND": choose_backend(world_size, backend), "OMP_NUM_THREADS": "1"}
     cmd = [*torchrun_prefix(world_size, template), "-m", "harness.run.rank_entry", str(spec_path), str(workdir)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -400,6 +382,10 @@ def launch_torchrun(
         except ProcessLookupError:
             pass
         spec_path.unlink(missing_ok=True)
+    if logs is not None and logs.kept and output.strip():
+        logs.launcher().parent.mkdir(parents=True, exist_ok=True)
+        with open(logs.launcher(), "a") as f:
+            f.write(output)
     if proc.returncode != 0:
         tail = "\n".join(output.strip().splitlines()[-80:])
         rank = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", output, re.S)

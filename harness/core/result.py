@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from harness.core.parity import BITWISE, Mismatch, Tolerance
@@ -114,6 +114,17 @@ class CaseResult:
             d["tolerance"] = c.tolerance.to_json()
         return doc
 
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> "CaseResult":
+        """A results.json record read back (to_dict's inverse), so reports drawn from records (the
+        JUnit of merged shards) say what the run that wrote them said. Fields this version does not
+        know are left out (the record itself stays in results.json); a missing required one raises
+        TypeError naming it."""
+        checks = [Check(**{**_known(Check, c), "tolerance": Tolerance.from_json(c.get("tolerance")),
+                           "mismatches": [Mismatch(**_known(Mismatch, m)) for m in c.get("mismatches") or []]})
+                  for c in doc.get("checks") or []]
+        return cls(**{**_known(cls, doc), "checks": checks})
+
     def failure_text(self) -> str:
         lines = [f"{self.id}: {self.status}"]
         if self.error:
@@ -125,3 +136,8 @@ class CaseResult:
             if len(c.mismatches) > 10:
                 lines.append(f"  ... and {len(c.mismatches) - 10} more")
         return "\n".join(lines)
+
+
+def _known(cls: type, doc: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in doc.items() if k in names}

@@ -81,24 +81,22 @@ def _add_shard(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    from harness.report import merge, results as report
+    from harness.report import merge
 
     try:
-        expected = None
+        expected, title = None, None
         if args.matrix:
             from harness.orchestration.matrix import load_matrix
 
-            expected = [s.id for s in load_matrix(args.matrix, args.max_world).select(args.k)]
+            matrix = load_matrix(args.matrix, args.max_world)
+            expected, title = [s.id for s in matrix.select(args.k)], f"{matrix.name} ({args.matrix})"
         doc = merge.merge([merge.read_part(p) for p in args.parts], expected)
+        files = merge.render(doc, title or str(doc.get("matrix")))  # all of it before any is written
     except ValueError as exc:  # MergeError, or a matrix that does not load
         print(f"ckpt-harness merge: {exc}", file=sys.stderr)
         return 2
-    import json
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(doc, indent=2, default=str))
-    (args.out / "results.md").write_text(report.markdown(doc))
-    print(f"merged {len(args.parts)} part(s), {len(doc['results'])} cases: {doc['summary']} -> {args.out}")
+    merge.write(files, args.out)
+    print(f"merged {len(args.parts)} part(s), {len(doc['results'])} cases: {doc['summary']} -> {args.out} ({', '.join(files)})")
     bad = doc["summary"].get("failed", 0) + doc["summary"].get("error", 0)
     return 1 if bad else 0
 
@@ -352,9 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_max_world(ls)
     _add_shard(ls)
     _add_gpus(ls)
-    mg = sub.add_parser("merge", help="one results.json + results.md from the results of a matrix's shards")
+    mg = sub.add_parser("merge", help="one report (results.json/.md, junit.xml, report.html) from the results of a matrix's shards")
     mg.add_argument("parts", type=Path, nargs="+", help="the shards' results.json files or report dirs")
-    mg.add_argument("--out", type=Path, required=True, help="write DIR/results.json and DIR/results.md")
+    mg.add_argument("--out", type=Path, required=True,
+                    help="write DIR/results.json, results.md, junit.xml and report.html (nothing when the parts are refused)")
     mg.add_argument("--matrix", type=Path, default=None, help="check every case the matrix selects is in exactly one part")
     mg.add_argument("-k", default=None)
     _add_max_world(mg)

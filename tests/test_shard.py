@@ -5,14 +5,19 @@ that died, a case run twice, a case nobody ran."""
 from __future__ import annotations
 
 import json
+import xml.etree.ElementTree as ET
+from html import escape
 from pathlib import Path
 
 import pytest
 
 from harness.cli import main
+from harness.core.parity import BITWISE, Mismatch
+from harness.core.result import CaseResult, Check
 from harness.orchestration import shard
 from harness.orchestration.matrix import load_matrix
-from harness.report.merge import MergeError, merge
+from harness.report import results as report
+from harness.report.merge import FILES, MergeError, merge
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,9 +77,18 @@ def test_a_bad_shard_is_refused(text):
         shard.parse_shard(text)
 
 
-def _part(path: Path, ids, complete=True, matrix="m"):
+def _record(case_id: str, status: str = "passed") -> dict:
+    """A results.json record as a run writes it; a failed one with a check and its mismatch."""
+    checks = [Check("loaded-canonical", "failed" if status == "failed" else "passed", "1 mismatch(es)", 1e-3, BITWISE,
+                    [Mismatch("decoder.w", "value", "canonical", "tp2", 1e-3)] if status == "failed" else [])]
+    return CaseResult(case_id, "reshard-weights", "gpt-gqa", "mcore_dist", "tp1", "tp2", status=status, checks=checks,
+                      phases={"total": 1.0}, xfail_reason="a named defect" if status == "xfailed" else None,
+                      not_run_reason="needs cuda" if status == "not-run" else None).to_dict()
+
+
+def _part(path: Path, ids, complete=True, matrix="m", status=lambda i: "passed"):
     doc = {"matrix": matrix, "complete": complete, "wall_s": 1.0, "finished": "t",
-           "results": [{"id": i, "status": "passed", "phases": {"total": 1.0}} for i in ids]}
+           "results": [_record(i, status(i)) for i in ids]}
     path.write_text(json.dumps(doc))
     return {**doc, "_path": str(path)}
 
@@ -88,6 +102,7 @@ def test_merge_joins_the_parts_and_refuses_what_is_not_one_run(tmp_path):
         ([a, _part(tmp_path / "d.json", ["z"], complete=False)], None, "incomplete run"),
         ([a], ["x", "y", "z"], "1 case(s) of the matrix in no part"),
         ([a, _part(tmp_path / "e.json", ["z"], matrix="other")], None, "different matrices"),
+        ([a, {**_part(tmp_path / "f.json", []), "results": [{"id": "z", "status": "passed"}]}], None, "case z is not a case result"),
     ):
         with pytest.raises(MergeError, match=words.replace("(", r"\(").replace(")", r"\)")):
             merge(parts, expected)
@@ -102,4 +117,51 @@ def test_two_shards_run_and_merge_into_the_whole_matrix(tmp_path):
     assert main(["merge", str(tmp_path / "r1"), str(tmp_path / "r2"), "--matrix", str(matrix), "--out", str(out)]) == 0
     doc = json.loads((out / "results.json").read_text())
     assert doc["summary"]["passed"] == 3 and (out / "results.md").read_text()
+    assert len(ET.parse(out / "junit.xml").getroot().findall("testcase")) == 3 and (out / "report.html").stat().st_size
     assert main(["merge", str(tmp_path / "r1"), "--matrix", str(matrix), "--out", str(tmp_path / "half")]) == 2
+    assert not (tmp_path / "half").exists()
+
+
+def test_a_record_reads_back_as_the_result_that_wrote_it():
+    for status in ("passed", "failed", "xfailed", "not-run"):
+        record = _record(f"c-{status}", status)
+        back = CaseResult.from_dict(json.loads(json.dumps(record)))
+        assert back.to_dict() == record and back.failure_text() == CaseResult.from_dict(record).failure_text()
+    assert CaseResult.from_dict({**_record("c"), "a-later-field": 1}).id == "c"  # a newer harness's record still reads
+    with pytest.raises(TypeError, match="case"):
+        CaseResult.from_dict({k: v for k, v in _record("c").items() if k != "case"})
+
+
+def _tiny_matrix(tmp_path: Path) -> tuple[Path, list[str]]:
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text("entries: [{case: reshard-weights, models: [gpt-gqa, gpt-tied], pairs: ['tp1 -> tp1', 'dp2 -> tp2', 'tp2 -> dp2']}]")
+    return matrix, [s.id for s in load_matrix(matrix).select(None)]
+
+
+def test_the_merged_junit_and_html_hold_every_case_of_every_part_once(tmp_path):
+    matrix, ids = _tiny_matrix(tmp_path)
+    statuses = dict(zip(ids, ["passed", "failed", "xfailed", "not-run", "passed", "passed"]))
+    parts = [[s.id for s in p] for p in shard.split(load_matrix(matrix).select(None), 3)]
+    paths = [str(_part(tmp_path / f"p{i}.json", p, matrix=str(matrix), status=statuses.get)["_path"]) for i, p in enumerate(parts)]
+    out = tmp_path / "merged"
+    assert main(["merge", *paths, "--matrix", str(matrix), "--out", str(out)]) == 1  # one case failed
+    assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
+    root = ET.parse(out / "junit.xml").getroot()
+    names = [tc.get("name") for tc in root.findall("testcase")]
+    assert names == ids and root.get("tests") == "6" and root.get("failures") == "1" and root.get("skipped") == "2"
+    # each testcase is the one `run --junit` writes for that case
+    single = ET.fromstring(report.junit_xml([CaseResult.from_dict(_record(i, statuses[i])) for i in ids], "s", 1.0))
+    assert [ET.tostring(tc) for tc in root.findall("testcase")] == [ET.tostring(tc) for tc in single.findall("testcase")]
+    assert "decoder.w" in root.find("testcase/failure").text
+    html = (out / "report.html").read_text()
+    assert all(html.count(f"<code>{escape(i)}</code>") == 1 for i in ids)
+
+
+@pytest.mark.parametrize("plant", ["duplicate", "missing", "foreign"])
+def test_a_refused_merge_writes_nothing(tmp_path, plant):
+    matrix, ids = _tiny_matrix(tmp_path)
+    halves = {"duplicate": (ids[:4], ids[3:]), "missing": (ids[:3], ids[4:]), "foreign": (ids[:3], ids[3:] + ["not-a-case"])}[plant]
+    paths = [str(_part(tmp_path / f"p{i}.json", h, matrix=str(matrix))["_path"]) for i, h in enumerate(halves)]
+    out = tmp_path / "merged"
+    assert main(["merge", *paths, "--matrix", str(matrix), "--out", str(out)]) == 2
+    assert not out.exists()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from harness.core.parity import BITWISE, Mismatch, Tolerance
@@ -121,6 +121,17 @@ class CaseResult:
             d["tolerance"] = c.tolerance.to_json()
         return doc
 
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> "CaseResult":
+        """A results.json record read back (to_dict's inverse), so reports drawn from records (the
+        JUnit of merged shards) say what the run that wrote them said. Fields this version does not
+        know are left out (the record itself stays in results.json); a missing required one raises
+        TypeError naming it."""
+        checks = [Check(**{**_known(Check, c), "tolerance": Tolerance.from_json(c.get("tolerance")),
+                           "mismatches": [Mismatch(**_known(Mismatch, m)) for m in c.get("mismatches") or []]})
+                  for c in doc.get("checks") or []]
+        return cls(**{**_known(cls, doc), "checks": checks})
+
     def failure_text(self) -> str:
         lines = [f"{self.id}: {self.status}"]
         if self.error:
@@ -134,3 +145,8 @@ class CaseResult:
         if self.logs:  # one case's directory (harness.run.ranklog)
             lines.append(f"logs in {os.path.dirname(self.logs[0])}: {', '.join(os.path.basename(p) for p in self.logs)}")
         return "\n".join(lines)
+
+
+def _known(cls: type, doc: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in doc.items() if k in names}

@@ -91,10 +91,16 @@ def write_json(results: list[CaseResult], path: Path, matrix: str, wall_s: float
 
 
 def write_junit(results: list[CaseResult], path: Path, suite: str, wall_s: float) -> Path:
-    """JUnit XML for CI test views: one testcase per case; `failed` -> <failure>, `error` ->
-    <error> (both with the failure text), `xfailed` -> <skipped> naming the upstream defect,
-    `not-run` -> <skipped> with what the machine lacks, `not-applicable` -> <skipped> with the API the
-    release lacks."""
+    """JUnit XML for CI test views (junit_xml) written to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(junit_xml(results, suite, wall_s))
+    return path
+
+
+def junit_xml(results: list[CaseResult], suite: str, wall_s: float) -> bytes:
+    """One testcase per case; `failed` -> <failure>, `error` -> <error> (both with the failure text),
+    `xfailed` -> <skipped> naming the upstream defect, `not-run` -> <skipped> with what the machine
+    lacks, `not-applicable` -> <skipped> with the API the release lacks."""
     import xml.etree.ElementTree as ET
 
     c = counts(results)
@@ -111,9 +117,7 @@ def write_junit(results: list[CaseResult], path: Path, suite: str, wall_s: float
             ET.SubElement(tc, "skipped", message=f"xfail (named upstream defect): {r.xfail_reason}")
         elif r.status in HOLES:
             ET.SubElement(tc, "skipped", message=f"{r.status.replace('-', ' ')}: {r.hole_reason}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
-    return path
+    return ET.tostring(root, encoding="utf-8", xml_declaration=True)
 
 
 def _checks_cell(r: CaseResult) -> str:

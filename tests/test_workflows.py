@@ -1,0 +1,182 @@
+"""The CI workflows' shards and their merge agree (.github/workflows/ci.yml, nightly-gpu.yml): a job
+over `shard: [1..N]` runs `--shard ${{ matrix.shard }}/N` and uploads one artifact per shard; a
+merge job needs it, runs `if: always()`, downloads every shard's artifact and merges them with
+`--matrix` naming the matrix the shards ran (and `-k` where they took one). The pytest groups
+likewise: `group: [1..N]` with `--splits N --group ${{ matrix.group }}`. Edit one side only and a
+test here goes red."""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOWS = ROOT / ".github" / "workflows"
+SHARD, GROUP = "${{ matrix.shard }}", "${{ matrix.group }}"
+_K = re.compile(r"(?:^|[\s(])-k\s")  # a -k argument, also inside a bash array: args+=(-k "$K")
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((WORKFLOWS / name).read_text())
+
+
+def _runs(job: dict) -> list[str]:
+    return [str(s.get("run", "")) for s in job.get("steps", [])]
+
+
+def _with(job: dict, action: str) -> list[dict]:
+    return [s.get("with") or {} for s in job.get("steps", []) if str(s.get("uses", "")).startswith(action)]
+
+
+def _needs(job: dict) -> list[str]:
+    needs = job.get("needs") or []
+    return [needs] if isinstance(needs, str) else list(needs)
+
+
+def _matrix_file(runs: list[str]) -> str | None:
+    """The matrix a shard runs: named in its run line, or in the script the line calls (scripts/smoke)."""
+    text = " ".join(runs)
+    found = re.search(r"\brun (\S+\.ya?ml)", text)
+    if found:
+        return found[1]
+    script = re.search(r"(?:^|\s)(scripts/[\w-]+)", text)
+    if script and (ROOT / script[1]).is_file():
+        found = re.search(r"\brun (\S+\.ya?ml)", (ROOT / script[1]).read_text())
+    return found[1] if found else None
+
+
+def _counted(job: dict, key: str) -> int | None:
+    values = ((job.get("strategy") or {}).get("matrix") or {}).get(key)
+    return len(values) if values == list(range(1, len(values or []) + 1)) else -1 if values is not None else None
+
+
+def problems(doc: dict) -> list[str]:
+    """Every way the shard jobs, their merge and the pytest groups of one workflow disagree."""
+    out: list[str] = []
+    jobs = doc["jobs"]
+    for name, job in jobs.items():
+        n = _counted(job, "group")
+        if n == -1:
+            out.append(f"{name}: the group values are not 1..N")
+        elif n is not None:
+            splits = re.findall(r"--splits (\d+) --group " + re.escape(GROUP), " ".join(_runs(job)))
+            if [int(s) for s in splits] != [n]:
+                out.append(f"{name}: {n} groups in the matrix, but --splits {splits or 'missing'} --group {GROUP}")
+        n = _counted(job, "shard")
+        if n is None:
+            continue
+        if n == -1:
+            out.append(f"{name}: the shard values are not 1..N")
+            continue
+        runs = [r for r in _runs(job) if "--shard" in r]
+        given = re.findall(r"--shard " + re.escape(SHARD) + r"/(\d+)", " ".join(runs))
+        if [int(g) for g in given] != [n]:
+            out.append(f"{name}: {n} shards in the matrix, but --shard {SHARD}/{given or 'missing'}")
+        artifacts = [w.get("name", "") for w in _with(job, "actions/upload-artifact") if SHARD in str(w.get("name", ""))]
+        if len(artifacts) != 1:
+            out.append(f"{name}: uploads no per-shard artifact (a name with {SHARD})")
+            continue
+        names = {artifacts[0].replace(SHARD, str(i)) for i in range(1, n + 1)}
+        mergers = [m for m, j in jobs.items() if any(re.search(r"\bmerge\b", r) for r in _runs(j))
+                   and (name in _needs(j) or any(fnmatch.filter(names, str(d.get("pattern", ""))) for d in _with(j, "actions/download-artifact")))]
+        if not mergers:
+            out.append(f"{name}: no job merges its shards")
+        for m in mergers:
+            mj = jobs[m]
+            if name not in _needs(mj):
+                out.append(f"{m}: does not need the shard job {name}")
+            if "always()" not in str(mj.get("if", "")):
+                out.append(f"{m}: no `if: always()`: a failed shard would skip the merge that names it")
+            merge = next(r for r in _runs(mj) if re.search(r"\bmerge\b", r))
+            matrix = re.search(r"--matrix (\S+)", merge)
+            if not matrix or matrix[1] != _matrix_file(runs):
+                out.append(f"{m}: merges --matrix {matrix and matrix[1]}, the shards run {_matrix_file(runs)}")
+            downloads = [d for d in _with(mj, "actions/download-artifact")
+                         if all(fnmatch.fnmatchcase(a, str(d.get("pattern", ""))) for a in names)
+                         and f"{d.get('path')}/{d.get('pattern')}" in merge]
+            if not downloads:
+                out.append(f"{m}: downloads and merges no pattern matching all of {sorted(names)}")
+            if bool(_K.search(" ".join(runs))) != bool(_K.search(merge)):
+                out.append(f"{m}: -k on one side only: the merge would expect other cases than the shards ran")
+    return out
+
+
+@pytest.mark.parametrize("name, sharded", [("ci.yml", {"smoke-shard"}), ("nightly-gpu.yml", {"nightly-gpu"})])
+def test_the_shards_and_their_merge_agree(name, sharded):
+    doc = _load(name)
+    assert {j for j, job in doc["jobs"].items() if _counted(job, "shard")} == sharded
+    assert problems(doc) == []
+
+
+def test_the_test_suite_job_runs_the_readme_command_in_groups():
+    job = _load("ci.yml")["jobs"]["test"]
+    assert _counted(job, "group") == 3 and any(r.startswith(".ci/run ") for r in _runs(job))
+    assert "exec scripts/test \"$@\"" in (ROOT / ".ci" / "run").read_text()
+
+
+def _step(job: dict, needle: str) -> dict:
+    return next(s for s in job["steps"] if needle in str(s.get("run", "")) + str(s.get("with", "")))
+
+
+def _plant_shard_count(d):
+    d["jobs"]["smoke-shard"]["strategy"]["matrix"]["shard"] = [1, 2]
+
+
+def _plant_shard_n(d):
+    s = _step(d["jobs"]["smoke-shard"], "--shard")
+    s["run"] = s["run"].replace("/3", "/4")
+
+
+def _plant_needs(d):
+    d["jobs"]["smoke-report"]["needs"] = []
+
+
+def _plant_always(d):
+    del d["jobs"]["smoke-report"]["if"]
+
+
+def _plant_matrix(d):
+    s = _step(d["jobs"]["smoke-report"], "merge shards/")
+    s["run"] = s["run"].replace("--matrix matrices/smoke.yaml", "--matrix matrices/extended.yaml")
+
+
+def _plant_no_matrix(d):
+    s = _step(d["jobs"]["smoke-report"], "merge shards/")
+    s["run"] = s["run"].replace("--matrix matrices/smoke.yaml", "")
+
+
+def _plant_artifact(d):
+    _step(d["jobs"]["smoke-shard"], "smoke-shard-")["with"]["name"] = "smoke-part-" + SHARD
+
+
+def _plant_groups(d):
+    d["jobs"]["test"]["strategy"]["matrix"]["group"] = [1, 2, 3, 4]
+
+
+def _plant_splits(d):
+    s = _step(d["jobs"]["test"], "--splits")
+    s["run"] = s["run"].replace("--splits 3", "--splits 2")
+
+
+@pytest.mark.parametrize("plant, words", [
+    (_plant_shard_count, "--shard"), (_plant_shard_n, "--shard"), (_plant_needs, "does not need"),
+    (_plant_always, "always()"), (_plant_matrix, "--matrix"), (_plant_no_matrix, "--matrix"),
+    (_plant_artifact, "downloads"), (_plant_groups, "--splits"), (_plant_splits, "--splits"),
+])
+def test_an_edit_to_one_side_is_caught(plant, words):
+    doc = copy.deepcopy(_load("ci.yml"))
+    plant(doc)
+    found = problems(doc)
+    assert found and any(words in p for p in found), found
+
+
+def test_a_k_on_the_shards_only_is_caught():
+    doc = copy.deepcopy(_load("nightly-gpu.yml"))
+    merge = _step(doc["jobs"]["merge"], "merge shards/")
+    merge["run"] = merge["run"].replace('[ -n "$K" ] && args+=(-k "$K")', "")
+    assert any("-k on one side only" in p for p in problems(doc))

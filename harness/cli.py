@@ -419,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--no-hf-pad-vocab", action="store_true",
                      help="hf: never draw pad_vocab (look past the known Bridge export defect, README)")
     exp.set_defaults(func=_cmd_explore)
+    from harness.orchestration import cluster
+
+    cluster.add_parser(sub)  # the `cluster` extra, imported only when the command runs
     args = parser.parse_args(argv)
     from harness.orchestration.matrix import MatrixError
 

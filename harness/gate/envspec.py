@@ -12,13 +12,14 @@ A SPEC overrides one package (names are PEP 503-normalised):
     ./Megatron-Bridge  or  /abs/path/Megatron-Bridge                  a local source tree (pyproject.toml)
     /path/megatron_bridge-0.6.2-py3-none-any.whl                      a wheel file
 
-The resolved request is requirements.txt, requirements-nodeps.txt, constraints.txt and
-requirements-verl.txt (the verl_manager backend's deps, installed with requirements.txt) with every
+The resolved request is requirements.txt, requirements-nodeps.txt, constraints.txt,
+requirements-verl.txt (the verl_manager backend's deps) and requirements-cluster.txt (the `cluster`
+extra, harness.orchestration.cluster; both installed with requirements.txt) with every
 overridden package's pin dropped and the overrides added (to requirements-nodeps.txt when the
 package is installed --no-deps there, e.g. megatron-bridge, whose declared deps are CUDA-only).
-Its sha256 (12 hex) keys the venv, `cache/venv-<key>`: with no override the request is the four
+Its sha256 (12 hex) keys the venv, `cache/venv-<key>`: with no override the request is the five
 files verbatim (`cat requirements.txt requirements-nodeps.txt constraints.txt requirements-verl.txt
-| sha256sum`), so a fresh clone finds the cached baseline venv again. A source tree's and a wheel's content hash is part of the request, so an
+requirements-cluster.txt | sha256sum`), so a fresh clone finds the cached baseline venv again. A source tree's and a wheel's content hash is part of the request, so an
 edited tree gets a new venv instead of a stale one.
 """
 
@@ -55,6 +56,7 @@ from harness.gate.releases import UnsolvableReleaseSet  # noqa: E402
 
 REQUIREMENTS, NODEPS, CONSTRAINTS = "requirements.txt", "requirements-nodeps.txt", "constraints.txt"
 VERL = "requirements-verl.txt"  # the verl_manager backend's deps: installed with REQUIREMENTS, part of the key
+CLUSTER = "requirements-cluster.txt"  # the `cluster` extra (pyproject reads it): the test suite runs it, so the venv has it
 ENV_JSON = "ckpt-env.json"
 REQUEST_DIR = ".ckpt-request"  # inside the venv: the exact files pip was given
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
@@ -203,19 +205,20 @@ def _append(text: str, lines: list[str]) -> str:
 
 @dataclass(frozen=True)
 class Request:
-    """What pip is asked for: the four files' resolved texts, plus the overrides they came from."""
+    """What pip is asked for: the five files' resolved texts, plus the overrides they came from."""
 
     requirements: str
     nodeps: str
     constraints: str
     overrides: tuple[Override, ...] = ()
     verl: str = ""
+    cluster: str = ""
 
     @property
     def text(self) -> str:
-        body = self.requirements + self.nodeps + self.constraints + self.verl
+        body = self.requirements + self.nodeps + self.constraints + self.verl + self.cluster
         if not self.overrides:
-            return body  # == `cat requirements.txt requirements-nodeps.txt constraints.txt requirements-verl.txt`
+            return body  # == `cat requirements.txt requirements-nodeps.txt constraints.txt requirements-verl.txt requirements-cluster.txt`
         return body + "".join(f"# {o.kind} {o.name}: commit={o.commit} sha256={o.digest}\n" for o in self.overrides)
 
     @property
@@ -236,8 +239,9 @@ def resolve(root: Path, overrides: list[Override], release_set: Any = None) -> R
         raise ValueError(f"{', '.join(dup)}: overridden more than once")
     req, nodeps, cons = _read(root, REQUIREMENTS), _read(root, NODEPS), _read(root, CONSTRAINTS)
     verl = _read(root, VERL) if (root / VERL).exists() else ""
+    cluster = _read(root, CLUSTER) if (root / CLUSTER).exists() else ""
     if not overrides:
-        return Request(req, nodeps, cons, verl=verl)
+        return Request(req, nodeps, cons, verl=verl, cluster=cluster)
     dropped, no_deps = set(names), _names(nodeps)
     moved = (release_set.drop_names() - no_deps) if release_set is not None else set()
     extra = list(release_set.extra_specs()) if release_set is not None else []
@@ -247,6 +251,7 @@ def resolve(root: Path, overrides: list[Override], release_set: Any = None) -> R
         _drop(cons, dropped | moved),
         tuple(overrides),
         verl=_drop(verl, dropped | moved),
+        cluster=_drop(cluster, dropped | moved),
     )
 
 
@@ -308,9 +313,10 @@ def _build(venv: Path, req: Request, specs: list[str], cache: Path, python: str,
         run_logged([python, "-m", "venv", str(venv)], log)
     files = venv / REQUEST_DIR
     files.mkdir()
-    for name, text in ((REQUIREMENTS, req.requirements), (NODEPS, req.nodeps), (CONSTRAINTS, req.constraints), (VERL, req.verl)):
+    withs = ((VERL, req.verl), (CLUSTER, req.cluster))
+    for name, text in ((REQUIREMENTS, req.requirements), (NODEPS, req.nodeps), (CONSTRAINTS, req.constraints), *withs):
         (files / name).write_text(text)
-    extra = ["-r", str(files / VERL)] if _has_requirements(req.verl) else []
+    extra = [a for name, text in withs if _has_requirements(text) for a in ("-r", str(files / name))]
     main_args = ["-r", str(files / REQUIREMENTS), *extra, "-c", str(files / CONSTRAINTS)]
     nodeps_args = ["--no-deps", "-r", str(files / NODEPS)] if _has_requirements(req.nodeps) else []
     if uv:

@@ -1,0 +1,237 @@
+"""Matrix cells across a cluster (issue 20 item 4): `ckpt-harness cluster run MATRIX` sends the
+shards of `run --shard I/N` (harness.orchestration.shard) as the jobs of a submitit executor --
+Slurm, or local processes for tests and one box -- waits for them and merges their results
+(harness.report.merge) into one report. With `--nodes N` > 1 every shard job holds N nodes and
+starts each world of its cases as nodes x ranks: torchrun agents meeting through the c10d
+rendezvous (harness.run.nodes), so TP x PP x DP worlds larger than one node run.
+
+submitit is the optional `cluster` extra (`pip install 'ckpt-harness[cluster]'`), imported lazily:
+the default paths never import it. NeMo-Run 0.11.1 was the first choice and does not install
+beside the pins (docs/cluster.md says exactly why).
+
+Each shard job runs `python -m harness.cli run MATRIX --shard I/N --report PARTS/shard-I` in a
+subprocess, so a shard is the same command a CI runner runs; a shard with a failed case (exit 1)
+is a finished shard, one that died leaves no complete results.json and the merge names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from harness.run.nodes import EXECUTORS, ClusterExtraMissing, import_submitit, template
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """Where and how the shards run."""
+
+    executor: str = "local"  # local | slurm
+    shards: int = 1
+    nodes: int = 1  # nodes per shard job; > 1: every world through harness.run.nodes
+    gpus_per_node: int = 0  # what each node asks Slurm for (0: a CPU job)
+    ranks_per_node: int | None = None  # most ranks a node takes (default: gpus_per_node)
+    timeout_min: float = 120.0  # a shard job's time limit
+    partition: str | None = None
+    slurm: dict[str, str] = field(default_factory=dict)  # more sbatch options (--slurm-arg KEY=VALUE)
+    max_parallel: int | None = None  # slurm: array jobs at once
+
+    def per_node(self) -> int:
+        return self.ranks_per_node or self.gpus_per_node or 1
+
+    def check(self) -> None:
+        """ValueError naming the option when it cannot make a run."""
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"--executor {self.executor!r}: one of {', '.join(EXECUTORS)}")
+        for name in ("shards", "nodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.gpus_per_node < 0 or (self.ranks_per_node is not None and self.ranks_per_node < 1):
+            raise ValueError(f"--gpus-per-node {self.gpus_per_node} / --ranks-per-node {self.ranks_per_node}: "
+                             "GPUs >= 0, ranks >= 1")
+        if self.nodes > 1 and not (self.ranks_per_node or self.gpus_per_node):
+            raise ValueError(f"--nodes {self.nodes}: say how many ranks a node takes (--gpus-per-node or --ranks-per-node)")
+
+
+def shard_argv(matrix: Path, index: int, total: int, part: Path, opts: ClusterOptions, k: str | None = None,
+               max_world: int | None = None, workdir: Path | None = None, run_args: Sequence[str] = ()) -> list[str]:
+    """The command one shard job runs: `ckpt-harness run` on part `index` of `total`."""
+    argv = [sys.executable, "-m", "harness.cli", "run", str(matrix), "--shard", f"{index}/{total}", "--report", str(part)]
+    argv += ["-k", k] if k else []
+    argv += ["--max-world", str(max_world)] if max_world else []
+    argv += ["--workdir", str(workdir)] if workdir else []
+    if opts.nodes > 1:
+        argv += ["--launcher", "torchrun", "--torchrun-template", template(opts.executor, opts.per_node(), opts.nodes)]
+    return argv + list(run_args)
+
+
+def run_shard(argv: list[str], env: dict[str, str | None]) -> int:
+    """A shard job's body (pickled by submitit): the shard's `ckpt-harness run`; its exit code (1, a
+    failed case, is a finished shard). `env` sets (None: removes) variables of the job's environment."""
+    child = dict(os.environ)
+    for key, value in env.items():
+        if value is None:
+            child.pop(key, None)
+        else:
+            child[key] = value
+    print(f"shard: {' '.join(argv)}", flush=True)
+    return subprocess.run(argv, env=child, check=False).returncode
+
+
+def make_executor(opts: ClusterOptions, folder: Path):
+    """The submitit executor of `opts` (job files and logs under `folder`)."""
+    submitit = import_submitit()
+    if opts.executor == "local":
+        executor = submitit.LocalExecutor(folder=folder)
+        executor.update_parameters(timeout_min=opts.timeout_min)
+        return executor
+    executor = submitit.SlurmExecutor(folder=folder)
+    params: dict = {"nodes": opts.nodes, "ntasks_per_node": 1, "time": max(1, int(opts.timeout_min)),
+                    "job_name": "ckpt-harness", "use_srun": False}  # the shard runs once, on the first node
+    if opts.gpus_per_node:
+        params["gpus_per_node"] = opts.gpus_per_node
+    if opts.partition:
+        params["partition"] = opts.partition
+    if opts.max_parallel:
+        params["array_parallelism"] = opts.max_parallel
+    if opts.slurm:
+        params["additional_parameters"] = dict(opts.slurm)
+    executor.update_parameters(**params)
+    return executor
+
+
+def _job_env(opts: ClusterOptions) -> dict[str, str | None]:
+    """The environment a shard gets beyond the executor's: locally, the GPUs this process sees
+    (the LocalExecutor hides them all); on Slurm, what the allocation sets."""
+    if opts.executor == "local":
+        return {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    return {}
+
+
+def _log_tail(job, lines: int = 20) -> str:
+    try:
+        text = (job.stderr() or "") + (job.stdout() or "")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def run_matrix(matrix: Path, out: Path, opts: ClusterOptions, k: str | None = None, max_world: int | None = None,
+               workdir: Path | None = None, run_args: Sequence[str] = (), log=print) -> tuple[int, dict | None]:
+    """Send the shards, wait, merge into OUT/results.json and OUT/results.md. Returns (exit code,
+    merged document): 0 all green, 1 a case failed or errored, 2 a shard died or bad input, 4 no
+    case matches `k` (as `ckpt-harness run`)."""
+    from harness.orchestration.matrix import load_matrix
+    from harness.report import merge as merging
+    from harness.report import results as report
+
+    opts.check()
+    import_submitit()  # before anything is written: the extra missing is a clear error, not a half-made OUT
+    matrix, out = Path(matrix).resolve(), Path(out).resolve()
+    ids = [s.id for s in load_matrix(matrix, max_world).select(k)]
+    if not ids:
+        log(f"ckpt-harness cluster: no case of {matrix} matches -k {k!r}")
+        return 4, None
+    total = min(opts.shards, len(ids))  # every shard gets a case (shard.split: heaviest first to the lightest)
+    if workdir is None and opts.executor == "slurm" and opts.nodes > 1:
+        workdir = out / "work"  # ranks on other nodes write their results there: a shared filesystem
+    parts = [out / "parts" / f"shard-{i}" for i in range(1, total + 1)]
+    argvs = [shard_argv(matrix, i, total, parts[i - 1], opts, k, max_world, workdir, run_args) for i in range(1, total + 1)]
+    executor = make_executor(opts, out / "jobs")
+    start = time.perf_counter()
+    jobs = executor.map_array(run_shard, argvs, [_job_env(opts)] * total)
+    log(f"{len(ids)} case(s) of {matrix.name} in {total} shard job(s) on {opts.executor}"
+        f" ({opts.nodes} node(s) each): {', '.join(j.job_id for j in jobs)}; logs in {out / 'jobs'}")
+    codes: list[int | None] = []
+    for i, job in enumerate(jobs, 1):
+        try:
+            codes.append(job.result())
+        except Exception as exc:  # submitit: the job died, timed out or was cancelled
+            codes.append(None)
+            log(f"shard {i}/{total} (job {job.job_id}) did not finish: {type(exc).__name__}: {str(exc)[:500]}\n{_log_tail(job)}")
+    wall = time.perf_counter() - start
+    record = {"options": asdict(opts), "matrix": str(matrix), "k": k, "wall_s": wall,
+              "jobs": [{"shard": f"{i}/{total}", "job_id": j.job_id, "exit_code": c, "part": str(parts[i - 1]),
+                        "stdout": str(j.paths.stdout), "stderr": str(j.paths.stderr)}
+                       for i, (j, c) in enumerate(zip(jobs, codes), 1)]}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cluster.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    try:
+        doc = merging.merge([merging.read_part(p / "results.json") for p in parts], ids)
+    except merging.MergeError as exc:
+        log(f"ckpt-harness cluster: the shards do not make one run: {exc}")
+        return 2, None
+    (out / "results.json").write_text(json.dumps(doc, indent=2, default=str))
+    (out / "results.md").write_text(report.markdown(doc))
+    log(f"merged {total} shard(s), {len(doc['results'])} cases in {wall:.0f} s: {doc['summary']} -> {out}")
+    bad = doc["summary"].get("failed", 0) + doc["summary"].get("error", 0)
+    return (1 if bad else 0), doc
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (an sbatch option without its dashes), got {text!r}")
+    return key.replace("-", "_"), value
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """`ckpt-harness cluster run|template` (registered by harness.cli)."""
+    p = sub.add_parser("cluster", help="run a matrix's shards as Slurm (or local) jobs and merge them; "
+                       "worlds beyond one node (the cluster extra)")
+    verbs = p.add_subparsers(dest="cluster_command", required=True)
+    run = verbs.add_parser("run", help="send the shards of a matrix as jobs, wait, merge their results into one report")
+    run.add_argument("matrix", type=Path)
+    run.add_argument("--out", type=Path, required=True, help="DIR/results.json, results.md, cluster.json, parts/, jobs/ "
+                     "(on Slurm: a directory every node sees)")
+    run.add_argument("-k", default=None, help="only cases whose id contains every word of this")
+    run.add_argument("--max-world", type=int, default=None, metavar="N", help="as `run --max-world`")
+    run.add_argument("--workdir", type=Path, default=None, help="parent of the cases' scratch dirs (Slurm multi-node "
+                     "default: OUT/work; it must be on a shared filesystem)")
+    _add_placement(run)
+    run.add_argument("--shards", type=int, default=1, help="jobs to split the matrix into (run --shard I/N)")
+    run.add_argument("--timeout-min", type=float, default=120.0, help="a shard job's time limit in minutes")
+    run.add_argument("--partition", default=None, help="slurm: the partition")
+    run.add_argument("--slurm-arg", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
+                     help="slurm: one more sbatch option, e.g. account=proj, qos=high, mem=0 (repeatable)")
+    run.add_argument("--max-parallel", type=int, default=None, help="slurm: shard jobs running at once")
+    run.add_argument("--run-args", default="", metavar="'ARGS'", help="more options for every shard's `ckpt-harness run`, "
+                     "one string: --run-args='--jobs 2 --fail-on-not-run'")
+    tpl = verbs.add_parser("template", help="print the --torchrun-template that starts each world as nodes x ranks "
+                           "(inside an allocation: ckpt-harness run --launcher torchrun --torchrun-template ...)")
+    _add_placement(tpl)
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def _add_placement(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--executor", choices=EXECUTORS, default="local", help="slurm, or local processes (tests, one box)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes per shard job; > 1: worlds as nodes x ranks (c10d rendezvous)")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs each node asks for (0: CPU/gloo)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="most ranks of a world on one node (default: --gpus-per-node)")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    opts = ClusterOptions(
+        executor=args.executor, nodes=args.nodes, gpus_per_node=args.gpus_per_node, ranks_per_node=args.ranks_per_node,
+        **({} if args.cluster_command == "template" else dict(
+            shards=args.shards, timeout_min=args.timeout_min, partition=args.partition, slurm=dict(args.slurm_arg),
+            max_parallel=args.max_parallel)))
+    try:
+        opts.check()
+        if args.cluster_command == "template":
+            print(template(opts.executor, opts.per_node(), opts.nodes))
+            return 0
+        code, _ = run_matrix(args.matrix, args.out, opts, args.k, args.max_world, args.workdir, shlex.split(args.run_args))
+        return code
+    except (ValueError, ClusterExtraMissing) as exc:
+        print(f"ckpt-harness cluster: {exc}", file=sys.stderr)
+        return 2

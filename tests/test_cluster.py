@@ -93,6 +93,7 @@ def test_a_case_world_runs_as_two_nodes_of_two_ranks_through_c10d(tmp_path, monk
     (world,) = [w for w in worlds.values() if len(w) == 4]
     assert sorted(int(r["RANK"]) for r in world) == [0, 1, 2, 3] and {r["WORLD_SIZE"] for r in world} == {"4"}
     assert {r["GROUP_WORLD_SIZE"] for r in world} == {"2"} and {r["LOCAL_WORLD_SIZE"] for r in world} == {"2"}
+    assert all(r["TORCHELASTIC_RUN_ID"].startswith("ckpt-") for r in world)  # harness.run.nodes' rendezvous, not --standalone
     by_node: dict[str, set] = {}
     for r in world:
         by_node.setdefault(r["GROUP_RANK"], set()).add((r["LOCAL_RANK"], r["agent_pid"]))

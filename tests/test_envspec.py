@@ -21,7 +21,7 @@ SHA = "0123456789abcdef0123456789abcdef01234567"
 
 def test_baseline_key_is_the_bash_formula():
     """With no override the cached baseline venv (venv-<key>) must be found again."""
-    files = ("requirements.txt", "requirements-nodeps.txt", "constraints.txt", "requirements-verl.txt")
+    files = ("requirements.txt", "requirements-nodeps.txt", "constraints.txt", "requirements-verl.txt", "requirements-cluster.txt")
     raw = b"".join((ROOT / f).read_bytes() for f in files)
     key = hashlib.sha256(raw).hexdigest()[:12]
     assert resolve(ROOT, []).key == key
@@ -178,6 +178,19 @@ def test_verl_pins_are_part_of_the_key_and_of_the_request():
     assert over[-1] == "verl==0.9.2" and set(over) == set(pins(base.nodeps)) - {"verl==0.9.1"} | {"verl==0.9.2"}
 
 
+def test_the_cluster_extra_is_part_of_the_key_and_of_the_request_and_is_what_pyproject_offers():
+    """requirements-cluster.txt (the `cluster` extra) is hashed and installed, so the suite runs the
+    cluster tests; pyproject's extra reads the same file (one list of pins, not two to keep equal)."""
+    import tomllib
+
+    base = resolve(ROOT, [])
+    assert pins(base.cluster) == ["submitit==1.5.4"] and base.cluster == (ROOT / "requirements-cluster.txt").read_text()
+    req = resolve(ROOT, [parse_spec("submitit==1.5.3")])
+    assert pins(req.cluster) == [] and "submitit==1.5.3" in pins(req.requirements) and req.key != base.key
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["dynamic"]
+    assert setuptools["optional-dependencies"] == {"cluster": {"file": ["requirements-cluster.txt"]}}
+
+
 @pytest.mark.parametrize("spec", ["megatron-bridge==0.6.0", f"megatron-bridge @ git+https://github.com/NVIDIA-NeMo/Megatron-Bridge@{SHA}"])
 def test_a_no_deps_package_override_replaces_its_line_there(spec):
     o = parse_spec(spec)
@@ -227,7 +240,8 @@ def test_ensure_builds_once_records_provenance_and_reuses(tmp_path, monkeypatch)
     files = venv / envspec.REQUEST_DIR
     assert log[:4] == [
         "install --upgrade pip",
-        f"install -r {files / 'requirements.txt'} -r {files / 'requirements-verl.txt'} -c {files / 'constraints.txt'}",
+        f"install -r {files / 'requirements.txt'} -r {files / 'requirements-verl.txt'} -r {files / 'requirements-cluster.txt'} "
+        f"-c {files / 'constraints.txt'}",
         f"install --no-deps -r {files / 'requirements-nodeps.txt'}",
         "freeze",
     ]

@@ -98,10 +98,9 @@ def node_agent(per_node: int, endpoint: str, run_id: str, rest: list[str], devic
     node, nodes = env.global_rank, env.num_tasks
     cmd = torchrun_command(nodes, per_node, endpoint, run_id, rest, node_rank=node)
     child = dict(os.environ)
-    if devices:  # the executor hides every GPU from its tasks; give this node its share back
-        per = max(1, len(devices) // nodes)
-        child["CUDA_VISIBLE_DEVICES"] = ",".join(devices[node * per:(node + 1) * per])
-    else:
+    if devices:  # the executor hides every GPU from its tasks: this node's share, LOCAL_RANK indexes it
+        child["CUDA_VISIBLE_DEVICES"] = ",".join(devices[node * per_node:(node + 1) * per_node])
+    else:  # gloo: run_from_env keeps its ranks off the GPUs anyway
         child.pop("CUDA_VISIBLE_DEVICES", None)
     print(f"node {node}/{nodes}: {shlex.join(cmd)}", flush=True)
     return subprocess.run(cmd, env=child, check=False).returncode
@@ -121,8 +120,10 @@ def run_local(nodes: int, per_node: int, rest: Sequence[str], timeout_min: float
     """`nodes` torchrun agents on this machine as the tasks of one LocalExecutor job."""
     submitit = import_submitit()
     endpoint, run_id = f"127.0.0.1:{free_port()}", f"ckpt-{os.getpid()}-{time.time_ns()}"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = [d for d in visible.split(",") if d] if visible else None
+    devices = None
+    if os.environ.get("CKPT_HARNESS_DIST_BACKEND") == "nccl":  # set by launch_torchrun (choose_backend)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(nodes * per_node)]
     with tempfile.TemporaryDirectory(prefix="ckpt-nodes-") as folder:
         executor = submitit.LocalExecutor(folder=folder)
         executor.update_parameters(tasks_per_node=nodes, timeout_min=timeout_min)

@@ -50,7 +50,7 @@ def test_a_world_that_does_not_fit_the_nodes_is_refused_before_any_agent_starts(
 
 
 def test_a_matrix_sent_as_local_jobs_merges_into_one_report_with_every_case_once(tmp_path):
-    k = "reshard-weights gpt-tied pp2"
+    k = "reshard-weights gpt-gqa tp1pp1dp1cp1->"  # worlds of 1 -> 2 or 4 ranks
     ids = _ids(k)
     assert len(ids) >= 3
     code, doc = run_matrix(SMOKE, tmp_path, ClusterOptions(executor="local", shards=2), k=k)
@@ -132,15 +132,13 @@ def test_a_multi_node_shard_asks_slurm_for_whole_nodes_and_runs_once_on_the_firs
 
 
 def test_the_default_paths_never_import_the_extra_and_the_cluster_command_names_it(tmp_path):
-    """submitit blocked (an import of it raises): `list` and `run` work, `cluster run` says which extra to install."""
+    """submitit blocked (an import of it raises): `run` works, `cluster run` says which extra to install."""
     block = "import sys; sys.modules['submitit'] = None; from harness.cli import main; sys.exit(main(sys.argv[1:]))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", block, *args], capture_output=True, text=True, cwd=ROOT, env=env, check=False)
 
-    listed = cli("list", str(SMOKE), "-k", "reshard-weights gpt-tied pp2")
-    assert listed.returncode == 0 and listed.stdout.splitlines() == _ids("reshard-weights gpt-tied pp2"), listed.stderr
     ran = cli("run", str(SMOKE), "-k", "gpt-tied tp1pp1dp1cp1->tp1pp2dp1cp1")
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
     missing = cli("cluster", "run", str(SMOKE), "--out", str(tmp_path / "out"), "-k", "gpt-tied")

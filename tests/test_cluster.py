@@ -70,6 +70,7 @@ def test_a_shard_that_dies_is_named_and_nothing_is_merged(tmp_path, capsys):
                            run_args=["--no-such-option"], log=lines.append)
     assert code == 2 and doc is None and not (tmp_path / "results.json").exists()
     assert "do not make one run" in lines[-1] and "shard-1/results.json: not a readable results.json" in lines[-1]
+    assert "shard 2/2" in lines[-2] and "unrecognized arguments: --no-such-option" in lines[-2]  # its own log's tail
     assert [j["exit_code"] for j in json.loads((tmp_path / "cluster.json").read_text())["jobs"]] == [2, 2]
 
 

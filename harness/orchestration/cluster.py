@@ -93,7 +93,10 @@ def make_executor(opts: ClusterOptions, folder: Path):
         executor = submitit.LocalExecutor(folder=folder)
         executor.update_parameters(timeout_min=opts.timeout_min)
         return executor
-    executor = submitit.SlurmExecutor(folder=folder)
+    try:
+        executor = submitit.SlurmExecutor(folder=folder)
+    except RuntimeError as exc:  # no srun on PATH
+        raise ValueError(f"--executor slurm: {exc} (run `cluster run` where sbatch and srun are)") from None
     params: dict = {"nodes": opts.nodes, "ntasks_per_node": 1, "time": max(1, int(opts.timeout_min)),
                     "job_name": "ckpt-harness", "use_srun": False}  # the shard runs once, on the first node
     if opts.gpus_per_node:
@@ -127,8 +130,8 @@ def _log_tail(job, lines: int = 20) -> str:
 def run_matrix(matrix: Path, out: Path, opts: ClusterOptions, k: str | None = None, max_world: int | None = None,
                workdir: Path | None = None, run_args: Sequence[str] = (), log=print) -> tuple[int, dict | None]:
     """Send the shards, wait, merge into OUT/results.json and OUT/results.md. Returns (exit code,
-    merged document): 0 all green, 1 a case failed or errored, 2 a shard died or bad input, 4 no
-    case matches `k` (as `ckpt-harness run`)."""
+    merged document): 0 all green, 1 a case failed or errored, 2 a shard died or bad input, 3 a
+    shard's `--fail-on-not-run` tripped, 4 no case matches `k` (as `ckpt-harness run`)."""
     from harness.orchestration.matrix import load_matrix
     from harness.report import merge as merging
     from harness.report import results as report
@@ -167,13 +170,16 @@ def run_matrix(matrix: Path, out: Path, opts: ClusterOptions, k: str | None = No
     try:
         doc = merging.merge([merging.read_part(p / "results.json") for p in parts], ids)
     except merging.MergeError as exc:
+        for i, (job, c) in enumerate(zip(jobs, codes), 1):
+            if c not in (None, 0, 1, 3):  # None: told above
+                log(f"shard {i}/{total} (job {job.job_id}) exited {c}:\n{_log_tail(job)}")
         log(f"ckpt-harness cluster: the shards do not make one run: {exc}")
         return 2, None
     (out / "results.json").write_text(json.dumps(doc, indent=2, default=str))
     (out / "results.md").write_text(report.markdown(doc))
     log(f"merged {total} shard(s), {len(doc['results'])} cases in {wall:.0f} s: {doc['summary']} -> {out}")
     bad = doc["summary"].get("failed", 0) + doc["summary"].get("error", 0)
-    return (1 if bad else 0), doc
+    return (1 if bad else 3 if 3 in codes else 0), doc  # 3: a shard's `run --fail-on-not-run` found a case not run
 
 
 def _key_value(text: str) -> tuple[str, str]:

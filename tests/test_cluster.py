@@ -57,21 +57,26 @@ def test_a_matrix_sent_as_local_jobs_merges_into_one_report_with_every_case_once
     assert code == 0 and doc is not None
     assert [r["id"] for r in doc["results"]] == ids and doc["summary"]["passed"] == len(ids)
     assert json.loads((tmp_path / "results.json").read_text())["results"] == doc["results"]
-    assert "passed" in (tmp_path / "results.md").read_text()
+    assert "passed" in (tmp_path / "results.md").read_text() and (tmp_path / "report.html").exists()
+    assert (tmp_path / "junit.xml").read_text().count("<testcase ") == len(ids)  # merge's own four files
     record = json.loads((tmp_path / "cluster.json").read_text())
     assert [j["exit_code"] for j in record["jobs"]] == [0, 0]
     parts = [{r["id"] for r in json.loads(Path(j["part"], "results.json").read_text())["results"]} for j in record["jobs"]]
     assert all(parts) and not parts[0] & parts[1] and parts[0] | parts[1] == set(ids)  # two real shards, not one twice
 
 
-def test_a_shard_that_dies_is_named_and_nothing_is_merged(tmp_path, capsys):
+def test_a_shard_that_dies_is_named_and_nothing_is_merged_and_an_empty_part_gets_no_job(tmp_path):
     lines: list[str] = []
-    code, doc = run_matrix(SMOKE, tmp_path, ClusterOptions(executor="local", shards=2), k="reshard-weights gpt-tied pp2",
+    k = "reshard-weights gpt-tied pp4"
+    assert len(_ids(k)) == 3  # 5 shards: 2 parts stay empty
+    code, doc = run_matrix(SMOKE, tmp_path, ClusterOptions(executor="local", shards=5), k=k,
                            run_args=["--no-such-option"], log=lines.append)
     assert code == 2 and doc is None and not (tmp_path / "results.json").exists()
-    assert "do not make one run" in lines[-1] and "shard-1/results.json: not a readable results.json" in lines[-1]
-    assert "shard 2/2" in lines[-2] and "unrecognized arguments: --no-such-option" in lines[-2]  # its own log's tail
-    assert [j["exit_code"] for j in json.loads((tmp_path / "cluster.json").read_text())["jobs"]] == [2, 2]
+    jobs = json.loads((tmp_path / "cluster.json").read_text())["jobs"]
+    assert [j["exit_code"] for j in jobs] == [2, 2, 2] and all(j["shard"].endswith("/5") for j in jobs)
+    assert "do not make one run" in lines[-1] and f"{jobs[0]['part']}/results.json: not a readable results.json" in lines[-1]
+    for job, line in zip(jobs, lines[-4:-1]):  # each shard named, with its own log's tail
+        assert f"shard {job['shard']}" in line and "unrecognized arguments: --no-such-option" in line
 
 
 def test_a_case_world_runs_as_two_nodes_of_two_ranks_through_c10d(tmp_path, monkeypatch):
@@ -100,8 +105,11 @@ def test_a_case_world_runs_as_two_nodes_of_two_ranks_through_c10d(tmp_path, monk
         by_node.setdefault(r["GROUP_RANK"], set()).add((r["LOCAL_RANK"], r["agent_pid"]))
     assert sorted(by_node) == ["0", "1"] and all(len(v) == 2 for v in by_node.values())
     assert len({pid for v in by_node.values() for _, pid in v}) == 2  # two agents, each the parent of its 2 ranks
-    shard_log = Path(json.loads((tmp_path / "out" / "cluster.json").read_text())["jobs"][0]["stdout"]).read_text()
-    assert "--launcher torchrun" in shard_log and "harness.run.nodes" in shard_log
+    # the launcher log of the 4-rank world (the case's log dir in the shard's report): the two agents
+    (log,) = [t for f in (tmp_path / "out" / "parts").rglob("*-torchrun.log") if "--nnodes=2" in (t := f.read_text())]
+    agents = [ln for ln in log.splitlines() if ln.startswith("node ") and "torch.distributed.run" in ln]
+    assert len(agents) == 2 and all("--rdzv-backend=c10d" in a and "--nproc-per-node=2" in a for a in agents), log
+    assert {a.split("--node-rank=")[1].split()[0] for a in agents} == {"0", "1"}
 
 
 def test_a_multi_node_shard_asks_slurm_for_whole_nodes_and_runs_once_on_the_first(tmp_path, monkeypatch):
@@ -126,6 +134,8 @@ def test_a_multi_node_shard_asks_slurm_for_whole_nodes_and_runs_once_on_the_firs
     assert argv[argv.index("--shard") + 1] == "1/3" and argv[argv.index("--workdir") + 1] == "/shared/work"
     tpl = argv[argv.index("--torchrun-template") + 1]
     assert "harness.run.nodes --executor slurm --world-size {world_size} --per-node 8 --max-nodes 2 --" in tpl
+    one_node = shard_argv(SMOKE, 2, 3, tmp_path / "part", ClusterOptions(executor="slurm", gpus_per_node=8))
+    assert "--torchrun-template" not in one_node and one_node[one_node.index("--gpus-per-node") + 1] == "8"  # packed
     agent = nodes.torchrun_command(2, 8, "node1:29400", "ckpt-1", ["-m", "harness.run.rank_entry", "s", "w"])
     step = nodes.srun_command(2, agent)
     assert step[:5] == ["srun", "--relative=0", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]

@@ -59,17 +59,24 @@ class ClusterOptions:
                              "GPUs >= 0, ranks >= 1")
         if self.nodes > 1 and not (self.ranks_per_node or self.gpus_per_node):
             raise ValueError(f"--nodes {self.nodes}: say how many ranks a node takes (--gpus-per-node or --ranks-per-node)")
+        if self.executor == "local" and self.gpus_per_node and self.shards > 1:
+            raise ValueError(f"--executor local --shards {self.shards} --gpus-per-node {self.gpus_per_node}: local shards "
+                             "share this machine's GPUs; use --shards 1 (it packs its cases onto them)")
 
 
 def shard_argv(matrix: Path, index: int, total: int, part: Path, opts: ClusterOptions, k: str | None = None,
-               max_world: int | None = None, workdir: Path | None = None, run_args: Sequence[str] = ()) -> list[str]:
+               max_world: int | None = None, workdir: Path | None = None, run_args: Sequence[str] = (),
+               durations: Path | None = None) -> list[str]:
     """The command one shard job runs: `ckpt-harness run` on part `index` of `total`."""
     argv = [sys.executable, "-m", "harness.cli", "run", str(matrix), "--shard", f"{index}/{total}", "--report", str(part)]
     argv += ["-k", k] if k else []
+    argv += ["--durations", str(durations)] if durations else []
     argv += ["--max-world", str(max_world)] if max_world else []
     argv += ["--workdir", str(workdir)] if workdir else []
     if opts.nodes > 1:
         argv += ["--launcher", "torchrun", "--torchrun-template", template(opts.executor, opts.per_node(), opts.nodes)]
+    elif opts.gpus_per_node:  # one node: the shard packs its cases onto the node's GPUs (harness.orchestration.packing)
+        argv += ["--gpus-per-node", str(opts.gpus_per_node)]
     return argv + list(run_args)
 
 
@@ -128,33 +135,40 @@ def _log_tail(job, lines: int = 20) -> str:
 
 
 def run_matrix(matrix: Path, out: Path, opts: ClusterOptions, k: str | None = None, max_world: int | None = None,
-               workdir: Path | None = None, run_args: Sequence[str] = (), log=print) -> tuple[int, dict | None]:
-    """Send the shards, wait, merge into OUT/results.json and OUT/results.md. Returns (exit code,
+               workdir: Path | None = None, run_args: Sequence[str] = (), durations: Path | None = None,
+               log=print) -> tuple[int, dict | None]:
+    """Send the shards, wait, merge into OUT (results.json/.md, junit.xml, report.html: what `merge`
+    writes). Returns (exit code,
     merged document): 0 all green, 1 a case failed or errored, 2 a shard died or bad input, 3 a
     shard's `--fail-on-not-run` tripped, 4 no case matches `k` (as `ckpt-harness run`)."""
+    from harness.orchestration import shard
     from harness.orchestration.matrix import load_matrix
     from harness.report import merge as merging
-    from harness.report import results as report
 
     opts.check()
     import_submitit()  # before anything is written: the extra missing is a clear error, not a half-made OUT
     matrix, out = Path(matrix).resolve(), Path(out).resolve()
-    ids = [s.id for s in load_matrix(matrix, max_world).select(k)]
+    loaded = load_matrix(matrix, max_world)
+    specs = loaded.select(k)
+    ids = [s.id for s in specs]
     if not ids:
         log(f"ckpt-harness cluster: no case of {matrix} matches -k {k!r}")
         return 4, None
-    total = min(opts.shards, len(ids))  # every shard gets a case (shard.split: heaviest first to the lightest)
+    durations = Path(durations).resolve() if durations else None
+    total = opts.shards  # the split each shard computes again; an empty part (cases sharing a source stay together) gets no job
+    split = shard.split(specs, total, shard.durations_of(durations) if durations else None)
+    numbers = [i for i in range(1, total + 1) if split[i - 1]]
     if workdir is None and opts.executor == "slurm" and opts.nodes > 1:
         workdir = out / "work"  # ranks on other nodes write their results there: a shared filesystem
-    parts = [out / "parts" / f"shard-{i}" for i in range(1, total + 1)]
-    argvs = [shard_argv(matrix, i, total, parts[i - 1], opts, k, max_world, workdir, run_args) for i in range(1, total + 1)]
+    parts = [out / "parts" / f"shard-{i}" for i in numbers]
+    argvs = [shard_argv(matrix, i, total, part, opts, k, max_world, workdir, run_args, durations) for i, part in zip(numbers, parts)]
     executor = make_executor(opts, out / "jobs")
     start = time.perf_counter()
-    jobs = executor.map_array(run_shard, argvs, [_job_env(opts)] * total)
-    log(f"{len(ids)} case(s) of {matrix.name} in {total} shard job(s) on {opts.executor}"
+    jobs = executor.map_array(run_shard, argvs, [_job_env(opts)] * len(argvs))
+    log(f"{len(ids)} case(s) of {matrix.name} in {len(jobs)} shard job(s) on {opts.executor}"
         f" ({opts.nodes} node(s) each): {', '.join(j.job_id for j in jobs)}; logs in {out / 'jobs'}")
     codes: list[int | None] = []
-    for i, job in enumerate(jobs, 1):
+    for i, job in zip(numbers, jobs):
         try:
             codes.append(job.result())
         except Exception as exc:  # submitit: the job died, timed out or was cancelled
@@ -162,22 +176,22 @@ def run_matrix(matrix: Path, out: Path, opts: ClusterOptions, k: str | None = No
             log(f"shard {i}/{total} (job {job.job_id}) did not finish: {type(exc).__name__}: {str(exc)[:500]}\n{_log_tail(job)}")
     wall = time.perf_counter() - start
     record = {"options": asdict(opts), "matrix": str(matrix), "k": k, "wall_s": wall,
-              "jobs": [{"shard": f"{i}/{total}", "job_id": j.job_id, "exit_code": c, "part": str(parts[i - 1]),
+              "jobs": [{"shard": f"{i}/{total}", "job_id": j.job_id, "exit_code": c, "part": str(part),
                         "stdout": str(j.paths.stdout), "stderr": str(j.paths.stderr)}
-                       for i, (j, c) in enumerate(zip(jobs, codes), 1)]}
+                       for i, part, j, c in zip(numbers, parts, jobs, codes)]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "cluster.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     try:
         doc = merging.merge([merging.read_part(p / "results.json") for p in parts], ids)
+        files = merging.render(doc, f"{loaded.name} ({matrix})")  # all of it before any is written, as `merge`
     except merging.MergeError as exc:
-        for i, (job, c) in enumerate(zip(jobs, codes), 1):
+        for i, job, c in zip(numbers, jobs, codes):
             if c not in (None, 0, 1, 3):  # None: told above
                 log(f"shard {i}/{total} (job {job.job_id}) exited {c}:\n{_log_tail(job)}")
         log(f"ckpt-harness cluster: the shards do not make one run: {exc}")
         return 2, None
-    (out / "results.json").write_text(json.dumps(doc, indent=2, default=str))
-    (out / "results.md").write_text(report.markdown(doc))
-    log(f"merged {total} shard(s), {len(doc['results'])} cases in {wall:.0f} s: {doc['summary']} -> {out}")
+    merging.write(files, out)
+    log(f"merged {len(parts)} shard(s), {len(doc['results'])} cases in {wall:.0f} s: {doc['summary']} -> {out} ({', '.join(files)})")
     bad = doc["summary"].get("failed", 0) + doc["summary"].get("error", 0)
     return (1 if bad else 3 if 3 in codes else 0), doc  # 3: a shard's `run --fail-on-not-run` found a case not run
 
@@ -196,7 +210,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     verbs = p.add_subparsers(dest="cluster_command", required=True)
     run = verbs.add_parser("run", help="send the shards of a matrix as jobs, wait, merge their results into one report")
     run.add_argument("matrix", type=Path)
-    run.add_argument("--out", type=Path, required=True, help="DIR/results.json, results.md, cluster.json, parts/, jobs/ "
+    run.add_argument("--out", type=Path, required=True, help="the merged report (as `merge`), cluster.json, parts/, jobs/ "
                      "(on Slurm: a directory every node sees)")
     run.add_argument("-k", default=None, help="only cases whose id contains every word of this")
     run.add_argument("--max-world", type=int, default=None, metavar="N", help="as `run --max-world`")
@@ -204,6 +218,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                      "default: OUT/work; it must be on a shared filesystem)")
     _add_placement(run)
     run.add_argument("--shards", type=int, default=1, help="jobs to split the matrix into (run --shard I/N)")
+    run.add_argument("--durations", type=Path, default=None, metavar="RESULTS",
+                     help="balance the shards by the case durations of a previous results.json (as run --durations)")
     run.add_argument("--timeout-min", type=float, default=120.0, help="a shard job's time limit in minutes")
     run.add_argument("--partition", default=None, help="slurm: the partition")
     run.add_argument("--slurm-arg", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
@@ -236,7 +252,8 @@ def run_cli(args: argparse.Namespace) -> int:
         if args.cluster_command == "template":
             print(template(opts.executor, opts.per_node(), opts.nodes))
             return 0
-        code, _ = run_matrix(args.matrix, args.out, opts, args.k, args.max_world, args.workdir, shlex.split(args.run_args))
+        code, _ = run_matrix(args.matrix, args.out, opts, args.k, args.max_world, args.workdir, shlex.split(args.run_args),
+                             args.durations)
         return code
     except (ValueError, ClusterExtraMissing) as exc:
         print(f"ckpt-harness cluster: {exc}", file=sys.stderr)

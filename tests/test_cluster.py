@@ -121,13 +121,14 @@ def test_a_multi_node_shard_asks_slurm_for_whole_nodes_and_runs_once_on_the_firs
     for tool in ("sbatch", "srun"):
         (bin_dir / tool).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    opts = ClusterOptions(executor="slurm", nodes=2, gpus_per_node=8, partition="batch", slurm={"account": "proj"}, timeout_min=90)
+    opts = ClusterOptions(executor="slurm", nodes=2, gpus_per_node=8, cpus_per_node=64, partition="batch",
+                          slurm={"account": "proj"}, timeout_min=90)
     argv = shard_argv(SMOKE, 1, 3, tmp_path / "part", opts, k="gqa", workdir=Path("/shared/work"))
     job = make_executor(opts, tmp_path / "jobs").submit(run_shard, argv, {})
     assert job.job_id == "4242"
     script = (tmp_path / "job.sh").read_text()
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=batch",
-                 "#SBATCH --account=proj", "#SBATCH --time=90"):
+                 "#SBATCH --account=proj", "#SBATCH --time=90", "#SBATCH --cpus-per-task=64"):
         assert line in script, script
     run_line = [ln for ln in script.splitlines() if "submitit.core._submit" in ln]
     assert run_line and not any("srun" in ln for ln in run_line), script  # the shard runs once, not once a node
@@ -137,8 +138,8 @@ def test_a_multi_node_shard_asks_slurm_for_whole_nodes_and_runs_once_on_the_firs
     one_node = shard_argv(SMOKE, 2, 3, tmp_path / "part", ClusterOptions(executor="slurm", gpus_per_node=8))
     assert "--torchrun-template" not in one_node and one_node[one_node.index("--gpus-per-node") + 1] == "8"  # packed
     agent = nodes.torchrun_command(2, 8, "node1:29400", "ckpt-1", ["-m", "harness.run.rank_entry", "s", "w"])
-    step = nodes.srun_command(2, agent)
-    assert step[:5] == ["srun", "--relative=0", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]
+    step = nodes.srun_command(2, agent, "64")
+    assert step[:6] == ["srun", "--relative=0", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=64"]
     assert {"--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=node1:29400"} <= set(agent)
 
 

@@ -38,6 +38,7 @@ class ClusterOptions:
     shards: int = 1
     nodes: int = 1  # nodes per shard job; > 1: every world through harness.run.nodes
     gpus_per_node: int = 0  # what each node asks Slurm for (0: a CPU job)
+    cpus_per_node: int | None = None  # slurm: CPUs each node asks for (the shard is one task a node)
     ranks_per_node: int | None = None  # most ranks a node takes (default: gpus_per_node)
     timeout_min: float = 120.0  # a shard job's time limit
     partition: str | None = None
@@ -108,6 +109,8 @@ def make_executor(opts: ClusterOptions, folder: Path):
                     "job_name": "ckpt-harness", "use_srun": False}  # the shard runs once, on the first node
     if opts.gpus_per_node:
         params["gpus_per_node"] = opts.gpus_per_node
+    if opts.cpus_per_node:
+        params["cpus_per_task"] = opts.cpus_per_node  # one task a node: its ranks share these
     if opts.partition:
         params["partition"] = opts.partition
     if opts.max_parallel:
@@ -222,6 +225,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                      help="balance the shards by the case durations of a previous results.json (as run --durations)")
     run.add_argument("--timeout-min", type=float, default=120.0, help="a shard job's time limit in minutes")
     run.add_argument("--partition", default=None, help="slurm: the partition")
+    run.add_argument("--cpus-per-node", type=int, default=None, help="slurm: CPUs each node asks for (default: the "
+                     "partition's, often 1 for a job of one task a node; or --slurm-arg exclusive=)")
     run.add_argument("--slurm-arg", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
                      help="slurm: one more sbatch option, e.g. account=proj, qos=high, mem=0 (repeatable)")
     run.add_argument("--max-parallel", type=int, default=None, help="slurm: shard jobs running at once")
@@ -246,6 +251,7 @@ def run_cli(args: argparse.Namespace) -> int:
         executor=args.executor, nodes=args.nodes, gpus_per_node=args.gpus_per_node, ranks_per_node=args.ranks_per_node,
         **({} if args.cluster_command == "template" else dict(
             shards=args.shards, timeout_min=args.timeout_min, partition=args.partition, slurm=dict(args.slurm_arg),
+            cpus_per_node=args.cpus_per_node,
             max_parallel=args.max_parallel)))
     try:
         opts.check()

@@ -74,11 +74,12 @@ def torchrun_command(nodes: int, per_node: int, endpoint: str, run_id: str, rest
             f"--rdzv-id={run_id}", "--max-restarts=0", *rest]
 
 
-def srun_command(nodes: int, agent: Sequence[str]) -> list[str]:
+def srun_command(nodes: int, agent: Sequence[str], cpus: str | None = None) -> list[str]:
     """The Slurm step: one agent on each of the allocation's first `nodes` nodes (--relative=0 keeps
-    the first one, where the rendezvous is, in the step)."""
+    the first one, where the rendezvous is, in the step), with the job's CPUs a node (`cpus`: srun
+    22.05+ does not take SLURM_CPUS_PER_TASK from the job by itself; else one CPU for all the ranks)."""
     return ["srun", "--relative=0", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
-            "--kill-on-bad-exit=1", "--unbuffered", *agent]
+            *([f"--cpus-per-task={cpus}"] if cpus else []), "--kill-on-bad-exit=1", "--unbuffered", *agent]
 
 
 def free_port() -> int:
@@ -149,7 +150,7 @@ def run_slurm(nodes: int, per_node: int, rest: Sequence[str]) -> int:
         return 2
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     agent = torchrun_command(nodes, per_node, f"{host}:{free_port()}", f"ckpt-{os.environ['SLURM_JOB_ID']}-{time.time_ns()}", rest)
-    return subprocess.run(srun_command(nodes, agent), check=False).returncode
+    return subprocess.run(srun_command(nodes, agent, os.environ.get("SLURM_CPUS_PER_TASK")), check=False).returncode
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from functools import lru_cache
 from importlib import metadata
 
 from cases.contract import Case
@@ -17,6 +18,12 @@ ENTRY_POINT_GROUP = "ckpt_harness.cases"
 
 
 def all_cases() -> dict[str, Case]:
+    return dict(_discovered())
+
+
+@lru_cache(maxsize=1)
+def _discovered() -> dict[str, Case]:
+    """Once a process: the entry-point scan reads every installed distribution's metadata."""
     found: dict[str, Case] = {}
     for m in pkgutil.iter_modules(__path__):
         module = importlib.import_module(f"{__name__}.{m.name}")

@@ -54,6 +54,10 @@ _SOURCES_ENV = "CKPT_HARNESS_SOURCES"
 def pytest_configure(config: pytest.Config) -> None:
     for name, help_text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {help_text}")
+    if hasattr(config, "workerinput"):  # an xdist worker: its share of the cores for in-process judging (as run --jobs)
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(config.workerinput.get("workercount", 1))))
     if not hasattr(config, "workerinput") and not config.getoption("--ckpt-no-reuse"):  # the controller (or a plain session)
         parent = config.getoption("--ckpt-workdir")
         if parent:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sys
@@ -380,6 +381,15 @@ def _preload(specs: list[CaseSpec]) -> None:
             warm(bridge=False)
 
 
+def _worker_threads(n: int) -> None:
+    """A worker's share of the cores for its in-process judging: torch's default (every core) in
+    each of `jobs` workers spun OpenMP threads against the other workers' ranks; on 2 cores with
+    --jobs 2 a compare phase took 0.2-4.6 s instead of 0.06 s (docs/measurements.md)."""
+    import torch
+
+    torch.set_num_threads(n)
+
+
 def _run_parallel(specs: list[CaseSpec], options: RunOptions, on_result, jobs: int) -> list[CaseResult]:
     import multiprocessing
     import threading
@@ -396,7 +406,9 @@ def _run_parallel(specs: list[CaseSpec], options: RunOptions, on_result, jobs: i
     # import for themselves: a fork taken while another thread holds a lock (stdout, logging) hangs
     # the worker on it. A worker is not a daemon, so its cases can start ranks.
     method = "fork" if threading.active_count() == 1 else "forkserver"
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(method)) as pool:
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(method),
+                             initializer=_worker_threads, initargs=(threads,)) as pool:
         futures = {pool.submit(run_case, specs[i], options): i for i in writers_first(specs)}
         for done in as_completed(futures):
             i = futures[done]

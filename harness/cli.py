@@ -102,6 +102,18 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    """`run`; -v sets CKPT_HARNESS_VERBOSE (ranks, workers and noise filters read it) for this run only."""
+    from harness.run import ranklog
+
+    before = os.environ.get(ranklog.VERBOSE_ENV)
+    os.environ.update({ranklog.VERBOSE_ENV: "1"} if args.verbose else {})
+    try:
+        return _run(args)
+    finally:  # an in-process caller's later runs stay quiet
+        os.environ.pop(ranklog.VERBOSE_ENV, None) if before is None else os.environ.update({ranklog.VERBOSE_ENV: before})
+
+
+def _run(args: argparse.Namespace) -> int:
     from harness.orchestration import shard
     from harness.orchestration.matrix import load_matrix
     from harness.orchestration.runner import RunOptions, run_cases
@@ -109,8 +121,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from harness.run import ranklog
 
     console = _console()
-    if args.verbose:
-        os.environ[ranklog.VERBOSE_ENV] = "1"  # ranks, workers and the noise filters read it
     matrix = load_matrix(args.matrix, args.max_world)
     try:
         specs = _sharded(matrix.select(args.k), args)

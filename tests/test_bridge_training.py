@@ -46,7 +46,7 @@ def test_a_bridge_resume_restores_weights_optimizer_schedule_train_state_and_rng
     assert c["losses"] == c["final-weights"] == c["train-state"] == c["rng-state"] == "passed", r.failure_text()
     assert "torch.cuda.get_rng_state on CPU" in r.compat_shims
     # the layout Bridge writes
-    ckpt = next(Path(n.split(" at ", 1)[1]) for n in r.notes if n.startswith("scratch kept at")) / "ckpt"
+    ckpt = next(Path(n.split(" at ", 1)[1]) for n in r.notes if n.startswith("scratch kept at")) / "source-save" / "ckpt"  # RunEnv.launch_source, no store
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert {p.name for p in (ckpt / "iter_0000003").iterdir()} >= {"run_config.yaml", "train_state.pt", "metadata.json", ".metadata"}
 
@@ -178,7 +178,7 @@ def test_a_megatron_lm_layout_is_written_and_bridge_resumes_it(tmp_path):
     r = run_case(spec, RunOptions(workdir=tmp_path, keep=True))
     c = _checks(r)
     assert r.status == "passed" and c["losses"] == c["lr"] == "passed" and c["train-state"] == "not-run", r.failure_text()
-    ckpt = next(Path(n.split(" at ", 1)[1]) for n in r.notes if n.startswith("scratch kept at")) / "ckpt"
+    ckpt = next(Path(n.split(" at ", 1)[1]) for n in r.notes if n.startswith("scratch kept at")) / "source-save" / "ckpt"  # RunEnv.launch_source, no store
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3" and (ckpt / "iter_0000003" / "metadata.json").is_file()
     from megatron.core.dist_checkpointing import load_common_state_dict
 

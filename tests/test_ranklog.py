@@ -170,3 +170,16 @@ def test_torchrun_ranks_write_their_own_logs_and_the_launcher_its_own(tmp_path):
     for r in (0, 1):
         assert f"{CHATTER} a rank's fd 2" in logs.rank(r).read_text()
     assert not logs.launcher().exists() or CHATTER not in logs.launcher().read_text()
+
+
+def test_run_v_leaves_the_environment_as_it_found_it(monkeypatch):
+    """`run -v` in-process (a test, an embedding program) must not turn every later run verbose: a
+    leaked CKPT_HARNESS_VERBOSE once sent every later world of a pytest worker to the terminal."""
+    from harness.cli import main
+
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    assert main(["run", "matrices/smoke.yaml", "-k", "no-such-case-anywhere", "-v"]) == 4
+    assert VERBOSE_ENV not in os.environ
+    monkeypatch.setenv(VERBOSE_ENV, "0")
+    assert main(["run", "matrices/smoke.yaml", "-k", "no-such-case-anywhere", "-v"]) == 4
+    assert os.environ[VERBOSE_ENV] == "0"

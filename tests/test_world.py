@@ -16,6 +16,7 @@ from harness.run.world import (
     WorldError,
     WorldTimeout,
     choose_backend,
+    exception_of,
     launch,
 )
 
@@ -85,6 +86,25 @@ def test_a_rank_that_raises_fails_the_world_with_its_traceback(tmp_path):
     assert time.monotonic() - start < 30
     assert _no_children_left()
     assert _errorfiles() <= before
+
+
+class _NotAnException(BaseException):
+    """What torch DCP's CheckpointException is: a BaseException that is no Exception."""
+
+
+def _raise_base_exception(ctx, _):
+    raise _NotAnException("refused: global shape mismatch")
+
+
+@pytest.mark.parametrize("verbose", ["", "1"])
+def test_a_rank_that_raises_a_base_exception_still_reports_it(tmp_path, monkeypatch, verbose):
+    """torch's spawn wrapper catches Exception only: such a rank died with no error file, and under
+    CKPT_HARNESS_VERBOSE (no rank log to quote) its cause was lost, so a refusal read as unrecognised."""
+    monkeypatch.setenv("CKPT_HARNESS_VERBOSE", verbose)
+    with pytest.raises(WorldError) as exc:
+        launch(_raise_base_exception, None, 1, tmp_path, timeout_s=60)
+    assert exc.value.rank_traceback and "_raise_base_exception" in exc.value.rank_traceback
+    assert exception_of(exc.value.rank_traceback) == ("_NotAnException", "refused: global shape mismatch")
 
 
 def test_a_hung_world_is_killed_at_the_timeout(tmp_path):

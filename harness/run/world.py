@@ -30,6 +30,7 @@ import shlex
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -175,7 +176,19 @@ def _mp_entry(local_rank: int, spec: _WorldSpec) -> None:
         # gloo ranks run on CPU even on a GPU box; hide GPUs before anything initialises CUDA.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(spec.world_size))
-    _rank_body(spec, local_rank, local_rank)
+    try:
+        _rank_body(spec, local_rank, local_rank)
+    except (Exception, SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException:  # noqa: BLE001 - see RankBaseException
+        raise RankBaseException(traceback.format_exc().rstrip()) from None
+
+
+class RankBaseException(Exception):
+    """A rank's BaseException that is no Exception (torch DCP's CheckpointException is one), carried
+    as its whole traceback: torch's spawn wrapper catches Exception only, so such a rank died with no
+    error file and the cause was left to its log's tail (none under CKPT_HARNESS_VERBOSE). The last
+    exception line of the text stays the original's, which is what `exception_of` reads."""
 
 
 _EXC_HEADER = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure)):?\s?(.*)$")

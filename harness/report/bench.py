@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-#: (row key, column title, format); every figure is a median over the repeats
+#: (row key, column title, format): times, bytes and GB/s medians over the repeats, memory the largest repeat's
 FIELDS: tuple[tuple[str, str, str], ...] = (
     ("save_block_s", "save blocking s", "{:.3f}"),
     ("save_total_s", "save total s", "{:.3f}"),
@@ -37,9 +37,10 @@ def markdown(doc: dict) -> str:
     the machine it ran on; a skipped or failed strategy is a row saying why."""
     m = doc["machine"]
     lines = [
-        f"Throughput benchmark: median of {doc['repeats']} repeat(s); (N x) = ratio to torch DCP "
-        f"(`torch.distributed.checkpoint.save/load` of the same model) at the same model and ranks. "
-        "Peak RSS is the largest rank's; +MiB is over its baseline when the phase began.",
+        f"Throughput benchmark: times, bytes and GB/s the median of {doc['repeats']} repeat(s); (N x) = ratio to "
+        "torch DCP (`torch.distributed.checkpoint.save/load` of the same model) at the same model and ranks, "
+        "none where DCP's figure is too small to divide by. Peak RSS is the largest rank's in the largest repeat "
+        "(the job's first save or load); +MiB is over the rank's RSS when the phase began.",
         "",
         f"Machine: {m['cpus']} CPUs, {m['host_gib']} GiB, torch {m['torch']}, megatron-core {m['megatron_core']}, "
         f"dist backend {m['dist_backend']}; load average {m['load_before']} before, {m['load_after']} after.",
@@ -82,7 +83,7 @@ def plot(doc: dict, path: Path) -> None:
             ax.set_xlabel("ranks", fontsize=8)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"checkpoint throughput (median of {doc['repeats']}), {doc['machine']['cpus']} CPUs, {doc['machine']['dist_backend']}",
+    fig.suptitle(f"checkpoint throughput (times: median of {doc['repeats']}), {doc['machine']['cpus']} CPUs, {doc['machine']['dist_backend']}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -432,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     from harness.orchestration import cluster
 
     cluster.add_parser(sub)  # the `cluster` extra, imported only when the command runs
+    from harness.orchestration import bench
+    bench.add_parser(sub)  # sets its own func (bench.run_cli)
     args = parser.parse_args(argv)
     from harness.orchestration.matrix import MatrixError
 

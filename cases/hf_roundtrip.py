@@ -207,9 +207,16 @@ def save_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path,
     weights, AutoBridge), save its megatron-core dist checkpoint into `dist_save` (through
     `dist_backend`, mcore_dist when None) and export it through `export_backend` into `export_to`,
     each when given. Each rank's BridgeOut (DDP knob propagation, Megatron logits)."""
-    return env.launch(result, phase, _rank, _Phase(
-        model, str(hf_dir), topo, True, ddp, export_backend=export_backend, dist_backend=dist_backend or resolve("mcore_dist"),
-        dist_save=str(dist_save) if dist_save else None, export_to=str(export_to) if export_to else None, dtype=dtype), topo)
+    return env.launch(result, phase, _rank, save_phase(model, hf_dir, topo, export_backend, dist_save=dist_save, export_to=export_to,
+                                                       ddp=ddp, dtype=dtype, dist_backend=dist_backend), topo)
+
+
+def save_phase(model: HFModelSpec, hf_dir: Path, topo: Topology, export_backend: BackendRef, *, dist_save: Path | None = None,
+               export_to: Path | None = None, ddp: DdpKnobs = DdpKnobs(), dtype: DType = "fp32",
+               dist_backend: BackendRef | None = None) -> _Phase:
+    """What save_step's world runs (run_roundtrip hands it to RunEnv.launch_source)."""
+    return _Phase(model, str(hf_dir), topo, True, ddp, export_backend=export_backend, dist_backend=dist_backend or resolve("mcore_dist"),
+                  dist_save=str(dist_save) if dist_save else None, export_to=str(export_to) if export_to else None, dtype=dtype)
 
 
 def load_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path, topo: Topology, export_backend: BackendRef,
@@ -241,9 +248,8 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
             outs = save_step(env, result, model, hf_dir, src, export_backend, export_to=export, ddp=opts, dtype=dtype, phase="export")
             worlds = [(src.id, outs)]
         else:
-            root, first = env.launch_source(result, "save", _rank, lambda d: _Phase(
-                model, str(hf_dir), src, True, opts, export_backend=export_backend, dist_backend=resolve("mcore_dist"),
-                dist_save=str(d / "dist-ckpt"), dtype=dtype), src)
+            root, first = env.launch_source(result, "save", _rank, lambda d: save_phase(
+                model, hf_dir, src, export_backend, dist_save=d / "dist-ckpt", ddp=opts, dtype=dtype), src)
             ckpt = root / "dist-ckpt"
             worlds = [(src.id, first)]
             outs = load_step(env, result, model, hf_dir, dst, export_backend, ckpt, export_to=export, ddp=opts, dtype=dtype)

@@ -201,9 +201,16 @@ def save_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path,
     (mcore_dist) into `adapter_save`, export the HF PEFT adapter through `export_backend` into
     `export_to` and the merged HF model (bridge_hf) into `merged_to`, each when given. Each rank's
     PeftOut (adapter pieces, Megatron logits)."""
-    return env.launch(result, "save", _rank, _Phase(
-        model, str(hf_dir), topo, adapter, True, adapter_save=_opt(adapter_save), export_to=_opt(export_to),
-        merged_to=_opt(merged_to), **_paths(export_backend, dtype)), topo)
+    return env.launch(result, "save", _rank, save_phase(model, hf_dir, topo, adapter, export_backend, adapter_save=adapter_save,
+                                                        export_to=export_to, merged_to=merged_to, dtype=dtype), topo)
+
+
+def save_phase(model: HFModelSpec, hf_dir: Path, topo: Topology, adapter: mb.AdapterSpec, export_backend: BackendRef, *,
+               adapter_save: Path | None = None, export_to: Path | None = None, merged_to: Path | None = None,
+               dtype: DType = "fp32") -> _Phase:
+    """What save_step's world runs (PeftExport.run hands it to RunEnv.launch_source)."""
+    return _Phase(model, str(hf_dir), topo, adapter, True, adapter_save=_opt(adapter_save), export_to=_opt(export_to),
+                  merged_to=_opt(merged_to), **_paths(export_backend, dtype))
 
 
 def load_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path, topo: Topology, adapter: mb.AdapterSpec,
@@ -234,9 +241,9 @@ class PeftExport(Case):
         # the base fixture and the world at S are the same for every target: once per run (harness.run.reuse)
         hf_dir = env.source_files(result, "fixture", "write_fixture", (model, dtype, 1, ()), lambda p: write_fixture(model, p, dtype))
         resharded = src != dst
-        root, first = env.launch_source(result, "save", _rank, lambda p: _Phase(
-            model, str(hf_dir), src, adapter, True, adapter_save=_opt(p / "adapter-dist-ckpt" if resharded else None),
-            export_to=_opt(p / "adapter@source"), merged_to=_opt(p / "merged@source"), **_paths(ref_of(spec), dtype)), src)
+        root, first = env.launch_source(result, "save", _rank, lambda p: save_phase(
+            model, hf_dir, src, adapter, ref_of(spec), adapter_save=p / "adapter-dist-ckpt" if resharded else None,
+            export_to=p / "adapter@source", merged_to=p / "merged@source", dtype=dtype), src)
         direct, merged, ckpt = root / "adapter@source", root / "merged@source", root / "adapter-dist-ckpt"
         if resharded:
             again = load_step(env, result, model, hf_dir, dst, adapter, ref_of(spec), ckpt, export_to=d / "adapter@target", dtype=dtype)

@@ -101,8 +101,12 @@ def save_step(env: RunEnv, result: CaseResult, model: ModelSpec, opts: TrainOpti
     """World "save" at `topo`: build the training job of `opts` (DDP, optimizer, sharding,
     workarounds), train `steps` steps, save model + optimizer through `backend` into `save_to`.
     Each rank's TrainOut: knob propagation, optimizer and model shards, the Adam step values."""
-    return env.launch(result, "save", train_phase,
-                      phase_of(model, opts, backend, topo=topo, save_to=str(save_to), steps_before_save=steps), topo)
+    return env.launch(result, "save", train_phase, save_phase(model, opts, backend, topo, save_to, steps), topo)
+
+
+def save_phase(model: ModelSpec, opts: TrainOptions, backend: BackendRef, topo: Topology, save_to: Path, steps: int):
+    """What save_step's world runs (ReshardOptimizer.run hands it to RunEnv.launch_source)."""
+    return phase_of(model, opts, backend, topo=topo, save_to=str(save_to), steps_before_save=steps)
 
 
 def load_step(env: RunEnv, result: CaseResult, model: ModelSpec, opts: TrainOptions, backend: BackendRef, topo: Topology,
@@ -145,8 +149,8 @@ class ReshardOptimizer(Case):
         model, backend = get_model(spec.model, "gpt"), ref_of(spec)
         result.notes += workaround_notes(opts, spec.source, spec.target)
         # the training at S and its save are the same for every target: once per run (harness.run.reuse)
-        root, saved = env.launch_source(result, "save", train_phase, lambda d: phase_of(
-            model, opts, backend, topo=spec.source, save_to=str(d / "ckpt"), steps_before_save=opts.steps), spec.source)
+        root, saved = env.launch_source(result, "save", train_phase, lambda d: save_phase(
+            model, opts, backend, spec.source, d / "ckpt", opts.steps), spec.source)
         ckpt = root / "ckpt"
         finalized = finalize_gate(get_backend(backend), saved, [str(ckpt)])
         if finalized is not None:

@@ -247,7 +247,13 @@ def save_step(env: RunEnv, result: CaseResult, model: ModelSpec, topo: Topology,
     """World "save" at `topo`: build `model` with the canonical weights and save it through
     `backend` (an import path, harness.backends.resolve) into `save_to`. Each rank's WeightsOut:
     its shards as built, its logits of the fixed batch when `logits`."""
-    return env.launch(result, "save", _rank_phase, _Phase(model, topo, backend, None, str(save_to), logits, dtype, layer_spec), topo)
+    return env.launch(result, "save", _rank_phase, save_phase(model, topo, backend, save_to, logits, dtype, layer_spec), topo)
+
+
+def save_phase(model: ModelSpec, topo: Topology, backend: str, save_to: Path, logits: bool, dtype: DType,
+               layer_spec: LayerSpec) -> _Phase:
+    """What save_step's world runs (run_weights hands it to RunEnv.launch_source)."""
+    return _Phase(model, topo, backend, None, str(save_to), logits, dtype, layer_spec)
 
 
 def load_step(env: RunEnv, result: CaseResult, model: ModelSpec, topo: Topology, backend: str, load_from: Path, *,
@@ -275,8 +281,8 @@ def run_weights(model: ModelSpec, src: Topology, dst: Topology, backend: str, dt
     ckpt_b = env.case_dir / "ckpt-resaved"
     knobs = dict(logits=cp_forward(src, dst, layer_spec), dtype=dtype, layer_spec=layer_spec)
     # the save at S is the same for every target: once per run (harness.run.reuse), read-only after
-    root, saved = env.launch_source(result, "save", _rank_phase, lambda d: _Phase(
-        model, src, backend, None, str(d / "ckpt-source"), knobs["logits"], dtype, layer_spec), src)
+    root, saved = env.launch_source(result, "save", _rank_phase, lambda d: save_phase(
+        model, src, backend, d / "ckpt-source", knobs["logits"], dtype, layer_spec), src)
     ckpt_a = root / "ckpt-source"
     loaded = load_step(env, result, model, dst, backend, ckpt_a, save_to=ckpt_b, **knobs)
     plain = read_step(env, result, backend, [ckpt_a, ckpt_b])

@@ -123,7 +123,7 @@ def bench_one(model: str, topo: Topology, strategy: str, repeats: int, options: 
     row: dict[str, Any] = {"model": model, "world": topo.world_size, "strategy": strategy, "engine": engine, "options": opts}
     result = CaseResult(id=f"bench-{model}-{topo.id}-{strategy}", case="bench", model=model, backend=engine,
                         source=topo.id, target=topo.id)
-    with case_envelope(result, options, reuse=False) as env:
+    with case_envelope(result, options) as env:
         root = (keep / f"{model}-{topo.world_size}-{strategy}") if keep is not None else env.case_dir / "checkpoints"
         job = BenchJob(model, topo, engine, tuple(sorted(opts.items())), str(root), repeats, keep_last=keep is not None)
         ranks = env.launch(result, "bench", bench_rank, job, topo)

@@ -206,13 +206,13 @@ def not_run_reason(spec: CaseSpec, options: RunOptions, opts: Any = _VALIDATE) -
 
 
 @contextmanager
-def case_envelope(result: CaseResult, options: RunOptions, timeout_s: float | None = None, reuse: bool = True) -> Iterator[RunEnv]:
+def case_envelope(result: CaseResult, options: RunOptions, timeout_s: float | None = None) -> Iterator[RunEnv]:
     """The one envelope of every way a case runs (run_case, golden make and check, explore).
 
     Yields the RunEnv of a fresh scratch directory (under `options.workdir`, named after the case)
     with `options`' dist backend, launcher and rank hooks, each world limited to `timeout_s`
     (`options.timeout_s` when None), sharing the run's source store when `options.sources` is set,
-    `reuse` holds and no rank hook may damage what a world writes; every case that used the store
+    `options.reuse` holds and no rank hook may damage what a world writes; every case that used the store
     gets its `source-unchanged` checks. An exception raised inside is not raised further: the result
     becomes `error` with `error_text` (the "API not available in <package> <version>" line first
     when an upstream API moved, then the failing rank's traceback or this process's). Otherwise,
@@ -230,7 +230,7 @@ def case_envelope(result: CaseResult, options: RunOptions, timeout_s: float | No
         case_dir=scratch, dist_backend=options.dist_backend, timeout_s=options.timeout_s if timeout_s is None else timeout_s,
         launcher=options.launcher, torchrun_template=options.torchrun_template, start_method=options.start_method,
         hooks=tuple(options.rank_hooks), log_dir=logs,
-        store=SourceStore(options.sources) if reuse and options.reuse and options.sources and not options.rank_hooks else None,
+        store=SourceStore(options.sources) if options.reuse and options.sources and not options.rank_hooks else None,
     )
     start = time.perf_counter()
     try:

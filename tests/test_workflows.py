@@ -180,3 +180,53 @@ def test_a_k_on_the_shards_only_is_caught():
     merge = _step(doc["jobs"]["merge"], "merge shards/")
     merge["run"] = merge["run"].replace('[ -n "$K" ] && args+=(-k "$K")', "")
     assert any("-k on one side only" in p for p in problems(doc))
+
+
+def _bench_args(job: dict) -> list[str]:
+    """The `ckpt-harness bench` arguments a workflow job runs (continuation lines joined, $OUT kept as a word)."""
+    import shlex
+
+    for run in _runs(job):
+        text = run.replace("\\\n", " ")
+        words = shlex.split(text)
+        for i, w in enumerate(words):
+            if w.endswith("/ckpt-harness") and words[i + 1:i + 2] == ["bench"]:
+                return words[i + 2:]
+    return []
+
+
+def test_the_nightly_gpu_bench_job_runs_a_benchmark_the_cli_accepts():
+    """The nightly bench job (issue 21 item 4) parses with bench's own parser and names real zoo models, NCCL
+    and every strategy bench has, so a renamed flag, model or strategy turns this red, not the nightly run."""
+    import argparse
+
+    from harness.core.zoo import get_model
+    from harness.orchestration.bench import STRATEGIES, add_parser
+
+    job = _load("nightly-gpu.yml")["jobs"]["bench"]
+    words = _bench_args(job)
+    assert words, "the bench job runs no `ckpt-harness bench`"
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", *words])
+    assert args.dist_backend == "nccl"
+    assert set(args.strategies) == set(STRATEGIES)
+    for model in args.models:
+        get_model(model, "gpt")  # KeyError names a model the zoo does not have
+    assert max(args.worlds) == 8 and any(s.get("uses", "").startswith("actions/upload-artifact") for s in job["steps"])
+
+
+def test_a_bench_job_with_an_unknown_strategy_is_caught():
+    doc = copy.deepcopy(_load("nightly-gpu.yml"))
+    for step in doc["jobs"]["bench"]["steps"]:
+        if "run" in step and "bench" in step["run"]:
+            step["run"] = step["run"].replace("fully_parallel+async", "fully-parallel+async")
+    words = _bench_args(doc["jobs"]["bench"])
+    import argparse
+
+    from harness.orchestration.bench import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", *words])

@@ -16,8 +16,8 @@ Checks:
   fsdp-weights     every model weight of the source is in the converted checkpoint under its
                    Megatron-FSDP key (layers split, experts split, SwiGLU fc1 split into _w/_v), bitwise,
                    and nothing else is under `model.module.`
-  fsdp-optimizer   likewise exp_avg, exp_avg_sq and the main params (`param`, or `fp32_param` in
-                   bf16) under `optimizer.state.module.module.module.<param>.<state>`; not-run for a
+  fsdp-optimizer   likewise exp_avg, exp_avg_sq and the main params (`param`, fp32 in a bf16 run
+                   too) under `optimizer.state.module.module.module.<param>.<state>`; not-run for a
                    weights-only source
   fsdp-step        the optimizer step of every param group survives
   to-torch-dist    fsdp_dtensor -> torch_dist through a shipped converter: not-run while none

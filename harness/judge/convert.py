@@ -6,7 +6,7 @@ torch_dist -> fsdp_dtensor (Megatron-LM checkpoint_inspector.py convert-torch-di
 and Megatron-FSDP's own key names, megatron/core/transformer/fsdp_dtensor_checkpoint.py):
   model weight   `K`                      -> `model.module.K`
   optimizer      `optimizer.state.S.K`    -> `optimizer.state.module.module.module.K.S` (S: exp_avg,
-                                             exp_avg_sq, param / fp32_param main params)
+                                             exp_avg_sq, param: the main params, fp32 in bf16)
   layers         `decoder.layers.X` [L, ...] (torch_dist stacks the layers) -> `decoder.layers.<i>.X`
   experts        `...mlp.experts.experts.X` [E, ...] (SequentialMLP, global expert axis)
                                           -> `...mlp.experts.local_experts.<e>.X`

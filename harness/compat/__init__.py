@@ -10,6 +10,8 @@ condition is there (an error raised, an attribute missing), never because a vers
           mbridge_te_spec with its helper te_spec), quiet_verl_noise
   noise   log and warning filters (quiet_known_noise)
   bridge_training  Megatron-Bridge training checkpoints on CPU (on demand: CUDA_RNG_STATE, RNG_TRACKER_STATE)
+  megatron_lm  Megatron-LM's tools/checkpoint converters (vendored in third_party/megatron-lm): finding one,
+          running its click command in a harness rank, and its defect workarounds (CONVERTER_WORKAROUNDS)
 Here: the Shim record, `install` (a rank's shims), `require` (an on-demand shim), `installed` (what
 the current case applied) and `begin_case`.
 

@@ -39,6 +39,7 @@ MARKERS: dict[str, str] = {
     "bridge_training": "Megatron-Bridge's own training checkpoints (backend bridge_training: save_checkpoint / load_checkpoint)",
     "finetune": "a job started from a pretrained checkpoint's weights only (case finetune; Bridge's pretrained_checkpoint)",
     "interop": "a checkpoint one tool wrote, loaded by another (Megatron-Bridge <-> megatron-core / Megatron-LM layouts)",
+    "convert": "checkpoint format conversions (torch_dist <-> fsdp_dtensor, fsdp_dtensor -> HF) through the converters upstream ships",
     "fanout": "one source loaded at many targets (a cross product; its save runs once per run: harness/run/reuse.py)",
     "slow": "heavier cases, not in the default suite",
     "memory": "host-memory cases and budgets (heavier)",

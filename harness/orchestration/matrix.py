@@ -301,7 +301,7 @@ def _entry_specs(
                 case=case.name, model=model, backend=backend, source=src, target=dst, options=tuple(sorted(opts.items())),
                 backend_options=tuple(sorted(bopts.items())),
                 axes=axis_names, expect=expect, xfail=xfail, markers=markers, timeout_s=timeout_s, budgets=budgets, tag=tag,
-                origin=where,
+                origin=where, requires=closure(frozenset(requires)),  # what the entry declares, for the case's validation
             )
             for topo in (src, dst):
                 try:

@@ -142,7 +142,9 @@ def _rank_body(spec: _WorldSpec, rank: int, local_rank: int) -> None:
     torch.save(result, _result_path(spec.workdir, rank))
     # Only on success: after an exception, teardown would block on peers; the process just exits.
     teardown_parallel_state()
-    if spec.backend == "nccl":  # NCCL asks for it before exit (else it warns and may hang in its destructor)
+    # NCCL asks for it before exit (else it warns and may hang in its destructor); a rank function may have
+    # ended the group itself (Megatron-LM's checkpoint_inspector converter does: cases/convert.py)
+    if spec.backend == "nccl" and dist.is_initialized():
         dist.destroy_process_group()
     # gloo: the rank exits next, which closes its groups anyway; destroy_process_group took 0.15 s of
     # a 0.39 s 2-rank world and 0.28 s of a 0.61 s 4-rank one on 2 cores (docs/measurements.md)

@@ -154,9 +154,9 @@ class LoadPhase:
     topo: Topology
     opts: Options
     backend: BackendRef
-    load_from: tuple[str, ...]  # each loaded by a fresh job of its own, in turn
-    first_step: int  # the step those checkpoints hold (a backend that restores the iteration sets its own)
-    steps_after: int = 0  # trained after each load (its losses and trace recorded)
+    load_from: str
+    first_step: int  # the step the checkpoint holds (a backend that restores the iteration sets its own)
+    steps_after: int = 0
 
 
 @dataclass
@@ -164,26 +164,23 @@ class LoadOut(TrainOut):
     loaded_step: int = -1
 
 
-def load_rank(ctx: RankContext, p: LoadPhase) -> list[LoadOut]:
-    """One fresh (decoy) job per checkpoint in `load_from`: load through the backend (any error of
-    the load itself raised as RefusedLoadError), record the state right after it, train
-    `steps_after` steps from the step the checkpoint holds."""
+def load_rank(ctx: RankContext, p: LoadPhase) -> LoadOut:
+    """A fresh (decoy) job loads `load_from` through the backend (an error of the load itself is
+    raised as RefusedLoadError), records its state right after, trains `steps_after` steps. One job
+    per world: a second build in the process resets megatron's RNG tracker under a loaded job."""
     backend = get_backend(p.backend)
-    outs = []
-    for directory in p.load_from:
-        job, propagated = _build(p, decoy=True)
-        job.step = p.first_step
-        try:
-            training.load_training(ctx, backend, job, Path(directory), p.opts.workarounds)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:
-            raise RefusedLoadError(chain_text(exc)) from exc
-        out = LoadOut(propagated, [], [], loaded_step=job.step)
-        out.optimizer_shards, out.steps = training.optimizer_view(job.chunks, job.optimizer)
-        out.model_shards = local_shards(job.chunks)
-        if p.steps_after:
-            out.losses_after = _train(job, p, p.steps_after, out.trace_after)
-            out.final_shards = local_shards(job.chunks)
-        outs.append(out)
-    return outs
+    job, propagated = _build(p, decoy=True)
+    job.step = p.first_step
+    try:
+        training.load_training(ctx, backend, job, Path(p.load_from), p.opts.workarounds)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        raise RefusedLoadError(chain_text(exc)) from exc
+    out = LoadOut(propagated, [], [], loaded_step=job.step)
+    out.optimizer_shards, out.steps = training.optimizer_view(job.chunks, job.optimizer)
+    out.model_shards = local_shards(job.chunks)
+    if p.steps_after:
+        out.losses_after = _train(job, p, p.steps_after, out.trace_after)
+        out.final_shards = local_shards(job.chunks)
+    return out

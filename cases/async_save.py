@@ -157,6 +157,11 @@ def state_of(model_outs: list, opt_outs: list, label: str) -> tuple[dict, list]:
     return {**{f"model:{k}": v for k, v in weights.items()}, **opt}, p1 + p2
 
 
+def loaded_state(outs: list, label: str) -> tuple[dict, list]:
+    """The model and optimizer state the load worlds' ranks recorded, assembled as state_of does."""
+    return state_of([_Views(o.model_shards) for o in outs], [_Views(o.optimizer_shards) for o in outs], label)
+
+
 class AsyncSave(Case):
     name = "async-save"
     description = "an async save equals the sync one once finalized; a write killed in flight is never named latest nor loaded silently"
@@ -217,9 +222,9 @@ class AsyncSave(Case):
         with timed(result, "compare-files"):
             (a, la), (s, ls) = read_tree(root), read_tree(sync_root)
             result.checks.append(async_equals_sync_check(s, a, (ls, la), RECORDS_HOW_SAVED))
-        outs = env.launch(result, "load", load_rank, LoadPhase(p.model, spec.target, opts, p.backend, (str(sync_root), str(root)),
-                                                               first_step=k, steps_after=k), spec.target)
-        from_sync, from_async = [o[0] for o in outs], [o[1] for o in outs]
+        from_sync, from_async = (env.launch(result, f"load-{side}", load_rank, LoadPhase(p.model, spec.target, opts, p.backend, str(d),
+                                                                                        first_step=k, steps_after=k), spec.target)
+                                 for side, d in (("sync", sync_root), ("async", root)))
         dst, labels = spec.target.id, ("from-sync", "from-async")
         lr, norm = schedule_checks(k, k, from_sync, from_async, dst, dst, None, labels)
         lr.name, norm.name = "lr-vs-sync", "grad-norm-vs-sync"
@@ -262,17 +267,25 @@ class AsyncSave(Case):
                 result.checks += not_run_checks(["resumed", "outcome", "loaded-equal"], f"the save world died before every rank "
                                                 f"recorded step {step}'s state: nothing to compare a load with")
                 return
-        resumed = env.launch(result, "resume", load_rank, LoadPhase(p.model, dst, opts, p.backend, (str(root),), first_step=k), dst)
-        with timed(result, "compare"):
-            want, w_problems = state_of(*read_views(views, k, src.world_size)[:2], f"step {k}@{src.id}")
-            got, g_problems = state_of([_Views(o[0].model_shards) for o in resumed], [_Views(o[0].optimizer_shards) for o in resumed],
-                                       f"resumed@{dst.id}")
-            result.checks.append(state_check("resumed", want, got, f"step {k}@{src.id}", f"resumed@{dst.id}",
-                                             f"the resume from the root loaded step {k}: {len(got)} model and optimizer tensors bitwise",
-                                             problems=w_problems + g_problems))
+        try:
+            resumed = env.launch(result, "resume", load_rank, LoadPhase(p.model, dst, opts, p.backend, str(root), first_step=k), dst)
+        except WorldError as exc:
+            outcome = cl.outcome_of(exc)
+            if outcome is None:
+                raise
+            result.checks.append(Check("resumed", "failed", f"the resume from the root (tracker: {tracker_text(root)}) {outcome.kind}: "
+                                       f"{cl.quote(outcome.text)}", tolerance=NOT_COMPARED))
+            resumed = None
+        if resumed is not None:
+            with timed(result, "compare"):
+                want, w_problems = state_of(*read_views(views, k, src.world_size)[:2], f"step {k}@{src.id}")
+                got, g_problems = loaded_state(resumed, f"resumed@{dst.id}")
+                result.checks.append(state_check("resumed", want, got, f"step {k}@{src.id}", f"resumed@{dst.id}",
+                                                 f"the resume from the root loaded step {k}: {len(got)} model and optimizer tensors "
+                                                 "bitwise", problems=w_problems + g_problems))
         dmg = Damage(opts.fault, (), ("metadata.json", ".metadata", interrupted.name), f"step {k + 1}'s async write killed in flight")
         try:
-            loaded = env.launch(result, "load-interrupted", load_rank, LoadPhase(p.model, dst, opts, p.backend, (str(interrupted),),
+            loaded = env.launch(result, "load-interrupted", load_rank, LoadPhase(p.model, dst, opts, p.backend, str(interrupted),
                                                                                  first_step=k + 1), dst)
         except WorldError as exc:
             outcome = cl.outcome_of(exc)
@@ -282,8 +295,7 @@ class AsyncSave(Case):
             return
         with timed(result, "compare"):
             want, w_problems = state_of(*read_views(views, k + 1, src.world_size)[:2], f"step {k + 1}@{src.id}")
-            got, g_problems = state_of([_Views(o[0].model_shards) for o in loaded], [_Views(o[0].optimizer_shards) for o in loaded],
-                                       f"loaded@{dst.id}")
+            got, g_problems = loaded_state(loaded, f"loaded@{dst.id}")
             result.checks += _renamed(cl.judge(dmg, cl.Outcome("silent"), want, got, w_problems + g_problems, f"loaded@{dst.id}"))
 
 

@@ -102,8 +102,7 @@ def differences(a: Any, b: Any, where: str = "") -> list[str]:
             return [f"{where}: {type(a).__name__} vs {type(b).__name__}"]
         if a.dtype != b.dtype or a.shape != b.shape:
             return [f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
-        same = torch.equal(a.detach().cpu().contiguous().view(torch.uint8), b.detach().cpu().contiguous().view(torch.uint8)) \
-            if a.numel() else True
+        same = torch.equal(*(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in (a, b)))
         if same:
             return []
         diff = (a.double() - b.double()).abs().max().item() if a.dtype.is_floating_point else None

@@ -109,6 +109,18 @@ def _train(job: training.TrainingJob, p: Any, steps: int, trace: list | None = N
     return losses
 
 
+def victim_rank() -> int:
+    """The rank whose async write is killed: the last rank of DP rank 0 that is not rank 0 (rank 0
+    coordinates the write results; a DP replica may have nothing of its own to write: megatron-core
+    saves a replicated tensor from its main replica only). Collective."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dp = [0] * dist.get_world_size()
+    dist.all_gather_object(dp, parallel_state.get_data_parallel_rank(with_context_parallel=True))
+    return max(r for r, d in enumerate(dp) if d == 0)
+
+
 def save_rank(ctx: RankContext, p: SavePhase) -> SaveOut:
     """fault none: step k saved by the sync twin and async, the job trains on while the write is in
     flight, then finalizes. A fault's first world: step k saved async and finalized (the tracker
@@ -123,7 +135,7 @@ def save_rank(ctx: RankContext, p: SavePhase) -> SaveOut:
     if p.opts.fault == "none":
         with track("save-sync"):
             sync_twin(backend).save_training(ctx, job, Path(p.sync_root))
-    elif p.killed and ctx.rank == ctx.world_size - 1:  # never the coordinator: rank 0 gathers the write results
+    elif p.killed and ctx.rank == victim_rank():
         os.environ[ASYNC_KILL_ENV] = f"{p.opts.fault.removeprefix('kill-')}:{kill_record(p.views_dir)}"
     if p.opts.fault != "none":
         _dump_views(ctx, p, job)

@@ -179,8 +179,9 @@ class AsyncSave(Case):
             raise ValueError(f"async-save needs a backend that saves asynchronously: backend {spec.backend!r} with "
                              "async_save (mcore_dist: mcore | nvrx; verl_manager, bridge_training: true)")
         if opts.fault != "none":
-            if spec.source.world_size < 2:
-                raise ValueError(f"fault {opts.fault!r} kills the last rank's write while rank 0 coordinates: give a source of >= 2 ranks")
+            if spec.source.world_size // (spec.source.dp * spec.source.cp) < 2:
+                raise ValueError(f"fault {opts.fault!r} kills the write of a rank of DP rank 0 other than rank 0 (which coordinates; "
+                                 f"a DP replica may write nothing): give a source with tp * pp >= 2, got {spec.source.id}")
             if getattr(backend.options, "layout", "megatron-lm") != "megatron-lm":
                 raise ValueError(f"fault {opts.fault!r} judges the 'latest' tracker: mcore_dist needs layout 'megatron-lm' "
                                  "(the plain layout writes none)")
@@ -258,7 +259,7 @@ class AsyncSave(Case):
             errors = [o.save_error for o in saved] if saved else None
             interrupted = step_dir(root, k + 1)
             result.checks += [
-                judge_interruption(opts.fault, src.world_size - 1, record, errors, world_error, timed_out, error_rank),
+                judge_interruption(opts.fault, record["rank"] if record else -1, record, errors, world_error, timed_out, error_rank),
                 tracker_names_check([(f"after step {k + 1}'s write was killed", tracker_text(root), str(k))]),
                 judge_recognised(interrupted),
             ]

@@ -818,17 +818,19 @@ class TrackerBeforeFinalize(McoreDist):
 
 
 class CorruptAsyncSave(McoreDist):
-    """The async save writes rank 0's first main-replica model tensor with one element's top mantissa
-    bit flipped (a flipped copy: the live job is untouched); the synchronous twin writes what the job
-    holds. An async writer that reads the wrong buffer looks like this."""
+    """The async save writes rank 0's first main-replica Adam exp_avg shard with one element's top
+    mantissa bit flipped (a flipped copy: the live job is untouched); the synchronous twin writes what
+    the job holds. An async writer that reads the wrong buffer looks like this. (A flipped model
+    weight would not move a resume: the distributed optimizer's load restores the weights from its
+    main params.)"""
 
     def save_state(self, ctx, sharded_state, directory, **kwargs):
         if self.saves_async and ctx.rank == 0:
             from megatron.core.dist_checkpointing.dict_utils import nested_values
             from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
-            sh = next(v for v in nested_values(sharded_state["model"])
-                      if isinstance(v, ShardedTensor) and is_main_replica(v.replica_id) and v.data.numel())
+            sh = next(v for v in nested_values(sharded_state["optimizer"])
+                      if isinstance(v, ShardedTensor) and "exp_avg." in v.key and is_main_replica(v.replica_id) and v.data.numel())
             sh.data = sh.data.detach().clone()
             sh.data.view(-1).view(torch.int32)[0] ^= 1 << 22
         super().save_state(ctx, sharded_state, directory, **kwargs)

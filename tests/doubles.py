@@ -800,3 +800,62 @@ class LoadWritesIntoSource(McoreDist):
             meta = Path(directory) / "metadata.json"
             if meta.exists():
                 meta.write_text(meta.read_text() + " ")
+
+
+# ------------------------------------------------------------------ async saves (case async-save)
+
+
+class TrackerBeforeFinalize(McoreDist):
+    """Megatron-LM's layout with the tracker written as soon as the async save returns, before its
+    finalize: what a client does that writes the tracker after save() as after a synchronous save."""
+
+    def save_training(self, ctx, job, directory):
+        super().save_training(ctx, job, directory)
+        if ctx.is_rank0:
+            from harness.backends._megatron_lm import write_tracker
+
+            write_tracker(directory, job.step)
+
+
+class CorruptAsyncSave(McoreDist):
+    """The async save writes rank 0's first main-replica Adam exp_avg shard with one element's top
+    mantissa bit flipped (a flipped copy: the live job is untouched); the synchronous twin writes what
+    the job holds. An async writer that reads the wrong buffer looks like this. (A flipped model
+    weight would not move a resume: the distributed optimizer's load restores the weights from its
+    main params.)"""
+
+    def save_state(self, ctx, sharded_state, directory, **kwargs):
+        if self.saves_async and ctx.rank == 0:
+            from megatron.core.dist_checkpointing.dict_utils import nested_values
+            from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+            sh = next(v for v in nested_values(sharded_state["optimizer"])
+                      if isinstance(v, ShardedTensor) and "exp_avg." in v.key and is_main_replica(v.replica_id) and v.data.numel())
+            sh.data = sh.data.detach().clone()
+            sh.data.view(-1).view(torch.int32)[0] ^= 1 << 22
+        super().save_state(ctx, sharded_state, directory, **kwargs)
+
+
+class SwallowTrainingLoadErrors(McoreDist):
+    """A training load that catches every error and returns, the job keeping its decoy state: a resume
+    that 'tolerates' an unfinished checkpoint."""
+
+    def load_training(self, ctx, job, directory):
+        try:
+            super().load_training(ctx, job, directory)
+        except BaseException as exc:  # torch DCP's CheckpointException is a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+
+
+class SwallowFinalizeErrors(McoreDist):
+    """An async finalize whose errors are dropped: a write killed in flight goes unreported and the job
+    carries on as if its checkpoint were saved."""
+
+    def finalize_saves(self, ctx):
+        try:
+            return super().finalize_saves(ctx)
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return []

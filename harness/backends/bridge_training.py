@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -284,7 +285,14 @@ class BridgeTraining(Backend):
                       "finetune": bool(state.cfg.checkpoint.finetune), "rng": rng_digest(), **_place(), **more}, self.name)
 
     def load_training(self, ctx: RankContext, job: Any, directory: Path) -> None:
-        iteration, flops, state = self._load(job, directory, load=str(directory))
+        """Bridge's resume from the checkpoint root `directory` (its tracker names the iteration); an
+        `iter_NNNNNNN` directory is that iteration of its parent, named as a user names one
+        (CheckpointConfig.ckpt_step): Bridge reads a bare iteration directory only when it holds a
+        finished save's markers (utils/checkpoint_utils.py is_checkpoint_iteration_directory), else as
+        a root without a tracker, and returns (0, 0)."""
+        match = re.fullmatch(r"iter_(\d{7})", Path(directory).name)
+        where = {"load": str(Path(directory).parent), "ckpt_step": int(match.group(1))} if match else {"load": str(directory)}
+        iteration, flops, state = self._load(job, directory, **where)
         if iteration == 0 and not self.options.finetune:
             raise FileNotFoundError(f"megatron-bridge load_checkpoint found no checkpoint under {directory} and returned "
                                     "(0, 0): the job would train from scratch with only a warning")

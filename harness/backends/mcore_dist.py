@@ -43,7 +43,8 @@ megatron/training/checkpointing.py wires it (save_checkpoint / _load_global_dist
 
   layout          plain (the dist checkpoint is the directory, as verl writes it); megatron-lm: a
                   training save writes Megatron-LM's layout (harness.backends._megatron_lm: `iter_NNNNNNN/`
-                  with `args`, `iteration` and the scheduler in the common state, then the tracker file)
+                  with `args`, `iteration` and the scheduler in the common state, then the tracker file;
+                  with async_save the tracker is the request's last finalize function, as Megatron-LM's)
 
 A training load given a Megatron-LM / Megatron-Bridge checkpoint root (the tracker file naming
 `iter_NNNNNNN/`) reads that iteration, as Megatron-LM's `--load` does, and restores the scheduler
@@ -60,7 +61,7 @@ import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -181,8 +182,6 @@ class McoreDist(Backend):
         if o.async_save != "none" and not getattr(case, "finalizes_saves", False):
             raise ValueError(f"backend option async_save {o.async_save!r}: case {case.name} does not run an async save's "
                              "finalize step (the training cases reshard-optimizer and resume do)")
-        if o.layout == "megatron-lm" and o.async_save != "none":
-            raise ValueError("backend option layout 'megatron-lm' writes the tracker file after the save: not with an async save")
         if o.cache_metadata and getattr(opts, "saves", 1) < 2:
             raise ValueError("backend option cache_metadata caches what a previous save of the same job computed: it only "
                              f"means something when the job saves more than once (case {case.name}"
@@ -259,14 +258,15 @@ class McoreDist(Backend):
 
         meta = job.content_metadata() if self.strategy.content_metadata else None
         state, root = job.sharded_state(is_loading=False), directory
-        if self.strategy.layout == "megatron-lm":
-            directory = root / f"iter_{job.step:07d}"
-            state.update(common_state(job, self.strategy.save_strategy == "fully_parallel", job.step * GLOBAL_BATCH))
-        self.save_state(ctx, state, directory, content_metadata=meta)
-        if self.strategy.layout == "megatron-lm":
-            dist.barrier()
-            if ctx.is_rank0:
-                write_tracker(root, job.step)
+        if self.strategy.layout != "megatron-lm":
+            self.save_state(ctx, state, directory, content_metadata=meta)
+            return
+        directory = root / f"iter_{job.step:07d}"
+        state.update(common_state(job, self.strategy.save_strategy == "fully_parallel", job.step * GLOBAL_BATCH))
+        # Megatron-LM writes the tracker last: after every rank's sync save, or as the async request's last
+        # finalize function (checkpointing.py iter_finalize_fn), so it never names an unfinished iteration
+        step = job.step
+        self.save_state(ctx, state, directory, content_metadata=meta, then=lambda: write_tracker(root, step) if ctx.is_rank0 else None)
 
     def load_training(self, ctx: RankContext, job: Any, directory: Path) -> None:
         """Megatron-LM's training load: the sharded state built from the checkpoint's content metadata
@@ -280,7 +280,10 @@ class McoreDist(Backend):
         job.restore(state)
         restore_scheduler(job, state)
 
-    def save_state(self, ctx: RankContext, sharded_state: dict, directory: Path, content_metadata: dict | None = None) -> None:
+    def save_state(self, ctx: RankContext, sharded_state: dict, directory: Path, content_metadata: dict | None = None,
+                   then: Callable[[], None] | None = None) -> None:
+        """`then` runs on every rank once the checkpoint is complete: after a barrier past a sync save, or
+        as the async request's last finalize function."""
         from megatron.core import dist_checkpointing
 
         o = self.strategy
@@ -299,6 +302,9 @@ class McoreDist(Backend):
                 dist_checkpointing.save(sharded_state, str(directory))  # exactly the call it always was
             else:
                 dist_checkpointing.save(sharded_state, str(directory), strategy, **kwargs)
+            if then is not None:
+                dist.barrier()
+                then()
         else:
             from harness.compat import require
             from harness.compat.mcore import ASYNC_RESULTS_QUEUE
@@ -306,6 +312,8 @@ class McoreDist(Backend):
             require(ASYNC_RESULTS_QUEUE)
             kwargs.update(async_save_kwargs(dist_checkpointing.save, o.async_save))
             request = dist_checkpointing.save(sharded_state, str(directory), strategy, async_sharded_save=True, **kwargs)
+            if then is not None:
+                request.add_finalize_fn(then)
             self._async_queue().schedule_async_request(request)
             self._pending.append(directory)
         if strategy is not None and hasattr(strategy, "last"):

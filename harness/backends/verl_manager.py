@@ -175,9 +175,15 @@ class VerlManager(Backend):
         dist.barrier()
 
     def load_training(self, ctx: RankContext, job, directory: Path) -> None:
+        """verl's resume: the tracker of the root `directory` names the step (resume_mode auto); a
+        `global_step_<N>` directory is loaded as it is (resume_mode resume_path, resume_from_path:
+        verl/trainer/ppo/ray_trainer.py _load_checkpoint)."""
         from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
-        found = find_latest_ckpt_path(str(directory))  # verl's resume: the tracker names the step
+        if Path(directory).name.startswith("global_step_"):
+            self.manager(job).load_checkpoint(str(Path(directory) / ROLE))
+            return
+        found = find_latest_ckpt_path(str(directory))
         if found is None:
             raise FileNotFoundError(f"no resumable verl checkpoint under {directory}: {TRACKER} missing or names no global_step_<N>")
         self.manager(job).load_checkpoint(str(Path(found) / ROLE))

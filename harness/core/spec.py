@@ -34,6 +34,7 @@ MARKERS: dict[str, str] = {
     "bf16": "bf16 mixed precision (dtype bf16: Float16Module, fp32 main params)",
     "verl": "verl 0.9.1's MegatronCheckpointManager (backend verl_manager; matrices/verl.yaml and smoke entries)",
     "strategies": "mcore_dist save/load strategies (fully-parallel, async save + finalize, metadata caching)",
+    "async": "asynchronous saves: byte identity with sync after finalize, kills while the write is in flight, trackers, resume trajectories",
     "buckets": "DDP gradient buckets as real runs have them (overlap_grad_reduce / overlap_param_gather, bucket_size)",
     "vpp": "virtual pipeline parallelism (model chunks, the interleaved schedule)",
     "bridge_training": "Megatron-Bridge's own training checkpoints (backend bridge_training: save_checkpoint / load_checkpoint)",

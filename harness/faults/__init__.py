@@ -1,2 +1,3 @@
-"""Faults a shipped case plants on purpose: damage to artefacts on disk (damage) and the one rank
-hook a case needs (hooks: kill a rank mid-save). Test doubles live in tests/doubles.py."""
+"""Faults a shipped case plants on purpose: damage to artefacts on disk (damage) and the rank hooks
+cases need (hooks: kill a rank mid-save, kill an async write in flight). Test doubles live in
+tests/doubles.py."""

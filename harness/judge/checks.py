@@ -225,3 +225,58 @@ def finalize_gate(backend: Any, outs: Sequence[Any], directories: Sequence[str])
 
     records = [getattr(o, "finalized_saves", []) for o in outs]
     return async_finalize_check(records, directories, {d: backend.checkpoint_complete(Path(d)) for d in directories})
+
+
+# --------------------------------------------------------------------------- async saves (case async-save)
+
+ASYNC_EQUALS_SYNC = "async-equals-sync"
+
+
+def async_equals_sync_check(sync: Mapping[str, Any], asynchronous: Mapping[str, Any], layouts: tuple[Mapping[str, tuple], Mapping[str, tuple]],
+                            allowed: Mapping[str, str] = {}) -> Check:
+    """The same job state saved synchronously and asynchronously (then finalized) must read back the
+    same: `sync` and `asynchronous` are harness.judge.ckpt_content.read_tree contents (every DCP item,
+    megatron-core's metadata.json, every other file parsed), compared key by key (tensors bitwise,
+    objects by value). `allowed` maps a regex over a difference's path to why that difference is
+    the save's own record of how it was written (Bridge's run_config.yaml holds `async_save`);
+    those are reported, never failed. `layouts` (each side's .distcp files: size, sha256) is reported
+    only: torch DCP lays files out per writer bucket, so raw bytes may legitimately differ."""
+    import re
+
+    from harness.judge.ckpt_content import differences
+
+    found = differences(dict(sync), dict(asynchronous), "")
+    found = [d.lstrip(".") for d in found]
+    excused = {d: why for d in found for pattern, why in allowed.items() if re.search(pattern, d)}
+    real = [d for d in found if d not in excused]
+    sizes = [{f: v[0] for f, v in side.items()} for side in layouts]
+    if dict(layouts[0]) == dict(layouts[1]):
+        layout = "raw .distcp bytes identical too (same files, sizes, sha256)"
+    elif sizes[0] == sizes[1]:
+        layout = "the same .distcp files and sizes, raw bytes differ: compared by content"
+    else:
+        layout = (f".distcp layout differs (sync {len(sizes[0])} files, {sum(sizes[0].values())} B; async {len(sizes[1])} files, "
+                  f"{sum(sizes[1].values())} B): compared by content, not bytes")
+    n_tensors = sum(isinstance(v, torch.Tensor) for v in sync.values())
+    note = ("; differences that record how the save ran: " + "; ".join(f"{d} ({why})" for d, why in list(excused.items())[:4])
+            if excused else "")
+    if not sync or not asynchronous:
+        return Check(ASYNC_EQUALS_SYNC, "failed", f"nothing read from the {'sync' if not sync else 'async'} checkpoint", tolerance=EXACT)
+    if real:
+        return Check(ASYNC_EQUALS_SYNC, "failed", f"{len(real)} difference(s) between the sync and the finalized async checkpoint: "
+                     + "; ".join(real[:6]) + (f"; ... {len(real) - 6} more" if len(real) > 6 else "") + f" [{layout}]{note}",
+                     tolerance=EXACT)
+    return Check(ASYNC_EQUALS_SYNC, "passed", f"{len(sync)} items ({n_tensors} tensors bitwise, the rest by value: DCP objects, "
+                 f"common state, metadata.json, the other files) equal; {layout}{note}", tolerance=EXACT)
+
+
+def tracker_names_check(seen: Sequence[tuple[str, str | None, str]]) -> Check:
+    """The "latest" tracker (latest_checkpointed_iteration.txt) never names a step whose save is not
+    finished: `seen` is [(when, what the tracker named then or None = no tracker file, what it must
+    name then)], e.g. ("before the async save's finalize", "1", "1"), ("after the kill", "2", "1")."""
+    bad = [f"{when}: names {got if got is not None else 'nothing (no tracker file)'}, expected {want}" for when, got, want in seen
+           if got != want]
+    text = "; ".join(f"{when}: {got if got is not None else 'none'}" for when, got, _ in seen)
+    if bad:
+        return Check("tracker", "failed", "the tracker names an unfinished step: " + "; ".join(bad), tolerance=EXACT)
+    return Check("tracker", "passed", f"the tracker names only finished steps ({text})", tolerance=EXACT)

@@ -1,0 +1,131 @@
+"""What a checkpoint tree holds, as values a reader gets back, not as bytes on disk: the judge of
+async-save compares a checkpoint written asynchronously with the same state written synchronously.
+
+Raw file bytes are the wrong measure there: torch DCP names and packs `.distcp` files by the
+writer's buckets (`__<rank>_<n>.distcp`, n per writer thread), and its `.metadata` pickles byte
+offsets into them, so two writers of the same state may lay it out differently and both be right.
+The content is what a reader sees: every item of every torch DCP directory, read whole without a
+process group (torch's own `dcp_to_torch_save`: tensors at full shape, megatron-core's ShardedObjects and common state
+unpickled), megatron-core's `metadata.json`, and every other file of the tree parsed by its kind
+(.json, .yaml, .pt, text). Values that name the checkpoint's own root are read with the root
+replaced by `<root>`, so two roots compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = "<root>"
+#: torch DCP's own files: their content is the items read through them
+DCP_FILES = (".metadata",)
+DCP_SUFFIX = ".distcp"
+
+
+def read_dcp(directory: Path) -> dict[str, Any]:
+    """Every item of one torch DCP checkpoint directory, by its DCP key, read whole in this process
+    (torch's public dcp_to_torch_save, into memory)."""
+    import warnings
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp_to_torch_save(str(directory), buf)
+    buf.seek(0)
+    return torch.load(buf, map_location="cpu", weights_only=False)
+
+
+def _rooted(value: Any, root: str) -> Any:
+    """`value` with every string naming `root` rewritten to name ROOT (recursively)."""
+    if isinstance(value, str):
+        return value.replace(root, ROOT)
+    if isinstance(value, dict):
+        return {_rooted(k, root): _rooted(v, root) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rooted(v, root) for v in value)
+    if isinstance(value, argparse.Namespace):
+        return argparse.Namespace(**_rooted(vars(value), root))
+    return value
+
+
+def _read_file(f: Path) -> Any:
+    if f.suffix == ".json":
+        return json.loads(f.read_text())
+    if f.suffix in (".yaml", ".yml"):
+        import yaml
+
+        return yaml.safe_load(f.read_text())
+    if f.suffix == ".pt":
+        return torch.load(f, map_location="cpu", weights_only=False)
+    try:
+        return f.read_text().strip()
+    except UnicodeDecodeError:
+        return f.read_bytes()
+
+
+def read_tree(root: Path) -> tuple[dict[str, Any], dict[str, tuple[int, str]]]:
+    """(content, layout) of the checkpoint tree under `root`: content maps `<relative path>` to a
+    parsed file and `<dcp dir>/<item key>` to each DCP item; layout maps every `.distcp` file to
+    its size and sha256 (what the writer laid out: reported, never required to match)."""
+    import hashlib
+
+    root = Path(root)
+    content: dict[str, Any] = {}
+    layout: dict[str, tuple[int, str]] = {}
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = str(f.relative_to(root))
+        if f.suffix == DCP_SUFFIX:
+            layout[rel] = (f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest())
+        elif f.name == ".metadata":
+            prefix = str(f.parent.relative_to(root))
+            for key, value in read_dcp(f.parent).items():
+                if isinstance(value, io.BytesIO):
+                    value = value.getvalue()
+                content[f"{prefix}/{key}" if prefix != "." else key] = value
+        else:
+            content[rel] = _read_file(f)
+    return {k: _rooted(v, str(root)) for k, v in content.items()}, layout
+
+
+def differences(a: Any, b: Any, where: str = "") -> list[str]:
+    """Where two read values differ (empty: equal): tensors bitwise (dtype, shape, bytes), containers
+    element by element, argparse namespaces by their fields, anything else by ==."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return [f"{where}: {type(a).__name__} vs {type(b).__name__}"]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
+        same = torch.equal(*(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in (a, b)))
+        if same:
+            return []
+        diff = (a.double() - b.double()).abs().max().item() if a.dtype.is_floating_point else None
+        return [f"{where}: values differ" + (f" (max |diff| {diff:.3g})" if diff is not None else "")]
+    if isinstance(a, argparse.Namespace) and isinstance(b, argparse.Namespace):
+        return differences(vars(a), vars(b), where)
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = [f"{where}.{k}: only in the first" for k in a if k not in b] + [f"{where}.{k}: only in the second" for k in b if k not in a]
+        for k in a:
+            if k in b:
+                out += differences(a[k], b[k], f"{where}.{k}")
+        return out
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b):
+        if len(a) != len(b):
+            return [f"{where}: {len(a)} vs {len(b)} elements"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}[{i}]")]
+    try:
+        equal = bool(a == b)
+    except Exception:  # an object whose == is not a bool (numpy arrays): compare its repr
+        equal = repr(a) == repr(b)
+    return [] if equal else [f"{where}: {_short(a)} vs {_short(b)}"]
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -101,6 +101,39 @@ def _optimizer_metadata(ckpt: Any, with_group: bool) -> dict:
     return meta
 
 
+def _dtensors(tree: Any, prefix: str = "") -> list[tuple[str, tuple[int, ...]]]:
+    """(key, ranks of its device mesh) of every DTensor of a state dict, in dict order."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, dict):
+        return [kv for k, v in tree.items() if k != "_model" for kv in _dtensors(v, f"{prefix}{k}.")]
+    if isinstance(tree, DTensor):
+        return [(prefix[:-1], tuple(tree.device_mesh.mesh.flatten().tolist()))]
+    return []
+
+
+def check_same_dtensors(state: dict) -> None:
+    """Collective: raise a RuntimeError unless every two ranks that share a device mesh hold the same
+    DTensors of it in the same order. Megatron-FSDP's preprocessing runs one collective per DTensor
+    (preprocess_state_dict_for_uneven_dtensor's all_gather_object over the sorted keys,
+    handle_swiglu_in_state_dict's per fc1 half in dict order): otherwise it pairs unrelated tensors
+    across ranks and deadlocks or computes wrong offsets; this says so before it starts."""
+    mine = _dtensors(state)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    me = dist.get_rank()
+    for peer, theirs in enumerate(gathered):
+        a = [k for k, ranks in mine if peer in ranks]
+        b = [k for k, ranks in theirs if me in ranks]
+        if peer != me and a != b:
+            only_peer, only_me = sorted(set(b) - set(a)), sorted(set(a) - set(b))
+            how = f"only rank {peer} has {only_peer[:3]}, only rank {me} has {only_me[:3]}" if only_peer or only_me else "in another order"
+            raise RuntimeError(
+                f"the ranks' fsdp_dtensor state dicts differ: rank {me} holds {len(a)} DTensors it shares with rank {peer}, "
+                f"rank {peer} {len(b)}; {how}. Megatron-FSDP's preprocessing runs one collective per DTensor and would pair "
+                "unrelated tensors across the ranks (a deadlock or wrong offsets)")
+
+
 def _preprocessing(model: Any, workarounds: tuple[str, ...]):
     from harness.compat.fsdp import swiglu_lookup
 
@@ -139,11 +172,12 @@ def load_fsdp_dtensor(model: Any, optimizer: Any, directory: Path, *, scheduler:
     model = _fsdp_chunks(model)
     it = iteration_dir(Path(directory))
     bridge = _bridge()
-    ckpt = checkpoint_config(strict=strict)
+    ckpt = checkpoint_config(strict=strict, save_optim=optimizer is not None, save_rng=False)  # Bridge's load_rng=False: no RNG template
     _adam_state(optimizer, workarounds)  # before the optimizer builds its load-side state dict
     kwargs = {} if optimizer is None else {"optim_sd_kwargs": {"metadata": _optimizer_metadata(ckpt, False), "is_loading": True}}
     state = bridge.generate_state_dict(ckpt, list(model), optimizer, scheduler, None, iteration=1, **kwargs)
     state["_model"] = list(model)
+    check_same_dtensors(state)
     with _preprocessing(model, workarounds):
         loaded, _, _, _ = bridge.load_fsdp_dtensor_checkpoint(str(it), ckpt, rank0=False, sharded_state_dict=state, iteration=None,
                                                               checkpoint_path_override=str(it))
@@ -178,6 +212,11 @@ class McoreFsdp(Backend):
             if topo.pp > 1:
                 raise ValueError(f"{topo.id}: pp > 1: an fsdp_dtensor checkpoint names parameters by module path, which "
                                  "repeats on every pipeline stage; this backend runs pp 1 (TP, DP, EP and ETP change freely)")
+        if case.name == "reshard-weights" and getattr(opts, "dtype", "fp32") == "bf16":
+            raise ValueError("dtype bf16 with reshard-weights: an fsdp_dtensor checkpoint holds a bf16 model's fp32 main weights "
+                             "(the FSDP adapter's state_dict is Megatron-FSDP's main-weight DTensors), so the bf16 bytes "
+                             "checkpoint-canonical asks for are not what the format stores; run bf16 through reshard-optimizer "
+                             "or resume (weights-match-main-params compares the bf16 compute weights with them)")
         if not getattr(opts, "use_distributed_optimizer", True):
             raise ValueError("use_distributed_optimizer: false: Megatron-FSDP always steps megatron-core's distributed "
                              "optimizer (Bridge's _validate_and_apply_megatron_fsdp_configs turns it on)")
@@ -190,7 +229,7 @@ class McoreFsdp(Backend):
     def save(self, ctx: RankContext, model: Any, directory: Path) -> None:
         model = _fsdp_chunks(model)
         ckpt = checkpoint_config(save_optim=False, save_rng=False)
-        self._write(ctx, _bridge().generate_state_dict(ckpt, list(model), None, None, None), model, directory)
+        self._write(ctx, _bridge().generate_state_dict(ckpt, list(model), None, None, None, iteration=0), model, directory)
 
     def load(self, ctx: RankContext, model: Any, directory: Path) -> None:
         load_fsdp_dtensor(model, None, directory, strict=self.o.strict, workarounds=self.o.workarounds)
@@ -231,6 +270,7 @@ class McoreFsdp(Backend):
         if ctx.is_rank0:
             directory.mkdir(parents=True, exist_ok=False)
         dist.barrier()
+        check_same_dtensors(state)
         with ExitStack() as stack:
             stack.enter_context(_preprocessing(model, self.o.workarounds))
             _bridge().save_fsdp_dtensor_checkpoint(str(directory), state, cfg=None, model=model[0])

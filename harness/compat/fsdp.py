@@ -6,6 +6,7 @@ device, the TP RNG sync, gloo's missing PREMUL_SUM) is in harness.compat.cuda.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -23,8 +24,9 @@ FSDP_WORKAROUNDS: dict[str, str] = {
     "hold different keys and the per-DTensor all_gather_object of preprocess_state_dict_for_uneven_dtensor "
     "(uneven_dtensor.py:51, called by Bridge's preprocess_fsdp_dtensor_state_dict and Megatron-LM's) pairs unrelated "
     "tensors across ranks and deadlocks (TE's FusedAdam initialises state for every param before it looks at the grad); "
-    "the harness gives every stateless param the state TE's FusedAdam would (zero moments, the job's step) before each "
-    "save and load",
+    "the harness gives every stateless param the state TE's FusedAdam would (zero moments, the job's step), in param "
+    "order on every rank as FusedAdam creates it (handle_swiglu_in_state_dict builds one DTensor per fc1 half with a "
+    "collective, walking the state in dict order), before each save and load",
     SWIGLU_LOOKUP: "megatron-core 0.19.2 handle_swiglu_in_state_dict (transformer/fsdp_dtensor_checkpoint.py:343 and "
     "375-377) looks each fc1 param up on the model it is given (Bridge and Megatron-LM pass model[0], the "
     "FullyShardedDataParallel adapter) by 'module.' + its state-dict key, and an optimizer key with one 'module.' cut "
@@ -62,14 +64,19 @@ def materialize_adam_state(optimizer: Any) -> int:
     dist.all_reduce(step, op=dist.ReduceOp.MAX)
     created = 0
     for opt in inner:
+        ordered: dict = {}
         for group in opt.param_groups:
             for p in group["params"]:
                 state = opt.state.get(p)
                 if not state:
-                    opt.state[p] = {"step": step[0].clone(), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                    state = {"step": step[0].clone(), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
                     created += 1
                 elif _local_numel(p) == 0 and "step" in state:
                     state["step"] = step[0].clone()
+                ordered[p] = state
+        # in param order on every rank, as FusedAdam creates them: handle_swiglu_in_state_dict walks the
+        # optimizer state in dict order and builds each fc1 half's DTensor with a collective
+        opt.state = defaultdict(dict, ordered)
     return created
 
 

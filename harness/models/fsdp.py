@@ -125,15 +125,36 @@ def gathered(t: Any, like: torch.nn.Parameter) -> torch.Tensor:
     return tp_local(full.detach(), like)
 
 
+def compute_weights(fsdp: Any) -> dict[str, Any]:
+    """The weights a chunk's forward runs with, by parameter name, as DTensors shaped like its main
+    weights: each parameter group's model weight buffer (what Megatron-FSDP all-gathers for the
+    forward; bf16 in a bf16 job), read the way its _init_distributed_params reads it; with no such
+    buffer (no_shard) the main weight, which is then the module's own parameter."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import make_fsdp_dtensor
+
+    buffers = fsdp.module.param_and_grad_buffer
+    sharded = buffers.bucketing_policy.data_parallel_sharding_strategy != "no_shard"
+    out = {}
+    for group in buffers.parameter_groups:
+        wbuf = group.model_weight_buffer
+        for item_id, orig in enumerate(group.params):
+            name = buffers.param_to_name[orig]
+            out[name] = buffers.dist_main_weight[name] if wbuf is None else make_fsdp_dtensor(
+                local_tensor=wbuf.get_item(item_id, only_shard=sharded), param=orig, dist_index=buffers.dist_index,
+                is_sharded_param=sharded, is_expert_param=group.is_expert_param)
+    return out
+
+
 def refresh(model: FsdpChunks) -> list:
-    """Collective: the mirrors, each parameter set to what its FSDP chunk's state dict holds."""
+    """Collective: the mirrors, each parameter set to the weights its FSDP chunk computes with
+    (`compute_weights`: after a load, what Megatron-FSDP installed from the loaded main weights)."""
     for fsdp, mirror in zip(model, model.mirrors):
-        state = {tail(k): v for k, v in fsdp.state_dict().items() if isinstance(v, torch.Tensor)}
+        weights = {tail(k): v for k, v in compute_weights(fsdp).items()}
         with torch.no_grad():
             for name, p in mirror.named_parameters():
-                if tail(name) not in state:
-                    raise KeyError(f"Megatron-FSDP state dict has no {tail(name)!r} (the plain model's {name!r})")
-                p.copy_(gathered(state[tail(name)], p))
+                if tail(name) not in weights:
+                    raise KeyError(f"Megatron-FSDP holds no weight {tail(name)!r} (the plain model's {name!r})")
+                p.copy_(gathered(weights[tail(name)], p))
     return model.mirrors
 
 

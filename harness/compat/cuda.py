@@ -218,7 +218,6 @@ def guard_megatron_import() -> bool:
 # FullyShardedDataParallel; nothing else in the harness builds Megatron-FSDP.
 
 FSDP_DEVICE = "Megatron-FSDP: module placed on the rank's CPU device"
-FSDP_CUDA_SET_RNG_STATE = "Megatron-FSDP: torch.cuda.set_rng_state on CPU"
 FSDP_GLOO_PREMUL_SUM = "Megatron-FSDP: gradient scaling before a SUM reduce (gloo has no PREMUL_SUM)"
 
 
@@ -274,11 +273,27 @@ def _scale_then_sum() -> None:
     param_and_grad_buffer.gradient_reduce_preprocessing = unfused
 
 
-def _premul_sum_refused(device: torch.device) -> bool:
-    """Collective: every rank of the world asks at the same point (the FSDP build)."""
+def _group_refuses(ask) -> bool:
+    """Whether the process group Megatron-FSDP communicates over refuses what `ask(group)` asks of it: a
+    world that is not gloo (NCCL) is asked itself (collective: every rank asks at the FSDP build); a
+    gloo world, or none yet, through a private one-rank gloo group (gloo checks before it
+    communicates: no collective, no peer needed)."""
     import torch.distributed as dist
 
-    return fails(lambda: dist.all_reduce(torch.zeros(1, device=device), op=dist._make_nccl_premul_sum(1.0)))
+    if dist.is_initialized() and dist.get_backend() != "gloo":
+        return fails(lambda: ask(dist.group.WORLD))
+    return fails(lambda: ask(dist.ProcessGroupGloo(dist.HashStore(), 0, 1)))
+
+
+def _premul_sum_refused(device: torch.device) -> bool:
+    import torch.distributed as dist
+
+    def ask(group):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist._make_nccl_premul_sum(1.0)
+        group.allreduce([torch.zeros(1, device=device)], opts).wait()
+
+    return _group_refuses(ask)
 
 
 SHIMS += (
@@ -294,23 +309,13 @@ SHIMS += (
         on_demand=True,
     ),
     Shim(
-        FSDP_CUDA_SET_RNG_STATE,
-        "FullyShardedDataParallel.sync_rng_states_across_tp_group (tp > 1) broadcasts TP rank 0's RNG states and sets "
-        "torch.cuda.set_rng_state on every TP rank; on CPU the 'CUDA' state is the CPU generator's (harness.compat."
-        "bridge_training's get_rng_state shim), so it is set into the CPU generator",
-        lambda: setattr(torch.cuda, "set_rng_state", lambda new_state, device="cuda": torch.set_rng_state(new_state)),
-        lambda device: fails(lambda: torch.cuda.set_rng_state(torch.get_rng_state())),
-        _ON_CUDA,
-        on_demand=True,
-    ),
-    Shim(
         FSDP_GLOO_PREMUL_SUM,
         "Megatron-FSDP's gradient_reduce_preprocessing (param_and_grad_buffer.py:4746) reduces with NCCL's PREMUL_SUM when "
         "gradient_reduce_div_fusion is on (the default); gloo refuses it ('Cannot use ReduceOp.PREMUL_SUM with Gloo'): the "
         "function's own other branch runs, grad.mul_(1/dp) then SUM (premul-sum multiplies each input the same way)",
         _scale_then_sum,
         _premul_sum_refused,
-        "on NCCL (the probe's premul-sum all_reduce succeeds); on gloo when torch accepts PREMUL_SUM",
+        "on NCCL (its premul-sum all_reduce succeeds); on gloo when torch accepts PREMUL_SUM",
         on_demand=True,
     ),
 )
@@ -350,14 +355,15 @@ def _pad_uneven_all_gather() -> None:
 
 
 def _uneven_all_gather_refused(device: torch.device) -> bool:
-    """Collective over the world (every rank asks at the FSDP build): gloo checks each output's size."""
-    import torch.distributed as dist
+    """Rank r gathers a tensor of r + 1 elements from every rank: NCCL serves it; gloo checks every
+    output's size against the input's (asked of a one-rank group: an output of 2 for an input of 1)."""
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world < 2:
-        return False  # nothing uneven to gather
-    outs = [torch.empty(i + 1, device=device) for i in range(world)]
-    return fails(lambda: dist.all_gather(outs, torch.zeros(rank + 1, device=device)))
+    def ask(group):
+        size, rank = group.size(), group.rank()
+        outs = [torch.empty(i + 1 + (size == 1), device=device) for i in range(size)]
+        group.allgather([outs], [torch.zeros(rank + 1, device=device)]).wait()
+
+    return _group_refuses(ask)
 
 
 SHIMS += (

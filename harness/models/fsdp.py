@@ -57,7 +57,6 @@ def require_shims(topo: Topology) -> None:
     condition: none on a CUDA rank). Collective: the gloo probe reduces over the world."""
     from harness.compat import require
     from harness.compat.cuda import (
-        FSDP_CUDA_SET_RNG_STATE,
         FSDP_DEVICE,
         FSDP_GLOO_PREMUL_SUM,
         FSDP_GLOO_UNEVEN_ALL_GATHER,
@@ -68,11 +67,10 @@ def require_shims(topo: Topology) -> None:
     require(FSDP_DEVICE, device)
     require(FSDP_GLOO_PREMUL_SUM, device)
     require(FSDP_GLOO_UNEVEN_ALL_GATHER, device)
-    if topo.tp > 1 or topo.etp > 1:  # the adapter syncs the RNG states across the TP group
+    if topo.tp > 1 or topo.etp > 1:  # the adapter broadcasts TP rank 0's RNG states, torch.cuda's included
         from harness.compat.bridge_training import CUDA_RNG_STATE
 
         require(CUDA_RNG_STATE, device)
-        require(FSDP_CUDA_SET_RNG_STATE, device)
 
 
 def ddp_config(cfg: Any, strategy: str):

@@ -124,3 +124,25 @@ def test_swiglu_lookup_resolves_what_the_upstream_lookup_cannot():
             adapter.get_parameter("module.decoder.nothing")  # still upstream's error for a name nothing ends with
     with pytest.raises(AttributeError):
         adapter.get_parameter("module.decoder.weight")  # the lookup is gone after the block
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("{case: reshard-weights, models: [gpt-gqa], pairs: ['pp2 -> dp2']}", "pp > 1: an fsdp_dtensor checkpoint names parameters"),
+    ("{case: reshard-weights, models: [gpt-gqa], pairs: ['dp2 -> dp1'], options: {dtype: bf16}}", "holds a bf16 model's fp32 main weights"),
+    ("{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], options: {use_distributed_optimizer: false}}",
+     "Megatron-FSDP always steps megatron-core's distributed optimizer"),
+    ("{case: resume, models: [gpt-gqa], pairs: ['dp2 -> dp1'], options: {sharding: fully_reshardable}}",
+     "optimizer sharding is always 'fsdp_dtensor'"),
+    ("{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], backend_options: {workarounds: [nope]}}",
+     "unknown workaround(s) ['nope']"),
+    ("{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], backend_options: {sharding_strategy: zero3}}",
+     "sharding_strategy"),
+])
+def test_the_matrix_refuses_what_an_fsdp_dtensor_case_cannot_mean(tmp_path, entry, message):
+    from harness.orchestration.matrix import MatrixError, load_matrix
+
+    path = tmp_path / "m.yaml"
+    path.write_text(f"defaults: {{backends: [mcore_fsdp]}}\nentries: [{entry}]\n")
+    with pytest.raises(MatrixError, match=None) as exc:
+        load_matrix(path)
+    assert message in str(exc.value)

@@ -33,7 +33,7 @@ Options:
 
 from __future__ import annotations
 
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -217,6 +217,9 @@ class McoreFsdp(Backend):
                              "(the FSDP adapter's state_dict is Megatron-FSDP's main-weight DTensors), so the bf16 bytes "
                              "checkpoint-canonical asks for are not what the format stores; run bf16 through reshard-optimizer "
                              "or resume (weights-match-main-params compares the bf16 compute weights with them)")
+        if getattr(opts, "load_with", ""):
+            raise ValueError(f"load_with {opts.load_with!r}: the job is a Megatron-FSDP job (this backend's builder), "
+                             "which another backend's load does not know how to fill")
         if not getattr(opts, "use_distributed_optimizer", True):
             raise ValueError("use_distributed_optimizer: false: Megatron-FSDP always steps megatron-core's distributed "
                              "optimizer (Bridge's _validate_and_apply_megatron_fsdp_configs turns it on)")
@@ -271,8 +274,7 @@ class McoreFsdp(Backend):
             directory.mkdir(parents=True, exist_ok=False)
         dist.barrier()
         check_same_dtensors(state)
-        with ExitStack() as stack:
-            stack.enter_context(_preprocessing(model, self.o.workarounds))
+        with _preprocessing(model, self.o.workarounds):
             _bridge().save_fsdp_dtensor_checkpoint(str(directory), state, cfg=None, model=model[0])
 
     def checkpoint_complete(self, directory: Path) -> bool | None:

@@ -60,8 +60,10 @@ def materialize_adam_state(optimizer: Any) -> int:
 
     inner = [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     steps = [float(st["step"]) for opt in inner for st in opt.state.values() if "step" in st]
-    step = torch.tensor([max(steps) if steps else 0.0])
+    params = [p for opt in inner for group in opt.param_groups for p in group["params"]]
+    step = torch.tensor([max(steps) if steps else 0.0], device=params[0].device if params else "cpu")  # NCCL reduces device tensors
     dist.all_reduce(step, op=dist.ReduceOp.MAX)
+    step = step.cpu()  # torch Adam keeps its step on the CPU
     created = 0
     for opt in inner:
         ordered: dict = {}

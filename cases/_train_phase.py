@@ -20,7 +20,7 @@ from harness.core.zoo import ModelSpec
 
 # module access: rank hooks (tests/doubles.py) patch training's functions in the rank
 from harness.models import training
-from harness.models.mcore import MCORE_P2P_DEFAULTS, local_shards
+from harness.models.mcore import MCORE_P2P_DEFAULTS
 
 
 @dataclass
@@ -102,10 +102,11 @@ def _save(ctx: RankContext, backend, job: "training.TrainingJob", step: int, dir
 
 def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
     backend = get_backend(p.backend)
+    build = backend.builder()  # megatron DDP, or the backend's own (mcore_fsdp: Megatron-FSDP)
     p2p = {} if "vpp_overlap_p2p" in p.workarounds else MCORE_P2P_DEFAULTS  # megatron-core's own, to show the defect
     decoy = truth.DECOY_SEED_OFFSET if p.load_from or p.pretrained_from else 0  # a load must overwrite every weight
-    ddp, optimizer = training.build_training(p.model, p.topo, p.cfg, decoy, **p2p)
-    propagated = training.propagation(ddp, optimizer, p.cfg)
+    ddp, optimizer = build.build_training(p.model, p.topo, p.cfg, decoy, **p2p)
+    propagated = build.propagation(ddp, optimizer, p.cfg)
     scheduler = training.build_scheduler(optimizer, p.cfg)  # after propagation: a warmup changes the optimizer's lr
     job = training.TrainingJob(ddp, optimizer, scheduler, sharding=p.sharding, mem_efficient=p.mem_efficient, step=p.first_step,
                       seed=p.model.seed)
@@ -117,14 +118,14 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
         step = job.step
     before = training.train_steps(ddp, optimizer, p.model, step, p.steps_before_save, scheduler)
     step += p.steps_before_save
-    training.sync_params(ddp, optimizer, p.cfg)
+    build.sync_params(ddp, optimizer, p.cfg)
     out = TrainOut(propagated, before, [])
     if "optimizer" in p.views:
-        out.optimizer_shards, out.steps = training.optimizer_view(ddp, optimizer)
+        out.optimizer_shards, out.steps = build.optimizer_view(ddp, optimizer)
     if "optimizer" in p.views or "weights" in p.views:
-        out.model_shards = local_shards(ddp)
+        out.model_shards = build.model_shards(ddp)
     if p.save_to is not None:
-        out.shard_bytes = training.rank_state_bytes(ddp, optimizer)
+        out.shard_bytes = build.rank_state_bytes(ddp, optimizer)
         _save(ctx, backend, job, step, p.save_to, out)
     if p.restart_after_save:
         scheduler, step = training.restart(optimizer, p.cfg), 0
@@ -132,9 +133,9 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
         out.fresh = training.fresh_view(optimizer, scheduler)
     out.losses_after = training.train_steps(ddp, optimizer, p.model, step, p.steps_after, scheduler, trace=out.trace_after)
     step += p.steps_after
-    training.sync_params(ddp, optimizer, p.cfg)
+    build.sync_params(ddp, optimizer, p.cfg)
     if "final" in p.views:
-        out.final_shards = local_shards(ddp)
+        out.final_shards = build.model_shards(ddp)
     if p.resave_to and p.reload_from:
         raise ValueError("a job either saves again or loads again, not both")
     for again in p.resave_to or p.reload_from:
@@ -144,8 +145,8 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
             training.load_training(ctx, backend, job, Path(again), p.workarounds)
         out.losses_more.append(training.train_steps(ddp, optimizer, p.model, step, p.steps_after, scheduler))
         step += p.steps_after
-        training.sync_params(ddp, optimizer, p.cfg)
-        out.final_more.append(local_shards(ddp))
+        build.sync_params(ddp, optimizer, p.cfg)
+        out.final_more.append(build.model_shards(ddp))
     _finalize(ctx, backend, out)  # the end of the job: Megatron-LM finalizes what is pending
     return out
 

@@ -45,7 +45,6 @@ from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.core.zoo import ModelSpec, get_model
 from harness.judge.checks import assembled, replicated, state_check, tensor_check
-from harness.models import mcore as models
 from harness.models.mcore import TORCH_DTYPES, DType, LayerSpec
 from harness.run.envelope import RunEnv, timed
 
@@ -109,15 +108,14 @@ class WeightsOut:
 
 def _rank_phase(ctx: RankContext, p: _Phase) -> WeightsOut:
     backend = get_backend(p.backend)
-    model = models.build_gpt(p.model, p.topo, p.dtype, p.layer_spec)
-    if p.load_from is None:
-        models.fill_canonical(model, p.model)
-    else:
-        models.fill_canonical(model, p.model.with_seed(p.model.seed + truth.DECOY_SEED_OFFSET))
+    build = backend.builder()  # megatron-core's plain GPT, or the backend's own (mcore_fsdp: Megatron-FSDP)
+    weights = p.model if p.load_from is None else p.model.with_seed(p.model.seed + truth.DECOY_SEED_OFFSET)
+    model = build.build_model(p.model, p.topo, p.dtype, p.layer_spec, weights)
+    if p.load_from is not None:
         with track("load"):
             backend.load(ctx, model, Path(p.load_from))
-    shards = models.local_shards(model)
-    logits = models.forward_logits(model, truth.fixed_batch(p.model), ctx.device) if p.logits else None
+    shards = build.model_shards(model)
+    logits = build.logits(model, truth.fixed_batch(p.model), ctx.device) if p.logits else None
     out = WeightsOut(shards, logits, sum(s.data.numel() * s.data.element_size() for s in shards))
     if p.save_to is not None:
         with track("save"):

@@ -166,6 +166,14 @@ class Backend(ABC):
 
         return bridge.build(hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config, adapter=adapter)
 
+    def builder(self) -> Any:
+        """How this backend's client builds a GPT-zoo model or training job and how the checks read
+        it back (harness.models.builder.Builder): megatron-core DDP, as Megatron-LM does, unless the
+        backend knows another way (mcore_fsdp: Megatron-FSDP)."""
+        from harness.models.builder import MEGATRON_DDP
+
+        return MEGATRON_DDP
+
     def save_training(self, ctx: RankContext, job: TrainingState, directory: Path) -> None:
         """Collective: save the live job (model chunks + optimizer) to `directory`."""
         self.save_state(ctx, job.sharded_state(is_loading=False), directory)

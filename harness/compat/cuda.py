@@ -211,3 +211,171 @@ def guard_megatron_import() -> bool:
     os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0"
     note(JIT_ARCH_LIST)
     return True
+
+
+# ------------------------------------------------------------------ Megatron-FSDP on a CPU rank (on demand)
+# harness.backends.mcore_fsdp asks for these (`require`) when it wraps a model in megatron-core's
+# FullyShardedDataParallel; nothing else in the harness builds Megatron-FSDP.
+
+FSDP_DEVICE = "Megatron-FSDP: module placed on the rank's CPU device"
+FSDP_GLOO_PREMUL_SUM = "Megatron-FSDP: gradient scaling before a SUM reduce (gloo has no PREMUL_SUM)"
+
+
+def _fsdp_device_unparsable(device: torch.device) -> bool:
+    """What the adapter and MegatronFSDP build as their default device: cuda:{current_device()}."""
+    return fails(lambda: torch.device(f"cuda:{torch.cuda.current_device()}"))
+
+
+def _place_fsdp_on_cpu() -> None:
+    import functools
+
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    cls = mcore_fsdp_adapter.FullyShardedDataParallel
+    original = cls.__init__
+    if getattr(original, "_ckpt_harness", False):
+        return
+
+    @functools.wraps(original)
+    def init(self, *args, device=None, **kwargs):
+        current = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0  # f"cuda:{...}" parses (MegatronFSDP compares against it, then warns)
+        try:
+            original(self, *args, device=torch.device("cpu") if device is None else device, **kwargs)
+        finally:
+            torch.cuda.current_device = current
+
+    init._ckpt_harness = True
+    cls.__init__ = init
+
+
+class _NoDivFusion:
+    """A DDP config read through, with gradient_reduce_div_fusion off (scale, then SUM)."""
+
+    def __init__(self, config) -> None:
+        self._config = config
+
+    def __getattr__(self, name):
+        return False if name == "gradient_reduce_div_fusion" else getattr(self._config, name)
+
+
+def _scale_then_sum() -> None:
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
+
+    original = param_and_grad_buffer.gradient_reduce_preprocessing
+    if getattr(original, "_ckpt_harness", False):
+        return
+
+    def unfused(grad_data, scaling_factor, ddp_config):
+        return original(grad_data, scaling_factor, _NoDivFusion(ddp_config))
+
+    unfused._ckpt_harness = True
+    param_and_grad_buffer.gradient_reduce_preprocessing = unfused
+
+
+def _group_refuses(ask) -> bool:
+    """Whether the process group Megatron-FSDP communicates over refuses what `ask(group)` asks of it: a
+    world that is not gloo (NCCL) is asked itself (collective: every rank asks at the FSDP build); a
+    gloo world, or none yet, through a private one-rank gloo group (gloo checks before it
+    communicates: no collective, no peer needed)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() != "gloo":
+        return fails(lambda: ask(dist.group.WORLD))
+    return fails(lambda: ask(dist.ProcessGroupGloo(dist.HashStore(), 0, 1)))
+
+
+def _premul_sum_refused(device: torch.device) -> bool:
+    import torch.distributed as dist
+
+    def ask(group):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist._make_nccl_premul_sum(1.0)
+        group.allreduce([torch.zeros(1, device=device)], opts).wait()
+
+    return _group_refuses(ask)
+
+
+SHIMS += (
+    Shim(
+        FSDP_DEVICE,
+        "megatron-core 0.19.2's FullyShardedDataParallel (mcore_fsdp_adapter.py:158) and MegatronFSDP (megatron_fsdp.py:232-234) "
+        "build torch.device(f'cuda:{torch.cuda.current_device()}') as their default device, and Megatron-LM's get_model and "
+        "Bridge's _ddp_wrap pass none; a CPU rank's current_device is 'cpu' ('cuda:cpu' does not parse): the adapter gets "
+        "device=cpu, and while it is built current_device() answers 0 so the comparison parses (then only warns)",
+        _place_fsdp_on_cpu,
+        _fsdp_device_unparsable,
+        _ON_CUDA,
+        on_demand=True,
+    ),
+    Shim(
+        FSDP_GLOO_PREMUL_SUM,
+        "Megatron-FSDP's gradient_reduce_preprocessing (param_and_grad_buffer.py:4746) reduces with NCCL's PREMUL_SUM when "
+        "gradient_reduce_div_fusion is on (the default); gloo refuses it ('Cannot use ReduceOp.PREMUL_SUM with Gloo'): the "
+        "function's own other branch runs, grad.mul_(1/dp) then SUM (premul-sum multiplies each input the same way)",
+        _scale_then_sum,
+        _premul_sum_refused,
+        "on NCCL (its premul-sum all_reduce succeeds); on gloo when torch accepts PREMUL_SUM",
+        on_demand=True,
+    ),
+)
+
+
+FSDP_GLOO_UNEVEN_ALL_GATHER = "Megatron-FSDP: uneven all_gather on gloo (padded to the largest shard)"
+
+
+class _PaddedAllGather:
+    """torch.distributed as Megatron-FSDP's uneven_dtensor module sees it: an all_gather of tensors of
+    different sizes pads each to the largest and trims back (NCCL gathers uneven sizes itself)."""
+
+    def __getattr__(self, name):
+        import torch.distributed as dist
+
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        import torch.distributed as dist
+
+        if len({t.numel() for t in tensor_list} | {tensor.numel()}) == 1:
+            return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        n = max(t.numel() for t in tensor_list)
+        padded = [t.new_empty(n) for t in tensor_list]
+        dist.all_gather(padded, torch.cat([tensor.reshape(-1), tensor.new_zeros(n - tensor.numel())]), group=group)
+        for out, got in zip(tensor_list, padded):
+            out.copy_(got[: out.numel()].view_as(out))
+        return None
+
+
+def _pad_uneven_all_gather() -> None:
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import uneven_dtensor
+
+    if not isinstance(uneven_dtensor.dist, _PaddedAllGather):
+        uneven_dtensor.dist = _PaddedAllGather()
+
+
+def _uneven_all_gather_refused(device: torch.device) -> bool:
+    """Rank r gathers a tensor of r + 1 elements from every rank: NCCL serves it; gloo checks every
+    output's size against the input's (asked of a one-rank group: an output of 2 for an input of 1)."""
+
+    def ask(group):
+        size, rank = group.size(), group.rank()
+        outs = [torch.empty(i + 1 + (size == 1), device=device) for i in range(size)]
+        group.allgather([outs], [torch.zeros(rank + 1, device=device)]).wait()
+
+    return _group_refuses(ask)
+
+
+SHIMS += (
+    Shim(
+        FSDP_GLOO_UNEVEN_ALL_GATHER,
+        "Megatron-FSDP's uneven_dtensor_to_full_tensor (uneven_dtensor.py:338, what the harness's FSDP views gather "
+        "with) all_gathers each rank's shard as it is, of different sizes where the FSDP buffer splits a parameter "
+        "unevenly; NCCL accepts that, gloo refuses ('invalid tensor size at index 1'): the module's all_gather pads "
+        "to the largest shard and trims back",
+        _pad_uneven_all_gather,
+        _uneven_all_gather_refused,
+        "on NCCL; on gloo when ProcessGroupGloo::allgather accepts uneven sizes",
+        on_demand=True,
+    ),
+)

@@ -14,6 +14,7 @@ from harness.models.training.build import (
     build_training,
     built_dtype,
     built_layer_spec,
+    optimizer_config,
     propagation,
 )
 from harness.models.training.config import (
@@ -37,6 +38,7 @@ from harness.models.training.loop import (
 )
 from harness.models.training.views import (
     TrainingJob,
+    adam_steps,
     fresh_view,
     leaf_optimizers,
     optimizer_view,
@@ -51,6 +53,7 @@ __all__ = [
     "TrainConfig",
     "TrainOptions",
     "TrainingJob",
+    "adam_steps",
     "build_scheduler",
     "build_training",
     "built_dtype",
@@ -60,6 +63,7 @@ __all__ = [
     "leaf_optimizers",
     "load_pretrained",
     "load_training",
+    "optimizer_config",
     "optimizer_view",
     "prime_optimizer_state",
     "propagation",

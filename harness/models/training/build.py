@@ -36,7 +36,7 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
 
     weights = spec.with_seed(spec.seed + seed_offset) if seed_offset else spec
     chunks = build_gpt(spec, topo, cfg.dtype, cfg.layer_spec, **config_overrides)
@@ -50,7 +50,21 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
     )
     config = chunks[0].config
     ddp = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
-    opt_config = OptimizerConfig(
+    optimizer = get_megatron_optimizer(optimizer_config(cfg), ddp)
+    # What Megatron-LM's training loop wires up: without finalize_model_grads the schedule never
+    # reduces gradients across DP (nor tied-embedding grads across PP stages).
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    return ddp, optimizer
+
+
+def optimizer_config(cfg: TrainConfig):
+    """megatron-core's OptimizerConfig for `cfg`, as Megatron-LM builds it from its arguments (Adam,
+    clip 1.0, bf16 flags with fp32 main params; the LR floor only where a scheduler reads it)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
         optimizer="adam",
         lr=cfg.lr,
         # the param groups' floor, read by an OptimizerParamScheduler (None without one: unchanged)
@@ -63,13 +77,6 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
         clip_grad=1.0,
         overlap_param_gather=cfg.overlap_param_gather,  # Megatron-LM sets both configs from one flag
     )
-    optimizer = get_megatron_optimizer(opt_config, ddp)
-    # What Megatron-LM's training loop wires up: without finalize_model_grads the schedule never
-    # reduces gradients across DP (nor tied-embedding grads across PP stages).
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
-    config.grad_scale_func = optimizer.scale_loss
-    return ddp, optimizer
 
 
 def build_scheduler(optimizer, cfg: TrainConfig):

@@ -99,6 +99,19 @@ def optimizer_view(ddp, optimizer) -> tuple[list[Shard], dict[str, Any]]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    leaves = leaf_optimizers(optimizer)
+    if leaves and all(isinstance(o, DistributedOptimizer) for o in leaves):
+        sd = {i: _distributed_model_space(ddp, o) for i, o in enumerate(leaves)}
+    else:  # no buckets to shard across DP: megatron's per-param state dict is the state itself
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+        sd = optimizer.sharded_state_dict(model_sharded_state(ddp), is_loading=False, metadata=metadata)
+    shards = shards_of(sd, lambda sh: isinstance(sh, ShardedTensor) and sh.key.startswith("optimizer.state."))
+    return shards, adam_steps(optimizer)
+
+
+def adam_steps(optimizer) -> dict[str, Any]:
+    """The distinct Adam step values the optimizer holds (param groups and per-param states) and how
+    many per-param step tensors are aliases of another's (each param must own its step)."""
     steps: set[float] = set()
     step_tensors: list[torch.Tensor] = []
     for opt in leaf_optimizers(optimizer):
@@ -111,14 +124,7 @@ def optimizer_view(ddp, optimizer) -> tuple[list[Shard], dict[str, Any]]:
                 if isinstance(p_state["step"], torch.Tensor):
                     step_tensors.append(p_state["step"])
     shared = len(step_tensors) - len({id(t) for t in step_tensors})
-    leaves = leaf_optimizers(optimizer)
-    if leaves and all(isinstance(o, DistributedOptimizer) for o in leaves):
-        sd = {i: _distributed_model_space(ddp, o) for i, o in enumerate(leaves)}
-    else:  # no buckets to shard across DP: megatron's per-param state dict is the state itself
-        metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
-        sd = optimizer.sharded_state_dict(model_sharded_state(ddp), is_loading=False, metadata=metadata)
-    shards = shards_of(sd, lambda sh: isinstance(sh, ShardedTensor) and sh.key.startswith("optimizer.state."))
-    return shards, {"values": sorted(steps), "shared_step_tensors": shared}
+    return {"values": sorted(steps), "shared_step_tensors": shared}
 
 
 def _distributed_model_space(ddp, opt) -> dict:

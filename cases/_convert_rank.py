@@ -98,8 +98,9 @@ class TargetLoad:
 
 
 def target_load(ctx: RankContext, p: TargetLoad) -> list[Shard]:
-    model = models.build_gpt(p.model, p.topo)
-    models.fill_canonical(model, p.model.with_seed(p.model.seed + truth.DECOY_SEED_OFFSET))
+    backend = get_backend(p.backend)
+    build = backend.builder()  # the backend's own model (mcore_fsdp: Megatron-FSDP), as reshard-weights builds it
+    model = build.build_model(p.model, p.topo, "fp32", "local", p.model.with_seed(p.model.seed + truth.DECOY_SEED_OFFSET))
     with track("load"):
-        get_backend(p.backend).load(ctx, model, Path(p.load_from))
-    return models.local_shards(model)
+        backend.load(ctx, model, Path(p.load_from))
+    return build.model_shards(model)

@@ -211,8 +211,8 @@ class Convert(Case):
     def _target_load(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult, model: ModelSpec,
                      source_dir: Path, out: Path, converted: bool) -> Check:
         if not opts.target_backend:
-            return Check("target-load", "not-run", "option target_backend not set: no backend here loads fsdp_dtensor "
-                         "(Megatron-FSDP's, mcore_fsdp, is not registered yet); the model-free checks above stand for it",
+            return Check("target-load", "not-run", "option target_backend not set (e.g. mcore_fsdp: Megatron-FSDP); "
+                         "the model-free checks above stand for a load",
                          tolerance=NOT_COMPARED)
         if not converted:
             return Check("target-load", "not-run", "nothing to load: the conversion did not complete", tolerance=NOT_COMPARED)

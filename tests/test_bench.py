@@ -14,7 +14,7 @@ from harness.cli import main
 from harness.orchestration.bench import RATIO_FLOOR, medians, world_figures
 from harness.report.bench import FIELDS
 
-STRATEGIES = ("sync", "fully_parallel", "async")
+STRATEGIES = ("sync", "fully_parallel", "async", "fsdp_dtensor")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_each_ratio_is_the_figure_over_dcps(bench):
     _, _, doc, text = bench
     rows = _table_rows(text)
     measured = [r for r in doc["rows"] if "median" in r]
-    assert len(measured) == 7
+    assert len(measured) == 9
     for r in measured:
         dcp = next(d for d in measured if d["strategy"] == "dcp" and d["world"] == r["world"])
         for key, _, fmt in FIELDS:

@@ -37,11 +37,13 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     "sync": ("mcore_dist", {}),
     "fully_parallel": ("mcore_dist", {"save_strategy": "fully_parallel", "load_strategy": "fully_parallel"}),
     "async": ("mcore_dist", {"async_save": "mcore"}),
+    # Megatron-FSDP's fsdp_dtensor (backend mcore_fsdp: Bridge's save/load_fsdp_dtensor_checkpoint), each rank its shard
+    "fsdp_dtensor": ("mcore_fsdp", {}),
     # Megatron-LM's defaults together (--ckpt-fully-parallel-save/-load with --async-save)
     "fully_parallel+async": ("mcore_dist", {"save_strategy": "fully_parallel", "load_strategy": "fully_parallel",
                                             "async_save": "mcore"}),
 }
-DEFAULT_STRATEGIES = ("dcp", "sync", "fully_parallel", "async")
+DEFAULT_STRATEGIES = ("dcp", "sync", "fully_parallel", "async", "fsdp_dtensor")
 DEFAULT_MODELS = ("gpt-gqa", "gpt-25m")
 DEFAULT_WORLDS = (1, 2, 4)
 #: the world figures a repeat gives (the slowest rank's time, the largest rank's memory, rank 0's bytes)

@@ -46,15 +46,20 @@ def bytes_on_disk(directory: Path) -> int:
 
 
 def _checksum(chunks: list) -> float:
-    """A float64 sum over every parameter: equal after a load only if the load put the weights back."""
-    return float(sum(p.detach().double().sum().item() for c in chunks for p in c.parameters()))
+    """A float64 sum over every parameter: equal after a load only if the load put the weights back.
+    A sharded parameter (Megatron-FSDP's DTensor) counts its local shard: each rank checks its own."""
+    return float(sum(_local(p).detach().double().sum().item() for c in chunks for p in c.parameters()))
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _wipe(chunks: list) -> None:
     with torch.no_grad():
         for c in chunks:
             for p in c.parameters():
-                p.zero_()
+                _local(p).zero_()
 
 
 def _save(engine: str, backend: Any, ctx: RankContext, chunks: list, directory: Path) -> float:
@@ -93,10 +98,13 @@ def bench_rank(ctx: RankContext, job: BenchJob) -> list[dict]:
     from harness.models.mcore import build_gpt
 
     spec = get_model(job.model, "gpt")
-    chunks = build_gpt(spec, job.topo)
-    if job.engine == DCP and len(chunks) != 1:
-        raise ValueError(f"the DCP reference saves one model chunk's state_dict; {job.topo.id} builds {len(chunks)}")
     backend = None if job.engine == DCP else get_backend(resolve(job.engine, dict(job.options)))
+    if backend is None:
+        chunks = build_gpt(spec, job.topo)
+        if len(chunks) != 1:
+            raise ValueError(f"the DCP reference saves one model chunk's state_dict; {job.topo.id} builds {len(chunks)}")
+    else:  # the backend's own model (mcore_fsdp: Megatron-FSDP, its parameters sharded across the world)
+        chunks = backend.builder().build_model(spec, job.topo, "fp32", "local", spec)
     saved = _checksum(chunks)
     out = []
     for i in range(job.repeats):

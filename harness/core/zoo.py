@@ -184,6 +184,10 @@ ZOO: dict[str, AnyModel] = {
         # vocab padding (should_pad_vocab) pads 96 rows to 96 at tp1 and 128 at tp2.
         HFModelSpec("hf-llama-padvocab", "Llama, vocab 96 padded by the Bridge provider (should_pad_vocab)", "llama",
                     vocab_size=96, pad_vocab=True),
+        # LoRA layouts (docs/explore-lora.md): 12 layers (a layer filter `*.layers.1.*` meets layers 10 and 11),
+        # hidden 48 = 6 heads x 8 with 2 kv heads, ffn 72 (not 2 x hidden), so no LoRA rank of the matrices divides both.
+        HFModelSpec("hf-llama-odd", "Llama, 12 layers, hidden 48 (6 heads, 2 kv heads), ffn 72, vocab 96: LoRA layouts", "llama",
+                    num_layers=12, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=72, vocab_size=96),
     )
 }
 

@@ -10,7 +10,8 @@ Checks:
   adapter-derivation every exported tensor equals the harness's own derivation from the Megatron
                      adapter parameters (TP gather, QKV split per query group, fc1 gate/up halves)
   adapter-config     r, lora_alpha, target_modules and base_model_name_or_path are what was asked
-  merge              the Bridge's merged export equals peft's merge_and_unload() weights
+  merge              the Bridge's merged export equals peft's merge_and_unload() weights (fp32: within
+                     MERGE_WEIGHTS_TOLERANCE, the Bridge multiplies B@A on the fused qkv/fc1 lora_B; bf16 bitwise)
   logits             Megatron+LoRA logits equal transformers+PEFT logits (PEFT_TOLERANCE) and
                      differ from the base model's (the adapter is not a no-op)
   merged-logits      transformers+PEFT logits after merge_and_unload() equal the unmerged adapter's
@@ -52,6 +53,7 @@ from cases._peft import (
     config_check,
     hf_target_modules,
     logits_check,
+    merge_weights_tolerance,
     merged_logits_check,
     peft_load_problems,
     peft_views,
@@ -160,7 +162,7 @@ def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOu
                     f"{len(ex.adapter)} adapter tensors ({_dtypes(ex.adapter)}) equal the independent derivation"),
         config_check(ex.config, asked),
         state_check("merge", peft_merged, ex.bridge_merged, "peft merge_and_unload", "bridge merged export",
-                    "merged weights equal peft merge_and_unload()"),
+                    "merged weights equal peft merge_and_unload()", merge_weights_tolerance(dtype)),
         logits_check(ex.peft.lora_logits, ex.hf_base_logits, meg, src, dtype) if meg is not None
         else Check("logits", "failed", "no rank returned Megatron logits"),
         merged_logits_check(ex.peft.merged_logits, ex.peft.lora_logits, meg, src, dtype),

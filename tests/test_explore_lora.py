@@ -212,3 +212,18 @@ def test_long_profile_lora(tmp_path):
     """Nightly: 4 minutes of random LoRA layouts, past the known defects."""
     rep = ex.explore(budget_s=240, report_dir=tmp_path, kind="lora")
     assert not rep.failures, f"{rep.minimal}\n{rep.zoo_entry}\n{rep.matrix_entry}"
+
+
+def test_merge_takes_fp32_blocking_differences_and_no_more():
+    """The explorer's first find: the Bridge's merge (B@A over the fused lora_B) and peft's (per
+    module) differ in the last fp32 bits at ranks 6 and 10 (max 2.98e-8); a merged delta lost or
+    moved stays a failure; bf16 weights stay bitwise."""
+    from cases._peft import merge_weights_tolerance
+    from harness.judge.checks import state_check
+
+    w = {"model.layers.0.mlp.up_proj.weight": torch.linspace(-1, 1, 64).reshape(8, 8)}
+    near = {k: v + 3e-8 for k, v in w.items()}
+    assert state_check("merge", w, near, "peft", "bridge", "ok", merge_weights_tolerance("fp32")).status == "passed"
+    assert state_check("merge", w, {k: v + 1e-4 for k, v in w.items()}, "peft", "bridge", "ok",
+                       merge_weights_tolerance("fp32")).status == "failed"
+    assert merge_weights_tolerance("bf16") is None

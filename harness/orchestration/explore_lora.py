@@ -5,7 +5,7 @@ A layout is the PEFT cases' own options (cases._peft.PeftOptions): adapter kind,
 need not divide hidden or ffn, `alpha`, `targets` (a subset of the kind's base linears, the output
 layer included) and `layers` (a layer filter: the Bridge's wildcard entries `*.layers.N.*.<target>`).
 Models: Llama, Qwen2, Nemotron (non-gated MLP) and Qwen3-MoE (experts a multiple of EP, 1..3 local
-experts, expert ffn a multiple of ETP), tied or not, with hf_models' odd sizes (ffn is not 2 x hidden),
+experts, at least 2, top-2, expert ffn a multiple of ETP), tied or not, with hf_models' odd sizes (ffn is not 2 x hidden),
 up to 12 layers. Every draw is valid: Topology.validate for both topologies and the layout's own
 validation (`PeftOptions.validate_layout`: rank divisible by the TP group that splits it, targets of
 the kind, layers in range), the same rules the matrix loader applies to an entry.
@@ -67,11 +67,11 @@ def model_name(values: dict[str, Any]) -> str:
 
 
 @st.composite
-def lora_models(draw: st.DrawFn, tp: int, pp: int, ep: int, etp: int, moe: bool) -> HFModelSpec:
+def lora_models(draw: st.DrawFn, tp: int, pp: int, ep: int, etp: int, moe: bool, ffn_unit: int = 1) -> HFModelSpec:
     """An HF fixture both topologies hold: heads tp x {1, 2, 3, 4, 6}, hidden heads x {8, 12, 16},
     ffn tp x 2..24 (any ratio to hidden), layers pp x 1..max(3, 12 / pp) (a layer filter meets
     10 and 11 only past 10 layers), vocab tp x 8..50, no vocab padding; MoE (Qwen3-MoE):
-    experts ep x 1..3, expert ffn etp x 2..12, top-1 or top-2."""
+    experts ep x 1..3 (at least 2), expert ffn a multiple of lcm(etp, `ffn_unit`), top-2."""
     heads = tp * draw(st.sampled_from([1, 2, 3, 4, 6]))
     values: dict[str, Any] = dict(
         arch="qwen3_moe" if moe else draw(st.sampled_from(["llama", "qwen2", "nemotron"])),
@@ -83,10 +83,11 @@ def lora_models(draw: st.DrawFn, tp: int, pp: int, ep: int, etp: int, moe: bool)
         intermediate_size=tp * draw(st.integers(2, 24)),
         vocab_size=tp * draw(st.integers(8, 50)),
     )
-    if moe:
-        values["num_experts"] = experts = ep * draw(st.integers(1, 3))
-        values["moe_intermediate_size"] = etp * draw(st.integers(2, 12))
-        values["num_experts_per_tok"] = draw(st.integers(1, min(2, experts)))
+    if moe:  # top-2 always: top-1 with the fixture's norm_topk_prob is refused by megatron-core's own rule
+        # (transformer_config.py:2329-2336, "Please use --moe-router-pre-softmax when topk is 1"), which
+        # the Bridge maps from norm_topk_prob (qwen3_moe_bridge.py:66): such an HF model has no Megatron twin
+        values["num_experts"] = ep * draw(st.integers(1 if ep > 1 else 2, 3))
+        values["moe_intermediate_size"] = _lcm(etp, ffn_unit) * draw(st.integers(1, 12 // ffn_unit))
     return HFModelSpec(model_name(values), "drawn by harness.orchestration.explore_lora", **values)
 
 
@@ -144,6 +145,8 @@ KNOWN: tuple[Known, ...] = (
           lambda m, s, d, lo: lo.adapter == "canonical_lora" and s.tp != d.tp and bool(_targets(lo, m) & {"linear_fc1_up", "linear_fc1_gate"})),
     Known("ep-export", "smoke.yaml defect-ep-adapter", lambda m, s, d, lo: bool(m.num_experts) and max(s.ep, d.ep) > 1),
     Known("etp-fc1-export", "smoke.yaml defect-etp-fc1", lambda m, s, d, lo: bool(m.num_experts) and max(s.etp, d.etp) > 1),
+    Known("hf-moe-grouped-mm-stride", "extended.yaml lora-layouts defect-hf-grouped-mm-stride",
+          lambda m, s, d, lo: bool(m.num_experts) and m.moe_intermediate_size % 4 != 0),
     Known("layers-dist-ckpt", "extended.yaml lora-layouts defect-layers-dist-ckpt", lambda m, s, d, lo: bool(lo.layers) and s != d),
     Known("layers-stage-local", "extended.yaml lora-layouts defect-layers-pp", lambda m, s, d, lo: bool(lo.layers) and s.pp > 1),
     Known("layers-regex-dot", "extended.yaml lora-layouts defect-layers-regex",
@@ -187,18 +190,21 @@ def _valid(d: Draw, max_world: int, with_known: bool) -> bool:
 
 
 @st.composite
-def _raw(draw: st.DrawFn, max_world: int) -> Draw:
+def _raw(draw: st.DrawFn, max_world: int, with_known: bool) -> Draw:
     moe = draw(st.booleans())
     topos = topologies(max_world, moe)
+    if moe and not with_known:  # EP > 1 and ETP > 1 exports are known defects: draw what can pass
+        topos = [t for t in topos if t.ep == 1 and t.etp == 1]
     src = draw(st.sampled_from(topos))
     dst = draw(st.sampled_from(topos))  # S == D too: peft-export then exports at S only (no dist checkpoint)
-    model = draw(lora_models(_lcm(src.tp, dst.tp), _lcm(src.pp, dst.pp), _lcm(src.ep, dst.ep), _lcm(src.etp, dst.etp), moe))
+    model = draw(lora_models(_lcm(src.tp, dst.tp), _lcm(src.pp, dst.pp), _lcm(src.ep, dst.ep), _lcm(src.etp, dst.etp), moe,
+                             1 if with_known else 4))  # fp32 rows of 16 bytes: hf-moe-grouped-mm-stride otherwise
     return model, src, dst, draw(layouts(model, src, dst))
 
 
 def draws(max_world: int = 4, with_known: bool = False) -> st.SearchStrategy[Draw]:
     """Valid (model, S, D, layout) draws (`with_known`: known defects drawn too)."""
-    return _raw(max_world).filter(lambda d: _valid(d, max_world, with_known))
+    return _raw(max_world, with_known).filter(lambda d: _valid(d, max_world, with_known))
 
 
 # --------------------------------------------------------------------------- running and reproducing

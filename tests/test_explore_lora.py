@@ -227,3 +227,16 @@ def test_merge_takes_fp32_blocking_differences_and_no_more():
     assert state_check("merge", w, {k: v + 1e-4 for k, v in w.items()}, "peft", "bridge", "ok",
                        merge_weights_tolerance("fp32")).status == "failed"
     assert merge_weights_tolerance("bf16") is None
+
+
+def test_canonical_lora_on_an_expert_maps_to_its_own_gate_and_up():
+    """The explorer's find in the harness's own derivation: CanonicalLoRA's per-expert adapter_up /
+    adapter_gate are the expert's up_proj / gate_proj, not a fused fc1 split in halves."""
+    from harness.models import peft_mapping
+
+    name = "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.adapter.adapter_{}.linear_{}.weight"
+    b, a = torch.arange(8.0).reshape(4, 2), torch.ones(2, 64)
+    hf = peft_mapping.to_hf_peft({name.format("up", "out"): b, name.format("gate", "in"): a}, get_model("hf-qwen3moe"))
+    assert set(hf) == {"base_model.model.model.layers.0.mlp.experts.1.up_proj.lora_B.weight",
+                       "base_model.model.model.layers.0.mlp.experts.1.gate_proj.lora_A.weight"}
+    assert torch.equal(hf["base_model.model.model.layers.0.mlp.experts.1.up_proj.lora_B.weight"], b)

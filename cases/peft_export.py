@@ -12,7 +12,8 @@ Checks:
   adapter-config     r, lora_alpha, target_modules and base_model_name_or_path are what was asked
   merge              the Bridge's merged export equals peft's merge_and_unload() weights (fp32: within
                      MERGE_WEIGHTS_TOLERANCE, the Bridge multiplies B@A on the fused qkv/fc1 lora_B; bf16 bitwise)
-  logits             Megatron+LoRA logits equal transformers+PEFT logits (PEFT_TOLERANCE) and
+  logits             Megatron+LoRA logits equal transformers+PEFT logits (PEFT_TOLERANCE, its fp32 atol
+                     scaled by alpha/r past 2) and
                      differ from the base model's (the adapter is not a no-op)
   merged-logits      transformers+PEFT logits after merge_and_unload() equal the unmerged adapter's
                      (MERGE_TOLERANCE) and Megatron+LoRA's (PEFT_TOLERANCE)
@@ -163,7 +164,7 @@ def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOu
         config_check(ex.config, asked),
         state_check("merge", peft_merged, ex.bridge_merged, "peft merge_and_unload", "bridge merged export",
                     "merged weights equal peft merge_and_unload()", merge_weights_tolerance(dtype)),
-        logits_check(ex.peft.lora_logits, ex.hf_base_logits, meg, src, dtype) if meg is not None
+        logits_check(ex.peft.lora_logits, ex.hf_base_logits, meg, src, dtype, asked["lora_alpha"] / asked["r"]) if meg is not None
         else Check("logits", "failed", "no rank returned Megatron logits"),
         merged_logits_check(ex.peft.merged_logits, ex.peft.lora_logits, meg, src, dtype),
         *targets_checks(model, entries if entries is not None else PeftOptions().entries(model), megatron_units(derived), ex.peft.units),

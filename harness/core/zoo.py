@@ -185,9 +185,9 @@ ZOO: dict[str, AnyModel] = {
         HFModelSpec("hf-llama-padvocab", "Llama, vocab 96 padded by the Bridge provider (should_pad_vocab)", "llama",
                     vocab_size=96, pad_vocab=True),
         # LoRA layouts (docs/explore-lora.md): 12 layers (a layer filter `*.layers.1.*` meets layers 10 and 11),
-        # hidden 48 = 6 heads x 8 with 2 kv heads, ffn 72 (not 2 x hidden), so no LoRA rank of the matrices divides both.
-        HFModelSpec("hf-llama-odd", "Llama, 12 layers, hidden 48 (6 heads, 2 kv heads), ffn 72, vocab 96: LoRA layouts", "llama",
-                    num_layers=12, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=72, vocab_size=96),
+        # hidden 48 = 6 heads x 8 (MHA: TP 3 holds it), ffn 72 (not 2 x hidden), so no LoRA rank of the matrices divides both.
+        HFModelSpec("hf-llama-odd", "Llama, 12 layers, hidden 48 (6 heads, MHA), ffn 72, vocab 96: LoRA layouts", "llama",
+                    num_layers=12, hidden_size=48, num_attention_heads=6, num_key_value_heads=6, intermediate_size=72, vocab_size=96),
         HFModelSpec("hf-llama-ffn23", "Llama, 2 layers, odd ffn 23: the CanonicalLoRA fc1 adapter checkpoint (found by explore)", "llama",
                     num_layers=2, intermediate_size=23),
         # Found by `ckpt-harness explore --kind lora`: transformers' grouped_mm experts on CPU need 16-byte strides

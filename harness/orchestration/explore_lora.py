@@ -146,6 +146,9 @@ KNOWN: tuple[Known, ...] = (
     Known("canonical-fc1-odd-ffn", "extended.yaml lora-layouts defect-canonical-fc1-odd-ffn",
           lambda m, s, d, lo: lo.adapter == "canonical_lora" and s != d and m.gated and m.intermediate_size % 2 == 1
           and bool(_targets(lo, m) & {"linear_fc1_up", "linear_fc1_gate"})),
+    Known("canonical-qkv-tokens-per-tp", "extended.yaml lora-layouts defect-canonical-qkv-tp3",
+          lambda m, s, d, lo: lo.adapter == "canonical_lora" and bool(_targets(lo, m) & {"linear_q", "linear_k", "linear_v"})
+          and any((2 * m.seq_length) % t.tp for t in (s, d))),  # truth.hf_batch: 2 sequences
     Known("ep-export", "smoke.yaml defect-ep-adapter", lambda m, s, d, lo: bool(m.num_experts) and max(s.ep, d.ep) > 1),
     Known("etp-fc1-export", "smoke.yaml defect-etp-fc1", lambda m, s, d, lo: bool(m.num_experts) and max(s.etp, d.etp) > 1),
     Known("hf-moe-grouped-mm-stride", "extended.yaml lora-layouts defect-hf-grouped-mm-stride",

@@ -1,20 +1,22 @@
-"""What the PEFT cases share (peft-export, and verl-checkpoint's adapter checks): the adapter options,
-the HF target modules, loading an exported adapter as users do, and the adapter-config and logits
-checks with their tolerances."""
+"""What the PEFT cases share (peft-export, peft-resume, and verl-checkpoint's adapter checks): the
+adapter options (a LoRA layout: kind, rank, alpha, target subset, layer filter; cases._lora_layout),
+the HF target modules, loading an exported adapter as users do, and the adapter-config, logits and
+merged-logits checks with their tolerances."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 import torch
 
 from harness.core.parity import EXACT, Tolerance, compare_tensors, max_abs_diff
 from harness.core.result import Check
+from harness.core.topology import Topology
 from harness.core.zoo import HFModelSpec
 from harness.models import bridge as mb
-from harness.models.hf import HF_DTYPES
+from harness.models.hf import HF_DTYPES, quiet_hf
 from harness.models.mcore import DType
 
 PEFT_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-5, why="Megatron+LoRA vs transformers+PEFT fp32 kernels")
@@ -26,14 +28,32 @@ PEFT_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-5, why="Megatron+LoRA vs transform
 # that in absolute terms. The adapter moves these logits by 1.6..2.1, a lost lora_alpha by as
 # much, so a no-op or half-scaled adapter stays far outside it.
 PEFT_TOLERANCE_BF16 = Tolerance(atol=6e-2, rtol=3e-2, why="Megatron+LoRA (bf16) vs transformers+PEFT (bf16 base, fp32 LoRA) kernels")
+# merge_and_unload folds s*B@A into W: the merged model computes (W + s*B@A) x instead of W x + s*B(A x),
+# another summation order (fp32), and in bf16 rounds the merged weight to bf16 where the unmerged
+# model keeps the LoRA branch in fp32. Measured max |merged - unmerged| logits (docs/explore-lora.md):
+# the matrices' fp32 cases 3.70e-6 (hf-nemotron tp2), 0.95e-6..2.7e-6 the others (39 cases); what
+# `ckpt-harness explore --kind lora` drew: 1.66e-5 (a 12-layer Nemotron, hidden 12, alpha/r 6.5..7) and
+# 1.66e-4 (a 9-layer Qwen3-MoE, alpha/r 18): the error grows with depth and the adapter's scale, so
+# atol 1e-4 at alpha/r <= 2, times alpha/r / 2 above (merge_tolerance); bf16 5.49e-2 (hf-nemotron tp1),
+# 1.56e-2..2.73e-2 the others. A merge that loses the adapter moves them by the adapter's effect
+# (1.3..3.4), a tied lm_head merged into the embedding by 1.41.
+MERGE_TOLERANCE = Tolerance(atol=1e-4, rtol=1e-5, why="peft merge_and_unload vs unmerged LoRA fp32 summation order")
+MERGE_TOLERANCE_BF16 = Tolerance(atol=6e-2, rtol=3e-2, why="merged bf16 weights vs bf16 base + fp32 LoRA branch")
+# The Bridge merges s*(B@A) with B the fused qkv / [gate; up] lora_B (peft/lora_merge.py), peft per q/k/v/gate/up
+# module: the same products, another GEMM blocking, so fp32 weights may differ in the last bits. Found by
+# `ckpt-harness explore --kind lora` (ranks 6 and 10; rank 4, the matrices' default, happened to agree bitwise):
+# max |diff| 2.98e-8 over 60 tensors; a lost or mis-sliced adapter moves a merged weight by its delta (~1e-2).
+MERGE_WEIGHTS_TOLERANCE = Tolerance(atol=1e-6, rtol=1e-6, why="Bridge B@A on the fused qkv/fc1 lora_B vs peft's per module")
 MIN_ADAPTER_EFFECT = 1e-3  # max |logits(lora) - logits(base)| below this means the adapter did nothing
 ADAPTERS = {"lora": mb.LORA_TARGETS, "canonical_lora": mb.CANONICAL_TARGETS}  # kind -> Megatron targets
-# Both kinds export the same HF PEFT target modules; a non-gated MLP has no gate_proj.
-HF_TARGET_MODULES = sorted({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 
 
-def hf_target_modules(model: HFModelSpec) -> list[str]:
-    return HF_TARGET_MODULES if model.gated else [m for m in HF_TARGET_MODULES if m != "gate_proj"]
+def hf_target_modules(model: HFModelSpec, opts: "PeftOptions | None" = None) -> list[str]:
+    """The HF module names (adapter_config.json target_modules) the layout's targets adapt."""
+    from cases._lora_layout import HF_MODULES
+
+    targets = (opts or PeftOptions()).base_targets(model)
+    return sorted({m.rsplit(".", 1)[-1] for t in targets for m in HF_MODULES[t] if model.gated or m != "mlp.gate_proj"})
 
 
 @dataclass(frozen=True)
@@ -42,13 +62,33 @@ class PeftOptions:
     dim: int = 4
     alpha: int = 8
     dtype: DType = "fp32"
+    #: the adapter kind's base linears to adapt (LoRA: linear_qkv, linear_proj, linear_fc1, linear_fc2;
+    #: CanonicalLoRA: linear_q, linear_k, linear_v, linear_proj, linear_fc1_up, linear_fc1_gate, linear_fc2); () all
+    targets: tuple[str, ...] = ()
+    #: global decoder layers to adapt, each target then the Bridge's wildcard entry `*.layers.N.*.<target>`; () every layer
+    layers: tuple[int, ...] = ()
+
+    def base_targets(self, model: HFModelSpec | None = None) -> tuple[str, ...]:
+        """The asked targets; CanonicalLoRA's defaults on a non-gated MLP target fc1's up side only (there is no gate)."""
+        targets = self.targets or ADAPTERS[self.adapter]
+        if model is not None and not model.gated and not self.targets:
+            targets = tuple(t for t in targets if t != "linear_fc1_gate")
+        return targets
+
+    def entries(self, model: HFModelSpec | None = None) -> list:
+        """The Megatron target_modules entries (cases._lora_layout.Entry) the Bridge adapter gets."""
+        from cases._lora_layout import entries
+
+        return entries(self.base_targets(model), self.layers)
 
     def spec(self, model: HFModelSpec | None = None) -> mb.AdapterSpec:
-        """The Bridge adapter; CanonicalLoRA on a non-gated MLP targets fc1's up side only (there is no gate)."""
-        targets = ADAPTERS[self.adapter]
-        if model is not None and not model.gated:
-            targets = tuple(t for t in targets if t != "linear_fc1_gate")
-        return mb.AdapterSpec(self.adapter, self.dim, self.alpha, targets)
+        return mb.AdapterSpec(self.adapter, self.dim, self.alpha, tuple(e.pattern for e in self.entries(model)))
+
+    def validate_layout(self, model: HFModelSpec, topologies: Iterable[Topology]) -> None:
+        """ValueError naming the option when the layout cannot be built on `model` at `topologies`."""
+        from cases._lora_layout import validate
+
+        validate(model, self.adapter, self.dim, self.targets, self.layers, topologies, ADAPTERS)
 
 
 def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32") -> list[str]:
@@ -80,12 +120,24 @@ def config_check(cfg: dict[str, Any], asked: dict[str, Any]) -> Check:
                  "; ".join(bad) or f"r={got.get('r')} lora_alpha={got.get('lora_alpha')}", tolerance=EXACT)
 
 
-def logits_tolerance(dtype: str) -> Tolerance:
-    return PEFT_TOLERANCE_BF16 if dtype == "bf16" else PEFT_TOLERANCE
+#: the LoRA scale alpha/r at which PEFT_TOLERANCE was measured (the matrices' default: alpha 8, r 4)
+MEASURED_SCALE = 2.0
 
 
-def logits_check(hf_lora: torch.Tensor, hf_base: torch.Tensor, megatron: torch.Tensor, src: str, dtype: str = "fp32") -> Check:
-    tol = logits_tolerance(dtype)
+def logits_tolerance(dtype: str, scale: float = MEASURED_SCALE) -> Tolerance:
+    """PEFT_TOLERANCE(_BF16); in fp32 its atol grows with the LoRA scale alpha/r past the measured
+    2 (the branch's rounding error is s * B(Ax)'s): `ckpt-harness explore --kind lora` drew 1.99e-5 at
+    alpha/r 18 on a 6-layer Qwen3-MoE, and 1e-5 holds at 2. bf16's bound already covers the drawn scales."""
+    if dtype == "bf16":
+        return PEFT_TOLERANCE_BF16
+    if scale <= MEASURED_SCALE:
+        return PEFT_TOLERANCE
+    return Tolerance(PEFT_TOLERANCE.atol * scale / MEASURED_SCALE, PEFT_TOLERANCE.rtol, f"{PEFT_TOLERANCE.why}, x alpha/r {scale:g} / 2")
+
+
+def logits_check(hf_lora: torch.Tensor, hf_base: torch.Tensor, megatron: torch.Tensor, src: str, dtype: str = "fp32",
+                 scale: float = MEASURED_SCALE) -> Check:
+    tol = logits_tolerance(dtype, scale)
     m = compare_tensors("logits", hf_lora, megatron, "transformers+peft", f"megatron+lora@{src}", tol)
     effect = max_abs_diff(hf_lora, hf_base)
     if m is None and effect < MIN_ADAPTER_EFFECT:
@@ -93,3 +145,84 @@ def logits_check(hf_lora: torch.Tensor, hf_base: torch.Tensor, megatron: torch.T
     else:
         detail, status = (str(m), "failed") if m else (f"match; adapter moves logits by {effect:.3f} vs base", "passed")
     return Check("logits", status, detail, max_abs_diff(hf_lora, megatron), tol, [m] if m else [])
+
+
+def peft_wrapped(base_dir: Path, adapter_dir: Path) -> set[str]:
+    """The HF modules PeftModel.from_pretrained wraps with the adapter (cases._lora_layout.peft_units)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from cases._lora_layout import peft_units
+
+    quiet_hf()
+    return peft_units(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir))
+
+
+@dataclass
+class PeftViews:
+    """One PeftModel.from_pretrained load of an exported adapter over its HF base, as users do."""
+
+    units: set[str]  # the HF modules it wraps (cases._lora_layout.peft_units)
+    lora_logits: torch.Tensor  # the unmerged adapter's
+    merged_logits: torch.Tensor  # after merge_and_unload()
+    merged: dict[str, torch.Tensor]  # merge_and_unload()'s weights
+
+
+@torch.no_grad()
+def peft_views(base_dir: Path, adapter_dir: Path, input_ids: torch.Tensor, dtype: str = "fp32", save_merged_to: Path | None = None) -> PeftViews:
+    """Load the adapter once: the modules it wraps, its logits unmerged, then merge_and_unload()'s
+    logits and weights (`save_merged_to`: what save_pretrained writes of them; an MoE model needs it:
+    transformers 5 holds Qwen3-MoE's experts fused in memory and writes them per expert, the layout
+    the Bridge's merged export has)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from cases._lora_layout import peft_units
+    from harness.backends._safetensors import read_safetensors
+
+    quiet_hf()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=HF_DTYPES[dtype]), adapter_dir)
+    model.eval()
+    units = peft_units(model)
+    lora = model(input_ids=input_ids).logits.float()
+    merged_model = model.merge_and_unload()
+    merged_logits = merged_model(input_ids=input_ids).logits.float()
+    if save_merged_to is not None:
+        merged_model.save_pretrained(save_merged_to, safe_serialization=True)
+        merged = read_safetensors(save_merged_to)
+    else:
+        merged = {k: v.detach().clone() for k, v in merged_model.state_dict().items()}
+    return PeftViews(units, lora, merged_logits, merged)
+
+
+def merge_weights_tolerance(dtype: str) -> Tolerance | None:
+    """The `merge` check's: MERGE_WEIGHTS_TOLERANCE in fp32; bf16 weights compare bitwise (None)."""
+    return None if dtype == "bf16" else MERGE_WEIGHTS_TOLERANCE
+
+
+def merge_tolerance(dtype: str, scale: float = MEASURED_SCALE) -> Tolerance:
+    """MERGE_TOLERANCE(_BF16); in fp32 its atol grows with alpha/r past 2, as logits_tolerance's
+    (explore drew 1.66e-4 at alpha/r 18 on a 9-layer Qwen3-MoE: within 9e-4)."""
+    if dtype == "bf16":
+        return MERGE_TOLERANCE_BF16
+    if scale <= MEASURED_SCALE:
+        return MERGE_TOLERANCE
+    return Tolerance(MERGE_TOLERANCE.atol * scale / MEASURED_SCALE, MERGE_TOLERANCE.rtol, f"{MERGE_TOLERANCE.why}, x alpha/r {scale:g} / 2")
+
+
+def merged_logits_check(merged: torch.Tensor, unmerged: torch.Tensor, megatron: torch.Tensor | None, src: str, dtype: str = "fp32",
+                        scale: float = MEASURED_SCALE) -> Check:
+    """merged-logits: transformers+PEFT after merge_and_unload() against the unmerged adapter and
+    against Megatron+LoRA at `src`, both within merge_tolerance (the merged model's own reordering
+    comes on top of the unmerged one's kernel differences: 1.44e-5 from Megatron's logits found by explore)."""
+    tol = merge_tolerance(dtype, scale)
+    bad = [m for m in (compare_tensors("logits", unmerged, merged, "peft unmerged", "peft merge_and_unload", tol),
+                       compare_tensors("logits", megatron, merged, f"megatron+lora@{src}", "peft merge_and_unload", tol)
+                       if megatron is not None else None) if m is not None]
+    diff = max_abs_diff(merged, unmerged)
+    if megatron is None:
+        return Check("merged-logits", "failed", "no rank returned Megatron logits", diff, tol)
+    if bad:
+        return Check("merged-logits", "failed", "; ".join(map(str, bad)), diff, tol, bad)
+    return Check("merged-logits", "passed", f"merged within {diff:.2e} of unmerged and {max_abs_diff(merged, megatron):.2e} of "
+                 f"megatron+lora@{src}", diff, tol)

@@ -10,15 +10,27 @@ Checks:
   adapter-derivation every exported tensor equals the harness's own derivation from the Megatron
                      adapter parameters (TP gather, QKV split per query group, fc1 gate/up halves)
   adapter-config     r, lora_alpha, target_modules and base_model_name_or_path are what was asked
-  merge              the Bridge's merged export equals peft's merge_and_unload() weights
-  logits             Megatron+LoRA logits equal transformers+PEFT logits (PEFT_TOLERANCE) and
+  merge              the Bridge's merged export equals peft's merge_and_unload() weights (fp32: within
+                     MERGE_WEIGHTS_TOLERANCE, the Bridge multiplies B@A on the fused qkv/fc1 lora_B; bf16 bitwise)
+  logits             Megatron+LoRA logits equal transformers+PEFT logits (PEFT_TOLERANCE, its fp32 atol
+                     scaled by alpha/r past 2) and
                      differ from the base model's (the adapter is not a no-op)
+  merged-logits      transformers+PEFT logits after merge_and_unload() equal the unmerged adapter's
+                     (MERGE_TOLERANCE) and Megatron+LoRA's (PEFT_TOLERANCE)
+  lora-targets-matched  per target entry, the HF modules the PEFT model wraps equal (count and names)
+                     the ones the Megatron LoRA wrapped (cases._lora_layout)
+  lora-targets-asked per target entry, the Megatron LoRA wrapped what the entry selects in the
+                     model's global layer numbering
   resharded-export   (S != D) the adapter exported at D equals the direct export at S, bitwise
   adapter-params     (S != D) the Megatron adapter parameters at D, gathered, equal those at S
   export-integrity   the files of every artefact (harness.judge.hf_integrity, headers only): each
                      adapter one adapter_model.safetensors, no index, holding exactly the derivation's
                      keys with its shapes and dtypes; the merged export's index, shards and keys
                      against the HF base fixture, lm_head as its config's tie_word_embeddings says
+
+Layout options (cases._peft.PeftOptions, docs/explore-lora.md): `adapter`, `dim` (any rank its
+column-parallel targets' TP divides), `alpha`, `targets` (a subset of the kind's base linears) and
+`layers` (global layer indices: the Bridge's wildcard entries `*.layers.N.*.<target>`).
 
 Option `dtype` (fp32 | bf16, default fp32): bf16 writes the base fixture in bf16 and builds the
 Bridge model (adapters included) in bf16 inside Float16Module; peft and transformers load the base
@@ -35,12 +47,17 @@ from typing import Any
 
 import torch
 
+from cases._lora_layout import megatron_units, targets_checks
 from cases._peft import (
     PeftOptions,
+    PeftViews,
     config_check,
     hf_target_modules,
     logits_check,
+    merge_weights_tolerance,
+    merged_logits_check,
     peft_load_problems,
+    peft_views,
 )
 from cases.contract import Case
 from harness.backends import BackendRef, get_backend, ref_of, resolve
@@ -101,24 +118,6 @@ def _rank(ctx: RankContext, p: _Phase) -> PeftOut:
     return out
 
 
-def _peft_merged(base_dir: Path, adapter_dir: Path, dtype: str = "fp32", save_to: Path | None = None) -> dict[str, torch.Tensor]:
-    """peft's merge_and_unload() weights: the in-memory state dict, or with `save_to` what
-    save_pretrained writes of it. An MoE model needs the latter: transformers 5 holds Qwen3-MoE's
-    experts fused (experts.gate_up_proj [E, 2F, H]) in memory and writes them per expert
-    (experts.N.gate_proj.weight), the layout the Bridge's merged export has."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from harness.backends._safetensors import read_safetensors
-
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=HF_DTYPES[dtype]), adapter_dir)
-    merged = model.merge_and_unload()
-    if save_to is not None:
-        merged.save_pretrained(save_to, safe_serialization=True)
-        return read_safetensors(save_to)
-    return {k: v.detach().clone() for k, v in merged.state_dict().items()}
-
-
 @dataclass
 class Exported:
     """What the parent reads back from the artefacts of the source world (files and HF/peft runs)."""
@@ -126,9 +125,8 @@ class Exported:
     peft_problems: list[str]
     adapter: dict[str, torch.Tensor]
     config: dict[str, Any]
-    peft_merged: dict[str, torch.Tensor]
+    peft: PeftViews  # the adapter loaded once: wrapped modules, logits unmerged and merged, merged weights
     bridge_merged: dict[str, torch.Tensor]
-    hf_lora_logits: torch.Tensor
     hf_base_logits: torch.Tensor
 
 
@@ -149,11 +147,13 @@ def integrity(derived: dict[str, torch.Tensor], hf_dir: Path, adapters: dict[str
                             + [Expected("merged@source", merged, source_infos(hf_dir))])
 
 
-def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOut], ex: Exported, dtype: str = "fp32") -> list[Check]:
-    """The export checks at the source topology."""
+def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOut], ex: Exported, dtype: str = "fp32",
+          entries: list | None = None) -> list[Check]:
+    """The export checks at the source topology (`entries`: the layout's target entries,
+    cases._lora_layout; default: the default adapter's)."""
     problems = ex.peft_problems
     derived = derivation(model, outs)
-    peft_merged = ex.peft_merged
+    peft_merged = ex.peft.merged
     if model.tied:  # the HF model's state dict lists the tied lm_head; safetensors stores it once
         peft_merged = {k: v for k, v in peft_merged.items() if k in ex.bridge_merged or k != "lm_head.weight"}
     meg = next((o.logits for o in outs if o.logits is not None), None)
@@ -163,9 +163,11 @@ def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOu
                     f"{len(ex.adapter)} adapter tensors ({_dtypes(ex.adapter)}) equal the independent derivation"),
         config_check(ex.config, asked),
         state_check("merge", peft_merged, ex.bridge_merged, "peft merge_and_unload", "bridge merged export",
-                    "merged weights equal peft merge_and_unload()"),
-        logits_check(ex.hf_lora_logits, ex.hf_base_logits, meg, src, dtype) if meg is not None
+                    "merged weights equal peft merge_and_unload()", merge_weights_tolerance(dtype)),
+        logits_check(ex.peft.lora_logits, ex.hf_base_logits, meg, src, dtype, asked["lora_alpha"] / asked["r"]) if meg is not None
         else Check("logits", "failed", "no rank returned Megatron logits"),
+        merged_logits_check(ex.peft.merged_logits, ex.peft.lora_logits, meg, src, dtype, asked["lora_alpha"] / asked["r"]),
+        *targets_checks(model, entries if entries is not None else PeftOptions().entries(model), megatron_units(derived), ex.peft.units),
     ]
 
 
@@ -229,8 +231,11 @@ class PeftExport(Case):
     model_kind = "hf"
     Options = PeftOptions
     needs = frozenset({"adapter_export", "read_plain"})
-    checks = ("peft-load", "adapter-derivation", "adapter-config", "merge", "logits", "resharded-export", "adapter-params",
-              "export-integrity")
+    checks = ("peft-load", "adapter-derivation", "adapter-config", "merge", "logits", "merged-logits", "lora-targets-matched",
+              "lora-targets-asked", "resharded-export", "adapter-params", "export-integrity")
+
+    def validate_options(self, spec: CaseSpec, opts: PeftOptions) -> None:
+        opts.validate_layout(get_model(spec.model, "hf"), (spec.source, spec.target))
 
     def run(self, spec: CaseSpec, opts: PeftOptions, env: RunEnv, result: CaseResult) -> None:
         model = get_model(spec.model, "hf")
@@ -255,12 +260,12 @@ class PeftExport(Case):
             ex = Exported(
                 peft_load_problems(hf_dir, direct, dtype), export.read_full(None, direct),
                 json.loads((direct / "adapter_config.json").read_text()),
-                _peft_merged(hf_dir, direct, dtype, d / "peft-merged" if model.num_experts else None),
-                get_backend("bridge_hf").read_full(None, merged),
-                hf_logits(hf_dir, ids, adapter=direct, dtype=dtype), hf_logits(hf_dir, ids, dtype=dtype),
+                peft_views(hf_dir, direct, ids, dtype, d / "peft-merged" if model.num_experts else None),
+                get_backend("bridge_hf").read_full(None, merged), hf_logits(hf_dir, ids, dtype=dtype),
             )
-            asked = {"r": opts.dim, "lora_alpha": opts.alpha, "target_modules": hf_target_modules(model), "base_model_name_or_path": str(hf_dir)}
-            result.checks.extend(judge(model, asked, src.id, first, ex, dtype))
+            asked = {"r": opts.dim, "lora_alpha": opts.alpha, "target_modules": hf_target_modules(model, opts),
+                     "base_model_name_or_path": str(hf_dir)}
+            result.checks.extend(judge(model, asked, src.id, first, ex, dtype, opts.entries(model)))
             if resharded:
                 result.checks.extend(judge_resharded(src.id, dst.id, first, again, ex.adapter, export.read_full(None, d / "adapter@target"),
                                                            model.gated))

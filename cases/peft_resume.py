@@ -19,6 +19,9 @@ Checks:
   losses, lr, grad-norm  the resumed steps against the uninterrupted run's (resume's rules)
   final-adapters     the two final adapter exports agree (bitwise at S == D, else RESUME_TOLERANCE)
   peft-load          peft loads the resumed job's final export over the HF fixture, as users do
+  lora-targets-matched, lora-targets-asked  per target entry of the layout, the HF modules peft wraps
+                     over the resumed job's final export equal those the saved job's Megatron LoRA
+                     wrapped, and those the entry selects (cases._lora_layout; peft-export's checks)
   export-integrity   every adapter export is one adapter_model.safetensors with the save-time export's keys, shapes, dtypes
 """
 
@@ -29,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from cases._bridge_job import BridgeJobOptions, base_shards, bridge_job
-from cases._peft import PeftOptions, peft_load_problems
+from cases._lora_layout import megatron_units, targets_checks
+from cases._peft import PeftOptions, peft_load_problems, peft_wrapped
 from cases._train_phase import TrainOut
 from cases._trajectory import grad_norm_tolerance, losses_of, resume_tolerances, schedule_checks, segment_losses
 from cases.contract import Case
@@ -43,10 +47,11 @@ from harness.core.zoo import HFModelSpec, get_model
 from harness.judge.checks import assembled, state_check
 from harness.judge.hf_integrity import ADAPTER_WEIGHTS, Expected, export_integrity, source_infos
 from harness.models import bridge as mb
+from harness.models import peft_mapping
 from harness.run.envelope import RunEnv, timed
 
 CHECKS = ("adapter-only", "adapters-restored", "base-restored", "frozen-base", "losses", "lr", "grad-norm", "final-adapters", "peft-load",
-          "export-integrity")
+          "export-integrity", "lora-targets-matched", "lora-targets-asked")
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class _Phase:
 class _Out(TrainOut):
     base_before: list[Shard] = field(default_factory=list)
     base_after: list[Shard] = field(default_factory=list)
+    pieces: list[dict] = field(default_factory=list)  # the save world's adapter tensors (harness.models.bridge.adapter_pieces)
 
 
 def _rank(ctx: RankContext, p: _Phase) -> _Out:
@@ -90,6 +96,7 @@ def _rank(ctx: RankContext, p: _Phase) -> _Out:
         job.step = k
         backend.save_training(ctx, job, Path(p.ckpt))
         export.save(ctx, bm, out_dir / "adapter@save")
+        out.pieces = mb.adapter_pieces(bm, p.model)
     out.base_before = base_shards(job.chunks)
     out.losses_after = training.train_steps(job.chunks, job.optimizer, p.model, k, k, job.scheduler, trace=out.trace_after)
     out.base_after = base_shards(job.chunks)
@@ -156,6 +163,9 @@ class PeftResume(Case):
     needs = frozenset({"training_state", "peft_training"})
     checks = CHECKS
 
+    def validate_options(self, spec: CaseSpec, opts: Options) -> None:
+        opts.validate_layout(get_model(spec.model, "hf"), (spec.source, spec.target))
+
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         from harness.models.hf import write_fixture
 
@@ -175,6 +185,9 @@ class PeftResume(Case):
             keys = checkpoint_keys(ckpt)
             result.checks.extend(judge(opts.steps, spec.source.id, spec.target.id, keys, saved, loaded, exports,
                                        peft_load_problems(hf_dir, out / "adapter@end-load"), integrity))
+            derived = peft_mapping.to_hf_peft(peft_mapping.gather([p for o in saved for p in o.pieces], model.gated), model)
+            result.checks.extend(targets_checks(model, opts.entries(model), megatron_units(derived),
+                                                peft_wrapped(hf_dir, out / "adapter@end-load")))
 
 
 CASE = PeftResume()

@@ -303,10 +303,11 @@ def _cmd_explore(args: argparse.Namespace) -> int:
     from harness.orchestration.explore import explore
 
     def progress(n, ex) -> None:
-        print(f"[{n}] {ex.status.upper():7} {ex.model['name']} {ex.source} -> {ex.target}  {ex.seconds:.1f}s", flush=True)
+        extra = (f" {ex.options}" if ex.options else "") + (f" (known: {ex.excused})" if ex.excused else "")
+        print(f"[{n}] {ex.status.upper():7} {ex.model['name']} {ex.source} -> {ex.target}  {ex.seconds:.1f}s{extra}", flush=True)
 
     rep = explore(args.budget, args.seed, args.max_world, args.report, on_example=progress, kind=args.kind,
-                  hf_pad_vocab=not args.no_hf_pad_vocab)
+                  hf_pad_vocab=not args.no_hf_pad_vocab, lora_known_defects=args.lora_known_defects)
     print(f"explore: {len(rep.examples)} example(s) in {rep.wall_s:.0f} s (stopped by {rep.stopped_by}), "
           f"{len(rep.failures)} failing; report {args.report or 'a temp dir'}")
     if rep.minimal is None:
@@ -424,10 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--seed", type=int, default=None, help="hypothesis seed: the same seed draws the same triples")
     exp.add_argument("--max-world", type=int, default=4, help="largest world size a topology may have")
     exp.add_argument("--report", type=Path, default=None, help="DIR/explore.json and DIR/hypothesis (the example database)")
-    exp.add_argument("--kind", choices=("gpt", "hf"), default="gpt",
-                     help="gpt: megatron-core GPT shapes through reshard-weights; hf: HF fixtures through hf-roundtrip (Bridge)")
+    exp.add_argument("--kind", choices=("gpt", "hf", "lora"), default="gpt",
+                     help="gpt: GPT shapes through reshard-weights; hf: HF fixtures through hf-roundtrip; lora: LoRA layouts, peft-export")
     exp.add_argument("--no-hf-pad-vocab", action="store_true",
                      help="hf: never draw pad_vocab (look past the known Bridge export defect, README)")
+    exp.add_argument("--lora-known-defects", action="store_true", help="lora: draw and count the defects the matrices name")
     exp.set_defaults(func=_cmd_explore)
     from harness.orchestration import cluster
 

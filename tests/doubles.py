@@ -285,6 +285,22 @@ class DropLoraA(BridgePeft):
             edit_safetensors(directory, "layers.0.mlp.down_proj.lora_A", lambda state, key: state.pop(key))
 
 
+class DropTargetModule(BridgePeft):
+    """An adapter with one target module dropped: v_proj gone from adapter_config.json's
+    target_modules and its tensors gone from the file (peft then loads it without a word)."""
+
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0:
+            from safetensors.torch import load_file, save_file
+
+            cfg = json.loads((directory / "adapter_config.json").read_text())
+            cfg["target_modules"] = [m for m in cfg["target_modules"] if m != "v_proj"]
+            (directory / "adapter_config.json").write_text(json.dumps(cfg))
+            (f,) = sorted(Path(directory).glob("*.safetensors"))
+            save_file({k: v for k, v in load_file(str(f)).items() if ".v_proj." not in k}, str(f), metadata={"format": "pt"})
+
+
 class LoseAlpha(BridgePeft):
     """verl #1821: the exported adapter_config.json lost lora_alpha."""
 

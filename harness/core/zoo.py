@@ -184,6 +184,15 @@ ZOO: dict[str, AnyModel] = {
         # vocab padding (should_pad_vocab) pads 96 rows to 96 at tp1 and 128 at tp2.
         HFModelSpec("hf-llama-padvocab", "Llama, vocab 96 padded by the Bridge provider (should_pad_vocab)", "llama",
                     vocab_size=96, pad_vocab=True),
+        # LoRA layouts (docs/explore-lora.md): 12 layers (a layer filter `*.layers.1.*` meets layers 10 and 11),
+        # hidden 48 = 6 heads x 8 (MHA: TP 3 holds it), ffn 72 (not 2 x hidden), so no LoRA rank of the matrices divides both.
+        HFModelSpec("hf-llama-odd", "Llama, 12 layers, hidden 48 (6 heads, MHA), ffn 72, vocab 96: LoRA layouts", "llama",
+                    num_layers=12, hidden_size=48, num_attention_heads=6, num_key_value_heads=6, intermediate_size=72, vocab_size=96),
+        HFModelSpec("hf-llama-ffn23", "Llama, 2 layers, odd ffn 23: the CanonicalLoRA fc1 adapter checkpoint (found by explore)", "llama",
+                    num_layers=2, intermediate_size=23),
+        # Found by `ckpt-harness explore --kind lora`: transformers' grouped_mm experts on CPU need 16-byte strides
+        HFModelSpec("hf-qwen3moe-ffn6", "Qwen3-MoE, expert ffn 6 (fp32 rows of 24 bytes): transformers' CPU grouped_mm", "qwen3_moe",
+                    num_experts=4, moe_intermediate_size=6),
     )
 }
 

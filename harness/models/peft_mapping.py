@@ -1,7 +1,8 @@
 """The harness's own Megatron -> HF PEFT adapter mapping, written from the layouts, not from the
 Bridge: TP shards are gathered here, Megatron's fused QKV (interleaved per query group) and fused
 SwiGLU fc1 ([gate; up] per TP rank) are split here; a non-gated fc1 (Nemotron's squared ReLU) is
-HF's up_proj as it is. Exported adapters are judged against this.
+HF's up_proj as it is; the output layer's adapter (vocab-parallel, like linear_qkv) is HF's lm_head.
+Exported adapters are judged against this.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import torch
 from harness.core.zoo import HFModelSpec
 
 # Megatron base module -> is it column-parallel (output split across TP)?
-_COLUMN = {"linear_qkv": True, "linear_fc1": True, "linear_proj": False, "linear_fc2": False}
+_COLUMN = {"linear_qkv": True, "linear_fc1": True, "linear_proj": False, "linear_fc2": False, "output_layer": True}
 _NAME = re.compile(
-    r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(?:experts\.local_experts\.(\d+)\.)?"
-    r"(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
+    r"^(?:decoder\.layers\.(\d+)\.(self_attention|mlp)\.(?:experts\.local_experts\.(\d+)\.)?)?"
+    r"(linear_qkv|linear_proj|linear_fc1|linear_fc2|output_layer)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
 )
 _HF_MODULE = {"linear_proj": "self_attn.o_proj", "linear_fc2": "mlp.down_proj"}
 _CANONICAL = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
@@ -73,10 +74,14 @@ def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec) -> dict[str
     for name, t in megatron.items():
         layer, _, expert, base, sub, which = _NAME.match(name).groups()
         is_a = which == "linear_in"
-        if expert is not None:  # a routed expert (global index): HF's per-expert modules
+        if base == "output_layer":  # lm_head; a padded vocab's extra rows carry no token
+            out[f"base_model.model.lm_head.lora_{'A' if is_a else 'B'}.weight"] = t if is_a else t[: spec.vocab_size].contiguous()
+        elif expert is not None:  # a routed expert (global index): HF's per-expert modules
             prefix = f"mlp.experts.{expert}"
             if base == "linear_fc2":
                 put(layer, f"{prefix}.down_proj", t if is_a else None, None if is_a else t)
+            elif sub is not None:  # CanonicalLoRA: the expert's adapter_up / adapter_gate
+                put(layer, f"{prefix}.{sub}_proj", t if is_a else None, None if is_a else t)
             elif is_a:
                 put(layer, f"{prefix}.gate_proj", t, None)
                 put(layer, f"{prefix}.up_proj", t, None)

@@ -12,8 +12,13 @@ and keeps it in its example database under the report dir, so the next run repla
 `kind="hf"` (`--kind hf`) draws HF fixtures instead and runs hf-roundtrip through Megatron-Bridge
 (import at S, dist checkpoint, load at D, HF export), where the Bridge's own vocab padding changes
 with TP and the export must equal the source bitwise (no padded row may leak into it).
+`kind="lora"` (`--kind lora`) draws LoRA layouts too and runs peft-export
+(harness.orchestration.explore_lora: rank, alpha, target subsets, layer filters, MoE experts, the
+output layer of tied models), looking past the upstream defects the matrices already name unless
+`lora_known_defects`.
 A drawn model is not in the zoo, so a failure is printed as the ModelSpec to add to harness/core/zoo.py
-plus the matrix entry that then reproduces it (matrices name zoo models only).
+plus the matrix entry that then reproduces it (matrices name zoo models only; a LoRA layout goes in
+the entry's `options`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from harness.core.topology import Topology, TopologyError
 from harness.core.zoo import AnyModel, HFModelSpec, ModelSpec
+from harness.orchestration.explore_lora import draws as lora_draws
+from harness.orchestration.explore_lora import excused, layout_options, run_draw
+from harness.orchestration.explore_lora import matrix_entry as lora_entry
 from harness.orchestration.runner import RunOptions, case_envelope
 
 #: A triple: the model, the topology it is saved at (S) and the one it is loaded at (D).
@@ -234,6 +242,8 @@ class Example:
     seconds: float
     failure: str = ""
     checks: list[str] = field(default_factory=list)  # name:status of each check recorded
+    options: dict[str, Any] = field(default_factory=dict)  # kind lora: the layout (peft-export's options)
+    excused: str = ""  # kind lora: the known upstream defects that explain a failure (then status "xfailed")
 
 
 @dataclass
@@ -252,7 +262,7 @@ class ExploreReport:
 
     @property
     def failures(self) -> list[Example]:
-        return [e for e in self.examples if e.status != "passed"]
+        return [e for e in self.examples if e.status not in ("passed", "xfailed")]
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "failures": len(self.failures), "ran": len(self.examples)}
@@ -269,6 +279,7 @@ def explore(
     on_example: Any = None,
     kind: str = "gpt",
     hf_pad_vocab: bool = True,
+    lora_known_defects: bool = False,
 ) -> ExploreReport:
     """Draw triples until `budget_s` of wall time is used (or `max_examples` ran), shrink a failure.
 
@@ -281,7 +292,7 @@ def explore(
     rule for @seed, the database is neither read nor written (explore.json still records it all)."""
     from harness.run.preload import warm
 
-    warm(bridge=kind == "hf")  # megatron-core (and the Bridge) imported once here, so each forked rank starts in ~1 s, not ~6 s
+    warm(bridge=kind in ("hf", "lora"))  # megatron-core (and the Bridge) imported once here, so each forked rank starts in ~1 s, not ~6 s
     report_dir = Path(report_dir or tempfile.mkdtemp(prefix="ckpt-explore-"))
     report_dir.mkdir(parents=True, exist_ok=True)
     workdir = report_dir / "scratch"
@@ -301,22 +312,27 @@ def explore(
         verbosity=Verbosity.quiet,  # explore prints its own report (hypothesis would call a spent budget a failure)
         report_multiple_bugs=False,
     )
-    @given(triples(max_world, kind, hf_pad_vocab))
+    @given(lora_draws(max_world, lora_known_defects) if kind == "lora" else triples(max_world, kind, hf_pad_vocab))
     def prop(triple: Triple) -> None:
         now = time.perf_counter() - start
         if not shrink_until and now >= budget_s:
             raise BudgetSpent()
         if shrink_until and now >= shrink_until[0]:
             raise BudgetSpent()
-        model, src, dst = triple
-        result = run_triple(model, src, dst, workdir)
-        ex = Example({f.name: getattr(model, f.name) for f in fields(type(model))}, src.id, dst.id, result.status,
+        model, src, dst, *layout = triple
+        if layout:
+            result = run_draw(model, src, dst, layout[0], workdir, EXAMPLE_TIMEOUT_S)
+        else:
+            result = run_triple(model, src, dst, workdir)
+        why = excused(triple, result) if layout and result.status != "passed" and not lora_known_defects else ""
+        status = "xfailed" if why else result.status
+        ex = Example({f.name: getattr(model, f.name) for f in fields(type(model))}, src.id, dst.id, status,
                      result.phases.get("total", 0.0), "" if result.status == "passed" else result.failure_text(),
-                     [f"{c.name}:{c.status}" for c in result.checks])
+                     [f"{c.name}:{c.status}" for c in result.checks], layout_options(layout[0]) if layout else {}, why)
         report.examples.append(ex)
         if on_example is not None:
             on_example(len(report.examples), ex)
-        if result.status != "passed":
+        if status not in ("passed", "xfailed"):
             if not shrink_until:
                 shrink_until.append(now + (budget_s if shrink_budget_s is None else shrink_budget_s))
             last_failure[:] = [(triple, ex)]
@@ -335,8 +351,9 @@ def explore(
         report.stopped_by = "failure"
     report.wall_s = round(time.perf_counter() - start, 1)
     if last_failure:
-        (model, src, dst), ex = last_failure[0]
-        report.minimal, report.zoo_entry, report.matrix_entry = ex, zoo_entry(model), matrix_entry(model, src, dst)
+        (model, src, dst, *layout), ex = last_failure[0]
+        entry = lora_entry(model, src, dst, layout[0]) if layout else matrix_entry(model, src, dst)
+        report.minimal, report.zoo_entry, report.matrix_entry = ex, zoo_entry(model), entry
     shutil.rmtree(workdir, ignore_errors=True)
     (report_dir / "explore.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
     return report

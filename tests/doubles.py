@@ -103,16 +103,21 @@ class RaisingLoad(McoreDist):
         raise RuntimeError("simulated upstream defect")
 
 
+def _swallowing(call, *args) -> None:
+    """Run `call`, dropping every error but an interrupt (torch DCP's CheckpointException is a BaseException)."""
+    try:
+        call(*args)
+    except BaseException as exc:
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+
+
 class SwallowLoadErrors(McoreDist):
     """A load that catches every error and returns, keeping whatever the model held: the resume
     code that 'tolerates' a bad checkpoint (corrupt-load must call it a silent load and go red)."""
 
     def load(self, ctx, model, directory):
-        try:
-            super().load(ctx, model, directory)
-        except BaseException as exc:  # torch DCP's CheckpointException is a BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
+        _swallowing(super().load, ctx, model, directory)
 
 
 class CorruptOptimizerAfterLoad(McoreDist):
@@ -857,11 +862,7 @@ class SwallowTrainingLoadErrors(McoreDist):
     that 'tolerates' an unfinished checkpoint."""
 
     def load_training(self, ctx, job, directory):
-        try:
-            super().load_training(ctx, job, directory)
-        except BaseException as exc:  # torch DCP's CheckpointException is a BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
+        _swallowing(super().load_training, ctx, job, directory)
 
 
 class SwallowFinalizeErrors(McoreDist):

@@ -197,6 +197,11 @@ ZOO: dict[str, AnyModel] = {
 }
 
 
+#: Models shaped on purpose not to split evenly (LoRA layouts and the explorer's finds): they fit the
+#: topologies their matrix entries name, not every small one (tests/test_topology.py checks both).
+ODD_SHAPES: frozenset[str] = frozenset({"hf-llama-odd", "hf-llama-ffn23", "hf-qwen3moe-ffn6"})
+
+
 def get_model(name: str, kind: str | None = None) -> AnyModel:
     """The zoo model `name`; with `kind`, it must be of that kind ("gpt" or "hf")."""
     if name not in ZOO:

@@ -23,14 +23,11 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
 def read_checkpoint(directory: Path) -> dict[str, object]:
-    """Every entry of the DCP checkpoint in `directory`, flattened by DCP key (no process group)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    """Every entry of the DCP checkpoint in `directory`, flattened by DCP key (no process group):
+    harness.judge.ckpt_content.read_dcp, the one whole-checkpoint reader, flattened."""
+    from harness.judge.ckpt_content import read_dcp
 
-    state: dict[str, object] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(str(directory)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return _flatten(state)
+    return _flatten(read_dcp(directory))
 
 
 def _flatten(tree: object, prefix: str = "") -> dict[str, object]:

@@ -27,11 +27,42 @@ DCP_FILES = (".metadata",)
 DCP_SUFFIX = ".distcp"
 
 
+def uncovered(metadata: Any) -> dict[str, torch.Tensor]:
+    """Each tensor of a DCP checkpoint's metadata that its chunks do not cover whole, with the mask of
+    the elements no chunk holds. torch DCP loads such a checkpoint without a word (it checks keys, not
+    coverage) and leaves those elements as whatever memory `torch.empty` handed out, which may even be
+    a freed copy of the right values: a reader must poison them (`poison`) to judge deterministically."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        if sum(torch.Size(c.sizes).numel() for c in md.chunks) == torch.Size(md.size).numel():
+            continue  # DCP's chunks never overlap: as many elements held as the tensor has is all of it
+        held = torch.zeros(tuple(md.size), dtype=torch.bool)
+        for chunk in md.chunks:
+            held[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))] = True
+        if not bool(held.all()):
+            out[key] = ~held
+    return out
+
+
+def poison(tensor: torch.Tensor, mask: torch.Tensor, key: str, directory: Path | str) -> None:
+    """Set the elements `mask` names (no chunk holds them) to NaN, so no comparison can pass on them;
+    a tensor without NaN (integers, bool) is refused by name instead."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"{directory}: no chunk of the checkpoint holds {int(mask.sum())} of the "
+                         f"{mask.numel()} elements of {key} ({tensor.dtype}: nothing to mark them with)")
+    tensor[mask] = float("nan")
+
+
 def read_dcp(directory: Path) -> dict[str, Any]:
     """Every item of one torch DCP checkpoint directory, by its DCP key, read whole in this process
-    (torch's public dcp_to_torch_save, into memory)."""
+    (torch's public dcp_to_torch_save, into memory); elements no chunk holds are NaN (`uncovered`)."""
     import warnings
 
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     buf = io.BytesIO()
@@ -39,7 +70,14 @@ def read_dcp(directory: Path) -> dict[str, Any]:
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp_to_torch_save(str(directory), buf)
     buf.seek(0)
-    return torch.load(buf, map_location="cpu", weights_only=False)
+    out = torch.load(buf, map_location="cpu", weights_only=False)
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    for key, mask in uncovered(metadata).items():
+        node: Any = out
+        for part in (metadata.planner_data or {}).get(key, (key,)):  # the flat key's path in the nested state
+            node = node[part]
+        poison(node, mask, key, directory)
+    return out
 
 
 def _rooted(value: Any, root: str) -> Any:

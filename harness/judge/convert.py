@@ -29,6 +29,7 @@ import torch
 
 from harness.core.parity import EXACT, NOT_COMPARED, Mismatch, compare_state
 from harness.core.result import Check
+from harness.judge.ckpt_content import poison, uncovered
 
 MODEL_PREFIX = "model.module."
 OPTIMIZER_PREFIX = "optimizer.state.module.module.module."
@@ -55,7 +56,8 @@ class Contents:
 def read_checkpoint(directory: Path | str, objects: re.Pattern | None = None) -> Contents:
     """Every tensor of a torch DCP checkpoint at its global shape, plus the byte entries whose key
     `objects` matches (unpickled). Raises ValueError naming the key where the distributed
-    optimizer's nd-reformulated form would need undoing (not read model-free here)."""
+    optimizer's nd-reformulated form would need undoing (not read model-free here). Elements no
+    chunk holds are NaN (harness.judge.ckpt_content.uncovered)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -78,6 +80,9 @@ def read_checkpoint(directory: Path | str, objects: re.Pattern | None = None) ->
             asked_objects.append(key)
     dcp.load(state, storage_reader=reader, no_dist=True)
     tensors = {k: v for k, v in state.items() if k in asked_tensors}
+    for key, mask in uncovered(metadata).items():
+        if key in tensors:
+            poison(tensors[key], mask, key, directory)
     objs = {}
     for k in asked_objects:  # DCP's default planner hands back the unpickled object, or the raw bytes
         v = state[k]

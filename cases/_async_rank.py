@@ -21,6 +21,7 @@ from harness.core.topology import Topology
 from harness.core.zoo import ModelSpec
 from harness.faults.hooks import ASYNC_KILL_ENV
 from harness.models import training
+from harness.models.builder import build_job
 from harness.models.mcore import local_shards
 
 Fault = Literal["none", "kill-writer", "kill-rank"]
@@ -95,17 +96,14 @@ def _dump_views(ctx: RankContext, p: SavePhase, job: training.TrainingJob) -> No
 
 
 def _build(p: Any, decoy: bool) -> tuple[training.TrainingJob, list]:
-    ddp, optimizer = training.build_training(p.model, p.topo, p.opts.config, truth.DECOY_SEED_OFFSET if decoy else 0)
-    propagated = training.propagation(ddp, optimizer, p.opts.config)
-    scheduler = training.build_scheduler(optimizer, p.opts.config)
-    return training.TrainingJob(ddp, optimizer, scheduler, sharding=p.opts.sharding, mem_efficient=p.opts.mem_efficient,
-                                seed=p.model.seed), propagated
+    return build_job(get_backend(p.backend).builder(), p.model, p.topo, p.opts.config,
+                     truth.DECOY_SEED_OFFSET if decoy else 0, sharding=p.opts.sharding, mem_efficient=p.opts.mem_efficient)
 
 
 def _train(job: training.TrainingJob, p: Any, steps: int, trace: list | None = None) -> list:
     losses = training.train_steps(job.chunks, job.optimizer, p.model, job.step, steps, job.scheduler, trace=trace)
     job.step += steps
-    training.sync_params(job.chunks, job.optimizer, p.opts.config)
+    get_backend(p.backend).builder().sync_params(job.chunks, job.optimizer, p.opts.config)
     return losses
 
 

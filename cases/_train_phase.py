@@ -20,6 +20,7 @@ from harness.core.zoo import ModelSpec
 
 # module access: rank hooks (tests/doubles.py) patch training's functions in the rank
 from harness.models import training
+from harness.models.builder import build_job
 from harness.models.mcore import MCORE_P2P_DEFAULTS
 
 
@@ -105,11 +106,9 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
     build = backend.builder()  # megatron DDP, or the backend's own (mcore_fsdp: Megatron-FSDP)
     p2p = {} if "vpp_overlap_p2p" in p.workarounds else MCORE_P2P_DEFAULTS  # megatron-core's own, to show the defect
     decoy = truth.DECOY_SEED_OFFSET if p.load_from or p.pretrained_from else 0  # a load must overwrite every weight
-    ddp, optimizer = build.build_training(p.model, p.topo, p.cfg, decoy, **p2p)
-    propagated = build.propagation(ddp, optimizer, p.cfg)
-    scheduler = training.build_scheduler(optimizer, p.cfg)  # after propagation: a warmup changes the optimizer's lr
-    job = training.TrainingJob(ddp, optimizer, scheduler, sharding=p.sharding, mem_efficient=p.mem_efficient, step=p.first_step,
-                      seed=p.model.seed)
+    job, propagated = build_job(build, p.model, p.topo, p.cfg, decoy, sharding=p.sharding, mem_efficient=p.mem_efficient,
+                                step=p.first_step, **p2p)
+    ddp, optimizer, scheduler = job.chunks, job.optimizer, job.scheduler
     step = p.first_step
     if p.load_from is not None:
         training.load_training(ctx, backend, job, Path(p.load_from), p.workarounds)

@@ -46,6 +46,20 @@ class Builder(Protocol):
         """Bytes of training state this rank holds."""
 
 
+def build_job(build: Builder, spec: ModelSpec, topo: Topology, cfg: Any, seed_offset: int = 0, *, sharding: str | None,
+              mem_efficient: bool, step: int = 0, **overrides: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """(harness.models.training.TrainingJob, its propagation rows): a training job as every training
+    case builds one through a backend's builder; the scheduler after the propagation read (a warmup
+    changes the optimizer's lr)."""
+    from harness.models import training
+
+    ddp, optimizer = build.build_training(spec, topo, cfg, seed_offset, **overrides)
+    propagated = build.propagation(ddp, optimizer, cfg)
+    scheduler = training.build_scheduler(optimizer, cfg)
+    job = training.TrainingJob(ddp, optimizer, scheduler, sharding=sharding, mem_efficient=mem_efficient, step=step, seed=spec.seed)
+    return job, propagated
+
+
 class MegatronDDP:
     """megatron-core DistributedDataParallel + get_megatron_optimizer (harness.models.training)."""
 

@@ -194,6 +194,20 @@ def test_a_failing_rank_under_torchrun_is_reported(tmp_path):
     assert exc.value.rank == 1
 
 
+@pytest.mark.parametrize("launcher", ["mp", "torchrun"])
+def test_what_ranks_leave_in_their_temp_goes_with_the_world(tmp_path, launcher):
+    """verl's checkpoint manager leaves a ckpt_<hash>.lock per save in tempfile.gettempdir(): a rank's
+    temp is its world's own (one for all ranks, so such a lock still works), removed with the world."""
+    from harness.run.probes import leave_temp_file
+    from harness.run.world import launch_torchrun
+
+    run = launch if launcher == "mp" else launch_torchrun
+    out = run(leave_temp_file, f"probe-{launcher}", 2, tmp_path, timeout_s=240)
+    assert len({o["tmp"] for o in out}) == 1 and Path(out[0]["tmp"]).name.startswith("ckpt-harness-tmp-")
+    assert all(o["env"] == o["tmp"] for o in out) and out[0]["tmp"] != tempfile.gettempdir()
+    assert not Path(out[0]["tmp"]).exists() and not any(Path(o["path"]).exists() for o in out)
+
+
 def test_torchrun_ranks_get_the_case_timeout_and_hooks(tmp_path):
     """rank_entry used to run with run_from_env's default 1800 s whatever the case asked."""
     import pickle

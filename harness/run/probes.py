@@ -28,3 +28,14 @@ def mark_hook() -> None:
     import os
 
     os.environ["CKPT_HARNESS_PROBE_HOOK"] = "ran"
+
+
+def leave_temp_file(ctx: RankContext, name: str) -> dict:
+    """Write a file into the rank's temp, as a library's lock file or scratch would, and never remove it."""
+    import os
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"{name}-{ctx.rank}")
+    with open(path, "w") as f:
+        f.write("left behind")
+    return {"tmp": tempfile.gettempdir(), "env": os.environ.get("TMPDIR"), "path": path}

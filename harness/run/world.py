@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from harness.core.context import RankContext, RankFn
+from harness.run import world_tmp
 from harness.run.procs import descendants, kill
 from harness.run.ranklog import LogFiles, redirect_rank, tail
 
@@ -73,6 +74,7 @@ class _WorldSpec:
     threads: int = 1
     hooks: tuple[str, ...] = ()  # "module:function" run in every rank before `fn` (fault injection, plugins)
     logs: LogFiles | None = None  # where each rank's fds 1/2 go (harness.run.ranklog); None: the workdir's rank<N>.log
+    tmpdir: str = ""  # the world's temp (harness.run.world_tmp); "": the process's own
 
 
 def choose_backend(world_size: int, requested: str = "auto") -> str:
@@ -122,6 +124,8 @@ def _rank_body(spec: _WorldSpec, rank: int, local_rank: int) -> None:
     from harness.models.parallel import teardown_parallel_state
 
     torch.set_num_threads(spec.threads)
+    if spec.tmpdir:
+        world_tmp.use(spec.tmpdir)
     if spec.backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -291,7 +295,8 @@ def launch(
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     store_file = workdir / f"rendezvous-{os.getpid()}-{time.monotonic_ns()}"
-    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), str(store_file), timeout_s, hooks=hooks, logs=logs)
+    spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), str(store_file), timeout_s, hooks=hooks, logs=logs,
+                      tmpdir=world_tmp.make())
     ctx = _start(spec, world_size, start_method)
     pids = ctx.pids()
     seen: set[psutil.Process] = set()
@@ -318,6 +323,7 @@ def launch(
         for f in ctx.error_files:
             Path(f).unlink(missing_ok=True)
         store_file.unlink(missing_ok=True)
+        world_tmp.remove(spec.tmpdir)
     results = []
     for rank in range(world_size):
         path = _result_path(workdir, rank)
@@ -386,6 +392,9 @@ def launch_torchrun(
     spec_path = workdir / "spec.pkl"
     dump_spec(spec_path, fn, arg, timeout_s, hooks, logs)
     env = {**os.environ, "CKPT_HARNESS_DIST_BACKEND": choose_backend(world_size, backend), "OMP_NUM_THREADS": "1"}
+    tmp = "" if template else world_tmp.make()  # a multi-node world's temps are each node's own
+    if tmp:
+        env["TMPDIR"] = tmp
     cmd = [*torchrun_prefix(world_size, template), "-m", "harness.run.rank_entry", str(spec_path), str(workdir)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -400,6 +409,8 @@ def launch_torchrun(
         except ProcessLookupError:
             pass
         spec_path.unlink(missing_ok=True)
+        if tmp:
+            world_tmp.remove(tmp)
     if logs is not None and logs.kept and output.strip():
         logs.launcher().parent.mkdir(parents=True, exist_ok=True)
         with open(logs.launcher(), "a") as f:

@@ -253,3 +253,33 @@ def test_the_moe_router_shim_binds_the_name_core_leaves_unbound_without_te(monke
     mcore._bind_router_gemm()
     assert not mcore._router_gemm_unbound(torch.device("cpu"))
     assert router_gating_linear(None, None, None, None) is False  # the torch fallback branch
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    import os
+
+    fds = f"/proc/{pid}/fd"
+    return {os.readlink(f"{fds}/{n}") for n in os.listdir(fds) if os.readlink(f"{fds}/{n}").startswith("socket:")}
+
+
+def test_the_async_results_manager_holds_none_of_the_ranks_sockets():
+    """A forked Manager that kept the rank's process-group sockets kept them open past a killed rank,
+    so its peers waited until the world timeout (last session's finding): the harness's closes them.
+    Python's own fork Manager (the control) inherits the socket."""
+    import multiprocessing as mp
+    import os
+    import socket
+
+    from harness.compat.mcore import fork_manager
+
+    a, b = socket.socketpair()
+    ours = {os.readlink(f"/proc/self/fd/{a.fileno()}"), os.readlink(f"/proc/self/fd/{b.fileno()}")}
+    control, manager = mp.get_context("fork").Manager(), fork_manager()
+    try:
+        assert ours <= _socket_inodes(control._process.pid)
+        assert not ours & _socket_inodes(manager._process.pid)
+        q = manager.Queue()
+        q.put("written")
+        assert q.get(timeout=10) == "written"  # the Manager still serves
+    finally:
+        control.shutdown(), manager.shutdown(), a.close(), b.close()

@@ -45,9 +45,33 @@ def _cross_process_results_queue() -> None:
     forks; its results must come back to the rank, which the in-process queue.Queue cannot do.
     A fork-context Manager queue (megatron's own get_write_results_queue, with mp_mode fork:
     spawn would re-import __main__ in every rank)."""
-    import multiprocessing as mp
+    _filesystem_async()._results_queue = fork_manager().Queue()
 
-    _filesystem_async()._results_queue = mp.get_context("fork").Manager().Queue()
+
+def _close_inherited_sockets() -> None:
+    """In the forked Manager, before its server starts: the rank's sockets (its process group's
+    gloo/NCCL connections) are not the Manager's; kept open, they outlive a killed rank and its
+    peers wait on them until the world's timeout instead of failing at once. Its own listener is
+    made after this, and the pipe it reports the address on is no socket."""
+    import os
+    import stat
+
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                os.close(int(name))
+        except OSError:
+            pass  # the listing's own fd, already gone
+
+
+def fork_manager():
+    """A started fork-context multiprocessing Manager that holds none of the rank's sockets."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=mp.get_context("fork"))
+    manager.start(_close_inherited_sockets)
+    return manager
 
 
 def _moe_utils():

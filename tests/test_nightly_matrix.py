@@ -48,6 +48,8 @@ def test_nightly_matrix_expands_with_stable_unique_ids_and_gpu_requirements():
             assert set(c.requires) == {"cuda", "te"} | ({"nccl"} if c.case == "convert" else set()), c.id
         elif c.case == "convert":  # several conversion ranks: upstream's converter needs NCCL (docs/convert.md)
             assert c.requires == ("cuda", "nccl"), c.id
+        elif c.case == "async-save" and c.tag in ("nvrx", "persistent"):  # writers that stage from CUDA tensors
+            assert c.requires == ("cuda",), c.id
         elif c.model == "gpt-1b":
             assert c.requires == ("cuda", "host-memory-gib>=64") and c.budgets, c.id
         else:

@@ -71,6 +71,23 @@ def test_a_case_requiring_cuda_on_a_cpu_machine_is_not_run_and_one_without_runs(
     assert ran.status == "passed", ran.failure_text()
 
 
+@pytest.mark.parametrize("bridge", ["provider", "vanilla"])
+def test_a_verl_case_on_a_box_without_ray_is_not_run_naming_it(monkeypatch, tmp_path, bridge):
+    """A GPU image that carries verl's checkpoint path but not ray (ray's wheel is larger than what a lent
+    box takes): the case errored in the parent's import of verl; it is not-run, naming what is missing."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("ray", "mbridge") else real(name, *a))
+    spec = CaseSpec("verl-checkpoint", "hf-llama", "verl_manager", Topology.parse("tp1"), Topology.parse("tp1"),
+                    options=(("sharding", "fully_reshardable"), ("steps", 0)), backend_options=(
+                        ("bridge", bridge), ("load_contents", ("model", "optimizer")), ("save_contents", ("model", "optimizer", "hf_model"))))
+    r = run_case(spec, RunOptions(workdir=tmp_path, dist_backend="gloo"))
+    assert r.status == "not-run", (r.status, r.error)
+    assert r.not_run_reason.startswith("backend verl_manager needs ray (verl's checkpoint manager imports them"), r.not_run_reason
+    assert not list(tmp_path.iterdir())
+
+
 def test_forcing_nccl_is_a_requirement_and_xfail_never_turns_a_not_run_into_xpass(monkeypatch):
     from harness.core.spec import XFail
 

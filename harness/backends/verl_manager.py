@@ -105,8 +105,14 @@ class VerlManager(Backend):
                                      "(vpp, ep, cp > 1 are not built on the vanilla path here)")
 
     def unavailable(self) -> str | None:
+        """verl's checkpoint path imports ray and tensordict (verl/protocol.py) wherever verl is; a box
+        without them (a GPU image that carries no ray) runs the cases as not-run, not as errors."""
         import importlib.util
 
+        missing = [m for m in ("verl", "ray", "tensordict") if importlib.util.find_spec(m) is None]
+        if missing:
+            return (f"backend verl_manager needs {', '.join(missing)} (verl's checkpoint manager imports them; "
+                    "requirements-nodeps.txt, requirements-verl.txt), not installed")
         if self.options.bridge == "vanilla" and importlib.util.find_spec("mbridge") is None:
             return "backend option bridge 'vanilla' needs the mbridge package (requirements-nodeps.txt), which is not installed"
         return None

@@ -41,3 +41,13 @@ def test_a_fault_double_fails_the_case_under(method):
     spec = CaseSpec("reshard-weights", "gpt-gqa", "test_noop_load_sm", Topology.parse("tp1"), Topology.parse("tp2"), timeout_s=300)
     r = run_case(spec, RunOptions(start_method=method))
     assert r.status == "failed" and {c.name: c.status for c in r.checks}["loaded-canonical"] == "failed", r.failure_text()
+
+
+def test_a_bridge_training_case_runs_in_spawned_ranks():
+    """NCCL ranks are spawned (CUDA cannot be forked): a spawned rank imports nothing from the parent,
+    and its first `from megatron.bridge...` failed without Transformer-Engine on the lent H200 (a
+    forked gloo rank inherited the parent's import through the TE stand-in). The same under gloo."""
+    spec = CaseSpec("reshard-optimizer", "gpt-gqa", "bridge_training", Topology.parse("tp1"), Topology.parse("tp1"),
+                    options=(("sharding", "fully_reshardable"),), timeout_s=400)
+    r = run_case(spec, RunOptions(start_method="spawn"))
+    assert r.status == "passed", r.failure_text()

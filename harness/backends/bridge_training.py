@@ -66,6 +66,15 @@ class BridgeTrainingOptions:
                                   "return_unexpected", "return_all", "ignore_all"] = "assume_ok_unexpected"
 
 
+def _import_bridge() -> None:
+    """The Bridge through the harness's import (the TE stand-in where Transformer-Engine is absent)
+    before any `from megatron.bridge...`: a forked rank inherits the parent's import, a spawned one
+    (NCCL's default) imports first here, and a plain import fails without TE (seen on the lent H200)."""
+    from harness.compat.te import import_megatron_bridge
+
+    import_megatron_bridge()
+
+
 def rng_digest() -> dict[str, str]:
     """A digest per RNG this rank holds (python, numpy, torch, megatron's tracker), read without drawing."""
     import numpy as np
@@ -138,6 +147,7 @@ class BridgeTraining(Backend):
             return super().build_bridge_model(hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config, adapter=adapter)
 
         def hook_for(provider: Any, peft: Any):
+            _import_bridge()
             from megatron.bridge.training.config import CheckpointConfig, ConfigContainer, LoggerConfig
             from megatron.bridge.training.setup import _create_peft_pre_wrap_hook
             from megatron.bridge.training.state import GlobalState
@@ -177,6 +187,7 @@ class BridgeTraining(Backend):
     def finalize_saves(self, ctx: RankContext) -> list[dict]:
         """Bridge's maybe_finalize_async_save(blocking=True), as its train loop calls it before the
         next save and at the end of training."""
+        _import_bridge()
         from megatron.bridge.training.checkpointing import maybe_finalize_async_save
 
         pending, self._pending = self._pending, []
@@ -240,6 +251,7 @@ class BridgeTraining(Backend):
     # ------------------------------------------------------------------ training state
 
     def save_training(self, ctx: RankContext, job: Any, directory: Path) -> None:
+        _import_bridge()
         from megatron.bridge.training.checkpointing import save_checkpoint
         from megatron.bridge.training.state import TrainState
 
@@ -267,6 +279,7 @@ class BridgeTraining(Backend):
 
     def _load(self, job: Any, directory: Path, **checkpoint: Any) -> tuple[int, float, Any]:
         """Bridge's load_checkpoint with this CheckpointConfig: (iteration, FLOPs, the GlobalState)."""
+        _import_bridge()
         from megatron.bridge.training.checkpointing import load_checkpoint
         from megatron.bridge.training.state import TrainState
 

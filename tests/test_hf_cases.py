@@ -86,3 +86,33 @@ def test_an_ep_export_missing_other_ranks_experts_fails(override):
     assert r.status == "error" and "ignore_mismatched_sizes" in r.failure_text()
     # judged from the headers before transformers refuses: the lost experts, by name
     assert "source tensor model.layers.0.mlp.experts.2.down_proj.weight" in r.check("export-integrity").detail
+
+
+@pytest.mark.parametrize("device, on_cpu", [("cpu", True), ("cuda", False)])
+def test_a_bridge_model_is_built_where_the_rank_runs(tmp_path, monkeypatch, device, on_cpu):
+    """On an NCCL rank Megatron-Bridge moves the model to the GPU unless told to initialise on CPU;
+    the harness told it so everywhere, and every Bridge forward on the lent H200 failed (weights on
+    CPU, the batch on cuda:0). The provider's call is stopped before any model is built."""
+    import torch
+
+    from harness.compat.te import import_megatron_bridge
+    from harness.core.topology import Topology
+    from harness.core.zoo import get_model
+    from harness.models import bridge, hf, parallel
+
+    import_megatron_bridge()
+    import megatron.bridge.models.model_provider as provider_module
+
+    class Asked(Exception):
+        pass
+
+    def asked(self, **kwargs):
+        raise Asked(kwargs)
+
+    spec = get_model("hf-llama")
+    hf.write_fixture(spec, tmp_path / "hf")
+    monkeypatch.setattr(parallel, "rank_device", lambda: torch.device(device))
+    monkeypatch.setattr(provider_module.ModelProviderMixin, "provide_distributed_model", asked)
+    with pytest.raises(Asked) as exc:
+        bridge.build(tmp_path / "hf", spec, Topology.parse("tp1"))
+    assert exc.value.args[0]["use_cpu_initialization"] is on_cpu

@@ -99,7 +99,7 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
 
     from harness.compat.te import import_megatron_bridge
     from harness.models.hf import HF_DTYPES
-    from harness.models.parallel import seed_model_parallel
+    from harness.models.parallel import rank_device, seed_model_parallel
 
     import_megatron_bridge()
     from megatron.bridge import AutoBridge
@@ -129,8 +129,11 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
         # peft_hook(provider, peft): a client's own pre-wrap hook (Bridge's PEFT hook loads the base first)
         provider.register_pre_wrap_hook(peft_hook(provider, peft) if peft_hook else (lambda m: peft(m, training=True)))
     finalize_provider(provider, torch_dtype, overrides)
+    # built where the rank runs (as harness.models.mcore.build_gpt moves its models): on an NCCL rank the
+    # provider moves the model to its GPU itself unless told to initialise on CPU (the lent H200 showed
+    # every Bridge forward failing on CPU weights with the batch on cuda:0)
     modules = provider.provide_distributed_model(
-        ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None, use_cpu_initialization=True,
+        ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None, use_cpu_initialization=rank_device().type == "cpu",
         mixed_precision_wrapper=Float16Module if dtype == "bf16" else None,
     )
     experts = getattr(spec, "num_experts", None)

@@ -90,3 +90,13 @@ def test_memory_is_the_largest_repeats_and_times_the_median():
 def test_a_model_it_cannot_run_is_named(tmp_path, capsys):
     assert main(["bench", "--out", str(tmp_path), "--models", "hf-llama", "--worlds", "1"]) == 2
     assert "hf-llama" in capsys.readouterr().err and not (tmp_path / "bench.json").exists()
+
+
+def test_nccl_without_a_gpu_per_rank_is_refused_before_any_world(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["bench", "--out", str(tmp_path), "--models", "gpt-25m", "--worlds", "1", "2", "--dist-backend", "nccl"]) == 2
+    err = capsys.readouterr().err
+    assert "--dist-backend nccl: nccl requested for 2 ranks but 1 GPU(s) are visible" in err and "Traceback" not in err
+    assert not (tmp_path / "bench.json").exists()

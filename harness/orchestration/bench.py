@@ -246,6 +246,13 @@ def run_cli(args: argparse.Namespace) -> int:
     """Run, write, print; exit 1 when a world failed, 2 on input the benchmark cannot run."""
     from harness.orchestration.runner import RunOptions
 
+    from harness.run.world import WorldError, choose_backend
+
+    try:  # before any world: NCCL asked on a box without a GPU per rank
+        choose_backend(max(args.worlds), args.dist_backend)
+    except WorldError as exc:
+        print(f"ckpt-harness bench: --dist-backend {args.dist_backend}: {exc}", file=sys.stderr)
+        return 2
     options = RunOptions(dist_backend=args.dist_backend, workdir=args.workdir, timeout_s=args.timeout_s, reuse=False)
     keep = args.out / "checkpoints" if args.keep else None
     if keep is not None and keep.exists():

@@ -155,8 +155,13 @@ def verl_rank(ctx: RankContext, p: VerlPhase) -> VerlOut:
         prime_optimizer_state,
         train_steps,
     )
+    from harness.run.preload import warm
 
     backend = get_backend(p.backend)
+    # what a forked rank inherits from the parent (harness.run.preload.warm): importing verl's checkpoint
+    # manager advances Python's global `random`, so a spawned rank (NCCL's) that imported it inside the
+    # save would save another state than the one the rng check digested before it
+    warm(modules=backend.preload)
     job = build_job(p, decoy=p.load)
     out = VerlOut([], [], [], coords=(parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()))
     ddp, opts = job.chunks, p.opts

@@ -51,3 +51,27 @@ def test_a_bridge_training_case_runs_in_spawned_ranks():
                     options=(("sharding", "fully_reshardable"),), timeout_s=400)
     r = run_case(spec, RunOptions(start_method="spawn"))
     assert r.status == "passed", r.failure_text()
+
+
+#: one small case per backend, each world of one rank: what an NCCL box runs in spawned ranks
+_SPAWNED = [
+    CaseSpec("hf-roundtrip", "hf-llama", "bridge_hf", Topology.parse("tp1"), Topology.parse("tp1"), timeout_s=500),
+    CaseSpec("peft-export", "hf-llama", "bridge_peft", Topology.parse("tp1"), Topology.parse("tp1"),
+             options=(("adapter", "lora"),), timeout_s=500),
+    CaseSpec("reshard-optimizer", "gpt-gqa", "mcore_fsdp", Topology.parse("dp1"), Topology.parse("dp1"), timeout_s=500),
+    CaseSpec("verl-checkpoint", "gpt-gqa", "verl_manager", Topology.parse("dp1"), Topology.parse("dp1"),
+             options=(("sharding", "fully_reshardable"),), timeout_s=500),
+    CaseSpec("convert", "gpt-gqa", "mcore_dist", Topology.parse("tp1"), Topology.parse("tp1"), timeout_s=500),
+    CaseSpec("async-save", "gpt-gqa", "mcore_dist", Topology.parse("tp1"), Topology.parse("tp1"),
+             options=(("fault", "none"), ("sharding", "fully_reshardable")), axes=("fault",),
+             backend_options=(("async_save", "mcore"), ("layout", "megatron-lm")), timeout_s=500),
+]
+
+
+@pytest.mark.slow  # ~15-30 s a case on 2 cores: fresh interpreters import megatron-core (and the Bridge) per world
+@pytest.mark.parametrize("spec", _SPAWNED, ids=lambda s: f"{s.case}-{s.backend}")
+def test_every_backend_runs_in_spawned_ranks(spec):
+    """Every backend under the start method NCCL uses, on CPU: an import or state a forked rank only
+    inherits from the parent fails here before it fails on a GPU box (two did, on the lent H200)."""
+    r = run_case(spec, RunOptions(start_method="spawn"))
+    assert r.status == "passed", r.failure_text()

@@ -245,7 +245,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run_cli(args: argparse.Namespace) -> int:
     """Run, write, print; exit 1 when a world failed, 2 on input the benchmark cannot run."""
     from harness.orchestration.runner import RunOptions
-
     from harness.run.world import WorldError, choose_backend
 
     try:  # before any world: NCCL asked on a box without a GPU per rank

@@ -208,6 +208,20 @@ def test_what_ranks_leave_in_their_temp_goes_with_the_world(tmp_path, launcher):
     assert not Path(out[0]["tmp"]).exists() and not any(Path(o["path"]).exists() for o in out)
 
 
+def test_a_world_that_cannot_start_leaves_no_temp(tmp_path, monkeypatch):
+    from harness.run import world
+
+    def refuse(*a, **k):
+        raise OSError("cannot start")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "sys"))
+    (tmp_path / "sys").mkdir()
+    monkeypatch.setattr(world, "_start", refuse)
+    with pytest.raises(OSError, match="cannot start"):
+        launch(_sum_ranks, 1.0, 1, tmp_path / "w", backend="gloo", timeout_s=30)
+    assert not list((tmp_path / "sys").iterdir())
+
+
 def test_torchrun_ranks_get_the_case_timeout_and_hooks(tmp_path):
     """rank_entry used to run with run_from_env's default 1800 s whatever the case asked."""
     import pickle

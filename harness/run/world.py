@@ -297,7 +297,11 @@ def launch(
     store_file = workdir / f"rendezvous-{os.getpid()}-{time.monotonic_ns()}"
     spec = _WorldSpec(fn, arg, world_size, backend, str(workdir), str(store_file), timeout_s, hooks=hooks, logs=logs,
                       tmpdir=world_tmp.make())
-    ctx = _start(spec, world_size, start_method)
+    try:
+        ctx = _start(spec, world_size, start_method)
+    except BaseException:
+        world_tmp.remove(spec.tmpdir)
+        raise
     pids = ctx.pids()
     seen: set[psutil.Process] = set()
     try:

@@ -70,13 +70,14 @@ def entries(targets: Iterable[str], layers: Iterable[int] = ()) -> list[Entry]:
             + [Entry(t, t) for t in targets if t in _OUTSIDE_LAYERS])
 
 
-def _modules(model: HFModelSpec, target: str) -> tuple[str, ...]:
+def hf_modules(model: HFModelSpec, target: str) -> tuple[str, ...]:
+    """The HF modules of one decoder layer `target` adapts on `model` (a non-gated MLP has no gate_proj)."""
     return tuple(m for m in HF_MODULES[target] if model.gated or m != "mlp.gate_proj")
 
 
 def _units(model: HFModelSpec, target: str, layer: int) -> list[str]:
     out = []
-    for m in _modules(model, target):
+    for m in hf_modules(model, target):
         if target in _OUTSIDE_LAYERS:
             out.append(m)
         elif m.startswith("mlp.") and model.num_experts:
@@ -103,7 +104,7 @@ def attribute(units: Iterable[str], model: HFModelSpec, ents: list[Entry]) -> di
         elif m:
             layer, module = int(m.group(1)), re.sub(r"experts\.\d+\.", "", m.group(2))
             owner = next((e.pattern for e in ents if e.target not in _OUTSIDE_LAYERS and e.layer in (None, layer)
-                          and module in _modules(model, e.target)), NO_ENTRY)
+                          and module in hf_modules(model, e.target)), NO_ENTRY)
         out.setdefault(owner, set()).add(unit)
     return out
 

@@ -50,10 +50,10 @@ ADAPTERS = {"lora": mb.LORA_TARGETS, "canonical_lora": mb.CANONICAL_TARGETS}  # 
 
 def hf_target_modules(model: HFModelSpec, opts: "PeftOptions | None" = None) -> list[str]:
     """The HF module names (adapter_config.json target_modules) the layout's targets adapt."""
-    from cases._lora_layout import HF_MODULES
+    from cases._lora_layout import hf_modules
 
     targets = (opts or PeftOptions()).base_targets(model)
-    return sorted({m.rsplit(".", 1)[-1] for t in targets for m in HF_MODULES[t] if model.gated or m != "mlp.gate_proj"})
+    return sorted({m.rsplit(".", 1)[-1] for t in targets for m in hf_modules(model, t)})
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,15 @@ class PeftOptions:
         validate(model, self.adapter, self.dim, self.targets, self.layers, topologies, ADAPTERS)
 
 
+def load_peft(base_dir: Path, adapter_dir: Path, dtype: str = "fp32") -> Any:
+    """The exported adapter `adapter_dir` over the HF base `base_dir`, loaded as users do
+    (PeftModel.from_pretrained over AutoModelForCausalLM.from_pretrained)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=HF_DTYPES[dtype]), adapter_dir)
+
+
 def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32") -> list[str]:
     """What goes wrong when users load the HF PEFT adapter `adapter_dir` over the HF base `base_dir`
     with peft ([] when nothing; the peft-load check of peft-export, verl-checkpoint and the golden
@@ -99,13 +108,9 @@ def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32") -
     result lists both."""
     import warnings
 
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=HF_DTYPES[dtype])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = PeftModel.from_pretrained(base, adapter_dir)
+        model = load_peft(base_dir, adapter_dir, dtype)
     problems = [f"from_pretrained warned: {w.message}" for w in caught if "adapter keys" in str(w.message)]
     result = model.load_adapter(adapter_dir, adapter_name="recheck")
     problems += [f"missing: {k}" for k in result.missing_keys]
@@ -128,11 +133,14 @@ def logits_tolerance(dtype: str, scale: float = MEASURED_SCALE) -> Tolerance:
     """PEFT_TOLERANCE(_BF16); in fp32 its atol grows with the LoRA scale alpha/r past the measured
     2 (the branch's rounding error is s * B(Ax)'s): `ckpt-harness explore --kind lora` drew 1.99e-5 at
     alpha/r 18 on a 6-layer Qwen3-MoE, and 1e-5 holds at 2. bf16's bound already covers the drawn scales."""
-    if dtype == "bf16":
-        return PEFT_TOLERANCE_BF16
+    return PEFT_TOLERANCE_BF16 if dtype == "bf16" else _scaled(PEFT_TOLERANCE, scale)
+
+
+def _scaled(tol: Tolerance, scale: float) -> Tolerance:
+    """An fp32 bound measured at alpha/r MEASURED_SCALE, its atol grown with alpha/r past it."""
     if scale <= MEASURED_SCALE:
-        return PEFT_TOLERANCE
-    return Tolerance(PEFT_TOLERANCE.atol * scale / MEASURED_SCALE, PEFT_TOLERANCE.rtol, f"{PEFT_TOLERANCE.why}, x alpha/r {scale:g} / 2")
+        return tol
+    return Tolerance(tol.atol * scale / MEASURED_SCALE, tol.rtol, f"{tol.why}, x alpha/r {scale:g} / 2")
 
 
 def logits_check(hf_lora: torch.Tensor, hf_base: torch.Tensor, megatron: torch.Tensor, src: str, dtype: str = "fp32",
@@ -149,13 +157,10 @@ def logits_check(hf_lora: torch.Tensor, hf_base: torch.Tensor, megatron: torch.T
 
 def peft_wrapped(base_dir: Path, adapter_dir: Path) -> set[str]:
     """The HF modules PeftModel.from_pretrained wraps with the adapter (cases._lora_layout.peft_units)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     from cases._lora_layout import peft_units
 
     quiet_hf()
-    return peft_units(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir))
+    return peft_units(load_peft(base_dir, adapter_dir))
 
 
 @dataclass
@@ -174,14 +179,11 @@ def peft_views(base_dir: Path, adapter_dir: Path, input_ids: torch.Tensor, dtype
     logits and weights (`save_merged_to`: what save_pretrained writes of them; an MoE model needs it:
     transformers 5 holds Qwen3-MoE's experts fused in memory and writes them per expert, the layout
     the Bridge's merged export has)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     from cases._lora_layout import peft_units
     from harness.backends._safetensors import read_safetensors
 
     quiet_hf()
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=HF_DTYPES[dtype]), adapter_dir)
+    model = load_peft(base_dir, adapter_dir, dtype)
     model.eval()
     units = peft_units(model)
     lora = model(input_ids=input_ids).logits.float()
@@ -203,11 +205,7 @@ def merge_weights_tolerance(dtype: str) -> Tolerance | None:
 def merge_tolerance(dtype: str, scale: float = MEASURED_SCALE) -> Tolerance:
     """MERGE_TOLERANCE(_BF16); in fp32 its atol grows with alpha/r past 2, as logits_tolerance's
     (explore drew 1.66e-4 at alpha/r 18 on a 9-layer Qwen3-MoE: within 9e-4)."""
-    if dtype == "bf16":
-        return MERGE_TOLERANCE_BF16
-    if scale <= MEASURED_SCALE:
-        return MERGE_TOLERANCE
-    return Tolerance(MERGE_TOLERANCE.atol * scale / MEASURED_SCALE, MERGE_TOLERANCE.rtol, f"{MERGE_TOLERANCE.why}, x alpha/r {scale:g} / 2")
+    return MERGE_TOLERANCE_BF16 if dtype == "bf16" else _scaled(MERGE_TOLERANCE, scale)
 
 
 def merged_logits_check(merged: torch.Tensor, unmerged: torch.Tensor, megatron: torch.Tensor | None, src: str, dtype: str = "fp32",

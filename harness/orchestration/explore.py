@@ -23,7 +23,6 @@ the entry's `options`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -41,7 +40,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from harness.core.topology import Topology, TopologyError
 from harness.core.zoo import AnyModel, HFModelSpec, ModelSpec
 from harness.orchestration.explore_lora import draws as lora_draws
-from harness.orchestration.explore_lora import excused, layout_options, run_draw
+from harness.orchestration.explore_lora import excused, layout_options, model_name, run_draw
 from harness.orchestration.explore_lora import matrix_entry as lora_entry
 from harness.orchestration.runner import RunOptions, case_envelope
 
@@ -74,15 +73,6 @@ def valid_topologies(model: ModelSpec, max_world: int) -> list[Topology]:
             continue
         out.append(topo)
     return out
-
-
-def model_name(fields_: dict[str, Any]) -> str:
-    """A stable name for a drawn shape (its fields' hash), so a printed zoo entry names itself."""
-    return "explore-" + hashlib.sha256(json.dumps(fields_, sort_keys=True).encode()).hexdigest()[:8]
-
-
-def _lcm(a: int, b: int) -> int:
-    return a * b // math.gcd(a, b)
 
 
 @st.composite
@@ -158,7 +148,7 @@ def _raw_triples(draw: st.DrawFn, max_world: int, kind: str, hf_pad_vocab: bool 
     topos = [t for t in all_topologies(max_world) if SEQ_LENGTH % (2 * t.cp) == 0 and (kind == "gpt" or t.cp == 1)]
     src = draw(st.sampled_from(topos))
     dst = draw(st.sampled_from([t for t in topos if t != src]))
-    tp, pp = _lcm(src.tp, dst.tp), _lcm(src.pp, dst.pp)
+    tp, pp = math.lcm(src.tp, dst.tp), math.lcm(src.pp, dst.pp)
     model = draw(models(tp, pp) if kind == "gpt" else hf_models(tp, pp, hf_pad_vocab))
     return model, src, dst
 

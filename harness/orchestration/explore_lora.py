@@ -39,10 +39,6 @@ Draw = tuple[HFModelSpec, Topology, Topology, Any]
 CASE, BACKEND = "peft-export", "bridge_peft"
 
 
-def _lcm(*xs: int) -> int:
-    return math.lcm(*xs)
-
-
 def topologies(max_world: int, moe: bool) -> list[Topology]:
     """Every tp/pp/dp (and for MoE ep, etp in {1, tp}) topology of <= max_world ranks, no CP
     (peft-export's Megatron forward has no CP path), smallest world first (hypothesis shrinks to it)."""
@@ -63,6 +59,8 @@ def topologies(max_world: int, moe: bool) -> list[Topology]:
 
 
 def model_name(values: dict[str, Any]) -> str:
+    """A stable name for a drawn shape (its fields' hash), so a printed zoo entry names itself
+    (harness.orchestration.explore's draws too)."""
     return "explore-" + hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:8]
 
 
@@ -87,7 +85,7 @@ def lora_models(draw: st.DrawFn, tp: int, pp: int, ep: int, etp: int, moe: bool,
         # (transformer_config.py:2329-2336, "Please use --moe-router-pre-softmax when topk is 1"), which
         # the Bridge maps from norm_topk_prob (qwen3_moe_bridge.py:66): such an HF model has no Megatron twin
         values["num_experts"] = ep * draw(st.integers(1 if ep > 1 else 2, 3))
-        values["moe_intermediate_size"] = _lcm(etp, ffn_unit) * draw(st.integers(1, 12 // ffn_unit))
+        values["moe_intermediate_size"] = math.lcm(etp, ffn_unit) * draw(st.integers(1, 12 // ffn_unit))
     return HFModelSpec(model_name(values), "drawn by harness.orchestration.explore_lora", **values)
 
 
@@ -101,7 +99,7 @@ def layouts(draw: st.DrawFn, model: HFModelSpec, src: Topology, dst: Topology) -
 
     adapter = draw(st.sampled_from(["lora", "canonical_lora"]))
     kind = [t for t in ADAPTERS[adapter] if model.gated or t != "linear_fc1_gate"] + list(EXTRA_TARGETS)
-    unit = _lcm(src.tp, dst.tp, src.etp, dst.etp)
+    unit = math.lcm(src.tp, dst.tp, src.etp, dst.etp)
     targets: tuple[str, ...] = ()
     if draw(st.booleans()):
         chosen = draw(st.sets(st.sampled_from(kind), min_size=1))
@@ -211,7 +209,7 @@ def _raw(draw: st.DrawFn, max_world: int, with_known: bool) -> Draw:
         topos = [t for t in topos if t.ep == 1 and t.etp == 1]
     src = draw(st.sampled_from(topos))
     dst = draw(st.sampled_from(topos))  # S == D too: peft-export then exports at S only (no dist checkpoint)
-    model = draw(lora_models(_lcm(src.tp, dst.tp), _lcm(src.pp, dst.pp), _lcm(src.ep, dst.ep), _lcm(src.etp, dst.etp), moe,
+    model = draw(lora_models(math.lcm(src.tp, dst.tp), math.lcm(src.pp, dst.pp), math.lcm(src.ep, dst.ep), math.lcm(src.etp, dst.etp), moe,
                              1 if with_known else 4))  # fp32 rows of 16 bytes: hf-moe-grouped-mm-stride otherwise
     return model, src, dst, draw(layouts(model, src, dst))
 

@@ -210,4 +210,7 @@ def test_the_async_writer_is_asked_for_the_way_each_core_line_takes_it():
     assert async_save_kwargs(save_016, "mcore") == {}
     with pytest.raises(AttributeError) as err:
         async_save_kwargs(save_016, "nvrx")
-    assert api_unavailable("AttributeError", str(err.value), "").startswith("API not available in megatron-core ")
+    import traceback
+
+    tb = "".join(traceback.format_exception(err.value))  # raised in the harness's own driver: its lookup, a hole
+    assert api_unavailable("AttributeError", str(err.value), tb).startswith("API not available in megatron-core ")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -17,8 +16,9 @@ from typing import Any, Callable, Iterable, Iterator
 from harness.backends import ref_of
 from harness.core.memory import MiB, PhaseMemory
 from harness.core.parity import BUDGET
-from harness.core.result import API_MISSING, CaseResult, Check, api_missing_line, api_missing_parts
-from harness.core.spec import CaseSpec, XFail
+from harness.core.result import CaseResult, Check
+from harness.core.spec import CaseSpec
+from harness.judge.status import api_unavailable, apply_expected_failure, errored, settle
 from harness.report.results import moved_from_pins
 from harness.run import ranklog
 from harness.run.envelope import RunEnv
@@ -87,88 +87,8 @@ def strategy_checks(spec: CaseSpec, result: CaseResult, driven: list | None = No
 
 
 def apply_xfail(spec: CaseSpec, result: CaseResult) -> None:
-    """Strict expected failure of a matrix entry (`apply_expected_failure` with its xfail)."""
+    """Strict expected failure of a matrix entry (harness.judge.status.apply_expected_failure)."""
     apply_expected_failure(spec.xfail, result)
-
-
-def apply_expected_failure(xfail: XFail | None, result: CaseResult) -> None:
-    """Strict expected failure: the named failure becomes `xfailed`, another failure stays
-    `failed` (with why), and a pass becomes `failed` as XPASS(strict). A `not-run` case showed
-    nothing either way and stays `not-run`; a `not-applicable` one stays so unless the named defect is
-    that missing API itself. The golden corpus gives one where what it read shows a known defect
-    (harness.gate.golden)."""
-    if xfail is None or result.status == "not-run":
-        return
-    if result.status in ("failed", "error", "not-applicable"):
-        unexpected = xfail.explains(result)
-        if unexpected and (result.status == "not-applicable" or (result.status == "error" and api_missing_line(result.error))):
-            # the case could not run here (and the defect is not that API's absence): neither met nor missed, a hole
-            result.notes.append(f"expected failure not judged: the case could not run here ({xfail.reason})")
-            return
-        if unexpected:
-            result.notes.append(f"failed, but not as expected: {unexpected} ({xfail.reason})")
-            result.status = "failed"
-        else:
-            result.status = "xfailed"
-        return
-    result.status = "failed"
-    result.error = (
-        f"XPASS(strict): expected to fail ({xfail.reason}) but passed; "
-        "if upstream fixed it, remove the xfail from the matrix"
-    )
-
-
-# Top-level module path -> the distribution a user would bump.
-_UPSTREAM = (("megatron.bridge", "megatron-bridge"), ("megatron", "megatron-core"),  # megatron.core, megatron.training
-             ("transformers", "transformers"), ("peft", "peft"), ("torch", "torch"))
-_API_ERRORS = ("ImportError", "ModuleNotFoundError", "AttributeError")
-#: this project's own top-level modules, never an upstream's (verl also ships a top-level `tests`)
-_OWN = ("harness", "cases", "tests", "benchmarks")
-_NAMED_MODULE = re.compile(r"No module named '([\w.]+)'|cannot import name '\w+' from '([\w.]+)'|module '([\w.]+)' has no attribute")
-_FRAME = re.compile(r'File ".*?site-packages/([\w/]+)\.py"')
-# An attribute missing on a builtin value (None where a dict was expected) is bad data, not a moved API.
-_DATA_OBJECT = re.compile(r"^'(NoneType|dict|list|tuple|str|bytes|int|float|bool)' object has no attribute")
-_OBJECT = re.compile(r"^(?:type object )?'(\w+)' (?:object )?has no attribute")
-
-
-def _class_module(class_name: str) -> str | None:
-    """The module of the upstream class named `class_name` among the modules imported here: an
-    "'AutoBridge' object has no attribute" names no module, and the traceback's last upstream frame
-    is whatever called the harness (torch's launcher), which blamed torch for Bridge's and Core's
-    missing methods."""
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not any(name == p or name.startswith(p + ".") for p, _ in _UPSTREAM) or name.startswith("torch"):
-            continue
-        cls = vars(mod).get(class_name)  # never getattr: a lazy module (transformers) would import on it
-        if isinstance(cls, type) and cls.__name__ == class_name:
-            return cls.__module__
-    return None
-
-
-def api_unavailable(exc_type: str, message: str, traceback_text: str) -> str | None:
-    """'API not available in <package> <version>: <what>' when an import or attribute lookup in an
-    upstream package failed (a candidate moved or removed an API the harness calls), else None.
-    The package is the module the message names, else the last upstream frame of the traceback."""
-    from importlib import metadata
-
-    if exc_type not in _API_ERRORS or (exc_type == "AttributeError" and _DATA_OBJECT.match(message)):
-        return None
-    named = _NAMED_MODULE.search(message)
-    frames = _FRAME.findall(traceback_text)
-    obj = _OBJECT.match(message)
-    module = (next((g for g in named.groups() if g), "") if named else (obj and _class_module(obj[1]))
-              or (frames[-1].replace("/", ".") if frames else ""))
-    dist = next((d for prefix, d in _UPSTREAM if module == prefix or module.startswith(prefix + ".")), None)
-    top = module.split(".")[0]
-    if dist is None and top not in _OWN:  # any other installed package (pyarrow under an old datasets)
-        dist = next(iter(metadata.packages_distributions().get(top, [])), None)
-    if dist is None:
-        return None
-    try:
-        version = metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        version = "(not installed)"
-    return f"{API_MISSING}{dist} {version}: {exc_type}: {message.splitlines()[0] if message else ''}"
 
 
 def error_text(exc: Exception, tb: str | None = None) -> str:
@@ -213,10 +133,11 @@ def case_envelope(result: CaseResult, options: RunOptions, timeout_s: float | No
     with `options`' dist backend, launcher and rank hooks, each world limited to `timeout_s`
     (`options.timeout_s` when None), sharing the run's source store when `options.sources` is set,
     `options.reuse` holds and no rank hook may damage what a world writes; every case that used the store
-    gets its `source-unchanged` checks. An exception raised inside is not raised further: the result
-    becomes `error` with `error_text` (the "API not available in <package> <version>" line first
-    when an upstream API moved, then the failing rank's traceback or this process's). Otherwise,
-    unless the body set `result.error`, the status is `failed` when a check failed, else `passed`.
+    gets its `source-unchanged` checks. An exception raised inside (any but an interrupt or exit) is
+    not raised further: harness.judge.status decides the status, from `error_text` when the body
+    raised (the "API not available in <package> <version>" line first when the harness's own code
+    reached for a missing upstream API, then the failing rank's traceback or this process's), else
+    from the checks.
     The total time goes into result.phases["total"]; the scratch directory is removed unless
     `options.keep` (a note then says where it is). With `options.log_dir`, the case's rank output
     and this process's (judging in-process) go to its log directory, named in `result.logs`."""
@@ -238,15 +159,12 @@ def case_envelope(result: CaseResult, options: RunOptions, timeout_s: float | No
             yield env
         finally:  # also after an error: a loader that wrote into a source must not hand it to the next case
             result.checks.extend(env.source_checks())
-        if result.error is None:
-            result.status = "failed" if result.failed_checks else "passed"
-    except Exception as exc:  # a rank's or the harness's error is reported, not raised: the matrix goes on
-        result.status = "error"
-        result.error = error_text(exc, traceback.format_exc())
-        if (api := api_missing_parts(result.error)) and api[0] in moved_from_pins():
-            # the release under test lacks what the case needs: not-applicable to it, the traceback kept in `error`
-            result.status = "not-applicable"
-            result.not_applicable_reason = f"{api_missing_line(result.error)} (this environment moved {api[0]} from the project's pins)"
+        settle(result)
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise  # the user's or the interpreter's stop: never a case result
+    except BaseException as exc:  # noqa: BLE001 - a rank's or the harness's error is reported, not raised: the
+        # matrix goes on; torch's CheckpointException is a BaseException, and it must not end the run
+        errored(result, error_text(exc, traceback.format_exc()), moved_from_pins())
     finally:
         result.phases["total"] = round(time.perf_counter() - start, 3)
         if options.keep:

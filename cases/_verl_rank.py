@@ -55,6 +55,10 @@ class VerlOut(TrainOut):
     rng: dict[str, str] = field(default_factory=dict)
     saved_steps: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # (adapter) Megatron+LoRA logits at S, on the rank that has them
+    #: the loading job's RNG digest and scheduler view right before its load (the decoys the load must
+    #: overwrite); None: not recorded (a save rank), so the judges cannot tell a restore from no load
+    rng_before: dict[str, str] | None = None
+    scheduler_before: dict | None = None
 
 
 def set_rng(seed: int) -> None:
@@ -166,7 +170,11 @@ def verl_rank(ctx: RankContext, p: VerlPhase) -> VerlOut:
     out = VerlOut([], [], [], coords=(parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()))
     ddp, opts = job.chunks, p.opts
     if p.load:
+        from harness.models.training import scheduler_view
+
         set_rng(DECOY_RNG_SEED)
+        out.rng_before = rng_digest()
+        out.scheduler_before = scheduler_view(job.scheduler, job.optimizer)
         load_training(ctx, backend, job, Path(p.ckpt), opts.workarounds)
         _views(out, job)
         out.rng = rng_digest()

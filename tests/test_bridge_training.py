@@ -68,12 +68,21 @@ def test_a_defective_resume_fails_its_check(tmp_path, backend, check, words):
     assert words in r.check(check).detail
 
 
-def _ev(op, iteration, flops=4.5e9, rng="a", tp=1, **place):
+def _digest(python="a", rest=""):
+    """Digests of every RNG: `python` differs per test, `rest` (a decoy) moves the other three too."""
+    return {"python": python, "numpy": "n" + rest, "torch": "t" + rest, "tracker": "k" + rest}
+
+
+def _ev(op, iteration, flops=4.5e9, rng="a", tp=1, before="decoy", **place):
+    """A save or load event; a load's pre-load records default to decoys (fresh train state, every
+    RNG at another state); `before="a"` is a load whose RNG already equalled the save's."""
     ts = {"step": float(iteration), "consumed_train_samples": 4.0 * iteration, "floating_point_operations_so_far": flops}
-    e = {"op": op, "iteration": iteration, "train_state": ts, "rng": {"python": rng, "numpy": "n", "torch": "t", "tracker": "k"},
-         "tp": tp, "pp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "backend": "bridge_training", **place}
+    e = {"op": op, "iteration": iteration, "train_state": ts, "rng": _digest(rng), "tp": tp, "pp": 1, "tp_rank": 0, "pp_rank": 0,
+         "dp_rank": 0, "backend": "bridge_training", **place}
     if op == "load":
         e["flops"] = flops
+        e.setdefault("train_state_before", {"step": 0.0, "consumed_train_samples": 0.0, "floating_point_operations_so_far": 0.0})
+        e.setdefault("rng_before", _digest(before, before) if before != rng else e["rng"])
     return e
 
 
@@ -88,14 +97,33 @@ def test_the_checks_read_the_events():
     assert _run(o, _ev("save", 3), _ev("load", 2))["train-state"].status == "failed"  # an iteration nobody saved
     assert _run(o, _ev("save", 3), _ev("load", 3, flops=4499999744.0))["flops"].status == "failed"
     assert _run(o, _ev("save", 3), _ev("load", 3, rng="b"))["rng-state"].status == "failed"
-    moved = _run(o, _ev("save", 3, tp=2), _ev("load", 3, rng="b"))["rng-state"]
-    assert moved.status == "passed" and "by design" in moved.detail
-    ft = _run(BridgeTrainingOptions(finetune=True), _ev("save", 3), _ev("load", 3))
+    moved = _run(o, _ev("save", 3, tp=2), _ev("load", 3, rng="b", before="b"))["rng-state"]  # left at its decoy
+    assert moved.status == "passed" and "by design" in moved.detail and "left at its pre-load decoy" in moved.detail
+    touched = _run(o, _ev("save", 3, tp=2), _ev("load", 3, rng="b", before="c"))["rng-state"]  # restored across a TP change
+    assert touched.status == "failed" and "must not restore" in touched.detail
+    ft = _run(BridgeTrainingOptions(finetune=True), _ev("save", 3), _ev("load", 3, before="a"))
     assert ft["train-state"].status == "failed" and "flops" not in ft  # a finetune that kept the iteration
-    fell_back = _run(o, _ev("save", 3), _ev("load", 0, finetune=True, pretrained="ckpt"))  # Bridge set finetune itself
+    fell_back = _run(o, _ev("save", 3), _ev("load", 0, rng="d", before="d", finetune=True, pretrained="ckpt"))  # Bridge set finetune itself
     assert fell_back["train-state"].status == "passed" and "flops" not in fell_back, fell_back
+    assert fell_back["rng-state"].status == "passed" and "finetune" in fell_back["rng-state"].detail
     assert _run(o, _ev("save", 3), _ev("load", 3, finetune=True))["train-state"].status == "failed"
     assert state_check(o, {"save": {"0": [_ev("save", 3)]}}) == []
+
+
+def test_a_load_whose_state_already_equalled_the_saved_one_proves_nothing():
+    """No decoy before the load (the RNG, train state or FLOPs already what the save wrote): the
+    comparison after the load cannot tell a restore from no load at all, so each check is not-run
+    saying so; one rank-load from a decoy is enough to prove the restore."""
+    o = BridgeTrainingOptions()
+    saved = {"step": 3.0, "consumed_train_samples": 12.0, "floating_point_operations_so_far": 4.5e9}
+    same = _run(o, _ev("save", 3), _ev("load", 3, before="a", train_state_before=saved))
+    for name in ("rng-state", "train-state", "flops"):
+        assert same[name].status == "not-run" and "already equalled the saved one" in same[name].detail, same[name]
+    mixed = {c.name: c for c in state_check(o, {"save": {"0": [_ev("save", 3)]},
+                                                "load": {"0": [_ev("load", 3)], "1": [_ev("load", 3, before="a", dp_rank=1)]}})}
+    assert mixed["rng-state"].status == "passed" and "not proven on some rank-loads" in mixed["rng-state"].detail
+    unrecorded = _run(o, _ev("save", 3), {k: v for k, v in _ev("load", 3).items() if k != "rng_before"})
+    assert unrecorded["rng-state"].status == "not-run" and "no pre-load RNG record" in unrecorded["rng-state"].detail
     assert state_check(o, {"save": {"0": [_ev("save", 3)]}, "load": {"0": [{**_ev("load", 3), "backend": "mcore_dist"}]}}) == []
 
 

@@ -75,8 +75,19 @@ def _import_bridge() -> None:
     import_megatron_bridge()
 
 
+def _state_bytes(state: Any) -> bytes:
+    """A tracker state's bytes: a generator state tensor, or (graph-safe tracker) a torch.Generator."""
+    return (state.get_state() if isinstance(state, torch.Generator) else state).cpu().numpy().tobytes()
+
+
+def _cuda() -> bool:
+    """Whether this rank has a CUDA generator of its own (a CPU rank's torch.cuda.get_rng_state is a shim)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def rng_digest() -> dict[str, str]:
-    """A digest per RNG this rank holds (python, numpy, torch, megatron's tracker), read without drawing."""
+    """A digest per RNG this rank holds (python, numpy, torch, CUDA where the rank has it, megatron's
+    tracker), read without drawing."""
     import numpy as np
     from megatron.core import tensor_parallel
 
@@ -84,9 +95,79 @@ def rng_digest() -> dict[str, str]:
         return hashlib.sha256(b).hexdigest()[:12]
 
     tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
-    return {"python": h(repr(random.getstate()).encode()), "numpy": h(np.random.get_state()[1].tobytes()),
-            "torch": h(torch.get_rng_state().numpy().tobytes()),
-            "tracker": h(b"".join(k.encode() + v.numpy().tobytes() for k, v in sorted(tracker.items())))}
+    out = {"python": h(repr(random.getstate()).encode()), "numpy": h(np.random.get_state()[1].tobytes()),
+           "torch": h(torch.get_rng_state().numpy().tobytes()),
+           "tracker": h(b"".join(k.encode() + _state_bytes(v) for k, v in sorted(tracker.items())))}
+    if _cuda():
+        out["cuda"] = h(torch.cuda.get_rng_state().numpy().tobytes())
+    return out
+
+
+def _decoy_state(state: Any, seed: int) -> Any:
+    """A tracker state of the same kind as `state`, from `seed`: a CPU generator state (the CPU
+    shim's), a CUDA generator state, or a graph-safe tracker's torch.Generator."""
+    if isinstance(state, torch.Generator):
+        g = state.clone_state()
+        g.manual_seed(seed)
+        return g
+    cpu = torch.Generator().manual_seed(seed).get_state()
+    if state.numel() == cpu.numel() or not _cuda():
+        return cpu
+    kept = torch.cuda.get_rng_state()
+    torch.cuda.manual_seed(seed)
+    decoy = torch.cuda.get_rng_state()
+    torch.cuda.set_rng_state(kept)
+    return decoy
+
+
+class RngDecoy:
+    """Every RNG a Bridge checkpoint carries (python, numpy, torch, CUDA, megatron's tracker), set to
+    a decoy before a load, as the weights start from decoys: a load that restores nothing leaves the
+    decoy, which differs from what the save wrote, so the rng-state check fails. The tracker's
+    decoy is written to its storage directly (not through set_states: a defective set_states must
+    not defeat the decoy). `before` is the digest right before the load. After the load has been
+    recorded, `settle` puts back the job's own state of every generator the load left at its decoy
+    (Bridge ignores RNG by design across a TP/PP change, with finetune or load_rng false: the job
+    goes on as it would have)."""
+
+    def __init__(self, seed: int) -> None:
+        import numpy as np
+        from megatron.core import tensor_parallel
+
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        states = tracker.get_states()
+        self._own = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                     "tracker": dict(states), **({"cuda": torch.cuda.get_rng_state()} if _cuda() else {})}
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)  # with CUDA, every device's generator too
+        decoy = {k: _decoy_state(v, seed + 1 + i) for i, (k, v) in enumerate(sorted(states.items()))}
+        if hasattr(tracker, "states_"):
+            tracker.states_ = decoy
+        else:
+            tracker.set_states(decoy)
+        self.before = rng_digest()
+
+    def settle(self) -> None:
+        import numpy as np
+        from megatron.core import tensor_parallel
+
+        now = rng_digest()
+        left = {k for k, v in self.before.items() if now.get(k) == v}
+        if "python" in left:
+            random.setstate(self._own["python"])
+        if "numpy" in left:
+            np.random.set_state(self._own["numpy"])
+        if "torch" in left:
+            torch.set_rng_state(self._own["torch"])
+        if "cuda" in left and "cuda" in self._own:
+            torch.cuda.set_rng_state(self._own["cuda"])
+        if "tracker" in left:
+            tracker = tensor_parallel.get_cuda_rng_tracker()
+            if hasattr(tracker, "states_"):
+                tracker.states_ = dict(self._own["tracker"])
+            else:
+                tracker.set_states(dict(self._own["tracker"]))
 
 
 def _place() -> dict[str, int]:
@@ -115,10 +196,12 @@ class BridgeTraining(Backend):
         self._context: dict = {}  # Bridge's checkpointing_context: strategies kept across a job's saves
         self._async: Any = None  # the GlobalState whose async calls queue holds this job's pending saves
         self._pending: list[Path] = []
+        self._decoy: RngDecoy | None = None  # the RNG decoy of the load in flight (_load to _loaded)
+        self._train_state_before: dict[str, float] = {}
 
     def configured(self, options: Any) -> "BridgeTraining":
         other = super().configured(options)
-        other._context, other._async, other._pending = {}, None, []
+        other._context, other._async, other._pending, other._decoy, other._train_state_before = {}, None, [], None, {}
         return other
 
     def unavailable(self) -> str | None:
@@ -278,15 +361,22 @@ class BridgeTraining(Backend):
         record_event({"op": "save", "iteration": job.step, "train_state": _train_state(state), "rng": rng_digest(), **_place()}, self.name)
 
     def _load(self, job: Any, directory: Path, **checkpoint: Any) -> tuple[int, float, Any]:
-        """Bridge's load_checkpoint with this CheckpointConfig: (iteration, FLOPs, the GlobalState)."""
+        """Bridge's load_checkpoint with this CheckpointConfig: (iteration, FLOPs, the GlobalState).
+        Every RNG starts from a decoy (RngDecoy) and the train state from a fresh TrainState (step,
+        samples and FLOPs 0, what a starting job holds); both are recorded, so a check can tell a
+        restore from a state that already equalled the saved one."""
         _import_bridge()
         from megatron.bridge.training.checkpointing import load_checkpoint
         from megatron.bridge.training.state import TrainState
+
+        from harness.core.truth import DECOY_SEED_OFFSET
 
         o = self.options
         self._prepare(job)
         state = self._state(job, save=None, load_optim=o.load_optim, load_rng=o.load_rng, finetune=o.finetune, **checkpoint)
         state.train_state = TrainState()
+        self._train_state_before = _train_state(state)
+        self._decoy = RngDecoy(job.seed + DECOY_SEED_OFFSET + 1000 * torch.distributed.get_rank())
         try:
             iteration, flops = load_checkpoint(state, job.chunks, job.optimizer, job.scheduler, checkpointing_context=self._context)
         except SystemExit as exc:  # Bridge's load exits the process on some failures
@@ -294,8 +384,12 @@ class BridgeTraining(Backend):
         return iteration, flops, state
 
     def _loaded(self, iteration: int, flops: float, state: Any, **more: Any) -> None:
+        decoy, self._decoy = self._decoy, None
         record_event({"op": "load", "iteration": iteration, "flops": flops, "train_state": _train_state(state),
-                      "finetune": bool(state.cfg.checkpoint.finetune), "rng": rng_digest(), **_place(), **more}, self.name)
+                      "train_state_before": self._train_state_before, "finetune": bool(state.cfg.checkpoint.finetune),
+                      "rng": rng_digest(), "rng_before": decoy.before if decoy else {}, **_place(), **more}, self.name)
+        if decoy is not None:
+            decoy.settle()
 
     def load_training(self, ctx: RankContext, job: Any, directory: Path) -> None:
         """Bridge's resume from the checkpoint root `directory` (its tracker names the iteration); an

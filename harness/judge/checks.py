@@ -36,6 +36,14 @@ def _max_diff(expected: Mapping[str, torch.Tensor], actual: Mapping[str, torch.T
     return max(diffs, default=0.0)
 
 
+def _empty(name: str, what: str, empty_ok: str, tolerance: Tolerance = NOT_COMPARED) -> Check:
+    """A check given nothing to judge: passed only where the caller says why nothing is the right
+    answer (`empty_ok`), else failed, naming what was empty (a vacuous pass proves nothing)."""
+    if empty_ok:
+        return Check(name, "passed", f"{what}, as it must be: {empty_ok}", tolerance=tolerance)
+    return Check(name, "failed", f"nothing to judge: {what}", tolerance=tolerance)
+
+
 def state_check(
     name: str,
     expected: Mapping[str, torch.Tensor],
@@ -45,11 +53,15 @@ def state_check(
     detail_ok: str,
     tolerance: Tolerance | None = None,
     problems: Sequence[Mismatch] = (),
+    empty_ok: str = "",
 ) -> Check:
     """Every key of both sides equal (bitwise, or within `tolerance`), plus any `problems` found on
-    the way (coverage holes, diverged replicas from `assemble`)."""
-    mismatches = list(problems) + compare_state(expected, actual, expected_label, actual_label, tolerance)
+    the way (coverage holes, diverged replicas from `assemble`). Both sides empty fails (no tensor
+    was compared) unless `empty_ok` says why no tensors is right."""
     label = label_of(tolerance)
+    if not expected and not actual and not problems:
+        return _empty(name, f"no tensors on either side ({expected_label}, {actual_label})", empty_ok, label)
+    mismatches = list(problems) + compare_state(expected, actual, expected_label, actual_label, tolerance)
     if mismatches:
         worst = max((m.max_abs_diff for m in mismatches if m.max_abs_diff is not None), default=None)
         kinds = sorted({m.kind for m in mismatches})
@@ -65,7 +77,13 @@ def tensor_check(
     actual_label: str,
     detail_ok: str,
     tolerance: Tolerance | None = None,
+    empty_ok: str = "",
 ) -> Check:
+    """`expected` and `actual` equal (bitwise, or within `tolerance`); two empty tensors fail (no
+    element was compared) unless `empty_ok` says why that is right."""
+    if expected.numel() == 0 and actual.numel() == 0:
+        return _empty(name, f"no elements on either side ({expected_label} {tuple(expected.shape)}, "
+                      f"{actual_label} {tuple(actual.shape)})", empty_ok, label_of(tolerance))
     m = compare_tensors(name, expected, actual, expected_label, actual_label, tolerance)
     diff = max_abs_diff(expected, actual)
     if m is None:
@@ -89,9 +107,16 @@ def replicated(outs: Iterable[Any], field: str) -> tuple[Any, bool]:
     return first, all(torch.equal(first.view(torch.uint8), f.view(torch.uint8)) for f in found[1:])
 
 
-def knob_check(name: str, sides: Sequence[tuple[str, Sequence[Sequence[Mapping[str, Any]]]]], detail_ok: str) -> Check:
+def knob_check(name: str, sides: Sequence[tuple[str, Sequence[Sequence[Mapping[str, Any]]]]], detail_ok: str,
+               empty_ok: str = "") -> Check:
     """Every configuration knob a case asked is what the built objects use, on every rank of
-    every side: `sides` is [(label, [per-rank list of {knob, asked, actual, ok}])]."""
+    every side: `sides` is [(label, [per-rank list of {knob, asked, actual, ok}])]. No side, or a
+    side whose ranks recorded no knob, fails (nothing was compared) unless `empty_ok` says why."""
+    if not sides:
+        return _empty(name, "no side recorded knobs", empty_ok, EXACT)
+    bare = [f"{label} ({len(ranks)} rank(s))" for label, ranks in sides if not any(ranks)]
+    if bare:
+        return _empty(name, f"no knob records from {', '.join(bare)}", empty_ok, EXACT)
     bad = [
         f"{label} rank {rank}: {k['knob']} asked {k['asked']!r}, built {k['actual']!r}"
         for label, ranks in sides
@@ -136,7 +161,7 @@ WEIGHTS_MATCH_MAIN_PARAMS = "weights-match-main-params"
 
 
 def weights_match_main_params(
-    sides: Sequence[tuple[str, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]], dtype: str,
+    sides: Sequence[tuple[str, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]], dtype: str, empty_ok: str = "",
 ) -> Check:
     """Mixed precision keeps two copies of every weight: the bf16 model param and the optimizer's
     fp32 main param, which the optimizer steps and copies down (round to nearest even) after every
@@ -147,11 +172,18 @@ def weights_match_main_params(
 
     `sides` is [(label, full model tensors by key, full optimizer tensors by
     `optimizer.state.<kind>.<key>`)], as harness.judge.checks.assembled gives them. fp32 training has no
-    such split (the optimizer steps the model params themselves): recorded not-run, with why."""
+    such split (the optimizer steps the model params themselves): recorded not-run, with why. No
+    side, or a side with no weights and no main params, fails unless `empty_ok` says why."""
     name = WEIGHTS_MATCH_MAIN_PARAMS
     if dtype != "bf16":
         return Check(name, "not-run", f"dtype {dtype}: the optimizer steps the model params themselves, there is no "
                      "separate fp32 main copy to match", tolerance=NOT_COMPARED)
+    if not sides:
+        return _empty(name, "no side to compare (no weights, no optimizer)", empty_ok, BITWISE)
+    bare = [label for label, weights, optimizer in sides
+            if not weights and not any(k.startswith(MAIN_PARAM_PREFIXES) for k in optimizer)]
+    if bare:
+        return _empty(name, f"no bf16 weights and no fp32 main params at {', '.join(bare)}", empty_ok, BITWISE)
     mismatches: list[Mismatch] = []
     total = 0
     for label, weights, optimizer in sides:
@@ -188,7 +220,13 @@ def async_finalize_check(records: Sequence[Sequence[Mapping[str, Any]]], directo
     proved nothing: the save was not asynchronous), it was complete right after, and it is
     complete now, as the next job finds it (`complete_now`, the parent's look, None = unknown).
     A job that skips the finalize leaves shards without metadata: this check fails, and the case
-    does not load what was never completed."""
+    does not load what was never completed. No directory, or no rank's records, fails: nothing
+    was finalized."""
+    if not directories:
+        return Check(ASYNC_FINALIZE, "failed", "nothing to judge: no async save directory given", tolerance=EXACT)
+    if not records:
+        return Check(ASYNC_FINALIZE, "failed", f"nothing to judge: no rank recorded a finalize for {list(directories)}",
+                     tolerance=EXACT)
     problems = []
     for d in directories:
         seen = [[r for r in rank if r.get("directory") == d] for rank in records]
@@ -273,7 +311,10 @@ def async_equals_sync_check(sync: Mapping[str, Any], asynchronous: Mapping[str, 
 def tracker_names_check(seen: Sequence[tuple[str, str | None, str]]) -> Check:
     """The "latest" tracker (latest_checkpointed_iteration.txt) never names a step whose save is not
     finished: `seen` is [(when, what the tracker named then or None = no tracker file, what it must
-    name then)], e.g. ("before the async save's finalize", "1", "1"), ("after the kill", "2", "1")."""
+    name then)], e.g. ("before the async save's finalize", "1", "1"), ("after the kill", "2", "1").
+    No observation fails: nothing was looked at."""
+    if not seen:
+        return Check("tracker", "failed", "nothing to judge: no look at the tracker was recorded", tolerance=EXACT)
     bad = [f"{when}: names {got if got is not None else 'nothing (no tracker file)'}, expected {want}" for when, got, want in seen
            if got != want]
     text = "; ".join(f"{when}: {got if got is not None else 'none'}" for when, got, _ in seen)

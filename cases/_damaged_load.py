@@ -3,28 +3,49 @@ silent with or without corrupt data): what corrupt-load and interrupted-save sha
 
 from __future__ import annotations
 
+import re
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 
 from harness.backends import BackendRef, get_backend
 from harness.core import truth
 from harness.core.context import RankContext
+from harness.core.frames import Frame
 from harness.core.parity import NOT_COMPARED, Mismatch, Shard
 from harness.core.result import Check
 from harness.core.topology import Topology
 from harness.core.zoo import ModelSpec
 from harness.faults.damage import Damage
-from harness.judge.checks import state_check
+from harness.judge.checks import refusal_check, state_check
 from harness.models import mcore as models
 from harness.run.world import WorldError, WorldTimeout, exception_of
 
 
 class RefusedLoadError(RuntimeError):
     """Raised by a load-side rank around the backend's load only, so the parent tells a refusal of
-    the damaged checkpoint from a harness error elsewhere in the rank. Message: the exception chain."""
+    the damaged checkpoint from a harness error elsewhere in the rank. Message: a `_RAISED_AT` line
+    naming the load's raising frame (its traceback text cannot: torch DCP's message embeds the
+    ranks' tracebacks), then the exception chain."""
+
+
+_RAISED_AT = "raised at\t"  # path \t line \t function \t code
+
+
+def frame_of(exc: BaseException) -> Frame | None:
+    """Where `exc` itself was raised: the innermost frame of its own traceback with a real file."""
+    found = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    return Frame(found[-1].filename, found[-1].lineno or 0, found[-1].name, (found[-1].line or "").strip()) if found else None
+
+
+def refusal_message(exc: BaseException) -> str:
+    """RefusedLoadError's message: the raising frame line, then the chain."""
+    f = frame_of(exc)
+    head = f"{_RAISED_AT}{f.path}\t{f.line}\t{f.function}\t{f.code}\n" if f else ""
+    return head + chain_text(exc)
 
 
 def chain_text(exc: BaseException) -> str:
@@ -40,10 +61,39 @@ def chain_text(exc: BaseException) -> str:
     return "\n".join(parts)
 
 
+#: What a dist checkpoint load may refuse with where its backend says nothing else: megatron-core's
+#: dist_checkpointing error (harness.backends.mcore_dist.McoreDist.refusals).
+DIST_REFUSALS: tuple[str, ...] = ("CheckpointingException",)
+
+
 @dataclass(frozen=True)
 class Outcome:
     kind: Literal["refused", "silent", "crashed"]
     text: str = ""  # refused: the exception chain ("Type: message", outermost first); crashed: the world's error
+    #: refused: where the outermost exception was raised (None: not known, e.g. a hand-made outcome)
+    frame: Frame | None = None
+
+    @property
+    def exc_type(self) -> str:
+        """The class of the outermost exception of a refusal (what a user's `except` sees): the
+        chain's first `Type: message` line."""
+        m = _CHAIN_HEAD.match(self.text.strip())
+        return m[1].rsplit(".", 1)[-1] if m else ""
+
+    @property
+    def message(self) -> str:
+        """The outermost exception's message (its first line)."""
+        m = _CHAIN_HEAD.match(self.text.strip())
+        return m[2] if m else self.text.strip()
+
+
+#: the first line of chain_text: `Type: message` or `Type (a BaseException: ...): message`
+_CHAIN_HEAD = re.compile(r"([\w.]+)(?: \(a BaseException[^)]*\))?: ?(.*)")
+
+
+def refused(exc: BaseException) -> Outcome:
+    """A load that raised `exc` in this process, as an outcome naming its chain and raising frame."""
+    return Outcome("refused", chain_text(exc), frame_of(exc))
 
 
 @dataclass(frozen=True)
@@ -74,7 +124,7 @@ def rank_dist(ctx: RankContext, p: DistPhase) -> LoadOut:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # torch DCP's CheckpointException is a BaseException
-            raise RefusedLoadError(chain_text(exc)) from exc
+            raise RefusedLoadError(refusal_message(exc)) from exc
     shards = models.local_shards(model)
     return LoadOut(shards, sum(s.data.numel() * s.data.element_size() for s in shards))
 
@@ -96,16 +146,29 @@ def quote(text: str) -> str:
 def judge(
     dmg: Damage, outcome: Outcome, expected: dict[str, torch.Tensor] | None = None,
     loaded: dict[str, torch.Tensor] | None = None, problems: list[Mismatch] | None = None, label: str = "loaded",
+    allowed: Sequence[str] = DIST_REFUSALS,
 ) -> list[Check]:
     """`outcome` and `loaded-canonical` from what the load did. `expected`/`loaded`/`problems`
-    (silent loads only): the truth, the loaded tensors (assembled), and assembly problems."""
+    (silent loads only): the truth, the loaded tensors (assembled), and assembly problems.
+    A refusal passes only as refusal_check's rule has it: through one of `allowed` (the loader's own
+    error), raised in upstream code; another exception (a KeyError or AttributeError in the loader is
+    a crash, not a refusal) fails naming its raising frame, and so does one raised in the harness."""
     what = f"{dmg.kind} ({dmg.detail})"
     if outcome.kind == "refused":
+        not_loaded = Check("loaded-canonical", "not-run", "the load refused: nothing was loaded", tolerance=NOT_COMPARED)
+        if outcome.frame is not None and outcome.frame.own:
+            return [Check("outcome", "failed", f"raised in the harness's own code at {outcome.frame}: a harness error, not the "
+                                               f"loader's refusal: {quote(outcome.text)} [damage: {what}]", tolerance=NOT_COMPARED),
+                    not_loaded]
+        verdict = refusal_check(outcome.exc_type, outcome.message, allowed, f"{dmg.kind} damage", frame=str(outcome.frame or ""))
+        if verdict.failed:
+            return [Check("outcome", "failed", f"{verdict.detail}; chain: {quote(outcome.text)} [damage: {what}]",
+                          tolerance=NOT_COMPARED), not_loaded]
         hits = named(dmg, outcome.text)
         clarity = f"clear, names {', '.join(hits[:3])}" if hits else f"unclear, names none of {list(dmg.names[:3])}"
         return [
             Check("outcome", "passed", f"refused ({clarity}): {quote(outcome.text)} [damage: {what}]", tolerance=NOT_COMPARED),
-            Check("loaded-canonical", "not-run", "the load refused: nothing was loaded", tolerance=NOT_COMPARED),
+            not_loaded,
         ]
     if outcome.kind == "crashed":
         return [
@@ -136,7 +199,13 @@ def outcome_of(exc: WorldError) -> Outcome | None:
     tb = exc.rank_traceback or ""
     marker = f"{RefusedLoadError.__name__}: "  # outermost, so last; its message may hold more "X: y" lines
     if marker in tb:
-        return Outcome("refused", tb.rsplit(marker, 1)[1].strip())
+        text = tb.rsplit(marker, 1)[1].strip()
+        frame = None
+        if text.startswith(_RAISED_AT):
+            line, text = (text.split("\n", 1) + [""])[:2]
+            path, lineno, function, code = (line[len(_RAISED_AT):].split("\t") + ["", "", ""])[:4]
+            frame = Frame(path, int(lineno) if lineno.isdigit() else 0, function, code)
+        return Outcome("refused", text.strip(), frame)
     if not exception_of(tb)[0]:
         return Outcome("crashed", str(exc))
     return None

@@ -19,9 +19,11 @@ Not here: "a checkpoint written with an older harness-made layout" (issue 11): t
 kept one layout, so there is no older one to write; cross-version layouts are the gate's corpus.
 
 Checks:
-  outcome          refused (the load raised: passes; the detail quotes the exception and says
+  outcome          refused (the load raised one of `refuse_with`, by default the backend's
+                   `refusals`, in upstream code: passes; the detail quotes the exception and says
                    "clear" when the message names a damaged file or key, "unclear" otherwise, which
-                   also goes into the result's notes), silent (the load returned: fails when what
+                   also goes into the result's notes; any other exception, or one raised in the
+                   harness, fails naming its raising frame: refusal_check's rule), silent (the load returned: fails when what
                    was loaded differs from the canonical truth, the corruption the case exists to
                    find; passes as silent-but-intact when bitwise equal, naming the damaged files
                    the loader never read), crashed (a rank died without a Python exception, or the
@@ -41,10 +43,10 @@ import torch
 from cases._damaged_load import (
     DistPhase,
     Outcome,
-    chain_text,
     judge,
     outcome_of,
     rank_dist,
+    refused,
 )
 from cases.contract import Case
 from harness.backends import BackendRef, get_backend, ref_of
@@ -77,9 +79,17 @@ ARTEFACT: dict[str, tuple[str, frozenset[str]]] = {
 }
 
 
+#: Exceptions that are a crash inside a loader, never a refusal (refusal_check's rule): no entry may
+#: allow them; a load that fails through one is an upstream finding, a strict xfail naming its frame.
+CRASHES = frozenset({"AttributeError", "KeyError", "IndexError", "TypeError", "NameError", "AssertionError",
+                     "UnboundLocalError", "ZeroDivisionError", "NotImplementedError"})
+
+
 @dataclass(frozen=True)
 class CorruptOptions:
     damage: DamageKind = "truncate-shard"
+    #: the exceptions the load may refuse with (refusal_check's `allowed`); empty: the backend's `refusals`
+    refuse_with: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -116,7 +126,7 @@ def _hf_outcome(load) -> tuple[Outcome, object]:
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # what a user's from_pretrained call raises
-        return Outcome("refused", chain_text(exc)), None
+        return refused(exc), None
 
 
 # --------------------------------------------------------------------------- the case
@@ -147,6 +157,10 @@ class CorruptLoad(Case):
 
     def validate_options(self, spec: CaseSpec, opts: CorruptOptions) -> None:
         kind = opts.damage
+        crashes = sorted(CRASHES & set(opts.refuse_with))
+        if crashes:
+            raise ValueError(f"option 'refuse_with': {crashes} is a crash inside the loader, never a refusal; a load that "
+                             "fails through it is an upstream finding: a strict xfail naming the raising frame")
         if kind == "missing-common" and not _mcore_writes_common_pt():
             raise ValueError(
                 f"damage 'missing-common': megatron-core {metadata.version('megatron-core')} torch_dist writes no common.pt "
@@ -161,16 +175,17 @@ class CorruptLoad(Case):
                 raise ValueError(f"damage {kind!r}: the other model does not fit the source topology: {exc}") from None
 
     def run(self, spec: CaseSpec, opts: CorruptOptions, env: RunEnv, result: CaseResult) -> None:
+        allowed = opts.refuse_with or get_backend(ref_of(spec)).refusals
         if ARTEFACT[opts.damage][0] == "gpt":
-            checks = self._run_dist(spec, opts.damage, env, result)
+            checks = self._run_dist(spec, opts.damage, env, result, allowed)
         else:
-            checks = self._run_hf(spec, opts.damage, env, result)
+            checks = self._run_hf(spec, opts.damage, env, result, allowed)
         result.checks.extend(checks)
         detail = checks[0].detail
         if detail.startswith("refused (unclear"):
             result.notes.append(f"unclear refusal: the message names no damaged file or key: {detail}")
 
-    def _run_dist(self, spec: CaseSpec, kind: str, env: RunEnv, result: CaseResult) -> list[Check]:
+    def _run_dist(self, spec: CaseSpec, kind: str, env: RunEnv, result: CaseResult, allowed: tuple[str, ...]) -> list[Check]:
         model = get_model(spec.model, "gpt")
         src, dst = spec.source, spec.target
         backend = ref_of(spec)
@@ -185,13 +200,13 @@ class CorruptLoad(Case):
             outcome = outcome_of(exc)
             if outcome is None:
                 raise
-            return judge(dmg, outcome)
+            return judge(dmg, outcome, allowed=allowed)
         with timed(result, "compare"):
             full, problems = assembled(outs, "shards", dst.id)
             canonical = {k: truth.canonical_tensor(model, k, tuple(v.shape), v.dtype) for k, v in full.items()}
             return judge(dmg, Outcome("silent"), canonical, full, problems, dst.id)
 
-    def _run_hf(self, spec: CaseSpec, kind: str, env: RunEnv, result: CaseResult) -> list[Check]:
+    def _run_hf(self, spec: CaseSpec, kind: str, env: RunEnv, result: CaseResult, allowed: tuple[str, ...]) -> list[Check]:
         from peft import PeftModel, get_peft_model_state_dict
         from transformers import AutoModelForCausalLM
 
@@ -216,7 +231,7 @@ class CorruptLoad(Case):
         with timed(result, "load"):
             outcome, loaded_model = _hf_outcome(load_adapter if adapter else load_model)
         if outcome.kind == "refused":
-            return judge(dmg, outcome)
+            return judge(dmg, outcome, allowed=allowed)
         with timed(result, "compare"):
             if adapter:
                 expected = peft_mapping.to_hf_peft(peft_mapping.gather([p for rank in outs for p in rank], model.gated), model)

@@ -340,7 +340,7 @@ class InterruptedSave(Case):
             outcome = cl.outcome_of(exc)
             if outcome is None:
                 raise
-            result.checks += cl.judge(dmg, outcome)
+            result.checks += cl.judge(dmg, outcome, allowed=get_backend(backend).refusals)
             return
         with timed(result, "compare"):
             full, problems = assembled(outs, "shards", dst.id)

@@ -99,8 +99,13 @@ class LoadFirstChunkOnly(McoreDist):
 
 
 class RaisingLoad(McoreDist):
+    """A load that fails inside upstream code (torch's loader on a file that is not there), as a real
+    upstream defect raises: the raising frame is torch's, never the harness's."""
+
     def load(self, ctx, model, directory):
-        raise RuntimeError("simulated upstream defect")
+        import torch
+
+        torch.load(str(directory / "simulated-upstream-defect.pt"), weights_only=True)
 
 
 def _swallowing(call, *args) -> None:

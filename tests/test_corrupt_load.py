@@ -108,13 +108,14 @@ def test_wrong_combinations_are_matrix_load_errors_naming_the_entry(matrix_error
     assert message in matrix_error(entry)
 
 
-def _spec(backend, kind, src="tp2", dst="tp1pp2"):
+def _spec(backend, kind, src="tp2", dst="tp1pp2", refuse_with=None):
+    options = (("damage", kind),) + ((("refuse_with", refuse_with),) if refuse_with else ())
     return CaseSpec("corrupt-load", "gpt-gqa", backend, Topology.parse(src), Topology.parse(dst),
-                    options=(("damage", kind),), axes=("damage",), timeout_s=90)
+                    options=options, axes=("damage",), timeout_s=90)
 
 
 def test_a_real_refusal_passes():
-    r = run_case(_spec("mcore_dist", "missing-metadata"))
+    r = run_case(_spec("mcore_dist", "missing-metadata", refuse_with=("CheckpointException",)))
     assert r.status == "passed", r.failure_text()
     assert r.check("outcome").detail.startswith("refused (clear, names .metadata)")
     assert {"save", "damage", "load"} <= set(r.phases)
@@ -126,3 +127,19 @@ def test_a_backend_that_swallows_load_errors_turns_the_case_red():
     assert r.check("outcome").status == "failed" and r.check("outcome").detail.startswith("silent:")
     assert r.check("loaded-canonical").status == "failed"
     assert "data corruption" in r.failure_text()
+
+
+def test_an_entry_cannot_allow_a_crash_as_a_refusal(matrix_error):
+    """refusal_check's rule: a KeyError or AttributeError in the loader is a crash, so no entry may widen
+    its refusals to one; such a load is an upstream finding, a strict xfail naming the frame."""
+    got = matrix_error("{case: corrupt-load, models: [gpt-gqa], pairs: ['tp2 -> tp1'], "
+                       "options: {damage: truncate-shard, refuse_with: [CheckpointException, KeyError]}}")
+    assert "['KeyError'] is a crash inside the loader, never a refusal" in got
+
+
+def test_a_refusal_through_an_exception_the_entry_does_not_allow_fails():
+    """The real missing-metadata refusal (torch DCP's CheckpointException) is not megatron-core's
+    CheckpointingException the backend declares: without the entry naming it, the case is red."""
+    r = run_case(_spec("mcore_dist", "missing-metadata"))
+    assert r.status == "failed" and "but with CheckpointException" in r.check("outcome").detail
+    assert "torch/distributed/checkpoint/" in r.check("outcome").detail  # the raising frame

@@ -5,6 +5,7 @@ intact passes naming the file never read, a crash or a hang fails."""
 import torch
 
 from cases import _damaged_load as cl
+from harness.core.frames import _ROOT, Frame
 from harness.faults.damage import Damage
 from harness.run.world import WorldError, WorldTimeout
 
@@ -18,14 +19,14 @@ def _by_name(checks):
 
 def test_clear_refusal_passes_and_names_the_file():
     text = "CheckpointException: ranks:dict_keys([0])\nFileNotFoundError: No such file: /x/ckpt/__1_0.distcp"
-    c = _by_name(cl.judge(DMG, cl.Outcome("refused", text)))
+    c = _by_name(cl.judge(DMG, cl.Outcome("refused", text), allowed=("CheckpointException",)))
     assert c["outcome"].status == "passed" and c["outcome"].detail.startswith("refused (clear, names __1_0.distcp)")
     assert "No such file" in c["outcome"].detail  # the root cause (last line) is quoted
     assert c["loaded-canonical"].status == "not-run"
 
 
 def test_unclear_refusal_passes_but_says_unclear():
-    c = _by_name(cl.judge(DMG, cl.Outcome("refused", "EOFError: ")))
+    c = _by_name(cl.judge(DMG, cl.Outcome("refused", "EOFError: "), allowed=("EOFError",)))
     assert c["outcome"].status == "passed" and c["outcome"].detail.startswith("refused (unclear")
     assert "__1_0.distcp" in c["outcome"].detail  # says what it should have named
 
@@ -79,3 +80,45 @@ def test_chain_text_flags_base_exceptions():
         text = cl.chain_text(exc)
     assert text.splitlines()[0].startswith("Odd (a BaseException")
     assert text.splitlines()[1] == "FileNotFoundError: /c/.metadata"
+
+
+# ---- a refusal passes only through an exception refusal_check allows (issue item 5)
+
+UPSTREAM = Frame("/v/lib/python3.12/site-packages/megatron/core/dist_checkpointing/serialization.py", 340, "load")
+
+
+def test_a_refusal_through_an_exception_not_allowed_fails_naming_its_frame():
+    """A KeyError inside the loader is a crash, not a refusal: the user gets no clear reason."""
+    crash = cl.Outcome("refused", "KeyError: 'common_state'", UPSTREAM)
+    c = _by_name(cl.judge(DMG, crash))
+    assert c["outcome"].status == "failed" and "but with KeyError" in c["outcome"].detail
+    assert "megatron/core/dist_checkpointing/serialization.py:340 in load" in c["outcome"].detail
+    assert "not one of ['CheckpointingException']" in c["outcome"].detail
+    ok = cl.Outcome("refused", "CheckpointingException: /c is not a distributed checkpoint", UPSTREAM)
+    assert _by_name(cl.judge(DMG, ok))["outcome"].status == "passed"
+
+
+def test_an_allowed_exception_raised_by_the_harness_is_not_a_refusal():
+    own = Frame(f"{_ROOT}/harness/backends/mcore_dist.py", 200, "load")
+    c = _by_name(cl.judge(DMG, cl.Outcome("refused", "CheckpointingException: made up by the harness", own)))
+    assert c["outcome"].status == "failed" and "raised in the harness's own code" in c["outcome"].detail
+
+
+def test_a_base_exception_is_judged_by_its_class_not_the_note_beside_it():
+    text = "CheckpointException (a BaseException: `except Exception` does not catch it): ranks:dict_keys([0])\nEOFError"
+    out = cl.Outcome("refused", text, UPSTREAM)
+    assert out.exc_type == "CheckpointException" and out.message == "ranks:dict_keys([0])"
+    assert _by_name(cl.judge(DMG, out))["outcome"].status == "failed"
+    assert _by_name(cl.judge(DMG, out, allowed=("CheckpointException",)))["outcome"].status == "passed"
+
+
+def test_the_rank_names_the_loads_raising_frame_to_the_parent():
+    """torch DCP's message embeds the ranks' tracebacks, so the frame travels on its own line."""
+    try:
+        raise KeyError("step")
+    except KeyError as exc:
+        message = cl.refusal_message(exc)
+    tb = f"Traceback (most recent call last):\n  ...\ncases._damaged_load.RefusedLoadError: {message}\n"
+    out = cl.outcome_of(WorldError("rank 0 raised", rank=0, rank_traceback=tb))
+    assert out.kind == "refused" and out.text.startswith("KeyError: 'step'") and out.exc_type == "KeyError"
+    assert out.frame.function == "test_the_rank_names_the_loads_raising_frame_to_the_parent" and out.frame.own

@@ -215,3 +215,35 @@ def test_a_backend_without_options_refuses_any(tmp_path):
                             "backend_options: {x: 1}}]")
     with pytest.raises(MatrixError, match="backend bridge_peft takes no options"):
         load_matrix(path)
+
+
+_XF = "entries: [{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], tag: defect-x, xfail: %s}]"
+
+
+@pytest.mark.parametrize("xfail, message", [
+    ("{reason: r, match: AssertionError}", "must say where the defect raises: add `raised_in"),
+    ("{reason: r, match: 'KeyError', raised_in: harness.backends.mcore_dist}", "is the harness's own code"),
+    ("{reason: r, match: 'KeyError', raised_in: 'megatron core'}", "expected a dotted module prefix"),
+    ("{reason: r, checks: [step], raised_in: megatron.core}", "a checks-based xfail never accepts an error"),
+    ("{reason: r, match: 'x', checks: [step], raised_in: megatron.core}", "a checks-based xfail never accepts an error"),
+])
+def test_an_xfail_that_accepts_an_error_must_name_the_upstream_module(tmp_path, xfail, message):
+    """An exception class alone accepts a harness bug of that class: the entry must say where the defect raises."""
+    path = _write(tmp_path, _XF % xfail)
+    with pytest.raises(MatrixError) as exc:
+        load_matrix(path)
+    assert message in str(exc.value) and str(path) in str(exc.value)
+    assert "entries[0].xfail (case reshard-optimizer, tag defect-x)" in str(exc.value)
+
+
+def test_raised_in_is_read_into_the_xfail(tmp_path):
+    m = load_matrix(_write(tmp_path, _XF % "{reason: r, match: \"KeyError: 'step'\", raised_in: megatron.core.optimizer}"))
+    assert {c.xfail.raised_in for c in m.cases} == {"megatron.core.optimizer"} and m.cases[0].xfail.accepts_errors
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "matrices").glob("*.yaml")))
+def test_every_shipped_xfail_that_accepts_an_error_names_its_upstream_module(name):
+    """Every matrix the project ships loads under the rule (the loader refuses it otherwise)."""
+    m = load_matrix(ROOT / "matrices" / name)
+    accepting = [c for c in m.cases if c.xfail and c.xfail.accepts_errors]
+    assert all(c.xfail.raised_in and not c.xfail.raised_in.startswith(("harness", "cases")) for c in accepting)

@@ -65,8 +65,13 @@ def test_a_load_that_does_nothing_is_caught():
 
 def test_strict_xfail_semantics():
     assert run_case(_spec("test_raising_load")).status == "error"
-    r = run_case(_spec("test_raising_load", xfail=XFail("upstream defect X", match="simulated upstream defect")))
-    assert r.status == "xfailed" and "simulated upstream defect" in r.error
+    r = run_case(_spec("test_raising_load", xfail=XFail("upstream defect X", match="simulated-upstream-defect",
+                                                         raised_in="torch.serialization")))
+    assert r.status == "xfailed" and "simulated-upstream-defect" in r.error
+    # the same text met by an error raised where the upstream defect does not raise: not the defect
+    r = run_case(_spec("test_raising_load", xfail=XFail("upstream defect X", match="simulated-upstream-defect",
+                                                         raised_in="megatron.core")))
+    assert r.status == "failed" and any("not in megatron.core" in n for n in r.notes)
     # the short form accepts failed checks only: an error (a crash, a harness bug) is not the defect
     r = run_case(_spec("test_raising_load", xfail=XFail("upstream defect X")))
     assert r.status == "failed" and any("errored" in n for n in r.notes)

@@ -150,3 +150,20 @@ def test_the_envelope_settles_a_case_whose_checks_were_all_not_run(tmp_path):
     with case_envelope(r, RunOptions(workdir=tmp_path)):
         r.checks.append(Check("roundtrip", "not-run", "no converter ships for fsdp_dtensor -> torch_dist"))
     assert r.status == "not-run" and "no converter ships" in r.not_run_reason
+
+
+def test_a_case_stopped_on_a_failed_check_is_failed_on_that_check_not_an_error():
+    """harness.core.result.CheckStop (a check that must stop the case before an upstream deadlock),
+    as the parent reads it from a rank's traceback: an expected failure can then name the check."""
+    from harness.core.result import CheckStop
+
+    assert str(CheckStop("fsdp-dtensors-agree", "rank 0 holds 3")) == "fsdp-dtensors-agree: rank 0 holds 3"
+    tb = _tb("own:harness/backends/mcore_fsdp.py", last="harness.core.result.CheckStop: fsdp-dtensors-agree: rank 0 holds 3 DTensors")
+    r = _result()
+    errored(r, f"rank 0 of 2 raised:\n{tb}\n(then rank 1 failed: harness.core.result.CheckStop: fsdp-dtensors-agree: x)", set())
+    assert r.status == "failed" and r.error is None
+    assert [(c.name, c.status) for c in r.checks] == [("fsdp-dtensors-agree", "failed")]
+    assert r.checks[0].detail.startswith("rank 0 holds 3 DTensors")
+    r = _result()
+    errored(r, tb.replace("CheckStop", "RuntimeError"), set())  # any other error stays an error
+    assert r.status == "error" and not r.checks

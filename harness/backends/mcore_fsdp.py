@@ -45,6 +45,7 @@ from harness.backends import Backend
 from harness.backends._megatron_lm import iteration_dir, restore_scheduler, write_tracker
 from harness.compat.fsdp import ADAM_STATE, DEFAULT_FSDP_WORKAROUNDS, FSDP_WORKAROUNDS, LOAD_KEYS, SWIGLU_LOOKUP, adapter_keys
 from harness.core.context import RankContext
+from harness.core.result import CheckStop
 from harness.run.events import record_event
 
 
@@ -112,8 +113,12 @@ def _dtensors(tree: Any, prefix: str = "") -> list[tuple[str, tuple[int, ...]]]:
     return []
 
 
+#: the check check_same_dtensors fails (harness.core.result.CheckStop) before the save would deadlock
+DTENSORS_AGREE = "fsdp-dtensors-agree"
+
+
 def check_same_dtensors(state: dict) -> None:
-    """Collective: raise a RuntimeError unless every two ranks that share a device mesh hold the same
+    """Collective: stop the case on a failed `fsdp-dtensors-agree` check unless every two ranks that share a device mesh hold the same
     DTensors of it in the same order. Megatron-FSDP's preprocessing runs one collective per DTensor
     (preprocess_state_dict_for_uneven_dtensor's all_gather_object over the sorted keys,
     handle_swiglu_in_state_dict's per fc1 half in dict order): otherwise it pairs unrelated tensors
@@ -128,8 +133,8 @@ def check_same_dtensors(state: dict) -> None:
         if peer != me and a != b:
             only_peer, only_me = sorted(set(b) - set(a)), sorted(set(a) - set(b))
             how = f"only rank {peer} has {only_peer[:3]}, only rank {me} has {only_me[:3]}" if only_peer or only_me else "in another order"
-            raise RuntimeError(
-                f"the ranks' fsdp_dtensor state dicts differ: rank {me} holds {len(a)} DTensors it shares with rank {peer}, "
+            raise CheckStop(
+                DTENSORS_AGREE, f"the ranks' fsdp_dtensor state dicts differ: rank {me} holds {len(a)} DTensors it shares with rank {peer}, "
                 f"rank {peer} {len(b)}; {how}. Megatron-FSDP's preprocessing runs one collective per DTensor and would pair "
                 "unrelated tensors across the ranks (a deadlock or wrong offsets)")
 
@@ -194,6 +199,7 @@ class McoreFsdp(Backend):
     Options = McoreFsdpOptions
     refusals = ("CheckpointException",)  # torch DCP's, raised by a strict load of a checkpoint that lacks a key
     preload = ("megatron.bridge.training.checkpointing",)
+    checks = (DTENSORS_AGREE,)  # failed by check_same_dtensors, which stops the case before a save deadlocks
 
     @property
     def o(self) -> McoreFsdpOptions:

@@ -79,11 +79,21 @@ def frames(traceback_text: str) -> list[Frame]:
     return out
 
 
+def _forwards(frame: Frame) -> bool:
+    """A harness torch-function mode that only passes the op on (harness.compat.cuda's CUDA-to-CPU
+    mode): the op raised in torch's kernel, called from the frame below, never in the mode."""
+    return frame.own and frame.function == "__torch_function__" and frame.code.startswith("return func(")
+
+
 def raising_frame(traceback_text: str) -> Frame | None:
     """The innermost frame with a real source file: where the exception was raised (None when the
-    text names no frame). An import machinery frame is skipped: the module being imported or the
-    statement importing it is where the lookup failed."""
+    text names no frame). An import machinery frame is skipped (the module being imported or the
+    statement importing it is where the lookup failed), and so is a harness torch-function mode that
+    only forwards the op (its caller called the op; on a CUDA rank, with no such mode, the caller is
+    the innermost frame)."""
     found = [f for f in frames(traceback_text) if not f.path.startswith("<")]
+    while len(found) > 1 and _forwards(found[-1]):
+        found.pop()
     return found[-1] if found else None
 
 

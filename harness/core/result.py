@@ -41,6 +41,16 @@ def missing_api(module: str, what: str) -> AttributeError:
     return AttributeError(f"module '{module}' has no attribute '{what}'")
 
 
+class CheckStop(Exception):
+    """A check that fails where the case cannot go on (the next upstream call would deadlock or write
+    garbage): the case is `failed` on check `name` (harness.judge.status.errored reads it from the
+    rank's traceback), never an `error`, so an expected failure can name the check."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        super().__init__(f"{name}: {detail}")
+        self.name, self.detail = name, detail
+
+
 def shows_diff(name: str, tolerance: Any) -> bool:
     """Checks whose largest difference the summaries show: logits, and any with a named tolerance
     (not bitwise/exact), i.e. how close a case ran to its tolerance. `tolerance`: a Tolerance or

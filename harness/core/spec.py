@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from harness.core.frames import raising_frame
 from harness.core.memory import Budget
 from harness.core.topology import Topology
 
@@ -57,17 +58,30 @@ class XFail:
     `match` (a regex over the failure text) and `checks` (the checks that must fail, and the only
     ones that may) say which failure is the known one. The short form (a reason alone) accepts only
     failed checks, never an error: a harness bug, a crash or a timeout must not pass as the defect.
+    An xfail that accepts an error (`match` without `checks`) names where the defect raises:
+    `raised_in`, the dotted upstream module prefix its traceback's raising frame must be in (the
+    matrix loader requires it). An error raised in the harness's own code never meets an xfail: a
+    message that happens to match is not the upstream defect.
     """
 
     reason: str
     match: str | None = None
     checks: tuple[str, ...] = ()
+    raised_in: str | None = None
+
+    @property
+    def accepts_errors(self) -> bool:
+        """Whether an errored case can meet this xfail (a `match` and no `checks`)."""
+        return bool(self.match) and not self.checks
 
     def explains(self, result: "CaseResult") -> str:
         """Why `result` is NOT the expected failure ("" when it is)."""
         errored = result.status in ("error", "not-applicable")  # not-applicable: an error in a release the case does not fit
         if result.status != "failed" and not errored:
             return f"the case {result.status}"
+        frame = raising_frame(result.error or "") if errored else None
+        if frame is not None and frame.own:
+            return f"raised in the harness's own code at {frame}: a harness error, not the named defect"
         if self.match and not re.search(self.match, result.failure_text()):
             return f"no match for {self.match!r}"
         if not self.match and not self.checks and errored:
@@ -81,11 +95,22 @@ class XFail:
                 return f"check(s) {extra} failed too, beyond the expected {list(self.checks)}"
             if not any(self.names(n) for n in failed):
                 return f"none of the expected checks {list(self.checks)} failed"
+        if errored and self.raised_in:
+            if frame is None:
+                return f"the error names no raising frame, so it cannot show the defect raised in {self.raised_in}"
+            if not in_module(frame.module, self.raised_in):
+                return f"raised at {frame} (module {frame.module}), not in {self.raised_in} where the named defect raises"
         return ""
 
     def names(self, check_name: str) -> bool:
         """Whether `check_name` is one of the expected checks (a `@topology` suffix is ignored)."""
         return check_name in self.checks or check_base(check_name) in self.checks
+
+
+def in_module(module: str, prefix: str) -> bool:
+    """Whether dotted `module` is `prefix` or inside it (`megatron.core.x` is in `megatron.core`,
+    `megatron.corex` is not)."""
+    return module == prefix or module.startswith(prefix + ".")
 
 
 def check_base(name: str) -> str:

@@ -58,10 +58,19 @@ def settle(result: CaseResult) -> None:
                         "so it cannot pass; a harness defect")
 
 
+_CHECK_STOP = re.compile(r"^(?:[\w.]+\.)?CheckStop: ([\w:@.-]+): (.*)$", re.M)
+
+
 def errored(result: CaseResult, error: str, moved: set[str]) -> None:
     """The status of a case whose body raised (`error`: error_text's text, the API_MISSING line first
-    when the harness's own frame reached for a missing API): `not-applicable` when that API's package
-    is one this environment moved from the project's pins (`moved`), else `error`."""
+    when the harness's own frame reached for a missing API): `failed` on the named check when the body
+    stopped on a failed check (harness.core.result.CheckStop), `not-applicable` when that API's
+    package is one this environment moved from the project's pins (`moved`), else `error`."""
+    if stops := _CHECK_STOP.findall(error):
+        name, detail = stops[-1]
+        result.checks.append(Check(name, "failed", f"{detail} (the case stopped here)"))
+        result.status = "failed"
+        return
     result.status, result.error = "error", error
     if (api := api_missing_parts(error)) and api[0] in moved:
         # the release under test lacks what the case needs: not-applicable to it, the traceback kept in `error`

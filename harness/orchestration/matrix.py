@@ -14,7 +14,9 @@ A matrix file:
         tag: no-workaround                               # optional id suffix
         expect: pass | refuse
         xfail: "why (strict: an unexpected pass fails the case)"  # or {reason: ..., match: REGEX,
-                                                         #     checks: [step]}: only these may fail
+                                                         #     checks: [step]}: only these may fail;
+                                                         # or {reason, match, raised_in: MODULE}: an error
+                                                         #     raised in that upstream module
         markers: [optimizer]
         memory_budgets: [{phase: save, rank: 0, max_peak_delta_mib: 512}]  # or max_peak_delta_x_shard
         requires: [cuda, te, host-memory-gib>=64]   # what the machine must offer (harness.core.requires);
@@ -34,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from harness.core.frames import OWN_PACKAGES
 from harness.core.memory import Budget
 from harness.core.requires import RequirementError, closure
 from harness.core.requires import parse as parse_requirement
@@ -105,15 +108,20 @@ def _parse_pair(item: Any, where: str) -> tuple[Topology, Topology]:
     raise MatrixError(f"{where}: a pair is 'SRC -> DST' or {{source: SRC, target: DST}}, got {item!r}")
 
 
-def _parse_xfail(raw: Any, where: str) -> XFail | None:
+#: a dotted module prefix (`megatron.core.dist_checkpointing`), as `raised_in` names one
+_MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def _parse_xfail(raw: Any, where: str, entry: str = "") -> XFail | None:
     if raw is None:
         return None
     if isinstance(raw, str):
         if not raw.strip():
             raise MatrixError(f"{where}: give the reason (the upstream defect) as a string")
         return XFail(raw)
-    if not isinstance(raw, dict) or set(raw) - {"reason", "match", "checks"} or "reason" not in raw:
-        raise MatrixError(f"{where}: expected a reason string or {{reason: ..., match: REGEX, checks: [NAME, ...]}}")
+    if not isinstance(raw, dict) or set(raw) - {"reason", "match", "checks", "raised_in"} or "reason" not in raw:
+        raise MatrixError(f"{where}: expected a reason string or {{reason: ..., match: REGEX, checks: [NAME, ...]}} "
+                          "or {reason: ..., match: REGEX, raised_in: MODULE}")
     if not isinstance(raw["reason"], str) or not raw["reason"].strip():
         raise MatrixError(f"{where}.reason: give the reason (the upstream defect) as a string")
     match = raw.get("match")
@@ -127,7 +135,23 @@ def _parse_xfail(raw: Any, where: str) -> XFail | None:
     checks = raw.get("checks", [])
     if not isinstance(checks, list) or not all(isinstance(c, str) and c for c in checks):
         raise MatrixError(f"{where}.checks: expected a list of check names, got {checks!r}")
-    return XFail(raw["reason"], match, tuple(checks))
+    raised_in = raw.get("raised_in")
+    where = f"{where} ({entry})" if entry else where  # the raising-frame rule's messages name the entry
+    if raised_in is not None:
+        if not isinstance(raised_in, str) or not _MODULE.match(raised_in):
+            raise MatrixError(f"{where}.raised_in: expected a dotted module prefix (e.g. megatron.core.dist_checkpointing), "
+                              f"got {raised_in!r}")
+        if raised_in.split(".", 1)[0] in OWN_PACKAGES:
+            raise MatrixError(f"{where}.raised_in: {raised_in!r} is the harness's own code; an error raised there is a "
+                              "harness error, never an upstream defect: name the upstream module, or record a failed check")
+        if not match or checks:
+            raise MatrixError(f"{where}.raised_in: only an xfail that accepts an error (`match` and no `checks`) has a "
+                              "raising frame to name; a checks-based xfail never accepts an error")
+    elif match and not checks:
+        raise MatrixError(f"{where}: an xfail with `match` and no `checks` accepts an error, so it must say where the "
+                          "defect raises: add `raised_in: <upstream module prefix>` (the raising frame's module, e.g. "
+                          "megatron.core.dist_checkpointing), never an exception class alone")
+    return XFail(raw["reason"], match, tuple(checks), raised_in)
 
 
 def load_matrix(path: str | Path, max_world: int | None = None) -> Matrix:
@@ -262,7 +286,8 @@ def _entry_specs(
     expect = entry.get("expect", "pass")
     if expect not in ("pass", "refuse"):
         raise MatrixError(f"{where}.expect: must be 'pass' or 'refuse', got {expect!r}")
-    xfail = _parse_xfail(entry.get("xfail"), f"{where}.xfail")
+    named = f"case {entry['case']}" + (f", tag {entry['tag']}" if entry.get("tag") else "")  # the entry, for its author
+    xfail = _parse_xfail(entry.get("xfail"), f"{where}.xfail", named)
     markers = tuple(default_markers) + tuple(_strings(entry.get("markers"), f"{where}.markers"))
     bad = sorted(set(markers) - set(MARKERS))
     if bad:

@@ -182,12 +182,12 @@ def load_rank(ctx: RankContext, p: LoadPhase) -> LoadOut:
     job, propagated = _build(p, decoy=True)
     job.step = p.first_step
     try:
-        training.load_training(ctx, backend, job, Path(p.load_from), p.opts.workarounds)
+        as_loaded = training.load_training(ctx, backend, job, Path(p.load_from), p.opts.workarounds)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:
         raise RefusedLoadError(chain_text(exc)) from exc
-    out = LoadOut(propagated, [], [], loaded_step=job.step)
+    out = LoadOut(propagated, [], [], steps_as_loaded=as_loaded, loaded_step=job.step)
     out.optimizer_shards, out.steps = training.optimizer_view(job.chunks, job.optimizer)
     out.model_shards = local_shards(job.chunks)
     if p.steps_after:

@@ -175,7 +175,7 @@ def verl_rank(ctx: RankContext, p: VerlPhase) -> VerlOut:
         set_rng(DECOY_RNG_SEED)
         out.rng_before = rng_digest()
         out.scheduler_before = scheduler_view(job.scheduler, job.optimizer)
-        load_training(ctx, backend, job, Path(p.ckpt), opts.workarounds)
+        out.steps_as_loaded = load_training(ctx, backend, job, Path(p.ckpt), opts.workarounds)
         _views(out, job)
         out.rng = rng_digest()
         return out

@@ -88,3 +88,14 @@ def test_bf16_weight_loaded_off_its_main_param_fails_weights_match_main_params()
                           "strategy": "passed", "weights-match-main-params": "failed"}
     (m,) = r.check("weights-match-main-params").mismatches
     assert m.kind == "value" and m.actual == "bf16 weights@load@tp1pp1dp1cp1" and m.key == "decoder.final_layernorm.weight"
+
+
+def test_step_check_reads_the_adam_step_as_megatron_core_loaded_it():
+    # issue item 6: with unshare_adam_step on the check still sees the sharing the load left (and names the
+    # workaround that undid it); with it off, the same load fails the step check alone
+    on = run_case(_spec())
+    assert on.check("step").status == "passed"
+    assert "as loaded, 26 param(s) share" in on.check("step").detail and "workaround unshare_adam_step" in on.check("step").detail
+    off = run_case(_spec(workarounds=["prime_adam", "load_no_grad", "fully_reshardable_step", "vpp_overlap_p2p"]))
+    assert off.status == "failed" and [n for n, st in _checks(off).items() if st == "failed"] == ["step"]
+    assert "as loaded, 26 param(s) share another param's Adam step tensor" in off.check("step").detail

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,7 +16,7 @@ from harness.core.memory import track
 from harness.core.zoo import ModelSpec
 from harness.models.parallel import rank_device
 from harness.models.training.config import GLOBAL_BATCH, TrainConfig
-from harness.models.training.views import TrainingJob, leaf_optimizers
+from harness.models.training.views import TrainingJob, adam_steps, leaf_optimizers
 
 
 def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int, scheduler=None,
@@ -100,17 +101,28 @@ def prime_optimizer_state(optimizer) -> None:
                     }
 
 
-def unshare_adam_step(optimizer) -> None:
-    """Give every param's Adam state its own step tensor (compat.WORKAROUNDS['unshare_adam_step'])."""
+def unshare_adam_step(optimizer) -> int:
+    """Give every param's Adam state its own step tensor (compat.WORKAROUNDS['unshare_adam_step']);
+    return how many of them were another param's (what the workaround undid: 0 when upstream shared none)."""
+    seen: dict[int, torch.Tensor] = {}  # keeps each original alive, so no id is reused while counting
+    shared = 0
     for opt in leaf_optimizers(optimizer):
         for st in opt.optimizer.state.values():
-            if isinstance(st.get("step"), torch.Tensor):
-                st["step"] = st["step"].clone()
+            step = st.get("step")
+            if isinstance(step, torch.Tensor):
+                shared += id(step) in seen
+                seen[id(step)] = step
+                st["step"] = step.clone()
+    return shared
 
 
-def load_training(ctx: RankContext, backend, job: TrainingJob, directory: Path, workarounds: tuple[str, ...]) -> None:
+def load_training(ctx: RankContext, backend, job: TrainingJob, directory: Path, workarounds: tuple[str, ...]) -> dict[str, Any]:
     """backend.load_training into the live job, with the megatron-core workarounds the case lists
-    applied around it (whatever the backend: mcore_dist or a client like verl's manager)."""
+    applied around it (whatever the backend: mcore_dist or a client like verl's manager).
+
+    Returns the Adam step view as the load left it (`adam_steps`, read before any workaround rewrites
+    the state: the step check judges upstream's load, not the harness's repair) with `rewritten_by`,
+    the workarounds that then changed it (unshare_adam_step, where upstream shared step tensors)."""
     if "fully_reshardable_step" in workarounds:
         compat.apply_workaround("fully_reshardable_step")
     if "prime_adam" in workarounds:
@@ -118,8 +130,11 @@ def load_training(ctx: RankContext, backend, job: TrainingJob, directory: Path, 
     guard = torch.no_grad() if "load_no_grad" in workarounds else nullcontext()
     with track("load"), guard:
         backend.load_training(ctx, job, directory)
-    if "unshare_adam_step" in workarounds:
-        unshare_adam_step(job.optimizer)
+    as_loaded = adam_steps(job.optimizer)
+    as_loaded["rewritten_by"] = []
+    if "unshare_adam_step" in workarounds and unshare_adam_step(job.optimizer):
+        as_loaded["rewritten_by"].append("unshare_adam_step")
+    return as_loaded
 
 
 def sync_params(ddp, optimizer, cfg: TrainConfig) -> None:

@@ -14,7 +14,7 @@ from harness.backends import get_backend
 from harness.core import requires
 from harness.core.parity import EXACT
 from harness.core.result import CaseResult, Check
-from harness.gate import golden
+from harness.gate import golden, rollback
 from harness.orchestration.runner import (
     RunOptions,
     apply_expected_failure,
@@ -47,7 +47,7 @@ def test_each_backend_names_its_refusals_and_an_artefact_takes_its_readers():
 def test_a_checkpointing_exception_is_a_clean_refusal():
     tb = _tb(f"{_SITE}/megatron/core/dist_checkpointing/validation.py", 88, "verify", "raise CheckpointingException(msg)",
              "megatron.core.dist_checkpointing.core.CheckpointingException: unknown format version 9")
-    c = golden.refusal_of("CheckpointingException", "unknown format version 9", tb, ("CheckpointingException",), "tp2 -> pp2")
+    c = rollback.refusal_of("CheckpointingException", "unknown format version 9", tb, ("CheckpointingException",), "tp2 -> pp2")
     assert c.status == "passed" and "CheckpointingException: unknown format version 9" in c.detail
 
 
@@ -58,15 +58,15 @@ def test_a_checkpointing_exception_is_a_clean_refusal():
 def test_a_crash_inside_the_older_stack_is_not_a_refusal_and_names_its_frame(exc_type, message, where):
     path, line, fn, code = where
     full = f"{_SITE}/megatron/core/{path}"
-    c = golden.refusal_of(exc_type, message, _tb(full, line, fn, code, f"{exc_type}: {message}"), ("CheckpointingException",),
+    c = rollback.refusal_of(exc_type, message, _tb(full, line, fn, code, f"{exc_type}: {message}"), ("CheckpointingException",),
                           "tp2 -> pp2")
     assert c.status == "failed"
     assert f"but with {exc_type}" in c.detail and f"raised at {full}:{line} in {fn}: {code}" in c.detail
 
 
 def test_no_python_exception_is_no_refusal():
-    assert golden.refusal_of(None, "", "", ("CheckpointingException",), "a -> b") is None
-    assert golden.last_frame("no traceback here") == ""
+    assert rollback.refusal_of(None, "", "", ("CheckpointingException",), "a -> b") is None
+    assert rollback.last_frame("no traceback here") == ""
 
 
 def refuse_mcore_loads() -> None:

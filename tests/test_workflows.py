@@ -230,3 +230,101 @@ def test_a_bench_job_with_an_unknown_strategy_is_caught():
     add_parser(parser.add_subparsers(dest="command"))
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", *words])
+
+
+# --------------------------------------------------------------------------- untrusted inputs (issue item 7)
+#: expressions a caller controls (dispatch inputs, PR fields): spliced into a `run:` script they become shell code
+_UNTRUSTED_EXPR = re.compile(r"\$\{\{\s*(?:github\.event\.|inputs\.|github\.head_ref)")
+
+
+def injection_problems(doc: dict, strict: bool = False) -> list[str]:
+    """Every `run:` script that evals or splices a caller-controlled expression (`${{ github.event.* }}`,
+    `${{ inputs.* }}`, `${{ github.head_ref }}`) into shell code; `strict`: any `${{ }}` at all (step
+    outputs included, which carry those inputs on)."""
+    out = []
+    for name, job in doc["jobs"].items():
+        for i, run in enumerate(_runs(job)):
+            if re.search(r"(?:^|[\s;&|(`])eval\s", run):
+                out.append(f"{name} step {i}: eval")
+            if _UNTRUSTED_EXPR.search(run) or (strict and "${{" in run):
+                out.append(f"{name} step {i}: an expression spliced into the script: {run.strip().splitlines()[0][:80]}")
+    return out
+
+
+def test_the_bump_gate_passes_inputs_as_environment_not_shell_code():
+    """bridge-bump.yml runs user inputs (the candidate spec, the matrix) and step outputs only through env."""
+    assert injection_problems(_load("bridge-bump.yml"), strict=True) == []
+
+
+@pytest.mark.parametrize("name", ["ci.yml", "nightly-gpu.yml"])
+def test_no_workflow_splices_caller_inputs_into_a_script(name):
+    assert injection_problems(_load(name)) == []
+
+
+@pytest.mark.parametrize("plant", [
+    lambda run: run.replace('"$(scripts/ensure-env)/bin/ckpt-harness" gate', 'eval "$(scripts/ensure-env)/bin/ckpt-harness" gate'),
+    lambda run: run.replace('"$MATRIX"', "${{ github.event.inputs.matrix }}"),
+    lambda run: run.replace('"${args[@]}"', "${{ steps.args.outputs.args }}"),
+])
+def test_an_eval_or_a_spliced_input_is_caught(plant):
+    doc = copy.deepcopy(_load("bridge-bump.yml"))
+    step = _step(doc["jobs"]["gate"], "ckpt-harness\" gate")
+    step["run"] = plant(step["run"])
+    assert injection_problems(doc, strict=True)
+
+
+def _gate_argv(tmp_path: Path, candidate: str, matrix: str, pin_diff: str = "") -> list[str]:
+    """Run the gate job's `gate arguments` and `gate` scripts in bash, as the runner would, with stub
+    scripts/ensure-env, scripts/pin-diff and ckpt-harness: the argv the harness receives."""
+    import os
+    import shutil
+    import subprocess
+
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    job = _load("bridge-bump.yml")["jobs"]["gate"]
+    args_step, gate_step = _step(job, "pin-diff"), _step(job, "ckpt-harness\" gate")
+    work = tmp_path / "work"
+    (work / "scripts").mkdir(parents=True)
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    dump = tmp_path / "argv"
+    stubs = {work / "scripts" / "ensure-env": f"#!{bash}\necho {tmp_path / 'venv'}\n",
+             work / "scripts" / "pin-diff": f"#!{bash}\necho '{pin_diff}'\n",
+             tmp_path / "venv" / "bin" / "ckpt-harness": f"#!{bash}\nprintf '%s\\0' \"$@\" > {dump}\n"}
+    for path, text in stubs.items():
+        path.write_text(text)
+        path.chmod(0o755)
+    env = {"PATH": os.environ["PATH"], "RUNNER_TEMP": str(tmp_path), "GITHUB_OUTPUT": str(tmp_path / "out"),
+           "CANDIDATE": candidate, "BASE_REF": "main", "MATRIX": matrix}
+    for step in (args_step, gate_step):
+        subprocess.run([bash, "-e", "-c", step["run"]], cwd=work, env=env, check=True, capture_output=True, text=True)
+    return dump.read_bytes().decode().split("\0")[:-1]
+
+
+def test_hostile_inputs_reach_the_gate_as_words_and_run_nothing(tmp_path):
+    """A spec or matrix name full of shell syntax arrives verbatim and runs nothing (the old `eval` ran it)."""
+    marker = tmp_path / "pwned"
+    spec = f"megatron-bridge @ git+https://x/y@abc $(touch {marker}) `touch {marker}`"
+    matrix = f"m.yaml; touch {marker} #"
+    argv = _gate_argv(tmp_path, f" {spec} ; megatron-core==0.19.0 ", matrix)
+    assert argv == ["gate", "--candidate", spec, "--candidate", "megatron-core==0.19.0", "--out", "gate", "--", matrix]
+    assert not marker.exists()
+
+
+def test_a_pin_change_becomes_baseline_and_candidate_arguments(tmp_path):
+    argv = _gate_argv(tmp_path, "", "matrices/smoke.yaml", "--baseline a==1 --candidate a==2")
+    assert argv == ["gate", "--baseline", "a==1", "--candidate", "a==2", "--out", "gate", "--", "matrices/smoke.yaml"]
+
+
+def test_the_gate_cli_parses_the_workflow_argv():
+    """`--out gate -- MATRIX` parses as the gate's own parser reads it (a matrix name may start with '-')."""
+    from unittest import mock
+
+    from harness import cli
+
+    with mock.patch("harness.gate.bump.run_gate", return_value=0) as gate:
+        assert cli.main(["gate", "--candidate", "a @ b", "--out", "gate", "--", "-m.yaml"]) == 0
+    args = gate.call_args
+    assert args.args[0] == ["a @ b"] and str(args.args[2]) == "-m.yaml" and str(args.args[4]) == "gate"
+    assert args.kwargs["trust_pickles"] is False

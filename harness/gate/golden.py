@@ -13,15 +13,16 @@ The bump gate (harness/gate/bump.py) runs `make` in one environment and `check` 
 baseline-written files read by the candidate (must load bit-exact), and candidate-written files read
 by the baseline (a rollback: a refusal is allowed, but it must be a named exception, not a crash).
 CI caches a corpus per baseline pin hash, so a bump PR checks the real files the previous pins wrote.
+
+A corpus is a user's directory: `check` reads its pickles weights_only (ckpt_content.refuse_pickles)
+before megatron-core's loader unpickles them in full; a refused file is exit 2 without --trust-pickles.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,14 +35,15 @@ from harness.core.parity import EXACT, NOT_COMPARED
 from harness.core.result import CaseResult, Check
 from harness.core.spec import XFail
 from harness.core.topology import Topology
-from harness.judge.checks import assembled, refusal_check, state_check
+from harness.judge.checks import assembled, state_check
+from harness.judge.ckpt_content import UntrustedPickle, read_objects, refuse_pickles
 from harness.orchestration.runner import (
     RunOptions,
     apply_expected_failure,
     case_envelope,
 )
 from harness.run.envelope import RunEnv
-from harness.run.world import WorldError, WorldTimeout, exception_of
+from harness.gate.rollback import rollback_refusal
 
 MANIFEST = "manifest.json"
 REFERENCE = "reference.safetensors"
@@ -57,6 +59,11 @@ _KNOWN = {STEP_RESET.reason: STEP_RESET}
 
 class CorpusError(ValueError):
     """A corpus directory that cannot be checked (no manifest, wrong format): exit 2."""
+
+
+class UntrustedCorpus(CorpusError):
+    """A corpus holding a pickle that weights_only loading refuses, checked without --trust-pickles:
+    nothing of it is loaded (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -148,18 +155,23 @@ def _optim_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
     return {"steps": step_values(outs)}
 
 
-def checkpoint_steps(directory: Path) -> list[float]:
+def checkpoint_steps(directory: Path, trust_pickles: bool = False) -> list[float]:
     """The Adam step values a megatron-core torch_dist checkpoint holds, read from its files (no
     model, no process group): every `step` in the optimizer's saved objects (the DistributedOptimizer
-    keeps torch Adam's per-param step in its param groups). [] when it holds none."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    keeps torch Adam's per-param step in its param groups). [] when it holds none. The directory is a
+    corpus (a user's): read with weights_only unless `trust_pickles` (then in full, as torch DCP does)."""
+    if not trust_pickles:
+        objects = read_objects(directory)
+        objects = {k: v for k, v in objects.items() if k.startswith("optimizer")}
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    meta = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    objects = {k: None for k, v in meta.items() if isinstance(v, BytesStorageMetadata) and k.startswith("optimizer")}
-    if objects:
-        dcp.load(objects, storage_reader=FileSystemReader(str(directory)), no_dist=True)
+        meta = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+        objects = {k: None for k, v in meta.items() if isinstance(v, BytesStorageMetadata) and k.startswith("optimizer")}
+        if objects:
+            dcp.load(objects, storage_reader=FileSystemReader(str(directory)), no_dist=True)
     steps: set[float] = set()
 
     def walk(x) -> None:
@@ -213,7 +225,7 @@ def _optim_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: d
     ]
     step = step_check(written_steps(entry["steps"]), loaded, "writer", a.target.id)
     if opts.sharding == "dp_reshardable":
-        held = checkpoint_steps(d / "ckpt") if step.failed else list(entry["steps"])
+        held = checkpoint_steps(d / "ckpt", entry.get("trust_pickles", False)) if step.failed else list(entry["steps"])
         step, known = step_reset_check(step, list(entry["steps"]), step_values(loaded), held)
         if known is not None:
             result.xfail_reason = known.reason
@@ -362,9 +374,26 @@ def read_manifest(corpus: Path) -> dict:
     return manifest
 
 
+def screen(corpus: Path, names: list[str]) -> int:
+    """Read every pickle of the named artefact directories with weights_only semantics (the corpus
+    is a user's directory, and the loaders after this unpickle in full); UntrustedCorpus names the
+    first file (and DCP item) refused and the opt-in flag. Returns the number of pickles read."""
+    n = 0
+    for name in names:
+        try:
+            n += refuse_pickles(corpus / name) if (corpus / name).is_dir() else 0
+        except UntrustedPickle as exc:
+            raise UntrustedCorpus(f"golden check: {exc}") from None
+    return n
+
+
 def check(corpus: Path, options: RunOptions | None = None, k: str | None = None, allow_refusal: bool = False,
-          direction: str = "") -> list[CaseResult]:
+          direction: str = "", trust_pickles: bool = False) -> list[CaseResult]:
     """Load every artefact of the corpus here, at its target topology, and judge it.
+
+    Before anything loads, every pickle of the selected artefacts is read with weights_only
+    semantics (`screen`): a file that would need full unpickling raises UntrustedCorpus unless
+    `trust_pickles` (the CLI's --trust-pickles), since megatron-core's loader unpickles in full.
 
     allow_refusal (a rollback: an older stack reading newer files): a load that raises one of the
     exceptions its readers name (Artefact.refusals: megatron-core's CheckpointingException, the
@@ -375,6 +404,11 @@ def check(corpus: Path, options: RunOptions | None = None, k: str | None = None,
 
     options = options or RunOptions()
     manifest = read_manifest(corpus)
+    changed = {a.name: sorted(f for f, sha in entry["files"].items()
+                              if not (corpus / a.name / f).is_file() or _sha256(corpus / a.name / f) != sha)
+               for a in _selected(k) if (entry := manifest["artefacts"].get(a.name)) is not None and "error" not in entry}
+    if not trust_pickles:  # only what will load: a file that differs from the manifest fails its artefact unread
+        screen(corpus, [name for name, files in changed.items() if not files])
     results = []
     for a in _selected(k):
         result = CaseResult(a.case_id(direction), "golden", a.model, a.name, a.source.id, a.target.id,
@@ -389,16 +423,16 @@ def check(corpus: Path, options: RunOptions | None = None, k: str | None = None,
             result.error = f"{NOT_WRITTEN}: {entry['error'].strip().splitlines()[0]}"
             results.append(result)
             continue
-        changed = sorted(f for f, sha in entry["files"].items() if not (corpus / a.name / f).is_file() or _sha256(corpus / a.name / f) != sha)
-        if changed:
-            result.checks.append(Check("corpus-integrity", "failed", f"{len(changed)} file(s) differ from the manifest: {changed[:5]}"))
+        if changed[a.name]:
+            result.checks.append(Check("corpus-integrity", "failed",
+                                       f"{len(changed[a.name])} file(s) differ from the manifest: {changed[a.name][:5]}"))
             result.status = "failed"
             results.append(result)
             continue
         with case_envelope(result, options) as env:
             warm(bridge=a.model.startswith("hf-"))
             try:
-                a.check(a, env, result, corpus / a.name, entry)
+                a.check(a, env, result, corpus / a.name, {**entry, "trust_pickles": trust_pickles})
             except Exception as exc:
                 refusal = rollback_refusal(exc, a.refusals(), f"{a.source.id} -> {a.target.id}") if allow_refusal else None
                 if refusal is None:
@@ -409,41 +443,6 @@ def check(corpus: Path, options: RunOptions | None = None, k: str | None = None,
             apply_expected_failure(known, result)
         results.append(result)
     return results
-
-
-_FRAME_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)\s*$')
-
-
-def last_frame(traceback_text: str) -> str:
-    """`file:line in function: source line` of the innermost frame of a Python traceback ("" when
-    it names none): where a crash was raised."""
-    lines = traceback_text.splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        m = _FRAME_LINE.match(lines[i])
-        if m:
-            path, line, fn = m.groups()
-            code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME_LINE.match(lines[i + 1]) else ""
-            return f"{path}:{line} in {fn}" + (f": {code}" if code and not code.startswith(("^", "~")) else "")
-    return ""
-
-
-def refusal_of(exc_type: str | None, message: str, traceback_text: str, refusals: tuple[str, ...], change: str) -> Check | None:
-    """A rollback's verdict on a load that raised `exc_type`: one of `refusals` passes as a clean
-    refusal; anything else fails, naming the traceback's last frame. None when no Python exception
-    was raised (a rank that died, or hung): not a refusal, an error."""
-    if not exc_type:
-        return None
-    return refusal_check(exc_type, message, refusals, change, "an older stack refuses files a newer one wrote",
-                         frame=last_frame(traceback_text))
-
-
-def rollback_refusal(exc: Exception, refusals: tuple[str, ...], change: str) -> Check | None:
-    """`refusal_of` for what a corpus load raised: a world's failure by its failing rank's
-    exception and traceback, anything raised here (reading the writer's files) by its own."""
-    if isinstance(exc, WorldError) and not isinstance(exc, WorldTimeout):
-        tb = exc.rank_traceback or ""
-        return refusal_of(*exception_of(tb), tb, refusals, change)
-    return None if isinstance(exc, WorldTimeout) else refusal_of(type(exc).__name__, str(exc), traceback.format_exc(), refusals, change)
 
 
 def _versions_line(v: dict) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +168,145 @@ def differences(a: Any, b: Any, where: str = "") -> list[str]:
 def _short(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+# --------------------------------------------------------------------------- untrusted directories
+# A pickle runs code on load. Torch DCP unpickles `.metadata` with plain pickle and its object items
+# with torch.load(weights_only=False), inside torch and megatron-core where the harness cannot change
+# the call. So before any loader touches a directory a user handed in (a golden corpus), every pickle
+# in it is read here with weights_only semantics: torch.load(weights_only=True) for torch files and
+# DCP object items, an allowlist unpickler for DCP `.metadata`. A refused file stops the read unless
+# the user passes TRUST_FLAG. The readers above (read_dcp, read_tree) read the harness's own scratch
+# dirs only, and keep doing so as they were.
+
+TRUST_FLAG = "--trust-pickles"
+#: files other loaders read with torch.load / pickle (HF .bin, megatron-core common.pt, ...)
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
+#: torch DCP's own metadata modules: their dataclasses and enums are plain records (no code on load)
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                "torch.distributed.checkpoint.filesystem")
+#: other globals a DCP `.metadata` names: torch.Size, torch's own layout decoder (in torch's
+#: weights_only allowlist too), the checkpoint id torch's FileSystemWriter keeps as a path (a path
+#: object is a string, no file access); torch dtypes are allowed by kind below
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                     *((m, c) for m in ("pathlib", "pathlib._local")
+                       for c in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"))}
+
+
+class UntrustedPickle(ValueError):
+    """A file in a user's directory that weights_only loading refuses: names the file (and the DCP
+    item) and the opt-in flag."""
+
+    def __init__(self, path: Path | str, reason: str, key: str | None = None) -> None:
+        self.path, self.key, self.reason = str(path), key, reason
+        super().__init__(f"{path}{f' [{key}]' if key else ''}: not loadable with weights_only=True ({reason}); the harness "
+                         f"does not unpickle a user's files: pass {TRUST_FLAG} to load it anyway, only if you trust who wrote it")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Plain pickle restricted to what a torch DCP `.metadata` holds: DCP's record classes, torch
+    dtypes, torch.Size; any other global (os.system, builtins.eval, a user's class) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if "." not in name:  # no attribute paths (`Metadata.__init__.__globals__`)
+            if (module, name) in _METADATA_GLOBALS:
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            if module in _DCP_MODULES:
+                import dataclasses
+                import enum
+                import importlib
+
+                obj = getattr(importlib.import_module(module), name, None)
+                if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                    return obj
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+
+
+def load_metadata(path: Path | str) -> Any:
+    """A torch DCP `.metadata` file read with the allowlist unpickler; UntrustedPickle names the file."""
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except OSError:
+        raise
+    except Exception as exc:  # UnpicklingError for a forbidden global; anything else on bytes that are no DCP metadata
+        raise UntrustedPickle(path, f"{type(exc).__name__}: {exc}") from None
+
+
+def load_weights_only(source: Any, path: Path | str, key: str | None = None) -> Any:
+    """torch.load(source, weights_only=True) on CPU; a refusal raises UntrustedPickle naming `path` and `key`."""
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as exc:  # UnpicklingError for a forbidden global; anything else torch.load raises on bad bytes
+        raise UntrustedPickle(path, _reason(exc), key) from None
+
+
+def _reason(exc: Exception) -> str:
+    """The line of torch.load's error that says what it refused (`Unsupported global: GLOBAL os.system ...`)."""
+    import re
+
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(exc).splitlines() if line.strip()]
+    said = next((line.split("WeightsUnpickler error: ", 1)[-1] for line in lines if "WeightsUnpickler error" in line),
+                lines[0] if lines else "")
+    return f"{type(exc).__name__}: {said.split(' was not an allowed global')[0]}"
+
+
+def read_objects(directory: Path | str, keys: list[str] | None = None) -> dict[str, Any]:
+    """The object (bytes) items of a torch DCP checkpoint (all, or `keys`), read without a process
+    group and without unpickling anything weights_only refuses: the metadata through the allowlist
+    unpickler, each item through torch.load(weights_only=True). UntrustedPickle names the file and item."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+
+    directory = Path(directory)
+    metadata = load_metadata(directory / ".metadata")
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # the metadata read above, not pickle.load
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+            return metadata
+
+    refused: list[UntrustedPickle] = []
+    out: dict[str, Any] = {}
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # DefaultLoadPlanner's, with weights_only=True
+            fqn = read_item.dest_index.fqn
+            try:
+                out[fqn] = load_weights_only(value, directory, fqn)
+            except UntrustedPickle as exc:  # raised here it would come back wrapped by DCP: keep it
+                refused.append(exc)
+
+    names = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+    state: dict[str, Any] = {k: None for k in names if keys is None or k in keys}
+    if state:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, storage_reader=Reader(str(directory)), planner=Planner(flatten_state_dict=False), no_dist=True)
+    if refused:
+        raise refused[0]
+    return out
+
+
+def refuse_pickles(root: Path | str) -> int:
+    """Read every pickle under `root` (a directory a user handed in) with weights_only semantics:
+    each DCP checkpoint's `.metadata` and object items, each PICKLE_SUFFIXES file. Raises
+    UntrustedPickle on the first the harness would have to unpickle in full; returns the number of
+    pickles read. Safetensors, JSON and DCP tensor data need no check (torch reads the latter with
+    weights_only=True itself)."""
+    n = 0
+    for f in sorted(p for p in Path(root).rglob("*") if p.is_file()):
+        if f.name == ".metadata":
+            n += 1 + len(read_objects(f.parent))
+        elif f.suffix in PICKLE_SUFFIXES:
+            load_weights_only(f, f)
+            n += 1
+    return n

@@ -145,7 +145,7 @@ def _run(args: argparse.Namespace) -> int:
     def progress(r) -> None:
         finished.append(r)
         if report_path:  # after every case: a run killed half-way keeps what it finished
-            report.write_json(finished, report_path, str(args.matrix), time.perf_counter() - start, complete=False)
+            report.write_json(finished, report_path, str(args.matrix), time.perf_counter() - start, complete=False, **about)
         style = {"passed": "green", "xfailed": "yellow", "not-run": "cyan", "not-applicable": "cyan"}.get(r.status, "bold red")
         console.print(f"[{len(finished)}/{len(specs)}] [{style}]{r.status.upper():8}[/] {escape(r.id)}  {r.phases.get('total', 0):.1f}s"
                       + (f"  gpus {','.join(map(str, r.placement['gpus']))}" if r.placement else "")
@@ -155,6 +155,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         console.print(f"[red]--jobs must be >= 1, got {args.jobs}[/]")
         return 2
+    about = {"selected": [s.id for s in specs], "harness": report.code_digest()}
+    if args.probe_imports:  # what fails goes into results.json (the gate reads it)
+        from harness.run.preload import import_problems
+        about["import_problems"] = import_problems(report.moved_from_pins())
+        for module in about["import_problems"]:
+            console.print(f"[bold red]{module} does not import in this environment[/] (its traceback is in results.json)")
+    if report_path:  # before any case: a run that dies in its first case still names what it was asked
+        report.write_json([], report_path, str(args.matrix), 0.0, complete=False, **about)
     try:
         results = run_cases(specs, options, on_result=progress, jobs=args.jobs, gpus_per_node=args.gpus_per_node,
                             durations=shard.durations_of(args.durations) if args.durations and args.gpus_per_node else None)
@@ -165,7 +173,7 @@ def _run(args: argparse.Namespace) -> int:
         logs = ranklog.finish_run(log_root, temporary_logs, keep=args.keep or any(r.status in ("failed", "error") for r in finished))
     wall = time.perf_counter() - start
     code = _summarize(results, f"{matrix.name} ({args.matrix})", wall, report_path, str(args.matrix), console,
-                      fail_on_not_run=args.fail_on_not_run)
+                      fail_on_not_run=args.fail_on_not_run, about=about)
     if logs:
         console.print(f"logs: {logs}", highlight=False)
     if args.html:
@@ -183,7 +191,7 @@ def _console() -> Console:
 
 
 def _summarize(results, title: str, wall: float, report_path: Path | None, label: str, console: Console | None = None,
-               fail_on_not_run: bool = False) -> int:
+               fail_on_not_run: bool = False, about: dict | None = None) -> int:
     """The summary table, results.json when asked, and the exit code: 0 when every case is green,
     not-run or not-applicable (1 on a failure or error; 3 when a case was not run and `fail_on_not_run`)."""
     from harness.core.result import GREEN, HOLES
@@ -192,7 +200,7 @@ def _summarize(results, title: str, wall: float, report_path: Path | None, label
     console = console or _console()
     report.print_summary(results, title, wall, console)
     if report_path:
-        console.print(f"results: {report.write_json(results, report_path, label, wall)}")
+        console.print(f"results: {report.write_json(results, report_path, label, wall, **(about or {}))}")
     if any(r.status not in (*GREEN, *HOLES) for r in results):
         return 1
     if fail_on_not_run and any(r.status == "not-run" for r in results):
@@ -211,7 +219,7 @@ def _cmd_golden(args: argparse.Namespace) -> int:
         if args.action == "make":
             results = golden.make(args.dir, options, args.k)
         else:
-            results = golden.check(args.dir, options, args.k, args.allow_refusal, args.direction)
+            results = golden.check(args.dir, options, args.k, args.allow_refusal, args.direction, trust_pickles=args.trust_pickles)
     except golden.CorpusError as exc:
         print(f"ckpt-harness: {exc}", file=sys.stderr)
         return 2
@@ -225,7 +233,8 @@ def _cmd_gate(args: argparse.Namespace) -> int:
 
     cache = args.cache or envspec._default_cache()
     return run_gate(args.candidate, args.baseline, args.matrix, args.k, args.out, cache, _thresholds(args), cross=not args.skip_cross,
-                    corpus=args.corpus, exact=args.exact, jobs=args.jobs, reuse=not args.no_reuse)
+                    corpus=args.corpus, exact=args.exact, jobs=args.jobs, reuse=not args.no_reuse, trust_pickles=args.trust_pickles,
+                    baseline_results=args.baseline_results)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -350,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="run N cases at once in forked workers (gloo + mp launcher only; scripts/smoke uses 2)")
     run.add_argument("--no-reuse", action="store_true",
                      help="every case runs its own source worlds (default: a source several cases share is saved once per run)")
+    run.add_argument("--probe-imports", action="store_true", help="first import megatron.core/.bridge and every moved package")
     run.add_argument("--fail-on-not-run", action="store_true",
                      help="exit 3 when a case is not-run (the machine lacks CUDA devices, NCCL, TE, memory): a GPU job whose runner lost its GPUs goes red")
     _add_shard(run)
@@ -370,22 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_max_world(mg)
     mg.set_defaults(func=_cmd_merge)
     ls.set_defaults(func=_cmd_list)
-    gate = sub.add_parser("gate", help="run a candidate Megatron-Bridge/-Core against the pinned baseline: one verdict")
-    gate.add_argument("matrix", type=Path, nargs="?", default=Path("matrices/smoke.yaml"))
-    gate.add_argument("--candidate", action="append", default=[], metavar="SPEC",
-                      help="an override of the pins: 'megatron-core==0.19.0', 'megatron-bridge @ git+URL@SHA', a source tree, a wheel")
-    gate.add_argument("--baseline", action="append", default=[], metavar="SPEC", help="overrides for the baseline (default: the pins)")
-    gate.add_argument("-k", default=None, help="only matrix cases whose id contains every word of this")
-    gate.add_argument("--out", type=Path, required=True, help="a new directory: baseline/, candidate/, cross/, verdict.md, gate.json")
-    gate.add_argument("--cache", type=Path, default=None, help="where venvs live (default: $CKPT_HARNESS_HOME or ~/.cache/ckpt-harness)")
-    gate.add_argument("--corpus", type=Path, default=None,
-                      help="also have the candidate check this golden corpus (one the previous pins wrote; CI caches it)")
-    gate.add_argument("--skip-cross", action="store_true", help="no cross-version corpus (matrix comparison only)")
-    gate.add_argument("--jobs", "-j", type=int, default=2, metavar="N", help="cases at once in each side's matrix run "
-                      "(as `run --jobs`, smoke's 2 by default; gloo only)")
-    gate.add_argument("--no-reuse", action="store_true", help="each side's cases run their own source worlds (as `run --no-reuse`)")
-    gate.add_argument("--exact", action="store_true", help="move only the named specs: no release-set companions "
-                      "(a Bridge keeps today's Core and transformers pins)")
+    from harness.gate import gate_args
+
+    gate = gate_args.add_parser(sub)
     _add_thresholds(gate)
     gate.set_defaults(func=_cmd_gate)
     from harness.gate import sweep
@@ -400,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     gold.add_argument("--allow-refusal", action="store_true",
                       help="check: a load that raises a named exception passes as a clean refusal (a rollback)")
     gold.add_argument("--direction", default="", help="check: a suffix for the case ids (the gate names its directions)")
+    gold.add_argument("--trust-pickles", action="store_true",
+                      help="check: unpickle the corpus in full (megatron-core's loader does) even where weights_only loading "
+                           "refuses a file; only for a corpus you trust, a pickle can run code")
     gold.set_defaults(func=_cmd_golden)
     show = sub.add_parser("show", help="print a results.json as a Markdown table")
     show.add_argument("results", type=Path)

@@ -43,11 +43,12 @@ def test_an_internal_api_the_harness_reaches_for_is_a_coverage_hole():
     assert f.kind == "not-evaluated" and "no driver for megatron-core 0.18.2" in f.detail
 
 
-def test_a_bridge_core_pair_that_is_no_release_set_is_not_blamed():
+def test_a_bridge_core_pair_that_is_no_release_set_excuses_only_the_harness_own_lookups():
     cand_v = {**PINS, "megatron-core": "0.18.2"}  # Bridge 0.6.2 was built against Core 0.19
+    # an error raised deep in the Bridge on this pair is what whoever installs the pair hits: red, the pair named
     (f,), _ = run(cand_v, "error", 'File "/v/site-packages/megatron/bridge/models/x.py", line 1\nRuntimeError: something deep in the Bridge')
-    assert f.kind == "not-evaluated" and "not a valid release set" in f.detail
-    # a Bridge case whose error is an API the paired-for Core has and this one lacks: the pair, not "no driver"
+    assert f.failing and "not a valid release set" in f.detail
+    # a Bridge case whose error is an API the harness reached for, which the paired-for Core has and this one lacks
     (g,), _ = run(cand_v, "not-applicable", "API not available in megatron-core 0.18.2: ModuleNotFoundError: No module named "
                   "'megatron.core._rank_utils'\nFile \"/v/site-packages/megatron/bridge/__init__.py\"")
     assert g.kind == "not-evaluated" and "not a valid release set" in g.detail
@@ -77,14 +78,18 @@ def test_a_wrong_value_stays_a_regression_and_a_valid_pair_error_stays_red():
     assert g.kind in ("regression", "new-refusal") and g.failing
 
 
-def test_evaluated_counts_only_real_results():
+def test_evaluated_counts_only_real_results_on_a_green_baseline():
+    from harness.gate.evidence import evaluated_ids
+
+    base = doc(PINS, **{"reshard-optimizer[x]": ("passed", "")})
     cand_v = {**PINS, "megatron-core": "0.18.2"}
-    findings, cand = run(cand_v, "error", 'File "/v/site-packages/megatron/bridge/a.py"\nRuntimeError: x')  # a Bridge case, invalid pair
-    assert classify.evaluated(cand, findings) == 0
-    findings, cand = run(cand_v, "error", "RuntimeError: x")  # a Core-only case beside it: real
-    assert classify.evaluated(cand, findings) == 1
-    findings, cand = run({**PINS, "megatron-core": "0.19.1"}, "error", "RuntimeError: x")
-    assert classify.evaluated(cand, findings) == 1
+    findings, cand = run(cand_v, "not-applicable", "API not available in megatron-core 0.18.2: AttributeError: "
+                         "'DistributedOptimizer' object has no attribute 'x'")  # a hole: nothing seen
+    assert evaluated_ids(base, cand, findings) == []
+    findings, cand = run(cand_v, "error", "RuntimeError: x")  # a real result
+    assert evaluated_ids(base, cand, findings) == ["reshard-optimizer[x]"]
+    red = doc(PINS, **{"reshard-optimizer[x]": ("error", "RuntimeError: baseline broken")})
+    assert evaluated_ids(red, cand, findings) == []  # a red baseline is no evidence either way
 
 
 def test_missing_name_reads_each_error_form():

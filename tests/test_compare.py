@@ -91,9 +91,13 @@ def test_new_refusal_names_the_exception_and_fails_the_gate():
 
 def test_new_refusal_through_a_failed_refusal_check_detail():
     base = doc(case("r", checks=[check("refusal", tol="-")]))
-    cand = doc(case("r", "failed", checks=[check("refusal", "failed", tol="-", detail="refused through an unlisted exception: KeyError: 'step'")]))
+    cand = doc(case("r", "failed", checks=[check("refusal", "failed", tol="-", detail="refused through an unlisted exception: CheckpointingException: no shard")]))
     [f] = cmp.compare(base, cand)
-    assert f.kind == "new-refusal" and "KeyError" in f.detail and "refusal" in f.detail
+    assert f.kind == "new-refusal" and "CheckpointingException" in f.detail and "refusal" in f.detail
+    # a KeyError inside the loader is a crash, never a refusal: a plain regression
+    cand = doc(case("r", "failed", checks=[check("refusal", "failed", tol="-", detail="refused through an unlisted exception: KeyError: 'step'")]))
+    [g] = cmp.compare(base, cand)
+    assert g.kind == "regression" and g.failing and "KeyError" in g.detail
 
 
 def test_fixed_upstream_says_drop_the_xfail_and_does_not_fail():
@@ -192,15 +196,16 @@ def test_cli_exit_codes_and_outputs(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["compare", str(base), str(worse), "--out", str(out)]) == 1
     printed = capsys.readouterr().out
-    assert "new-refusal" in printed and (out / "compare.md").read_text().strip() == printed.strip()
+    assert "| `a` | regression | passed -> error: KeyError: 'step' |" in printed  # a crash, not a refusal
+    assert (out / "compare.md").read_text().strip() == printed.strip()
     j = json.loads((out / "compare.json").read_text())
     assert j["exit_code"] == 1 and j["candidate"]["versions"]["megatron-bridge"] == "0.6.2"
-    assert j["findings"] == [{"case": "a", "class": "new-refusal", "failing": True,
+    assert j["findings"] == [{"case": "a", "class": "regression", "failing": True,
                               "detail": j["findings"][0]["detail"], "base": "passed", "candidate": "error"}]
     # The thresholds are flags: 30 MiB of growth fails once --memory-mib is below it.
     assert main(["compare", str(base), str(worse), "--memory-mib", "16", "--out", str(out)]) == 1
     j = json.loads((out / "compare.json").read_text())
-    assert [f["class"] for f in j["findings"]] == ["new-refusal", "memory-growth"] and j["thresholds"]["memory_mib"] == 16
+    assert [f["class"] for f in j["findings"]] == ["regression", "memory-growth"] and j["thresholds"]["memory_mib"] == 16
 
 
 def test_cli_diff_factor_flag(tmp_path, capsys):

@@ -44,7 +44,7 @@ def test_verdict_lists_regressions_first_and_says_what_was_compared():
     bad = [Finding("reshard-weights[x]", "regression", "passed -> error"), Finding("y", "time-growth", "slower")]
     base, cand = _doc(_r("reshard-weights[x]", "passed")), _doc(_r("reshard-weights[x]", "error"))
     md = verdict_markdown(sides, bad, base, cand, [], {"total": 1.0}, None)
-    assert md.startswith("# Bump gate: NOT SAFE, 1 regression finding(s) (exit 1)")
+    assert md.startswith("# Bump gate: NOT SAFE, 1 failing finding(s) (exit 1)")
     assert md.index("## Regressions") < md.index("## Matrix") and "`megatron-core==0.18.2`" in md
     assert verdict_markdown(sides, [], base, base, [], {}, None).startswith("# Bump gate: SAFE TO BUMP (exit 0)")
     assert verdict_markdown(sides, [], None, None, [], {}, "pip failed").startswith("# Bump gate: COULD NOT RUN (exit 2)")
@@ -90,46 +90,21 @@ def test_not_a_corpus(tmp_path):
         golden.make(tmp_path / "x")
 
 
-def _planted_bridge():
-    """A buildable copy of the installed Megatron-Bridge with one planted change: the exported
-    adapter_config.json says lora_alpha 32 whatever alpha was asked (the verl #1821 class).
-
-    It lives at a fixed place in the harness's own cache, so the same content keys the same
-    candidate venv run after run (a tmp path would key, and keep, a new ~6 GB venv each time)."""
-    import shutil
-    from importlib import util
-    from pathlib import Path
-
-    from harness.gate.envspec import _default_cache
-
-    src = Path(util.find_spec("megatron.bridge").origin).parent
-    tree = _default_cache() / "test-trees" / "megatron-bridge-planted"
-    shutil.rmtree(tree, ignore_errors=True)  # our own scratch tree under the cache, nothing else
-    shutil.copytree(src, tree / "megatron" / "bridge", ignore=shutil.ignore_patterns("__pycache__"))
-    target = tree / "megatron" / "bridge" / "models" / "conversion" / "peft_bridge.py"
-    text = target.read_text()
-    assert text.count('"lora_alpha": getattr(peft_config, "alpha", 32)') == 1
-    target.write_text(text.replace('"lora_alpha": getattr(peft_config, "alpha", 32)', '"lora_alpha": 32'))
-    (tree / "pyproject.toml").write_text(
-        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
-        '[project]\nname = "megatron-bridge"\nversion = "0.6.2+planted"\nrequires-python = ">=3.12"\n'
-        '[tool.setuptools.packages.find]\nnamespaces = true\ninclude = ["megatron.bridge*"]\n'
-        '[tool.setuptools.package-data]\n"*" = ["*"]\n'
-    )
-    return tree
-
-
-
 @pytest.mark.slow  # builds a candidate venv (~3-5 min on 2 cores, pip cache warm) and runs both sides
-def test_the_gate_catches_a_planted_bridge_defect(tmp_path):
+def test_the_gate_catches_a_planted_bridge_defect(tmp_path, monkeypatch):
+    """The whole gate, cross-version reads included, on the planted candidate (tests/planted_bridge.py)
+    with its `alpha` fault: the exported adapter_config.json says lora_alpha 32 whatever was asked."""
     from pathlib import Path
+
+    from planted_bridge import PLANT, planted_bridge
 
     from harness.gate.envspec import _default_cache
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gate"
     case = "peft-export[bridge_peft-hf-llama-tp1pp1dp1cp1->tp1pp1dp1cp1-lora]"
-    code = run_gate([str(_planted_bridge())], [], root / "matrices" / "smoke.yaml", case, out, _default_cache())
+    monkeypatch.setenv(PLANT, "alpha")
+    code = run_gate([str(planted_bridge(_default_cache()))], [], root / "matrices" / "smoke.yaml", case, out, _default_cache())
     verdict = (out / "verdict.md").read_text()
     assert code == 1, verdict
     regressions = verdict.split("## Regressions")[1].split("\n## ")[0]

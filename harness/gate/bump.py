@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.core.result import API_MISSING, GREEN
-from harness.gate import classify, compare, envspec
+from harness.gate import classify, compare, envspec, evidence
 from harness.gate.golden import NOT_WRITTEN
+from harness.report.results import code_digest, moved_from_pins
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,8 +50,10 @@ class Side:
     #: what the release set moved with the named specs (harness.gate.releases), from the env's ckpt-env.json
     release_set: dict[str, Any] | None = None
     exact: bool = False  # --exact: only the named specs move, no companions
-    #: modules that do not import in this env (the Bridge of an older release, say): the cases that
-    #: need them end `error` and count as not evaluated; only megatron-core must import
+    #: the distributions this env moved from the pins (harness.report.results.moved_from_pins)
+    moved: list[str] = field(default_factory=list)
+    #: module -> import traceback tail, for megatron.core, megatron.bridge and every moved package's
+    #: modules that do not import here: on the candidate (importing on the baseline) a failing finding
     import_problems: dict[str, str] = field(default_factory=dict)
 
 
@@ -67,22 +70,24 @@ def _harness(side: Side, args: list[str], log: Path) -> int:
     return proc.returncode
 
 
+def say(text: str) -> None:
+    """One progress line on stderr (the verdict alone goes to stdout): a gate takes minutes a side."""
+    print(f"gate: {text}", file=sys.stderr, flush=True)
+
+
 def build_side(side: Side, cache: Path) -> None:
+    say(f"{side.name}: building or reusing the environment ({' '.join(side.specs) or 'the pins'})")
     start = time.perf_counter()
     try:
         side.venv = envspec.ensure(side.specs, cache, ROOT, companions=not side.exact)
         env = json.loads((side.venv / envspec.ENV_JSON).read_text())
         side.release_set = env.get("release_set")
-        envspec.check_import(side.venv, ("megatron.core",), root=ROOT)
+        side.moved = sorted(moved_from_pins(env))
     except envspec.UnsolvableReleaseSet as exc:
         raise GateError(f"the {side.name} release set ({' '.join(side.specs)}) cannot be installed:\n"
                         + "\n".join(f"  {ln}" for ln in exc.lines)) from None
     except (envspec.EnvBuildError, ValueError, LookupError) as exc:
-        raise GateError(f"the {side.name} environment ({' '.join(side.specs) or 'the pins'}) could not be built or imported:\n{exc}") from None
-    try:  # one package that fails to import never sinks the run: the cases that do not need it still run
-        envspec.check_import(side.venv, ("megatron.bridge",), root=ROOT)
-    except envspec.EnvBuildError as exc:
-        side.import_problems["megatron.bridge"] = _tail(str(exc), 8)
+        raise GateError(f"the {side.name} environment ({' '.join(side.specs) or 'the pins'}) could not be built:\n{exc}") from None
     side.build_s = time.perf_counter() - start
     r = subprocess.run([str(side.venv / "bin" / "python"), "-c", "import json; from harness.report.results import versions; print(json.dumps(versions()))"],
                        cwd=ROOT, capture_output=True, text=True, check=False)
@@ -93,12 +98,57 @@ def run_matrix(side: Side, matrix: Path, k: str | None, out: Path, jobs: int = 2
     """One side's matrix run, in its own environment: `run --jobs` and save once, load many as
     smoke runs them (a stored source is that run's, so it is never shared across sides)."""
     start = time.perf_counter()
-    rc = _harness(side, ["run", str(matrix), "--report", str(out), "--jobs", str(jobs), *(["-k", k] if k else []),
+    say(f"{side.name}: running {matrix}{f' -k {k!r}' if k else ''} (log: {out / 'run.log'})")
+    rc = _harness(side, ["run", str(matrix), "--report", str(out), "--jobs", str(jobs), "--probe-imports", *(["-k", k] if k else []),
                          *([] if reuse else ["--no-reuse"])],
                   out / "run.log")
-    if rc not in (0, 1) or not (out / "results.json").exists():
-        raise GateError(f"the {side.name} matrix run exited {rc} without results:\n{_tail((out / 'run.log').read_text(errors='replace'))}")
+    log = _tail((out / "run.log").read_text(errors="replace"))
+    if not (out / "results.json").exists():
+        raise GateError(f"the {side.name} matrix run exited {rc} without results:\n{log}")
+    if problem := evidence.complete_problem(compare.load(out), side.name):  # a run that died is no verdict
+        raise GateError(f"{problem} (exit {rc}); the end of {out / 'run.log'}:\n{log}")
+    if rc not in (0, 1):
+        raise GateError(f"the {side.name} matrix run exited {rc}:\n{log}")
+    read_imports(side, compare.load(out))
+    say(f"{side.name}: {len(compare.load(out)['results'])} case(s) in {time.perf_counter() - start:.0f} s")
     return time.perf_counter() - start
+
+
+def read_imports(side: Side, doc: dict[str, Any]) -> None:
+    """The side's import problems as its run probed them (`run --probe-imports`); megatron.core not
+    importing on the baseline leaves nothing to compare against."""
+    side.import_problems = {m: _tail(tb, 12) for m, tb in (doc.get("import_problems") or {}).items()}
+    if side.name == "baseline" and "megatron.core" in side.import_problems:
+        raise GateError(f"megatron.core does not import in the baseline ({' '.join(side.specs) or 'the pins'}):\n"
+                        f"{side.import_problems['megatron.core']}")
+
+
+def reuse_baseline(side: Side, results: Path, out: Path) -> None:
+    """A baseline run made earlier (a previous gate's DIR/baseline) in place of running it again: only
+    when it is a whole run of the same harness code in the same environment, copied into `out`. The
+    selection is checked against the candidate's run once it exists (`same_selection`)."""
+    doc = compare.load(results)
+    if problem := evidence.complete_problem(doc, f"reused baseline ({results})"):
+        raise GateError(problem)
+    env = json.loads((side.venv / envspec.ENV_JSON).read_text())
+    if doc.get("environment") != env:
+        raise GateError(f"--baseline-results {results} was run in another environment than the baseline's "
+                        f"{side.venv.name}: run the gate without it")
+    if doc.get("harness") != code_digest():
+        raise GateError(f"--baseline-results {results} was run by other harness code ({doc.get('harness')}, this "
+                        f"checkout is {code_digest()}): run the gate without it")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(doc, indent=2))
+    (out / "reused-from").write_text(f"{results}\n")
+    read_imports(side, doc)
+    say(f"baseline: reusing {results} ({len(doc['results'])} case(s))")
+
+
+def same_selection(base: dict[str, Any], cand: dict[str, Any]) -> None:
+    """Both sides ran the same cases (a reused baseline could have run another matrix or -k)."""
+    if base.get("selected") != cand.get("selected"):
+        raise GateError("the baseline and the candidate ran different selections (a --baseline-results of another "
+                        "matrix or -k?): the gate compares only the same cases")
 
 
 def run_cross(writer: Side, reader: Side, out: Path, rollback: bool, corpus: Path | None = None) -> tuple[Path, float]:
@@ -226,12 +276,13 @@ def _results_rows(doc: dict[str, Any]) -> list[str]:
     return rows
 
 
-def stored_corpus(reader: Side, corpus: Path, out: Path) -> tuple[Path, float]:
-    """The candidate reads a corpus written earlier (CI caches one per baseline pin hash)."""
+def stored_corpus(reader: Side, corpus: Path, out: Path, trust_pickles: bool = False) -> tuple[Path, float]:
+    """The candidate reads a corpus written earlier (CI caches one per baseline pin hash). The corpus
+    is a user's directory: its pickles are read weights_only unless `trust_pickles` (--trust-pickles)."""
     start = time.perf_counter()
     report = out / f"stored-to-{reader.name}"
-    rc = _harness(reader, ["golden", "check", str(corpus), "--report", str(report), "--direction", f"stored->{reader.name}"],
-                  out / f"check-stored-{reader.name}.log")
+    args = ["golden", "check", str(corpus), "--report", str(report), "--direction", f"stored->{reader.name}"]
+    rc = _harness(reader, args + (["--trust-pickles"] if trust_pickles else []), out / f"check-stored-{reader.name}.log")
     if rc not in (0, 1) or not (report / "results.json").exists():
         raise GateError(f"the {reader.name} could not check the stored corpus {corpus} (exit {rc}):\n"
                         f"{_tail((out / f'check-stored-{reader.name}.log').read_text(errors='replace'))}")
@@ -240,7 +291,8 @@ def stored_corpus(reader: Side, corpus: Path, out: Path) -> tuple[Path, float]:
 
 def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str | None, out: Path, cache: Path,
              thresholds: compare.Thresholds = compare.Thresholds(), cross: bool = True, corpus: Path | None = None,
-             exact: bool = False, jobs: int = 2, reuse: bool = True) -> int:
+             exact: bool = False, jobs: int = 2, reuse: bool = True, trust_pickles: bool = False,
+             baseline_results: Path | None = None) -> int:
     if out.exists() and any(out.iterdir()):
         print(f"ckpt-harness: {out} is not empty; the gate writes a new directory (it never overwrites or deletes)", file=sys.stderr)
         return 2
@@ -250,6 +302,7 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
     findings: list[compare.Finding] = []
     cross_docs: list[tuple[str, dict]] = []
     base = cand = None
+    cover: evidence.Coverage | None = None
     start = time.perf_counter()
     try:
         if not candidates:
@@ -262,9 +315,12 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
                     raise GateError(f"--{s.name} {spec!r}: {exc}") from None
         for s in sides:
             build_side(s, cache)
-        for s in sides:
+        if baseline_results is not None:
+            reuse_baseline(sides[0], baseline_results, out / "baseline")
+        for s in sides[1 if baseline_results is not None else 0:]:
             timings[f"{s.name} matrix"] = run_matrix(s, matrix, k, out / s.name, jobs, reuse)
         base, cand = compare.load(out / "baseline"), compare.load(out / "candidate")
+        same_selection(base, cand)
         findings = compare.compare(base, cand, thresholds)
         if cross:
             for writer, reader, rollback in ((sides[0], sides[1], False), (sides[1], sides[0], True)):
@@ -274,55 +330,105 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
                 cross_docs.append((f"{writer.name} writes, {reader.name} reads" + (" (rollback)" if rollback else ""), doc))
                 findings += cross_findings(doc, rollback, sides[0].versions, sides[1].versions)
         if corpus is not None:
-            report, timings["stored corpus -> candidate"] = stored_corpus(sides[1], corpus, out / "cross")
+            report, timings["stored corpus -> candidate"] = stored_corpus(sides[1], corpus, out / "cross", trust_pickles)
             doc = compare.load(report)
             cross_docs.append((f"stored corpus {corpus} ({doc['results'][0]['notes'][0] if doc['results'] else ''}), candidate reads", doc))
             findings += cross_findings(doc, rollback=False, base_versions=sides[0].versions, cand_versions=sides[1].versions)
-        code = compare.exit_code(findings)
-        error = None
-        if not classify.evaluated(cand, findings):
-            code, error = 2, ("nothing in the candidate could be evaluated: every case is a harness limit "
-                              "(see 'Could not evaluate'), so this gate says nothing about the candidate")
+        findings = sorted([*findings, *import_findings(sides), *evidence.shim_findings(base, cand)],
+                          key=lambda f: (compare.ORDER.index(f.kind), f.case))
+        cover = evidence.coverage(base, cand, findings)
+        code = evidence.exit_code(findings, cover)
+        error = no_evidence(cover) if code == 2 else None
     except (GateError, compare.CompareInputError) as exc:
         code, error = 2, str(exc)
     timings["total"] = time.perf_counter() - start
     for s in sides:
         timings[f"{s.name} env build"] = s.build_s
-    md = verdict_markdown(sides, findings, base, cand, cross_docs, timings, error)
+    md = verdict_markdown(sides, findings, base, cand, cross_docs, timings, error, code, cover)
     (out / "verdict.md").write_text(md + "\n")
     (out / "gate.json").write_text(json.dumps({
         "exit_code": code, "error": error, "sides": [{**asdict(s), "venv": str(s.venv)} for s in sides],
+        "coverage": asdict(cover) if cover is not None else None,
         "timings_s": {k: round(v, 1) for k, v in timings.items()}, "findings": [f.to_dict() for f in findings],
     }, indent=2, default=str) + "\n")
     print(md)
     return code
 
 
+def import_findings(sides: list[Side]) -> list[compare.Finding]:
+    """A module the candidate cannot import where the baseline can: every user who bumps breaks."""
+    base, cand = sides[0].import_problems, sides[1].import_problems
+    return [compare.Finding(f"import {m}", "does-not-import", f"{m} does not import in the candidate (it does in the "
+                            f"baseline): {problem.strip().splitlines()[-1]}", "imports", "does not import")
+            for m, problem in cand.items() if m not in base]
+
+
+def no_evidence(cover: evidence.Coverage) -> str:
+    """Why exit 2 when nothing failed: what the gate could not evaluate."""
+    if not cover.evaluated and cover.baseline_red and len(cover.baseline_red) == cover.selected:
+        return (f"the baseline is red on every selected case ({cover.selected} failed or errored on the baseline): "
+                "there is nothing to compare the candidate against; fix the baseline or the selection")
+    if not cover.evaluated:
+        return ("nothing in the candidate could be evaluated on both sides (see the counts above and 'Could not "
+                "evaluate'), so this gate says nothing about the candidate")
+    return (f"no case of {', '.join(cover.unevaluated_kinds)} was evaluated on both sides: the gate says nothing "
+            "about that kind, so it cannot call the candidate safe")
+
+
 def verdict_markdown(sides: list[Side], findings: list[compare.Finding], base: dict | None, cand: dict | None,
-                     cross_docs: list[tuple[str, dict]], timings: dict[str, float], error: str | None) -> str:
-    if error:
-        head = "# Bump gate: COULD NOT RUN (exit 2)"
-    elif compare.exit_code(findings):
-        head = f"# Bump gate: NOT SAFE, {len([f for f in findings if f.failing])} regression finding(s) (exit 1)"
+                     cross_docs: list[tuple[str, dict]], timings: dict[str, float], error: str | None,
+                     code: int | None = None, cover: evidence.Coverage | None = None) -> str:
+    """verdict.md: the head and what could not be evaluated first, then what failed (an import the
+    candidate broke with its traceback before anything else), then the evidence in detail."""
+    code = code if code is not None else 2 if error else compare.exit_code(findings)
+    failing = [f for f in findings if f.failing]
+    if code == 2:
+        head = "# Bump gate: COULD NOT RUN (exit 2)" if cover is None else "# Bump gate: NOT EVALUATED (exit 2)"
+    elif code == 1:
+        head = f"# Bump gate: NOT SAFE, {len(failing)} failing finding(s) (exit 1)"
     else:
         head = "# Bump gate: SAFE TO BUMP (exit 0)"
-    lines = [head, "", *_side_table(sides), "", *_release_sets(sides)]
-    for s in sides:
-        for module, problem in s.import_problems.items():
-            lines += [f"**{module} does not import in the {s.name}**: its cases could not be evaluated there.", "",
-                      "```", problem.strip(), "```", ""]
+    lines = [head, ""]
+    if cover is not None:
+        lines += [*cover.lines(), ""]
     if error:
         lines += ["```", error.strip(), "```", ""]
-    regressions = [f for f in findings if f.failing and f.kind != "api-break"]
-    lines += _findings_section("Regressions", "a check that passed now fails, or the candidate raises where the "
-                               "baseline loaded", regressions)
+    for f in (f for f in findings if f.kind == "does-not-import"):
+        module = f.case.removeprefix("import ")
+        lines += [f"## {module} does not import in the candidate", "", "Every user who bumps hits this first:", "",
+                  "```", sides[1].import_problems[module].strip(), "```", ""]
+    lines += [*_side_table(sides), "", *_release_sets(sides)]
+    for s in sides:
+        for module, problem in s.import_problems.items():
+            if s.name == "baseline" or module in sides[0].import_problems:
+                lines += [f"**{module} does not import in the {s.name}**: its cases could not be evaluated there.", "",
+                          "```", problem.strip(), "```", ""]
+    regressions = [f for f in failing if f.kind not in ("api-break", "does-not-import")]
+    lines += _findings_section("Regressions", "a check that passed now fails, the candidate raises where the "
+                               "baseline loaded, or it needs a workaround the baseline did not", regressions)
     lines += _findings_section("Breaking API changes", "the candidate removed or renamed an API users call: whoever "
                                "bumps hits it too (counted as failing)", [f for f in findings if f.kind == "api-break"])
     lines += _not_evaluated(findings)
+    lines += _workarounds(sides, base, cand)
     if base is not None and cand is not None:
-        matrix_findings = [f for f in findings if not f.case.startswith("golden[")]
+        matrix_findings = [f for f in findings if not f.case.startswith(("golden[", "import "))]
         lines += [compare.markdown(base, cand, matrix_findings, ("baseline", "candidate")).replace("## ckpt-harness compare", "## Matrix"), ""]
     for title, doc in cross_docs:
         lines += [f"## Cross-version: {title}", "", *_results_rows(doc), ""]
     lines += ["## Wall time", "", "| step | s |", "|---|---:|", *[f"| {k} | {v:.0f} |" for k, v in timings.items()]]
     return "\n".join(lines)
+
+
+def _workarounds(sides: list[Side], base: dict | None, cand: dict | None) -> list[str]:
+    """Which harness.compat workarounds applied on each side, and to how many cases."""
+    counts: dict[str, list[int]] = {}
+    for i, doc in enumerate((base, cand)):
+        for r in (doc or {}).get("results") or []:
+            for name in r.get("compat_shims") or []:
+                counts.setdefault(name, [0, 0])[i] += 1
+    if not counts:
+        return []
+    return ["## Workarounds applied", "", "Each applied because its probe saw the upstream condition it patches "
+            "(harness/compat); one that applied on one side only is a finding above.", "",
+            f"| workaround | {sides[0].name} cases | {sides[1].name} cases |", "|---|---:|---:|",
+            *[f"| {name} | {b} | {c} |" for name, (b, c) in sorted(counts.items())], ""]

@@ -67,9 +67,12 @@ def cause(case: dict[str, Any], base_versions: dict[str, Any], cand_versions: di
     release that lacks an API the case needs), or None (compare's call stands)."""
     if case.get("status") not in ("error", "not-applicable"):
         return None
-    if _uses_bridge(case) and (problem := _pair_problem(cand_versions)):
+    parts = api_missing_parts(case.get("error") or case.get("not_applicable_reason"))
+    if parts and _uses_bridge(case) and (problem := _pair_problem(cand_versions)):
+        # only the harness's own lookup is excused by the pair: an error raised inside Bridge or Core
+        # on this pair is what whoever installs it hits (`pair_note` names the pair on that regression)
         return "not-evaluated", f"not a valid release set: {problem}"
-    if parts := api_missing_parts(case.get("error") or case.get("not_applicable_reason")):
+    if parts:
         package, version, what = parts
         if base_versions.get(package) == cand_versions.get(package) and base_versions.get(package) is not None:
             return ("not-evaluated", f"it fails in {package} {version}, the same version on both sides (the environment "
@@ -109,27 +112,23 @@ def versions_of(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def reclassify(findings: Iterable[Any], base: dict[str, Any], cand: dict[str, Any]) -> list[Any]:
-    """compare's findings with the candidate's own errors sorted into api-break / not-evaluated."""
+    """compare's findings with the candidate's own errors sorted into api-break / not-evaluated; a
+    regression in a Bridge case on a Bridge/Core pair that is no release set says so."""
     bv, cv = versions_of(base), versions_of(cand)
     cases = {r["id"]: r for r in cand.get("results") or []}
+    problem = _pair_problem(cv)
     out = []
     for f in findings:
         c = cases.get(f.case)
         found = cause(c, bv, cv) if c is not None and f.kind in ("regression", "new-refusal") else None
-        out.append(replace(f, kind=found[0], detail=f"{f.base} -> {f.candidate}: {found[1]}") if found else f)
+        if found:
+            f = replace(f, kind=found[0], detail=f"{f.base} -> {f.candidate}: {found[1]}")
+        elif problem and c is not None and f.failing and _uses_bridge(c):
+            f = replace(f, detail=f"{f.detail} (note: not a valid release set, {problem}; whoever installs this pair hits it)")
+        out.append(f)
     return out
 
 
 def case_kind(case_id: str) -> str:
     """`reshard-weights[...]` -> `reshard-weights`: the unit 'could not evaluate' is counted in."""
     return case_id.split("[", 1)[0]
-
-
-def evaluated(cand: dict[str, Any], findings: Iterable[Any]) -> int:
-    """How many candidate cases gave a real result (passed, failed, xfailed, an error the candidate is
-    to blame for, or a public API it removed): the gate can say nothing only when this is 0."""
-    findings = list(findings)
-    holes = {f.case for f in findings if f.kind == "not-evaluated"}
-    breaks = {f.case for f in findings if f.kind == "api-break"}
-    return sum(1 for r in cand.get("results") or []
-               if r["id"] not in holes and (r.get("status") in ("passed", "failed", "xfailed", "error") or r["id"] in breaks))

@@ -10,13 +10,16 @@ Classes of finding (one case can have several):
 | class | when | fails the gate |
 |---|---|---|
 | regression | passed/xfailed -> failed/error; or a check that passed on base fails on the candidate (named) | yes |
-| new-refusal | base passed, candidate failed/error and its error or failed-check text names an exception (`...Error`, `...Exception`): the candidate raised where the baseline loaded (replaces `regression` for that case) | yes |
+| does-not-import | a package the candidate moved from the pins does not import in the candidate (it imports on the baseline): every user breaks | yes |
+| new-refusal | base passed, candidate failed/error and its error or failed-check text names an exception (`...Error`, `...Exception`) that is no programming error (`CRASHES`: an AttributeError or KeyError is a crash, a regression): the candidate refused where the baseline loaded (replaces `regression` for that case) | yes |
 | api-break | a candidate case errors or is `not-applicable` because the candidate removed or renamed a public API users call (harness.gate.classify.PUBLIC_APIS) | yes |
+| new-workaround | a harness.compat workaround applied to a case on the candidate and not on the baseline: the candidate shows the upstream condition it patches, hidden by the patch (harness.gate.evidence) | yes |
 | diff-growth | a toleranced check's max abs diff grew past the tolerance's atol, by more than `diff_factor` x, or from 0 to > 0 | yes |
 | memory-growth | a phase's per-rank peak delta grew by more than `memory_pct` % AND more than `memory_mib` MiB | yes |
 | fixed-upstream | base xfailed -> candidate fails with XPASS(strict): the defect is fixed, drop the xfail | no |
 | not-evaluated | a candidate case errors or is `not-applicable` for the harness's own limits: an API missing in a package unchanged between the sides, an internal API the harness's driver needs, or a Bridge/Core pair that is no release set (harness.gate.classify): a coverage hole, counted per case kind | no (listed) |
 | disappeared | a case on base is absent on the candidate, or a check that passed on base is absent or not run in a candidate case that passed/xfailed: coverage lost | no (warning) |
+| workaround-dropped | a workaround applied on the baseline only: the candidate no longer shows what it patches | no (listed) |
 | appeared | a case only on the candidate | no |
 | fixed | base failed/error -> candidate passed | no |
 | not-run | a case ran on base and is `not-run` on the candidate (its reason: the machine lacked CUDA, TE, ...), or the reverse, or `not-applicable` on the base (the base release lacks an API the case needs): coverage moved with the machine or the release, not the code | no (listed) |
@@ -35,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.core.frames import raising_frame
 from harness.core.parity import Tolerance
 from harness.core.result import (
     api_missing_line,
@@ -42,14 +46,19 @@ from harness.core.result import (
 )
 from harness.gate import classify
 
-FAILING = ("regression", "new-refusal", "api-break", "diff-growth", "memory-growth")
+FAILING = ("does-not-import", "regression", "new-refusal", "api-break", "new-workaround", "diff-growth", "memory-growth")
 WARNING = ("disappeared",)
-ORDER = (*FAILING, "fixed-upstream", *WARNING, "not-evaluated", "not-run", "appeared", "fixed", "time-growth")
+ORDER = (*FAILING, "fixed-upstream", *WARNING, "not-evaluated", "not-run", "workaround-dropped", "appeared", "fixed",
+         "time-growth")
 OK = ("passed", "xfailed")
 BAD = ("failed", "error")
 MiB = 2**20
 TIME_FACTOR, TIME_MIN_S = 1.5, 5.0
 _EXCEPTION = re.compile(r"\b([A-Z][A-Za-z0-9_]*(?:Exception|Error))\b")
+#: Programming errors: raised where code met what it did not expect, never a loader's clear "no".
+#: A candidate raising one where the baseline loaded is a regression, not a refusal.
+CRASHES = frozenset({"AttributeError", "TypeError", "NameError", "KeyError", "IndexError", "ImportError",
+                     "ModuleNotFoundError", "AssertionError", "UnboundLocalError", "ZeroDivisionError", "RecursionError"})
 
 
 class CompareInputError(Exception):
@@ -144,11 +153,13 @@ def _status_findings(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Fin
     api = api_missing_line(c.get("error"))
     if bs in OK and cs in BAD and api:  # not a refusal: the candidate removed or moved an API the stack calls
         return [Finding(cid, "regression", f"{bs} -> {cs}{named}: {_first_line(api, 200)}", bs, cs)]
-    if bs == "passed" and cs in BAD and (raised := _raised(c)):
-        return [Finding(cid, "new-refusal", f"candidate raises {raised[0]} where base passed{named}: {raised[1]}", bs, cs)]
+    at = f" (raised at {frame})" if cs == "error" and (frame := raising_frame(c.get("error") or "")) else ""
+    if bs == "passed" and cs in BAD and (raised := _raised(c)) and raised[0] not in CRASHES:
+        return [Finding(cid, "new-refusal", f"candidate raises {raised[0]} where base passed{named}: {raised[1]}{at}", bs, cs)]
     if (bs in OK and cs in BAD) or newly_failed:
-        why = _first_line(_failure_text(c)) if cs in BAD else ""
-        return [Finding(cid, "regression", f"{bs} -> {cs}{named}" + (f": {why}" if why else ""), bs, cs)]
+        raised = _raised(c) if cs in BAD else None
+        why = f"{raised[1]}" if raised else _first_line(_failure_text(c)) if cs in BAD else ""
+        return [Finding(cid, "regression", f"{bs} -> {cs}{named}" + (f": {why}" if why else "") + at, bs, cs)]
     if bs in BAD and cs == "passed":
         return [Finding(cid, "fixed", f"{bs} -> passed", bs, cs)]
     return []

@@ -11,7 +11,7 @@ from collections import Counter
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from rich.console import Console
 from rich.markup import escape
@@ -45,6 +45,20 @@ def environment() -> dict | None:
         return None
 
 
+def code_digest() -> str:
+    """sha256 (12 hex) of the harness's own code and matrices as this run imported them: two runs
+    with the same digest ran the same harness, so the gate may reuse one side's results."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for top in ("harness", "cases", "matrices"):
+        for path in sorted((root / top).rglob("*")):
+            if path.suffix in (".py", ".yaml") and path.is_file():
+                h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def moved_from_pins(env: dict | None = None) -> set[str]:
     """The distributions this venv's release set moved from the project's pins (asked, resolved as a
     companion, or dropped as a dependent); empty for the pins' own venv or outside the harness's venvs.
@@ -64,12 +78,16 @@ def counts(results: Iterable[CaseResult]) -> dict[str, int]:
     return {s: c.get(s, 0) for s in STATUSES}
 
 
-def document(results: list[CaseResult], matrix: str, wall_s: float, complete: bool = True) -> dict:
-    """What results.json holds (and what the HTML report is drawn from)."""
+def document(results: list[CaseResult], matrix: str, wall_s: float, complete: bool = True, **run: Any) -> dict:
+    """What results.json holds (and what the HTML report is drawn from). `run`: what the run says of
+    itself beside its results: `selected` (the ids it was asked for, so a reader such as the gate can
+    tell a whole run from one that died part-way) and `import_problems` (module -> traceback, when
+    the run probed its environment's imports)."""
     return {
         "matrix": matrix,
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "complete": complete,
+        **run,
         "wall_s": round(wall_s, 2),
         "platform": {"machine": platform.machine(), "system": platform.system()},
         "versions": versions(),
@@ -79,11 +97,11 @@ def document(results: list[CaseResult], matrix: str, wall_s: float, complete: bo
     }
 
 
-def write_json(results: list[CaseResult], path: Path, matrix: str, wall_s: float, complete: bool = True) -> Path:
+def write_json(results: list[CaseResult], path: Path, matrix: str, wall_s: float, complete: bool = True, **run: Any) -> Path:
     """results.json, replaced atomically: the CLI rewrites it after every case (complete=False),
     so a run that dies half-way still leaves every finished result readable."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = document(results, matrix, wall_s, complete)
+    doc = document(results, matrix, wall_s, complete, **run)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc, indent=2, default=str))
     tmp.replace(path)

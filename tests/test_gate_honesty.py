@@ -1,0 +1,126 @@
+"""SAFE is earned: the real `gate` on planted candidates, each on a small slice of the smoke matrix,
+asserting its exit code and the verdict's first finding.
+
+One planted Megatron-Bridge tree (tests/planted_bridge.py) serves every scenario: its faults are
+switched by CKPT_TEST_PLANT, which the gate's subprocesses inherit and only the planted copy reads,
+so the candidate venv is built once (a minute or two with the shared uv store) and reused. The
+baseline is the pins. Cross-version reads are off (`cross=False`): these scenarios are about the
+matrix verdict, and the corpus round trips are covered in tests/test_gate.py. Each slice's baseline
+runs once and is handed to its gates as --baseline-results (what a user does with a previous gate's
+DIR/baseline), so each gate runs the candidate alone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from harness.gate.bump import run_gate
+from harness.gate.envspec import _default_cache
+from planted_bridge import PLANT, planted_bridge
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "matrices" / "smoke.yaml"
+#: one worker runs them all (scripts/test: --dist loadgroup), sharing the baselines and the candidate venv
+pytestmark = pytest.mark.xdist_group("planted-candidate")
+#: one mcore case beside three Bridge HF round trips (the slice the issue measured)
+MIXED = "tp2pp1dp1cp1->tp1pp2dp1cp1]"
+HF = "hf-roundtrip tp2pp1dp1cp1->tp1pp2dp1cp1]"
+#: one Bridge HF round trip
+ONE = "hf-roundtrip[bridge_hf-hf-llama-tp2pp1dp1cp1->tp1pp2dp1cp1]"
+#: a LoRA export, a canonical-LoRA export and a named defect, one model, one source topology
+PEFT = "peft-export[bridge_peft-hf-llama-tp1pp1dp1cp1->"
+
+@pytest.fixture(scope="module")
+def tree() -> Path:
+    return planted_bridge(_default_cache())
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory) -> Callable[[str], Path]:
+    """One baseline run per slice, made as the gate makes it (the pins' venv, this harness), then
+    handed to each gate as --baseline-results: the gate checks it is a whole run of this code in the
+    baseline's environment over the same cases, and runs only the candidate."""
+    made: dict[str, Path] = {}
+
+    def get(k: str) -> Path:
+        if k not in made:
+            out = tmp_path_factory.mktemp("baseline")
+            subprocess.run([sys.executable, "-m", "harness.cli", "run", str(SMOKE), "-k", k, "--report", str(out),
+                            "--jobs", "2", "--probe-imports"], cwd=ROOT, check=False, capture_output=True)
+            made[k] = out
+        return made[k]
+
+    return get
+
+
+def _gate(tmp_path: Path, monkeypatch, tree: Path, plant: str, k: str, baseline: list[str] | None = None,
+          baseline_results: Path | None = None):
+    monkeypatch.setenv(PLANT, plant)
+    out = tmp_path / "gate"
+    code = run_gate([str(tree)], baseline or [], SMOKE, k, out, _default_cache(), cross=False, baseline_results=baseline_results)
+    verdict = (out / "verdict.md").read_text()
+    gate = json.loads((out / "gate.json").read_text())
+    return code, verdict, gate
+
+
+def _first_failing(gate: dict) -> dict:
+    return next(f for f in gate["findings"] if f["failing"])
+
+
+def test_a_candidate_whose_export_raises_inside_its_own_code_is_a_regression(tmp_path, monkeypatch, tree, baselines):
+    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "export-attr", MIXED, baseline_results=baselines(MIXED))
+    assert code == 1, verdict
+    first = _first_failing(gate)
+    assert first["class"] == "regression" and first["case"].startswith("hf-roundtrip["), first
+    assert "_planted_attribute_no_bridge_defines" in first["detail"]
+    assert "raised at megatron/bridge/models/conversion/model_bridge.py" in first["detail"]  # the frame that decided
+    assert verdict.startswith("# Bump gate: NOT SAFE")
+    assert "Could not evaluate" not in verdict  # never filed as a harness limit
+
+
+def test_a_candidate_package_that_does_not_import_fails_with_its_traceback_first(tmp_path, monkeypatch, tree, baselines):
+    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "import", MIXED, baseline_results=baselines(MIXED))
+    assert code == 1, verdict
+    first = _first_failing(gate)
+    assert first["class"] == "does-not-import" and first["case"] == "import megatron.bridge", first
+    head = verdict.split("\n## ")[1]  # the first section after the head and its counts
+    assert head.startswith("megatron.bridge does not import in the candidate") and "_planted_missing_module" in head
+
+
+def test_a_baseline_red_on_every_selected_case_cannot_call_anything_safe(tmp_path, monkeypatch, tree):
+    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "export-attr", ONE, baseline=[str(tree)])
+    assert code == 2, verdict
+    assert verdict.startswith("# Bump gate: NOT EVALUATED (exit 2)")
+    assert "baseline is red on every selected case" in gate["error"]
+    assert "**1 baseline-red case(s)**" in verdict.split("\n## ")[0]
+
+
+def test_a_candidate_run_killed_mid_way_is_no_verdict_and_names_where_it_died(tmp_path, monkeypatch, tree, baselines):
+    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "kill", HF, baseline_results=baselines(HF))
+    assert code == 2, verdict
+    assert "the candidate run did not finish" in gate["error"] and "it died in or before hf-roundtrip[" in gate["error"]
+
+
+def test_a_public_api_the_candidate_removed_is_a_breaking_change(tmp_path, monkeypatch, tree, baselines):
+    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "public-api", ONE, baseline_results=baselines(ONE))
+    assert code == 1, verdict
+    first = _first_failing(gate)
+    assert first["class"] == "api-break" and "save_hf_pretrained" in first["detail"], first
+    assert "looked up at harness/" in first["detail"]  # the harness's own call made the lookup
+
+
+def test_an_internal_api_the_harness_reaches_for_is_a_hole_counted_first(tmp_path, monkeypatch, tree, baselines):
+    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "internal-api", PEFT, baseline_results=baselines(PEFT))
+    first_lines = verdict.split("\n## ")[0]
+    holes = [f for f in gate["findings"] if f["class"] == "not-evaluated"]
+    assert [f["case"] for f in holes] == ["peft-export[bridge_peft-hf-llama-tp1pp1dp1cp1->tp2pp1dp1cp1-canonical_lora]"], holes
+    assert "CanonicalLoRA" in holes[0]["detail"]
+    assert code == 0, verdict  # the LoRA cases of the same kind were evaluated, and nothing regressed
+    assert verdict.startswith("# Bump gate: SAFE TO BUMP (exit 0)")
+    assert "**1 coverage hole(s)**" in first_lines and "canonical_lora" in first_lines

@@ -158,10 +158,12 @@ def run_cross(writer: Side, reader: Side, out: Path, rollback: bool, corpus: Pat
     corpus = corpus or out / f"written-by-{writer.name}"
     report = out / f"{writer.name}-to-{reader.name}"
     if not (corpus / "manifest.json").exists():
+        say(f"cross-version: the {writer.name} writes the golden corpus")
         rc = _harness(writer, ["golden", "make", str(corpus)], out / f"make-{writer.name}.log")
         if rc not in (0, 1) or not (corpus / "manifest.json").exists():
             raise GateError(f"the {writer.name} could not write the golden corpus (exit {rc}):\n"
                             f"{_tail((out / f'make-{writer.name}.log').read_text(errors='replace'))}")
+    say(f"cross-version: the {reader.name} reads the {writer.name}'s corpus" + (" (rollback)" if rollback else ""))
     args = ["golden", "check", str(corpus), "--report", str(report), "--direction", f"{writer.name}->{reader.name}"]
     rc = _harness(reader, args + (["--allow-refusal"] if rollback else []), out / f"check-{reader.name}.log")
     if rc not in (0, 1) or not (report / "results.json").exists():

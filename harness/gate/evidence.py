@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.core.result import GREEN, HOLES
 from harness.gate.classify import case_kind
 from harness.gate.compare import Finding
 
-GREEN = ("passed", "xfailed")
 REAL = ("passed", "failed", "xfailed", "error")
 
 
@@ -62,7 +62,7 @@ class Coverage:
     evaluated: list[str]
     baseline_red: list[str]
     holes: list[str]  # the candidate's case is a harness limit (not-evaluated)
-    not_run: list[str]  # not run on a side (the machine lacks what it needs) or not applicable to the base
+    not_run: list[str]  # not-run (the machine lacks what it needs) or not-applicable on a side, holes apart
     kinds: dict[str, int] = field(default_factory=dict)  # case kind -> evaluated cases
     #: case kinds selected with no evaluated case: the gate says nothing about them
     unevaluated_kinds: list[str] = field(default_factory=list)
@@ -80,7 +80,8 @@ class Coverage:
             out.append(f"- **{len(self.holes)} coverage hole(s)** (the harness cannot drive this release there; "
                        f"see 'Could not evaluate'): {_ids(self.holes)}.")
         if self.not_run:
-            out.append(f"- {len(self.not_run)} case(s) not run on a side (listed under Matrix): {_ids(self.not_run)}.")
+            out.append(f"- **{len(self.not_run)} case(s) not run or not applicable on a side** (the reasons are "
+                       f"in each side's results): {_ids(self.not_run)}.")
         return out
 
 
@@ -98,7 +99,8 @@ def coverage(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding]
     return Coverage(
         selected=len(ids), evaluated=evaluated, baseline_red=baseline_red(base),
         holes=sorted({f.case for f in findings if f.kind == "not-evaluated" and not f.case.startswith("golden[")}),
-        not_run=sorted({f.case for f in findings if f.kind == "not-run"}),
+        not_run=sorted({r["id"] for doc in (base, cand) for r in doc.get("results") or [] if r["status"] in HOLES}
+                       - {f.case for f in findings if f.kind == "not-evaluated"}),
         kinds=kinds, unevaluated_kinds=sorted(k for k, n in kinds.items() if n == 0),
     )
 

@@ -1,0 +1,76 @@
+"""harness.gate.evidence: what a gate may count, on hand-made results documents, each rule with the
+input that would make the gate say SAFE without it."""
+
+from __future__ import annotations
+
+from harness.gate.compare import Finding, compare
+from harness.gate.evidence import complete_problem, coverage, exit_code, shim_findings
+
+PINS = {"megatron-core": "0.19.2", "megatron-bridge": "0.6.2"}
+
+
+def doc(*cases: tuple[str, str], complete: bool = True, selected: list[str] | None = None, shims: dict | None = None) -> dict:
+    ids = [c for c, _ in cases]
+    return {"versions": PINS, "complete": complete, "selected": ids if selected is None else selected,
+            "results": [{"id": c, "status": s, "checks": [], "compat_shims": (shims or {}).get(c, [])} for c, s in cases]}
+
+
+def verdict(base: dict, cand: dict) -> tuple[int, object]:
+    found = compare(base, cand) + shim_findings(base, cand)
+    cover = coverage(base, cand, found)
+    return exit_code(found, cover), cover
+
+
+def test_a_whole_green_run_with_evidence_for_every_kind_is_safe():
+    base = doc(("a[1]", "passed"), ("b[1]", "xfailed"))
+    code, cover = verdict(base, doc(("a[1]", "passed"), ("b[1]", "xfailed")))
+    assert code == 0 and cover.evaluated == ["a[1]", "b[1]"] and cover.unevaluated_kinds == []
+
+
+def test_a_run_that_died_names_where():
+    assert complete_problem(doc(("a[1]", "passed")), "candidate") is None
+    died = doc(("a[1]", "passed"), complete=False, selected=["a[1]", "b[1]", "c[1]"])
+    assert complete_problem(died, "candidate") == ("the candidate run did not finish: 1 of 3 selected case(s) have a "
+                                                    "result; it died in or before b[1] (missing too: c[1])")
+    assert "did not finish" in complete_problem(doc(("a[1]", "passed"), complete=False), "candidate")
+    assert "name no selection" in complete_problem({**doc(("a[1]", "passed")), "selected": None}, "baseline")
+    assert "did not finish" in complete_problem(doc(complete=True, selected=["a[1]"]), "candidate")  # empty results
+
+
+def test_a_red_baseline_is_no_evidence_and_an_all_red_one_cannot_be_safe():
+    code, cover = verdict(doc(("a[1]", "error"), ("a[2]", "failed")), doc(("a[1]", "passed"), ("a[2]", "passed")))
+    assert code == 2 and cover.evaluated == [] and cover.baseline_red == ["a[1]", "a[2]"]
+    assert "**2 baseline-red case(s)**" in "\n".join(cover.lines())
+    # one green case of the kind is evidence; the red one is counted, never hidden
+    code, cover = verdict(doc(("a[1]", "error"), ("a[2]", "passed")), doc(("a[1]", "passed"), ("a[2]", "passed")))
+    assert code == 0 and cover.baseline_red == ["a[1]"] and "baseline-red" in "\n".join(cover.lines())
+
+
+def test_a_case_kind_with_nothing_evaluated_is_no_verdict():
+    hole = "API not available in megatron-bridge 0.5.1: AttributeError: module 'x' has no attribute 'y' (looked up at h.py:1 in f)"
+    base = doc(("a[1]", "passed"), ("b[1]", "passed"))
+    cand = doc(("a[1]", "passed"), ("b[1]", "not-applicable"))
+    cand["results"][1]["not_applicable_reason"] = hole
+    cand["versions"] = {**PINS, "megatron-bridge": "0.5.1"}
+    code, cover = verdict(base, cand)
+    assert code == 2 and cover.unevaluated_kinds == ["b"] and cover.holes == ["b[1]"]
+    assert cover.lines()[1].startswith("- **No evidence for 1 case kind(s)**: b")
+
+
+def test_cases_not_run_on_a_side_are_counted_first():
+    code, cover = verdict(doc(("a[1]", "passed"), ("a[2]", "not-run")), doc(("a[1]", "passed"), ("a[2]", "not-run")))
+    assert code == 0 and cover.not_run == ["a[2]"] and "**1 case(s) not run or not applicable on a side**" in "\n".join(cover.lines())
+
+
+def test_a_workaround_the_candidate_alone_needs_fails_and_one_it_dropped_is_listed():
+    base = doc(("a[1]", "passed"), shims={"a[1]": ["old shim"]})
+    cand = doc(("a[1]", "passed"), shims={"a[1]": ["new shim"]})
+    found = shim_findings(base, cand)
+    assert [(f.kind, f.failing) for f in found] == [("new-workaround", True), ("workaround-dropped", False)]
+    assert exit_code(found, coverage(base, cand, found)) == 1
+    assert shim_findings(base, doc(("a[1]", "passed"), shims={"a[1]": ["old shim"]})) == []
+
+
+def test_exit_code_without_coverage_is_no_verdict():
+    assert exit_code([], None) == 2
+    assert exit_code([Finding("a[1]", "regression", "x")], None) == 1

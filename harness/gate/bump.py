@@ -406,8 +406,8 @@ def verdict_markdown(sides: list[Side], findings: list[compare.Finding], base: d
                 lines += [f"**{module} does not import in the {s.name}**: its cases could not be evaluated there.", "",
                           "```", problem.strip(), "```", ""]
     regressions = [f for f in failing if f.kind not in ("api-break", "does-not-import")]
-    lines += _findings_section("Regressions", "a check that passed now fails, the candidate raises where the "
-                               "baseline loaded, or it needs a workaround the baseline did not", regressions)
+    lines += _findings_section("Regressions", "a check that passed now fails, or the candidate raises where the "
+                               "baseline loaded", regressions)
     lines += _findings_section("Breaking API changes", "the candidate removed or renamed an API users call: whoever "
                                "bumps hits it too (counted as failing)", [f for f in findings if f.kind == "api-break"])
     lines += _not_evaluated(findings)
@@ -431,6 +431,6 @@ def _workarounds(sides: list[Side], base: dict | None, cand: dict | None) -> lis
     if not counts:
         return []
     return ["## Workarounds applied", "", "Each applied because its probe saw the upstream condition it patches "
-            "(harness/compat); one that applied on one side only is a finding above.", "",
+            "(harness/compat); one that applied on one side only is listed under Matrix.", "",
             f"| workaround | {sides[0].name} cases | {sides[1].name} cases |", "|---|---:|---:|",
             *[f"| {name} | {b} | {c} |" for name, (b, c) in sorted(counts.items())], ""]

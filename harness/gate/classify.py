@@ -9,8 +9,9 @@ verdict must tell them apart (a candidate is never blamed for what the harness c
 - **not-evaluated** (a coverage hole, counted per case kind, never failing): the error says an
   API is missing in a package whose version is the same on both sides (that package cannot be
   the culprit: the harness's own call is wrong for the new neighbour), or an internal API the
-  harness's driver reaches for and this release does not have, or the environment pairs a
-  Megatron-Bridge with a Megatron-Core line it was not built against (not a valid release set).
+  harness's driver reaches for and this release does not have, or such a lookup where the environment
+  pairs a Megatron-Bridge with a Megatron-Core line it was not built against (not a valid release
+  set; an error raised inside Bridge or Core on such a pair stays red, the pair named).
 - everything else stays what compare found (regression, new-refusal, ...).
 
 Pure functions over results.json documents: the versions come from each document's own
@@ -70,7 +71,7 @@ def cause(case: dict[str, Any], base_versions: dict[str, Any], cand_versions: di
     parts = api_missing_parts(case.get("error") or case.get("not_applicable_reason"))
     if parts and _uses_bridge(case) and (problem := _pair_problem(cand_versions)):
         # only the harness's own lookup is excused by the pair: an error raised inside Bridge or Core
-        # on this pair is what whoever installs it hits (`pair_note` names the pair on that regression)
+        # on this pair is what whoever installs it hits (reclassify names the pair on that regression)
         return "not-evaluated", f"not a valid release set: {problem}"
     if parts:
         package, version, what = parts

@@ -13,7 +13,7 @@ Classes of finding (one case can have several):
 | does-not-import | a package the candidate moved from the pins does not import in the candidate (it imports on the baseline): every user breaks | yes |
 | new-refusal | base passed, candidate failed/error and its error or failed-check text names an exception (`...Error`, `...Exception`) that is no programming error (`CRASHES`: an AttributeError or KeyError is a crash, a regression): the candidate refused where the baseline loaded (replaces `regression` for that case) | yes |
 | api-break | a candidate case errors or is `not-applicable` because the candidate removed or renamed a public API users call (harness.gate.classify.PUBLIC_APIS) | yes |
-| new-workaround | a harness.compat workaround applied to a case on the candidate and not on the baseline: the candidate shows the upstream condition it patches, hidden by the patch (harness.gate.evidence) | yes |
+| new-workaround | a harness.compat workaround applied to a case on the candidate and not on the baseline: the candidate shows the condition it patches (an API shape the harness adapts to, or a defect the patch hides; harness.gate.evidence), counted in the verdict's first lines | no (warning) |
 | diff-growth | a toleranced check's max abs diff grew past the tolerance's atol, by more than `diff_factor` x, or from 0 to > 0 | yes |
 | memory-growth | a phase's per-rank peak delta grew by more than `memory_pct` % AND more than `memory_mib` MiB | yes |
 | fixed-upstream | base xfailed -> candidate fails with XPASS(strict): the defect is fixed, drop the xfail | no |
@@ -46,8 +46,8 @@ from harness.core.result import (
 )
 from harness.gate import classify
 
-FAILING = ("does-not-import", "regression", "new-refusal", "api-break", "new-workaround", "diff-growth", "memory-growth")
-WARNING = ("disappeared",)
+FAILING = ("does-not-import", "regression", "new-refusal", "api-break", "diff-growth", "memory-growth")
+WARNING = ("disappeared", "new-workaround")
 ORDER = (*FAILING, "fixed-upstream", *WARNING, "not-evaluated", "not-run", "workaround-dropped", "appeared", "fixed",
          "time-growth")
 OK = ("passed", "xfailed")

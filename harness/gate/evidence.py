@@ -13,6 +13,7 @@ results.json documents and compare's findings.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,8 @@ class Coverage:
     kinds: dict[str, int] = field(default_factory=dict)  # case kind -> evaluated cases
     #: case kinds selected with no evaluated case: the gate says nothing about them
     unevaluated_kinds: list[str] = field(default_factory=list)
+    #: workaround name -> cases it applied to on the candidate only (a green case there ran patched)
+    new_workarounds: dict[str, int] = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         out = [f"- **{len(self.evaluated)} of {self.selected} selected case(s) evaluated on both sides** "
@@ -79,6 +82,9 @@ class Coverage:
         if self.holes:
             out.append(f"- **{len(self.holes)} coverage hole(s)** (the harness cannot drive this release there; "
                        f"see 'Could not evaluate'): {_ids(self.holes)}.")
+        for name, n in sorted(self.new_workarounds.items()):
+            out.append(f"- **Workaround on the candidate only**: {name}, in {n} case(s): those ran patched (see "
+                       "'Workarounds applied'); whether it adapts to an API or hides a defect, read its reason")
         if self.not_run:
             out.append(f"- **{len(self.not_run)} case(s) not run or not applicable on a side** (the reasons are "
                        f"in each side's results): {_ids(self.not_run)}.")
@@ -102,14 +108,16 @@ def coverage(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding]
         not_run=sorted({r["id"] for doc in (base, cand) for r in doc.get("results") or [] if r["status"] in HOLES}
                        - {f.case for f in findings if f.kind == "not-evaluated"}),
         kinds=kinds, unevaluated_kinds=sorted(k for k, n in kinds.items() if n == 0),
+        new_workarounds=dict(Counter(f.candidate for f in findings if f.kind == "new-workaround")),
     )
 
 
 def shim_findings(base: dict[str, Any], cand: dict[str, Any]) -> list[Finding]:
     """A workaround (harness.compat shim, applied because its probe saw the upstream condition) that
-    applied on one side and not the other. Applied on the candidate only: the candidate shows a defect
-    the harness patched over, so the green result there hides it (failing). Applied on the baseline
-    only: the candidate no longer shows the condition (fixed or changed upstream; listed)."""
+    applied on one side and not the other. Applied on the candidate only: the candidate's green result
+    ran patched (an API shape the harness adapts to, or a defect the patch hides): a warning counted
+    in the first lines. Applied on the baseline only: the candidate no longer shows the condition
+    (fixed or changed upstream; listed)."""
     b = {r["id"]: set(r.get("compat_shims") or []) for r in base.get("results") or []}
     out = []
     for r in cand.get("results") or []:
@@ -118,7 +126,7 @@ def shim_findings(base: dict[str, Any], cand: dict[str, Any]) -> list[Finding]:
         c = set(r.get("compat_shims") or [])
         for name in sorted(c - b[r["id"]]):
             out.append(Finding(r["id"], "new-workaround", f"the harness applied workaround {name} on the candidate only: "
-                               "the candidate shows the upstream condition it patches, which the baseline did not", None, name))
+                               "the candidate shows the condition it patches, which the baseline did not", None, name))
         for name in sorted(b[r["id"]] - c):
             out.append(Finding(r["id"], "workaround-dropped", f"workaround {name} applied on the baseline only: the candidate "
                                "no longer shows the condition it patches (fixed or changed upstream)", name, None))

@@ -66,11 +66,17 @@ def test_a_workaround_the_candidate_alone_needs_is_counted_first_and_one_it_drop
     base = doc(("a[1]", "passed"), shims={"a[1]": ["old shim"]})
     cand = doc(("a[1]", "passed"), shims={"a[1]": ["new shim"]})
     found = shim_findings(base, cand)
-    assert [(f.kind, f.failing) for f in found] == [("new-workaround", False), ("workaround-dropped", False)]
+    assert [(f.case, f.kind, f.failing) for f in found] == [("workaround new shim", "new-workaround", False),
+                                                            ("workaround old shim", "workaround-dropped", False)]
+    assert "in 1 case(s) (`a[1]`)" in found[0].detail
     cover = coverage(base, cand, found)
     assert cover.new_workarounds == {"new shim": 1}
     assert "**Workaround on the candidate only**: new shim, in 1 case(s)" in "\n".join(cover.lines())
     assert shim_findings(base, doc(("a[1]", "passed"), shims={"a[1]": ["old shim"]})) == []
+    # one finding per workaround, however many cases: a verdict of 1,000 rows hides what matters
+    many = [(f"a[{i}]", "passed") for i in range(50)]
+    found = shim_findings(doc(*many), doc(*many, shims={f"a[{i}]": ["new shim"] for i in range(50)}))
+    assert len(found) == 1 and found[0].candidate == 50 and "in 50 case(s)" in found[0].detail
 
 
 def test_exit_code_without_coverage_is_no_verdict():

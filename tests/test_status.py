@@ -167,3 +167,17 @@ def test_a_case_stopped_on_a_failed_check_is_failed_on_that_check_not_an_error()
     r = _result()
     errored(r, tb.replace("CheckStop", "RuntimeError"), set())  # any other error stays an error
     assert r.status == "error" and not r.checks
+
+
+def test_an_import_failing_inside_upstream_code_through_the_harness_import_hook_is_upstream():
+    """harness.compat.te's import hook forwards every import: Bridge 0.6.2's own import of a module
+    Core 0.15.3 lacks raised through it, and was once called the harness's missing API (a hole)."""
+    tb = _tb("own:harness/run/preload.py", "site:megatron/bridge/__init__.py", last="x").replace("\nx", "")
+    tb += (f'\n  File "{ROOT}/harness/compat/te.py", line 102, in stand_in_import\n'
+           "    return original(name, globals, locals, fromlist, level)\n"
+           "ModuleNotFoundError: No module named 'megatron.core._rank_utils'")
+    assert raising_frame(tb).module == "megatron.bridge"
+    assert api_unavailable("ModuleNotFoundError", "No module named 'megatron.core._rank_utils'", tb) is None
+    # the hook's own frame doing more than forwarding is the harness's
+    own = tb.replace("return original(name, globals, locals, fromlist, level)", "mod = module(name)")
+    assert raising_frame(own).own and api_unavailable("ModuleNotFoundError", "No module named 'megatron.core._rank_utils'", own)

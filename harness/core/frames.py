@@ -79,10 +79,18 @@ def frames(traceback_text: str) -> list[Frame]:
     return out
 
 
+#: harness frames that only pass a call on: (function, the forwarding line's start)
+_FORWARDERS = (
+    ("__torch_function__", "return func("),  # harness.compat.cuda's CUDA-to-CPU torch-function mode
+    ("stand_in_import", "return original("),  # harness.compat.te's import hook (the TE stand-in)
+)
+
+
 def _forwards(frame: Frame) -> bool:
-    """A harness torch-function mode that only passes the op on (harness.compat.cuda's CUDA-to-CPU
-    mode): the op raised in torch's kernel, called from the frame below, never in the mode."""
-    return frame.own and frame.function == "__torch_function__" and frame.code.startswith("return func(")
+    """A harness frame that only passes the call on (a torch op, an import): it raised in what it
+    forwarded to, called from the frame below (the module whose import statement failed, the op's
+    caller), never in the forwarder; on a rank without the forwarder that caller is the innermost frame."""
+    return frame.own and any(frame.function == fn and frame.code.startswith(code) for fn, code in _FORWARDERS)
 
 
 def raising_frame(traceback_text: str) -> Frame | None:

@@ -13,7 +13,6 @@ results.json documents and compare's findings.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,28 +107,32 @@ def coverage(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding]
         not_run=sorted({r["id"] for doc in (base, cand) for r in doc.get("results") or [] if r["status"] in HOLES}
                        - {f.case for f in findings if f.kind == "not-evaluated"}),
         kinds=kinds, unevaluated_kinds=sorted(k for k, n in kinds.items() if n == 0),
-        new_workarounds=dict(Counter(f.candidate for f in findings if f.kind == "new-workaround")),
+        new_workarounds={f.case.removeprefix("workaround "): f.candidate for f in findings if f.kind == "new-workaround"},
     )
 
 
 def shim_findings(base: dict[str, Any], cand: dict[str, Any]) -> list[Finding]:
-    """A workaround (harness.compat shim, applied because its probe saw the upstream condition) that
-    applied on one side and not the other. Applied on the candidate only: the candidate's green result
-    ran patched (an API shape the harness adapts to, or a defect the patch hides): a warning counted
-    in the first lines. Applied on the baseline only: the candidate no longer shows the condition
-    (fixed or changed upstream; listed)."""
+    """One finding per workaround (harness.compat shim, applied because its probe saw the upstream
+    condition) that applied to some cases on one side and not the other, naming how many and which.
+    Applied on the candidate only: those green results ran patched (an API shape the harness adapts
+    to, or a defect the patch hides): a warning counted in the first lines. Applied on the baseline
+    only: the candidate no longer shows the condition (fixed or changed upstream; listed)."""
     b = {r["id"]: set(r.get("compat_shims") or []) for r in base.get("results") or []}
-    out = []
+    new: dict[str, list[str]] = {}
+    dropped: dict[str, list[str]] = {}
     for r in cand.get("results") or []:
-        if r["id"] not in b:
-            continue
-        c = set(r.get("compat_shims") or [])
-        for name in sorted(c - b[r["id"]]):
-            out.append(Finding(r["id"], "new-workaround", f"the harness applied workaround {name} on the candidate only: "
-                               "the candidate shows the condition it patches, which the baseline did not", None, name))
-        for name in sorted(b[r["id"]] - c):
-            out.append(Finding(r["id"], "workaround-dropped", f"workaround {name} applied on the baseline only: the candidate "
-                               "no longer shows the condition it patches (fixed or changed upstream)", name, None))
+        if r["id"] in b:
+            c = set(r.get("compat_shims") or [])
+            for name in c - b[r["id"]]:
+                new.setdefault(name, []).append(r["id"])
+            for name in b[r["id"]] - c:
+                dropped.setdefault(name, []).append(r["id"])
+    out = [Finding(f"workaround {name}", "new-workaround", f"applied on the candidate only, in {len(ids)} case(s) "
+                   f"({_ids(ids, 3)}): the candidate shows the condition it patches, which the baseline did not",
+                   None, len(ids)) for name, ids in sorted(new.items())]
+    out += [Finding(f"workaround {name}", "workaround-dropped", f"applied on the baseline only, in {len(ids)} case(s) "
+                    f"({_ids(ids, 3)}): the candidate no longer shows the condition it patches (fixed or changed upstream)",
+                    len(ids), None) for name, ids in sorted(dropped.items())]
     return out
 
 

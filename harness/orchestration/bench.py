@@ -117,7 +117,7 @@ def bench_one(model: str, topo: Topology, strategy: str, repeats: int, options: 
               keep: Path | None = None) -> dict:
     """One world of one strategy: its row (per-repeat figures and medians), or `error` naming why it failed."""
     from harness.backends import get_backend, resolve
-    from harness.core.result import CaseResult
+    from harness.core.result import CaseResult, Check
     from harness.orchestration.bench_rank import BenchJob, bench_rank
     from harness.orchestration.runner import case_envelope
 
@@ -129,6 +129,11 @@ def bench_one(model: str, topo: Topology, strategy: str, repeats: int, options: 
         root = (keep / f"{model}-{topo.world_size}-{strategy}") if keep is not None else env.case_dir / "checkpoints"
         job = BenchJob(model, topo, engine, tuple(sorted(opts.items())), str(root), repeats, keep_last=keep is not None)
         ranks = env.launch(result, "bench", bench_rank, job, topo)
+        short = [r for r, figures in enumerate(ranks) if len(figures) != repeats]
+        # the rank raises when a load gives back other weights than it saved: every repeat timed is a round trip
+        result.checks.append(Check("weights-roundtrip", "failed" if short or not ranks else "passed",
+                                   f"ranks {short} timed fewer than {repeats} repeat(s)" if short else
+                                   f"{len(ranks)} rank(s) loaded back the saved weights in each of {repeats} repeat(s)"))
         if engine != DCP:  # the backend ran what its options asked (harness.backends._mcore_events)
             check = get_backend(resolve(engine, opts)).strategy_check(result.backend_events)
             result.checks.extend(list(check) if isinstance(check, (list, tuple)) else [check] if check is not None else [])

@@ -31,7 +31,7 @@ from typing import Any
 from harness.core.result import API_MISSING, GREEN
 from harness.gate import classify, compare, envspec, evidence
 from harness.gate.golden import NOT_WRITTEN
-from harness.report.results import code_digest, moved_from_pins
+from harness.report.results import code_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,8 +50,6 @@ class Side:
     #: what the release set moved with the named specs (harness.gate.releases), from the env's ckpt-env.json
     release_set: dict[str, Any] | None = None
     exact: bool = False  # --exact: only the named specs move, no companions
-    #: the distributions this env moved from the pins (harness.report.results.moved_from_pins)
-    moved: list[str] = field(default_factory=list)
     #: module -> import traceback tail, for megatron.core, megatron.bridge and every moved package's
     #: modules that do not import here: on the candidate (importing on the baseline) a failing finding
     import_problems: dict[str, str] = field(default_factory=dict)
@@ -82,7 +80,6 @@ def build_side(side: Side, cache: Path) -> None:
         side.venv = envspec.ensure(side.specs, cache, ROOT, companions=not side.exact)
         env = json.loads((side.venv / envspec.ENV_JSON).read_text())
         side.release_set = env.get("release_set")
-        side.moved = sorted(moved_from_pins(env))
     except envspec.UnsolvableReleaseSet as exc:
         raise GateError(f"the {side.name} release set ({' '.join(side.specs)}) cannot be installed:\n"
                         + "\n".join(f"  {ln}" for ln in exc.lines)) from None
@@ -105,12 +102,13 @@ def run_matrix(side: Side, matrix: Path, k: str | None, out: Path, jobs: int = 2
     log = _tail((out / "run.log").read_text(errors="replace"))
     if not (out / "results.json").exists():
         raise GateError(f"the {side.name} matrix run exited {rc} without results:\n{log}")
-    if problem := evidence.complete_problem(compare.load(out), side.name):  # a run that died is no verdict
+    doc = compare.load(out)
+    if problem := evidence.complete_problem(doc, side.name):  # a run that died is no verdict
         raise GateError(f"{problem} (exit {rc}); the end of {out / 'run.log'}:\n{log}")
     if rc not in (0, 1):
         raise GateError(f"the {side.name} matrix run exited {rc}:\n{log}")
-    read_imports(side, compare.load(out))
-    say(f"{side.name}: {len(compare.load(out)['results'])} case(s) in {time.perf_counter() - start:.0f} s")
+    read_imports(side, doc)
+    say(f"{side.name}: {len(doc['results'])} case(s) in {time.perf_counter() - start:.0f} s")
     return time.perf_counter() - start
 
 
@@ -134,9 +132,9 @@ def reuse_baseline(side: Side, results: Path, out: Path) -> None:
     if doc.get("environment") != env:
         raise GateError(f"--baseline-results {results} was run in another environment than the baseline's "
                         f"{side.venv.name}: run the gate without it")
-    if doc.get("harness") != code_digest():
+    if doc.get("harness") != (digest := code_digest()):
         raise GateError(f"--baseline-results {results} was run by other harness code ({doc.get('harness')}, this "
-                        f"checkout is {code_digest()}): run the gate without it")
+                        f"checkout is {digest}): run the gate without it")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(doc, indent=2))
     (out / "reused-from").write_text(f"{results}\n")

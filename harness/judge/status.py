@@ -21,7 +21,7 @@ import re
 import sys
 from typing import Iterable
 
-from harness.core.frames import raising_frame
+from harness.core.frames import OWN_PACKAGES, raising_frame
 from harness.core.result import API_MISSING, CaseResult, Check, api_missing_line, api_missing_parts
 from harness.core.spec import XFail
 
@@ -108,8 +108,6 @@ def apply_expected_failure(xfail: XFail | None, result: CaseResult) -> None:
 _UPSTREAM = (("megatron.bridge", "megatron-bridge"), ("megatron", "megatron-core"),  # megatron.core, megatron.training
              ("transformers", "transformers"), ("peft", "peft"), ("torch", "torch"))
 _API_ERRORS = ("ImportError", "ModuleNotFoundError", "AttributeError")
-#: this project's own top-level modules, never an upstream's (verl also ships a top-level `tests`)
-_OWN = ("harness", "cases", "tests", "benchmarks")
 _NAMED_MODULE = re.compile(r"No module named '([\w.]+)'|cannot import name '\w+' from '([\w.]+)'|module '([\w.]+)' has no attribute")
 # An attribute missing on a builtin value (None where a dict was expected) is bad data, not a moved API.
 _DATA_OBJECT = re.compile(r"^'(NoneType|dict|list|tuple|str|bytes|int|float|bool)' object has no attribute")
@@ -146,7 +144,7 @@ def api_unavailable(exc_type: str, message: str, traceback_text: str) -> str | N
     module = next((g for g in named.groups() if g), "") if named else (obj and _class_module(obj[1])) or ""
     dist = next((d for prefix, d in _UPSTREAM if module == prefix or module.startswith(prefix + ".")), None)
     top = module.split(".")[0]
-    if dist is None and top and top not in _OWN:  # any other installed package (pyarrow under an old datasets)
+    if dist is None and top and top not in OWN_PACKAGES:  # never an upstream's (verl ships a top-level `tests`)  # any other installed package (pyarrow under an old datasets)
         dist = next(iter(metadata.packages_distributions().get(top, [])), None)
     if dist is None:
         return None

@@ -750,10 +750,10 @@ class BridgeTrainingFinetuneKeepsOptimizer(BridgeTraining):
     the pretrained checkpoint, as a resume would."""
 
     def load_pretrained(self, ctx, job, directory, run_dir):
-        from harness.compat.mcore import DEFAULT_WORKAROUNDS
+        from harness.compat.registry import defaults
         from harness.models.training import load_training
 
-        load_training(ctx, self, job, directory, DEFAULT_WORKAROUNDS)  # with the harness's megatron-core workarounds
+        load_training(ctx, self, job, directory, defaults("training"))  # with the harness's megatron-core workarounds
         job.step = 0
 
 

@@ -15,7 +15,6 @@ import torch
 
 from harness import compat
 from harness.compat import _shim, cuda, mcore, noise, te, verl
-from harness.core.result import CaseResult
 from harness.run.envelope import RunEnv
 from harness.run.preload import warm
 
@@ -64,14 +63,19 @@ def test_te_stand_in_answers_any_name_with_types_nothing_is_an_instance_of(tmp_p
 
 
 def test_every_shim_has_a_reason_a_probe_and_a_retirement():
-    for shim in compat.all_shims():
-        assert shim.reason and shim.retire_when and callable(shim.needed), shim.name
-    assert set(te.BRIDGE_SHIMS) == {te.TE_STUB, te.HAVE_TE_FALSE}
-    assert set(verl.VERL_SHIMS) == {verl.VERL_RNG_TRACKER, verl.MBRIDGE_TE_SPEC}
+    shims = compat.all_shims()
+    assert shims
+    for shim in shims:
+        assert shim.why and shim.probe and shim.retire_when, shim.name
+        assert shim.trigger == "caller" or callable(shim.needed), shim.name
+    assert {s.name for s in te.SHIMS} == {te.TE_STUB, te.HAVE_TE_FALSE}
+    assert {verl.VERL_RNG_TRACKER, verl.MBRIDGE_TE_SPEC} <= {s.name for s in verl.SHIMS}
 
 
 def test_no_shim_is_keyed_on_a_version_string():
-    for module in (compat, _shim, cuda, mcore, noise, te, verl):
+    from harness.compat import registry
+
+    for module in (compat, _shim, registry, *registry.modules()):
         code = "\n".join(line for line in inspect.getsource(module).splitlines() if not line.lstrip().startswith("#"))
         assert not re.search(r"__version__|importlib\.metadata|metadata\.version|packaging\.version|version\(", code), module
 
@@ -79,7 +83,8 @@ def test_no_shim_is_keyed_on_a_version_string():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA probes are read on a machine without CUDA")
 def test_without_cuda_every_cuda_probe_finds_its_condition():
     cpu = torch.device("cpu")
-    assert [s.name for s in cuda.SHIMS if not s.needed(cpu)] == []
+    probed = [s for s in cuda.SHIMS if s.trigger != "caller"]  # the import guard also reads the environment
+    assert probed and [s.name for s in probed if not s.needed(cpu)] == []
 
 
 def test_begin_case_keeps_what_install_applied_and_drops_the_rest(monkeypatch):
@@ -108,17 +113,16 @@ def test_a_gpt_rank_forked_after_the_bridge_import_reports_no_bridge_shim(tmp_pa
         pytest.skip("megatron-bridge is not installed")
     te.import_megatron_bridge()  # what the parent's preload does for an HF case (harness.run.preload.warm)
     assert te.TE_STUB in compat.installed()  # the parent's own record
-    env = RunEnv(case_dir=tmp_path)
     bridge_names = {te.TE_STUB, te.HAVE_TE_FALSE}
 
-    gpt = CaseResult("gpt", "reshard-weights", "gpt", "mcore_dist", "tp1", "tp1")
-    (value,) = env.launch(gpt, "save", _gpt_rank, None, None)
-    assert "cuda.current_device" in gpt.compat_shims and value == gpt.compat_shims
-    assert bridge_names.isdisjoint(gpt.compat_shims)
+    gpt = RunEnv(case_dir=tmp_path / "gpt")
+    (value,) = gpt.launch("save", _gpt_rank, None, None)
+    assert "cuda.current_device" in gpt.record.compat_shims and value == gpt.record.compat_shims
+    assert bridge_names.isdisjoint(gpt.record.compat_shims)
 
-    hf = CaseResult("hf", "hf-roundtrip", "hf-llama", "bridge_hf", "tp1", "tp1")
-    env.launch(hf, "export", _bridge_rank, None, None)
-    assert bridge_names <= set(hf.compat_shims) and "cuda.current_device" in hf.compat_shims
+    hf = RunEnv(case_dir=tmp_path / "hf")
+    hf.launch("export", _bridge_rank, None, None)
+    assert bridge_names <= set(hf.record.compat_shims) and "cuda.current_device" in hf.record.compat_shims
 
 
 def test_the_stand_in_finds_each_unguarded_importer_by_its_error(tmp_path, monkeypatch):

@@ -105,7 +105,7 @@ def test_megatron_keys_stack_layers_and_experts_merge_swiglu_halves_and_rename_n
 
 
 def test_swiglu_lookup_resolves_what_the_upstream_lookup_cannot():
-    """handle_swiglu_in_state_dict asks the adapter for 'module.<key>' one wrapper short (FSDP_WORKAROUNDS)."""
+    """handle_swiglu_in_state_dict asks the adapter for 'module.<key>' one wrapper short (workaround fsdp_swiglu_lookup)."""
     from harness.compat.fsdp import swiglu_lookup
 
     class Wrap(torch.nn.Module):

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 from doubles import use_doubles
 
-from cases import verl_checkpoint as vc
+from harness.cases import verl_checkpoint as vc
 from harness.backends import get_backend, resolve
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology

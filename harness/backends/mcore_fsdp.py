@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from harness.backends import Backend
 from harness.backends._megatron_lm import iteration_dir, restore_scheduler, write_tracker
-from harness.compat.fsdp import ADAM_STATE, DEFAULT_FSDP_WORKAROUNDS, FSDP_WORKAROUNDS, LOAD_KEYS, SWIGLU_LOOKUP, adapter_keys
+from harness.compat import registry
+from harness.compat.fsdp import ADAM_STATE, LOAD_KEYS, SWIGLU_LOOKUP, adapter_keys
 from harness.core.context import RankContext
 from harness.core.result import CheckStop
 from harness.run.events import record_event
@@ -53,12 +54,10 @@ from harness.run.events import record_event
 class McoreFsdpOptions:
     sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] = "optim_grads_params"
     strict: bool = False
-    workarounds: tuple[str, ...] = DEFAULT_FSDP_WORKAROUNDS
+    workarounds: tuple[str, ...] = registry.defaults("fsdp")
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.workarounds) - set(FSDP_WORKAROUNDS))
-        if unknown:
-            raise ValueError(f"unknown workaround(s) {unknown}; known: {sorted(FSDP_WORKAROUNDS)}")
+        registry.check("fsdp", self.workarounds, "workaround(s)")
 
 
 def _bridge() -> Any:
@@ -154,7 +153,7 @@ def _adam_state(optimizer: Any, workarounds: tuple[str, ...]) -> int:
 
 
 def load_fsdp_dtensor(model: Any, optimizer: Any, directory: Path, *, scheduler: Any = None, strict: bool = False,
-                      workarounds: tuple[str, ...] = DEFAULT_FSDP_WORKAROUNDS) -> dict:
+                      workarounds: tuple[str, ...] = registry.defaults("fsdp")) -> dict:
     """Collective: load the fsdp_dtensor checkpoint at `directory` into a built Megatron-FSDP job, as
     Megatron-Bridge's load_checkpoint does. `model`: harness.models.fsdp.FsdpChunks (one chunk, built by
     MegatronFsdp.build_model / build_training at this world's topology); `optimizer`: its megatron
@@ -211,7 +210,7 @@ class McoreFsdp(Backend):
         return MegatronFsdp(self.o.sharding_strategy)
 
     def notes(self) -> list[str]:
-        return [f"workaround applied: {w}: {FSDP_WORKAROUNDS[w]}" for w in self.o.workarounds]
+        return [f"workaround applied: {w}: {registry.get(w).why}" for w in self.o.workarounds]
 
     def validate_case(self, case: Any, source: Any, target: Any, opts: Any) -> None:
         for topo in (source, target):

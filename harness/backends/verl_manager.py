@@ -22,7 +22,7 @@ Options (matrix `backend_options` / axes `backend.<name>`): `save_contents`, `lo
 (subsets of model, optimizer, extra, hf_model), `use_dist_checkpointing`, `async_save`, `bridge`
 (provider | vanilla: which bridge builds and converts a Bridge model),
 `max_ckpt_to_keep` (0: keep all), `use_checkpoint_opt_param_scheduler`, and `workarounds` (the verl
-defects of harness.compat.verl.VERL_WORKAROUNDS stepped around; an entry that drops one shows it).
+defects of harness.compat.verl stepped around, switch 'verl' of harness.compat.registry; an entry that drops one shows it).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from harness.backends import Backend
-from harness.compat import require
+from harness.compat import registry, require
 from harness.compat import verl as compat
 from harness.compat.mcore import ASYNC_RESULTS_QUEUE
 from harness.core.context import RankContext
@@ -61,12 +61,10 @@ class VerlOptions:
     max_ckpt_to_keep: int = 0  # 0: None (keep every checkpoint)
     use_checkpoint_opt_param_scheduler: bool = True
     bridge: Literal["provider", "vanilla"] = "provider"  # verl's vanilla_mbridge False / True
-    workarounds: tuple[str, ...] = compat.DEFAULT_VERL_WORKAROUNDS
+    workarounds: tuple[str, ...] = registry.defaults("verl")
 
     def __post_init__(self) -> None:
-        bad = sorted(set(self.workarounds) - set(compat.VERL_WORKAROUNDS))
-        if bad:
-            raise ValueError(f"unknown verl workaround(s) {bad}; known: {sorted(compat.VERL_WORKAROUNDS)}")
+        registry.check("verl", self.workarounds, "verl workaround(s)")
         if not self.save_contents:
             raise ValueError("option 'save_contents' must name at least one of model, optimizer, extra, hf_model")
         if self.max_ckpt_to_keep < 0:
@@ -90,7 +88,7 @@ class VerlManager(Backend):
         return other
 
     def notes(self) -> list[str]:
-        return [f"verl workaround applied: {w}: {compat.VERL_WORKAROUNDS[w]}" for w in self._workarounds()]
+        return [f"verl workaround applied: {w}: {registry.get(w).why}" for w in self._workarounds()]
 
     # ------------------------------------------------------------------ the manager
 
@@ -119,8 +117,8 @@ class VerlManager(Backend):
 
     def _workarounds(self) -> list[str]:
         o = self.options
-        return [w for w in o.workarounds if (o.async_save or w not in compat.ASYNC_VERL_WORKAROUNDS)
-                and (o.bridge == "vanilla" or w not in compat.VANILLA_VERL_WORKAROUNDS)]
+        return [w for w in o.workarounds if (o.async_save or registry.get(w).only_on != "async_save")
+                and (o.bridge == "vanilla" or registry.get(w).only_on != "vanilla")]
 
     def build_bridge_model(self, hf_dir, spec, topo, *, load_weights: bool = True, ddp_config: Any = None, adapter: Any = None) -> Any:
         if self.options.bridge == "provider":
@@ -131,7 +129,7 @@ class VerlManager(Backend):
             raise ValueError("verl's vanilla bridge (mbridge 0.15.1) has no PEFT: verl builds LoRA only on the provider path")
 
         for w in self._workarounds():
-            if w in compat.VANILLA_VERL_WORKAROUNDS:
+            if registry.get(w).only_on == "vanilla":
                 compat.apply_verl_workaround(w)
         compat.mbridge_te_spec()
         return mbridge.build(hf_dir, spec, topo, load_weights=load_weights, ddp_config=ddp_config)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.compat._shim import Shim, fails
+from harness.compat._shim import ADAPTS, REQUIRE, Shim, fails
 
 CUDA_RNG_STATE = "torch.cuda.get_rng_state on CPU"
 RNG_TRACKER_STATE = "megatron RNG tracker holds a state on CPU"
@@ -30,23 +30,29 @@ def _tracker_needs_state(device: torch.device) -> bool:
 
 SHIMS: tuple[Shim, ...] = (
     Shim(
-        CUDA_RNG_STATE,
-        "Bridge's get_rng_state (training/checkpointing.py) calls torch.cuda.get_rng_state() unconditionally, on save "
+        name=CUDA_RNG_STATE,
+        upstream="torch.cuda",
+        why="Bridge's get_rng_state (training/checkpointing.py) calls torch.cuda.get_rng_state() unconditionally, on save "
         "and on load (the load builds its RNG template with it); a CPU rank raises ('Cannot re-initialize CUDA in "
         "forked subprocess'): answered with the CPU generator's state, which the rng check then follows",
-        lambda: setattr(torch.cuda, "get_rng_state", _cpu_rng_state),
-        lambda device: fails(torch.cuda.get_rng_state),
-        "when Bridge asks torch.cuda.is_available() before reading the CUDA generator",
-        on_demand=True,
+        probe="torch.cuda.get_rng_state() raises",
+        retire_when="when Bridge asks torch.cuda.is_available() before reading the CUDA generator",
+        kind=ADAPTS,
+        apply=lambda: setattr(torch.cuda, "get_rng_state", _cpu_rng_state),
+        needed=lambda device: fails(torch.cuda.get_rng_state),
+        trigger=REQUIRE,
     ),
     Shim(
-        RNG_TRACKER_STATE,
-        "a CPU rank's megatron RNG tracker is the inference tracker with no states; Bridge's load raises KeyError on an "
+        name=RNG_TRACKER_STATE,
+        upstream="megatron.core.tensor_parallel.random",
+        why="a CPU rank's megatron RNG tracker is the inference tracker with no states; Bridge's load raises KeyError on an "
         "empty rng_tracker_states and then sys.exit()s (exit code 0: the rank vanishes): seeded with one state, as "
         "verl's C1 does",
-        _seed_tracker,
-        _tracker_needs_state,
-        "when the CPU path seeds a real CudaRNGStatesTracker (model_parallel_cuda_manual_seed on CPU)",
-        on_demand=True,
+        probe="megatron's RNG tracker is the inference tracker or holds no state",
+        retire_when="when the CPU path seeds a real CudaRNGStatesTracker (model_parallel_cuda_manual_seed on CPU)",
+        kind=ADAPTS,
+        apply=_seed_tracker,
+        needed=_tracker_needs_state,
+        trigger=REQUIRE,
     ),
 )

@@ -4,10 +4,12 @@ the CPU result differing) on this rank's device; on a CUDA rank every probe says
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.overrides import TorchFunctionMode
 
-from harness.compat._shim import Shim, fails, note
+from harness.compat._shim import ADAPTS, CALLER, REQUIRE, Shim, fails, note
 
 _ON_CUDA = "never on a rank with CUDA; on CPU, when megatron-core stops calling it (the probe then fails to fail)"
 
@@ -131,59 +133,80 @@ def _moe_split_sizes_stay_tensors(device: torch.device) -> bool:
 
 SHIMS: tuple[Shim, ...] = (
     Shim(
-        "cuda.current_device",
-        "RotaryEmbedding, dist_checkpointing state_dict_saver and others call "
+        name="cuda.current_device",
+        upstream="torch.cuda",
+        why="RotaryEmbedding, dist_checkpointing state_dict_saver and others call "
         "torch.cuda.current_device() as a device argument",
-        lambda: setattr(torch.cuda, "current_device", lambda: "cpu"),
-        lambda device: fails(torch.cuda.current_device),
-        _ON_CUDA,
+        probe="torch.cuda.current_device() raises",
+        retire_when=_ON_CUDA,
+        kind=ADAPTS,
+        apply=lambda: setattr(torch.cuda, "current_device", lambda: "cpu"),
+        needed=lambda device: fails(torch.cuda.current_device),
     ),
     Shim(
-        "cuda.synchronize",
-        "dist_checkpointing FileSystemWriterAsync.preload_tensors calls torch.cuda.synchronize()",
-        lambda: setattr(torch.cuda, "synchronize", lambda *a, **k: None),
-        lambda device: fails(torch.cuda.synchronize),
-        _ON_CUDA,
+        name="cuda.synchronize",
+        upstream="torch.cuda",
+        why="dist_checkpointing FileSystemWriterAsync.preload_tensors calls torch.cuda.synchronize()",
+        probe="torch.cuda.synchronize() raises",
+        retire_when=_ON_CUDA,
+        kind=ADAPTS,
+        apply=lambda: setattr(torch.cuda, "synchronize", lambda *a, **k: None),
+        needed=lambda device: fails(torch.cuda.synchronize),
     ),
     Shim(
-        "Tensor.cuda",
-        "LanguageModule.setup_embeddings_and_output_layer moves tied embeddings with .cuda() (PP>1)",
-        lambda: setattr(torch.Tensor, "cuda", lambda self, *a, **k: self),
-        lambda device: fails(lambda: torch.zeros(1).cuda()),
-        _ON_CUDA,
+        name="Tensor.cuda",
+        upstream="torch.Tensor",
+        why="LanguageModule.setup_embeddings_and_output_layer moves tied embeddings with .cuda() (PP>1)",
+        probe="torch.zeros(1).cuda() raises",
+        retire_when=_ON_CUDA,
+        kind=ADAPTS,
+        apply=lambda: setattr(torch.Tensor, "cuda", lambda self, *a, **k: self),
+        needed=lambda device: fails(lambda: torch.zeros(1).cuda()),
     ),
     Shim(
-        "device='cuda' -> cpu",
-        "hard-coded device='cuda' tensors (state_dict_saver, pipeline schedules, optimizer "
+        name="device='cuda' -> cpu",
+        upstream="torch",
+        why="hard-coded device='cuda' tensors (state_dict_saver, pipeline schedules, optimizer "
         "grad-norm buffers) and pin_memory=True in rope utils",
-        _enter_cuda_to_cpu_mode,
-        lambda device: fails(lambda: torch.zeros(1, device="cuda")),
-        _ON_CUDA,
+        probe="torch.zeros(1, device='cuda') raises",
+        retire_when=_ON_CUDA,
+        kind=ADAPTS,
+        apply=_enter_cuda_to_cpu_mode,
+        needed=lambda device: fails(lambda: torch.zeros(1, device="cuda")),
     ),
     Shim(
-        "Tensor.type() names CUDA types",
-        "DistributedOptimizer._build_model_and_main_param_groups, Float16OptimizerWithFloat16Params "
+        name="Tensor.type() names CUDA types",
+        upstream="torch.Tensor",
+        why="DistributedOptimizer._build_model_and_main_param_groups, Float16OptimizerWithFloat16Params "
         "and clip_grads accept only 'torch.cuda.*Tensor' type strings",
-        lambda: setattr(torch.Tensor, "type", _cuda_named_type),
-        lambda device: ".cuda." not in torch.zeros(0, device=device).type(),
-        "when megatron-core checks param.is_cuda / device instead of type strings (or accepts CPU types)",
+        probe="a tensor on the rank's device has a type() string without '.cuda.'",
+        retire_when="when megatron-core checks param.is_cuda / device instead of type strings (or accepts CPU types)",
+        kind=ADAPTS,
+        apply=lambda: setattr(torch.Tensor, "type", _cuda_named_type),
+        needed=lambda device: ".cuda." not in torch.zeros(0, device=device).type(),
     ),
     Shim(
-        "cuda streams",
-        "param_and_grad_buffer and DistributedDataParallel order grad reduction with "
+        name="cuda streams",
+        upstream="torch.cuda",
+        why="param_and_grad_buffer and DistributedDataParallel order grad reduction with "
         "torch.cuda.current_stream()/Stream/stream(); the MoE alltoall token dispatcher syncs on "
         "an event its side stream records",
-        _patch_streams,
-        lambda device: fails(torch.cuda.current_stream),
-        _ON_CUDA,
+        probe="torch.cuda.current_stream() raises",
+        retire_when=_ON_CUDA,
+        kind=ADAPTS,
+        apply=_patch_streams,
+        needed=lambda device: fails(torch.cuda.current_stream),
     ),
     Shim(
-        "MoE alltoall split sizes as numpy",
-        "MoEAlltoAllTokenDispatcher converts its all_to_all split sizes to numpy only for CUDA "
+        name="MoE alltoall split sizes as numpy",
+        upstream="megatron.core.transformer.moe.token_dispatcher",
+        why="MoEAlltoAllTokenDispatcher converts its all_to_all split sizes to numpy only for CUDA "
         "tensors (moe_utils.maybe_move_tensor_to_cpu); a CPU tensor reaches all_to_all_single, which rejects it",
-        _patch_moe_split_sizes,
-        _moe_split_sizes_stay_tensors,
-        "when maybe_move_tensor_to_cpu(as_numpy=True) returns numpy for a CPU tensor too",
+        probe="maybe_move_tensor_to_cpu(as_numpy=True) returns no numpy array for a tensor on the rank's device",
+        retire_when="when maybe_move_tensor_to_cpu(as_numpy=True) returns numpy for a CPU tensor too",
+        kind=ADAPTS,
+        apply=_patch_moe_split_sizes,
+        needed=_moe_split_sizes_stay_tensors,
     ),
 )
 
@@ -211,6 +234,22 @@ def guard_megatron_import() -> bool:
     os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0"
     note(JIT_ARCH_LIST)
     return True
+
+
+SHIMS += (
+    Shim(
+        name=JIT_ARCH_LIST,
+        upstream="megatron.core.inference.unified_memory",
+        why=JIT_ARCH_LIST_REASON,
+        probe="no GPU visible (torch.cuda.is_available() False) and TORCH_CUDA_ARCH_LIST unset: torch's "
+        "_get_cuda_arch_flags would raise IndexError on the empty arch list",
+        retire_when="when the oldest Core driven is 0.16 (it guards the build)",
+        kind=ADAPTS,
+        apply=guard_megatron_import,
+        needed=lambda device: not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available(),
+        trigger=CALLER,
+    ),
+)
 
 
 # ------------------------------------------------------------------ Megatron-FSDP on a CPU rank (on demand)
@@ -298,25 +337,31 @@ def _premul_sum_refused(device: torch.device) -> bool:
 
 SHIMS += (
     Shim(
-        FSDP_DEVICE,
-        "megatron-core 0.19.2's FullyShardedDataParallel (mcore_fsdp_adapter.py:158) and MegatronFSDP (megatron_fsdp.py:232-234) "
+        name=FSDP_DEVICE,
+        upstream="megatron.core.distributed.fsdp.mcore_fsdp_adapter",
+        why="megatron-core 0.19.2's FullyShardedDataParallel (mcore_fsdp_adapter.py:158) and MegatronFSDP (megatron_fsdp.py:232-234) "
         "build torch.device(f'cuda:{torch.cuda.current_device()}') as their default device, and Megatron-LM's get_model and "
         "Bridge's _ddp_wrap pass none; a CPU rank's current_device is 'cpu' ('cuda:cpu' does not parse): the adapter gets "
         "device=cpu, and while it is built current_device() answers 0 so the comparison parses (then only warns)",
-        _place_fsdp_on_cpu,
-        _fsdp_device_unparsable,
-        _ON_CUDA,
-        on_demand=True,
+        probe="torch.device(f'cuda:{torch.cuda.current_device()}') raises",
+        retire_when=_ON_CUDA,
+        kind=ADAPTS,
+        apply=_place_fsdp_on_cpu,
+        needed=_fsdp_device_unparsable,
+        trigger=REQUIRE,
     ),
     Shim(
-        FSDP_GLOO_PREMUL_SUM,
-        "Megatron-FSDP's gradient_reduce_preprocessing (param_and_grad_buffer.py:4746) reduces with NCCL's PREMUL_SUM when "
+        name=FSDP_GLOO_PREMUL_SUM,
+        upstream="megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
+        why="Megatron-FSDP's gradient_reduce_preprocessing (param_and_grad_buffer.py:4746) reduces with NCCL's PREMUL_SUM when "
         "gradient_reduce_div_fusion is on (the default); gloo refuses it ('Cannot use ReduceOp.PREMUL_SUM with Gloo'): the "
         "function's own other branch runs, grad.mul_(1/dp) then SUM (premul-sum multiplies each input the same way)",
-        _scale_then_sum,
-        _premul_sum_refused,
-        "on NCCL (its premul-sum all_reduce succeeds); on gloo when torch accepts PREMUL_SUM",
-        on_demand=True,
+        probe="the process group Megatron-FSDP reduces over refuses a PREMUL_SUM all_reduce",
+        retire_when="on NCCL (its premul-sum all_reduce succeeds); on gloo when torch accepts PREMUL_SUM",
+        kind=ADAPTS,
+        apply=_scale_then_sum,
+        needed=_premul_sum_refused,
+        trigger=REQUIRE,
     ),
 )
 
@@ -368,14 +413,17 @@ def _uneven_all_gather_refused(device: torch.device) -> bool:
 
 SHIMS += (
     Shim(
-        FSDP_GLOO_UNEVEN_ALL_GATHER,
-        "Megatron-FSDP's uneven_dtensor_to_full_tensor (uneven_dtensor.py:338, what the harness's FSDP views gather "
+        name=FSDP_GLOO_UNEVEN_ALL_GATHER,
+        upstream="megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor",
+        why="Megatron-FSDP's uneven_dtensor_to_full_tensor (uneven_dtensor.py:338, what the harness's FSDP views gather "
         "with) all_gathers each rank's shard as it is, of different sizes where the FSDP buffer splits a parameter "
         "unevenly; NCCL accepts that, gloo refuses ('invalid tensor size at index 1'): the module's all_gather pads "
         "to the largest shard and trims back",
-        _pad_uneven_all_gather,
-        _uneven_all_gather_refused,
-        "on NCCL; on gloo when ProcessGroupGloo::allgather accepts uneven sizes",
-        on_demand=True,
+        probe="the process group Megatron-FSDP gathers over refuses an all_gather of uneven sizes",
+        retire_when="on NCCL; on gloo when ProcessGroupGloo::allgather accepts uneven sizes",
+        kind=ADAPTS,
+        apply=_pad_uneven_all_gather,
+        needed=_uneven_all_gather_refused,
+        trigger=REQUIRE,
     ),
 )

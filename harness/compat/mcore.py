@@ -1,8 +1,9 @@
-"""megatron-core: its dist_checkpointing write-results queue (shims, any device) and the defects a
-training case steps around (WORKAROUNDS).
+"""megatron-core: its dist_checkpointing write-results queue (shims, any device), the defects a
+training case steps around (records with switch 'training': the case option `workarounds`) and the
+API fallbacks for older releases.
 
-WORKAROUNDS are applied only when a case's matrix entry lists them (`apply_workaround` for the
-process-wide one, harness.models.training for the others); an entry with one switched off shows
+The training workarounds are applied only when a case's matrix entry lists them (`apply_workaround`
+for the process-wide one, harness.models.training for the others); an entry with one switched off shows
 the defect as a named strict xfail, so a workaround never hides what the harness must show. No
 workaround is keyed on a version: the versions in the reasons say where the defect was read.
 """
@@ -13,7 +14,7 @@ import queue
 
 import torch
 
-from harness.compat._shim import Shim, note
+from harness.compat._shim import ADAPTS, CALLER, HIDES, REQUIRE, Shim, note
 
 
 def _filesystem_async():
@@ -97,59 +98,115 @@ ASYNC_RESULTS_QUEUE = "mcore_dist async_save: cross-process write-results queue"
 
 SHIMS: tuple[Shim, ...] = (
     Shim(
-        "in-process write-results queue",
-        "FileSystemWriterAsync's first save starts a spawn-mode multiprocessing Manager that "
+        name="in-process write-results queue",
+        upstream="megatron.core.dist_checkpointing.strategies.filesystem_async",
+        why="FileSystemWriterAsync's first save starts a spawn-mode multiprocessing Manager that "
         "re-imports __main__ (~5 s per rank); synchronous saves write from threads of the "
         "same process, so a queue.Queue serves",
-        _patch_results_queue,
-        _spawn_queue_pending,
-        "when filesystem_async no longer creates a module-level spawn Manager queue on first save",
+        probe="filesystem_async has a lazy write-results queue getter (get_write_results_queue or "
+        "_get_write_results_queue) and its module-level _results_queue is still None",
+        retire_when="when filesystem_async no longer creates a module-level spawn Manager queue on first save",
+        kind=ADAPTS,
+        apply=_patch_results_queue,
+        needed=_spawn_queue_pending,
     ),
     Shim(
-        "MoE router without Transformer-Engine",
-        "megatron-core's MoE router (moe_utils.router_gating_linear) tests `te_general_gemm is not None`, "
+        name="MoE router without Transformer-Engine",
+        upstream="megatron.core.transformer.moe.moe_utils",
+        why="megatron-core's MoE router (moe_utils.router_gating_linear) tests `te_general_gemm is not None`, "
         "a name bound only when TE imports: without TE every MoE forward raises NameError; bound to None, "
         "the module's own torch fallback runs",
-        _bind_router_gemm,
-        _router_gemm_unbound,
-        "when moe_utils binds te_general_gemm without TE (0.19.2 does; 0.15.3 and 0.16.1 do not)",
+        probe="moe_utils has router_gating_linear but no te_general_gemm attribute",
+        retire_when="when moe_utils binds te_general_gemm without TE (0.19.2 does; 0.15.3 and 0.16.1 do not)",
+        kind=ADAPTS,
+        apply=_bind_router_gemm,
+        needed=_router_gemm_unbound,
     ),
     # ---- mcore_dist save/load strategies (backend options; on demand: only a backend that asks gets it)
     Shim(
-        ASYNC_RESULTS_QUEUE,
-        "megatron-core's async save (TemporalAsyncCaller) writes in a forked child whose write results "
+        name=ASYNC_RESULTS_QUEUE,
+        upstream="megatron.core.dist_checkpointing.strategies.filesystem_async",
+        why="megatron-core's async save (TemporalAsyncCaller) writes in a forked child whose write results "
         "the in-process queue.Queue above cannot carry back ('results_queue should not be empty'): a "
         "fork-context multiprocessing Manager queue, started on the rank's first async save",
-        _cross_process_results_queue,
-        _in_process_queue,
-        "with the in-process queue above (or when filesystem_async has no module-level queue)",
-        on_demand=True,
+        probe="filesystem_async's _results_queue is None or an in-process queue.Queue",
+        retire_when="with the in-process queue above (or when filesystem_async has no module-level queue)",
+        kind=ADAPTS,
+        apply=_cross_process_results_queue,
+        needed=_in_process_queue,
+        trigger=REQUIRE,
     ),
 )
 
 # ------------------------------------------------------------------ defect workarounds a case can switch off
+# switch 'training': the case option `workarounds`, every one on by default; harness.models.training
+# applies them (fully_reshardable_step through apply_workaround, process-wide)
 
-WORKAROUNDS: dict[str, str] = {
-    "prime_adam": "megatron-core 0.19.2 DistributedOptimizer + plain torch Adam: loading into a never-stepped "
-    "optimizer fails `assert len(steps) == 1`; the harness primes Adam state (step 0, zero moments)",
-    "load_no_grad": "megatron-core 0.19.2 dp_reshardable load copies into views of leaf params that require grad "
-    "('a view of a leaf Variable that requires grad is being used in an in-place operation'); "
-    "the harness loads under torch.no_grad()",
-    "fully_reshardable_step": "megatron-core 0.19.2 DistributedOptimizer._set_main_param_and_optimizer_states iterates the "
-    "destination torch Adam state keys, 'step' included, but load_parameter_state_from_fully_reshardable "
-    "leaves 'step' out of the source: KeyError 'step'; the harness passes step=None so the copy skips it",
-    "unshare_adam_step": "megatron-core 0.19.2 DistributedOptimizer.load_state_dict without Apex/TE puts ONE step tensor in "
-    "every param's torch Adam state; Adam increments it once per param per step (3 -> 30 after one step with 27 "
-    "params), corrupting bias correction after every resume; the harness gives each param its own copy",
-    "vpp_overlap_p2p": "megatron-core 0.19.2 TransformerConfig defaults to batch_p2p_comm=True, overlap_p2p_comm=False "
-    "and accepts them with the interleaved schedule at PP=2, where next and previous stage are the same rank: "
-    "_batched_p2p_ops (pipeline_parallel/p2p_communication.py:27-49) posts send_prev and send_next to that rank in one "
-    "batch_isend_irecv, sends and receives between two ranks match in posting order, so each stage receives the "
-    "other's gradient as its activation and the reverse, silently (Megatron-LM asserts PP > 2 for this, "
-    "training/arguments.py:972); the harness builds vpp models with Megatron-LM's and Megatron-Bridge's vpp setting, "
-    "overlap_p2p_comm=True, batch_p2p_comm=False (harness.models.VPP_P2P)",
-}
-DEFAULT_WORKAROUNDS = tuple(WORKAROUNDS)
+_TRAINING = "harness.models.training"
+_DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
+
+SHIMS += (
+    Shim(
+        name="prime_adam",
+        upstream=_DISTRIB_OPTIMIZER,
+        why="megatron-core 0.19.2 DistributedOptimizer + plain torch Adam: loading into a never-stepped "
+        "optimizer fails `assert len(steps) == 1`; the harness primes Adam state (step 0, zero moments)",
+        probe="the load's AssertionError `assert len(steps) == 1` (shown by the strict xfail)",
+        retire_when="when DistributedOptimizer loads into a torch Adam that holds no state yet",
+        kind=HIDES, trigger=CALLER, switch="training", applied_in=_TRAINING,
+        shown_by="matrices/smoke.yaml:defect-unprimed-adam",
+    ),
+    Shim(
+        name="load_no_grad",
+        upstream=_DISTRIB_OPTIMIZER,
+        why="megatron-core 0.19.2 dp_reshardable load copies into views of leaf params that require grad "
+        "('a view of a leaf Variable that requires grad is being used in an in-place operation'); "
+        "the harness loads under torch.no_grad()",
+        probe="the load's RuntimeError 'a view of a leaf Variable that requires grad' (shown by the strict xfail)",
+        retire_when="when the dp_reshardable load copies under no_grad itself",
+        kind=HIDES, trigger=CALLER, switch="training", applied_in=_TRAINING,
+        shown_by="matrices/smoke.yaml:defect-inplace-view",
+    ),
+    Shim(
+        name="fully_reshardable_step",
+        upstream=_DISTRIB_OPTIMIZER,
+        why="megatron-core 0.19.2 DistributedOptimizer._set_main_param_and_optimizer_states iterates the "
+        "destination torch Adam state keys, 'step' included, but load_parameter_state_from_fully_reshardable "
+        "leaves 'step' out of the source: KeyError 'step'; the harness passes step=None so the copy skips it",
+        probe="the load's KeyError 'step'; the patch acts only where the loaded tensors carry no 'step'",
+        retire_when="when load_parameter_state_from_fully_reshardable hands 'step' over (or the copy skips keys it lacks)",
+        kind=HIDES, trigger=CALLER, switch="training", applied_in=_TRAINING,
+        apply=lambda: apply_workaround("fully_reshardable_step"),  # process-wide (keep_own_step)
+        shown_by="matrices/smoke.yaml:defect-keyerror-step",
+    ),
+    Shim(
+        name="unshare_adam_step",
+        upstream=_DISTRIB_OPTIMIZER,
+        why="megatron-core 0.19.2 DistributedOptimizer.load_state_dict without Apex/TE puts ONE step tensor in "
+        "every param's torch Adam state; Adam increments it once per param per step (3 -> 30 after one step with 27 "
+        "params), corrupting bias correction after every resume; the harness gives each param its own copy",
+        probe="after a load, params' Adam states share one step tensor (the step check; shown by the strict xfail)",
+        retire_when="when DistributedOptimizer.load_state_dict gives each param its own step",
+        kind=HIDES, trigger=CALLER, switch="training", applied_in=_TRAINING,
+        shown_by="matrices/smoke.yaml:defect-shared-step",
+    ),
+    Shim(
+        name="vpp_overlap_p2p",
+        upstream="megatron.core.pipeline_parallel.p2p_communication",
+        why="megatron-core 0.19.2 TransformerConfig defaults to batch_p2p_comm=True, overlap_p2p_comm=False "
+        "and accepts them with the interleaved schedule at PP=2, where next and previous stage are the same rank: "
+        "_batched_p2p_ops (pipeline_parallel/p2p_communication.py:27-49) posts send_prev and send_next to that rank in one "
+        "batch_isend_irecv, sends and receives between two ranks match in posting order, so each stage receives the "
+        "other's gradient as its activation and the reverse, silently (Megatron-LM asserts PP > 2 for this, "
+        "training/arguments.py:972); the harness builds vpp models with Megatron-LM's and Megatron-Bridge's vpp setting, "
+        "overlap_p2p_comm=True, batch_p2p_comm=False (harness.models.VPP_P2P)",
+        probe="a vpp model at PP=2 built with TransformerConfig's p2p defaults trains on swapped activations "
+        "(the losses check; shown by the strict xfail)",
+        retire_when="when TransformerConfig refuses batched p2p with the interleaved schedule at PP=2 (or orders it right)",
+        kind=HIDES, trigger=CALLER, switch="training", only_on="vpp", applied_in="harness.models.mcore",
+        shown_by="matrices/smoke.yaml:defect-vpp-batched-p2p",
+    ),
+)
 
 
 def _own_step(optimizer, model_param):
@@ -195,17 +252,6 @@ def keep_own_step(original):
 
 OPTIMIZER_STATE_KEYS = "mcore: optimizer state keys read from the state (no DistributedOptimizer.optimizer_state_keys)"
 PARAM_SYNC_STAGING = "mcore: no prepare_model_params_for_param_sync before a forced param sync"
-#: each API fallback, its reason and when it can go
-API_FALLBACKS: dict[str, str] = {
-    OPTIMIZER_STATE_KEYS: "DistributedOptimizer.optimizer_state_keys arrived in megatron-core 0.19 (0.18.2's "
-    "distrib_optimizer.py keeps Adam's exp_avg/exp_avg_sq with no such property); before it the keys are the "
-    "moments the param's own state holds: not 'param', and not 'step' (0.18's per-param state carries it; 0.19's "
-    "property leaves it out and the step has its own check). No longer needed when the oldest Core driven is 0.19",
-    PARAM_SYNC_STAGING: "MegatronOptimizer.prepare_model_params_for_param_sync arrived in megatron-core 0.19 (it stages "
-    "MXFP8 params into the param buffer before Megatron-LM's force_param_sync); 0.18's force_param_sync is "
-    "start_param_sync(force_sync=True) alone, so without the method there is nothing to stage. No longer needed when "
-    "the oldest Core driven is 0.19",
-}
 
 
 def optimizer_state_keys(opt, state: dict | None = None) -> tuple[str, ...]:
@@ -227,3 +273,30 @@ def prepare_param_sync(optimizer) -> None:
         note(PARAM_SYNC_STAGING)
         return
     prepare()
+
+
+SHIMS += (
+    Shim(
+        name=OPTIMIZER_STATE_KEYS,
+        upstream=_DISTRIB_OPTIMIZER,
+        why="DistributedOptimizer.optimizer_state_keys arrived in megatron-core 0.19 (0.18.2's "
+        "distrib_optimizer.py keeps Adam's exp_avg/exp_avg_sq with no such property); before it the keys are the "
+        "moments the param's own state holds: not 'param', and not 'step' (0.18's per-param state carries it; 0.19's "
+        "property leaves it out and the step has its own check)",
+        probe="the optimizer has no optimizer_state_keys attribute",
+        retire_when="when the oldest Core driven is 0.19",
+        kind=ADAPTS, trigger=CALLER,
+        apply=optimizer_state_keys,  # the call that falls back (and notes it) per optimizer
+    ),
+    Shim(
+        name=PARAM_SYNC_STAGING,
+        upstream="megatron.core.optimizer",
+        why="MegatronOptimizer.prepare_model_params_for_param_sync arrived in megatron-core 0.19 (it stages "
+        "MXFP8 params into the param buffer before Megatron-LM's force_param_sync); 0.18's force_param_sync is "
+        "start_param_sync(force_sync=True) alone, so without the method there is nothing to stage",
+        probe="the optimizer has no prepare_model_params_for_param_sync attribute",
+        retire_when="when the oldest Core driven is 0.19",
+        kind=ADAPTS, trigger=CALLER,
+        apply=prepare_param_sync,  # the call that falls back (and notes it) per optimizer
+    ),
+)

@@ -10,7 +10,8 @@ CPU, NCCL on GPU), with the flags upstream documents. Two runtime patches are re
 result's shims. Each is applied only when its condition is found:
   JOIN_WORLD    the command's own `init_process_group` (NCCL plus torch.cuda.set_device) is
                 skipped when the process group is already up (always, inside a world);
-  COMMON_STATE  a workaround, applied only when the matrix entry lists `common_state` and the
+  COMMON_STATE  a workaround (switch 'converter': the case option `converter_workarounds`),
+                applied only when the matrix entry lists `common_state` and the
                 input has no `common.pt`: the tool's `load_common` reads common.pt, which
                 megatron-core 0.19 no longer writes, so it falls back to
                 `dist_checkpointing.load_common_state_dict` (which reads both forms).
@@ -31,7 +32,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Iterator, Sequence
 
-from harness.compat._shim import note
+from harness.compat._shim import ADAPTS, CALLER, HIDES, Shim, note
 
 ENV = "CKPT_HARNESS_MEGATRON_LM"
 INSPECTOR = "tools/checkpoint/checkpoint_inspector.py"
@@ -57,19 +58,6 @@ REVERSE_LOOKED_AT = (
 
 JOIN_WORLD = "checkpoint_inspector joins the harness's process group"
 COMMON_STATE = "checkpoint_inspector reads megatron-core 0.19's common state"
-
-#: Converter defect workarounds a matrix entry lists (option `converter_workarounds`); with one
-#: switched off the defect shows as a named strict xfail.
-CONVERTER_WORKAROUNDS: dict[str, str] = {
-    "common_state": "Megatron-LM core_v0.19.0 tools/checkpoint/checkpoint_inspector.py:738 convert_checkpoint calls the "
-    "deprecated dist_checkpointing.strategies.common.load_common, which reads <ckpt>/common.pt; megatron-core 0.19 "
-    "(PR #5160, 40b1fd37c1, 'deprecate common strategy') stores the common state inside the DCP checkpoint as the "
-    "ShardedObject 'common_state' and writes no common.pt, so every torch_dist checkpoint 0.19 writes fails with "
-    "CheckpointingException 'Common file .../common.pt does not exist'; the harness points load_common at "
-    "dist_checkpointing.load_common_state_dict, which reads both forms",
-}
-DEFAULT_CONVERTER_WORKAROUNDS = tuple(CONVERTER_WORKAROUNDS)
-
 
 @dataclass(frozen=True)
 class Tool:
@@ -155,9 +143,9 @@ def run_command(module: ModuleType, argv: Sequence[str], workarounds: Sequence[s
     checkpoint_inspector.py ARGV` would, in the world the harness already set up."""
     import torch.distributed as dist
 
-    bad = sorted(set(workarounds) - set(CONVERTER_WORKAROUNDS))
-    if bad:
-        raise ValueError(f"unknown converter workaround(s) {bad}; known: {sorted(CONVERTER_WORKAROUNDS)}")
+    from harness.compat import registry
+
+    registry.check("converter", workarounds, "converter workaround(s)")
     with _joined(module, dist.is_initialized()), _common(module, "common_state" in workarounds):
         module.cli.main(list(argv), prog_name=Path(module.__file__ or INSPECTOR).name, standalone_mode=False)
 
@@ -179,3 +167,42 @@ def _common(module: ModuleType, on: bool) -> Iterator[None]:
         return
     with _patched(module, "load_common", _common_state_reader(module.load_common)):
         yield
+
+
+SHIMS: tuple[Shim, ...] = (
+    Shim(
+        name=JOIN_WORLD,
+        upstream="tools/checkpoint/checkpoint_inspector.py",
+        why="the converter's click commands call their own init_process_group (NCCL plus torch.cuda.set_device), "
+        "written for a torchrun of the script alone; inside the harness's world the group is already up",
+        probe="torch.distributed is initialized and the tool module has init_process_group",
+        retire_when="when the tool joins an existing process group itself (or is driven outside a harness world)",
+        kind=ADAPTS, trigger=CALLER,
+        apply=_joined,
+        needed=lambda device: _world_up(),
+    ),
+    # ---- defects (switch 'converter', on by default; an entry without one shows it as its strict xfail)
+    Shim(
+        name="common_state",
+        upstream="tools/checkpoint/checkpoint_inspector.py",
+        why="Megatron-LM core_v0.19.0 tools/checkpoint/checkpoint_inspector.py:738 convert_checkpoint calls the "
+        "deprecated dist_checkpointing.strategies.common.load_common, which reads <ckpt>/common.pt; megatron-core "
+        "0.19 (PR #5160, 40b1fd37c1, 'deprecate common strategy') stores the common state inside the DCP "
+        "checkpoint as the ShardedObject 'common_state' and writes no common.pt, so every torch_dist checkpoint "
+        "0.19 writes fails with CheckpointingException 'Common file .../common.pt does not exist'; the harness "
+        "points load_common at dist_checkpointing.load_common_state_dict, which reads both forms",
+        probe="the input checkpoint has no common.pt (the tool's load_common would raise CheckpointingException "
+        "'Common file ... does not exist'); with one, the tool's own reader runs",
+        retire_when="when checkpoint_inspector reads the common state with dist_checkpointing.load_common_state_dict",
+        kind=HIDES, trigger=CALLER, switch="converter",
+        apply=_common,
+        shown_by="matrices/smoke.yaml:defect-common-state",
+        recorded_as=COMMON_STATE,
+    ),
+)
+
+
+def _world_up() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()

@@ -7,6 +7,11 @@ import logging
 import os
 import warnings
 
+from harness.compat._shim import Shim
+
+#: no records here (harness.compat.registry's convention: every compat module lists its own)
+SHIMS: tuple[Shim, ...] = ()
+
 
 class _ErrorsOnly:
     def filter(self, record) -> bool:

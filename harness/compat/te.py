@@ -20,18 +20,10 @@ import types
 from contextlib import contextmanager
 from typing import Iterator
 
-from harness.compat._shim import note
+from harness.compat._shim import ADAPTS, CALLER, Shim, note
 
 TE_STUB = "transformer_engine stub for megatron.bridge's unguarded imports"
 HAVE_TE_FALSE = "megatron.bridge peft HAVE_TE=False"
-#: what each Bridge shim is for and when it is no longer needed
-BRIDGE_SHIMS: dict[str, str] = {
-    TE_STUB: "megatron-bridge peft/lora_layers.py imports transformer_engine.pytorch unguarded; applied while "
-    "transformer_engine is not importable; retired when Bridge guards that import",
-    HAVE_TE_FALSE: "megatron-bridge peft.utils / module_matcher HAVE_TE* come out True without TE because megatron-core "
-    "leaves placeholder TE classes (LoRA then fails: 'isinstance() arg 2 must be a type'); applied to the flags that "
-    "are True while transformer_engine is not importable; retired when Bridge detects TE by importing it",
-}
 STUB_MODULE = "(ckpt-harness TE stand-in)"
 _bridge_shims: list[str] = []  # what this process's Bridge import applied (a forked rank inherits it)
 
@@ -168,7 +160,7 @@ def import_with_stand_in(modules: tuple[str, ...] = _BRIDGE_MODULES) -> dict[str
 
 def import_megatron_bridge():
     """Import megatron.bridge where Transformer-Engine is absent (CPU, or a GPU install without TE),
-    and record the Bridge shims this process applied for the current case (see BRIDGE_SHIMS)."""
+    and record the Bridge shims this process applied for the current case (see SHIMS)."""
     if "megatron.bridge" not in sys.modules and not te_importable():
         if import_with_stand_in():
             _bridge_shims.append(TE_STUB)
@@ -179,3 +171,32 @@ def import_megatron_bridge():
     for name in _bridge_shims:
         note(name)
     return megatron.bridge
+
+
+#: the Bridge shims: what each is for and when it is no longer needed (applied by import_megatron_bridge)
+SHIMS: tuple[Shim, ...] = (
+    Shim(
+        name=TE_STUB,
+        upstream="megatron.bridge.peft.lora_layers",
+        why="megatron-bridge peft/lora_layers.py imports transformer_engine.pytorch unguarded (0.5.1 also peft/lora.py)",
+        probe="transformer_engine is not importable and a Bridge module's import raises ModuleNotFoundError for it "
+        "(the error names the importer)",
+        retire_when="when Bridge guards that import",
+        kind=ADAPTS,
+        apply=import_with_stand_in,
+        needed=lambda device: not te_importable(),
+        trigger=CALLER,
+    ),
+    Shim(
+        name=HAVE_TE_FALSE,
+        upstream="megatron.bridge.peft",
+        why="megatron-bridge peft.utils / module_matcher HAVE_TE* come out True without TE because megatron-core "
+        "leaves placeholder TE classes (LoRA then fails: 'isinstance() arg 2 must be a type')",
+        probe="transformer_engine is not importable and a HAVE_TE* flag of peft.utils / module_matcher is True",
+        retire_when="when Bridge detects TE by importing it",
+        kind=ADAPTS,
+        apply=_force_have_te_false,
+        needed=lambda device: not te_importable(),
+        trigger=CALLER,
+    ),
+)

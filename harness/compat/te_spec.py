@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from harness.compat._shim import Shim
+
+#: no records here (harness.compat.registry's convention: every compat module lists its own)
+SHIMS: tuple[Shim, ...] = ()
+
 
 def _norm_linear_class():
     from megatron.core.tensor_parallel import ColumnParallelLinear

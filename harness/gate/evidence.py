@@ -128,12 +128,25 @@ def shim_findings(base: dict[str, Any], cand: dict[str, Any]) -> list[Finding]:
             for name in b[r["id"]] - c:
                 dropped.setdefault(name, []).append(r["id"])
     out = [Finding(f"workaround {name}", "new-workaround", f"applied on the candidate only, in {len(ids)} case(s) "
-                   f"({_ids(ids, 3)}): the candidate shows the condition it patches, which the baseline did not",
-                   None, len(ids)) for name, ids in sorted(new.items())]
+                   f"({_ids(ids, 3)}): the candidate shows the condition it patches, which the baseline did not"
+                   f"{_shim_kind(name)}", None, len(ids)) for name, ids in sorted(new.items())]
     out += [Finding(f"workaround {name}", "workaround-dropped", f"applied on the baseline only, in {len(ids)} case(s) "
-                    f"({_ids(ids, 3)}): the candidate no longer shows the condition it patches (fixed or changed upstream)",
-                    len(ids), None) for name, ids in sorted(dropped.items())]
+                    f"({_ids(ids, 3)}): the candidate no longer shows the condition it patches (fixed or changed upstream)"
+                    f"{_shim_kind(name)}", len(ids), None) for name, ids in sorted(dropped.items())]
     return out
+
+
+def _shim_kind(label: str) -> str:
+    """What the record behind a result's shim name says it is (harness.compat.registry): it adapts an
+    API or environment, or it hides an upstream defect (and which strict xfail shows it)."""
+    from harness.compat import registry
+
+    shim = registry.by_label(label)
+    if shim is None:
+        return ""
+    if shim.kind == "hides":
+        return f"; it hides an upstream defect ({shim.upstream}), shown without it by {shim.shown_by}"
+    return f"; it adapts to an API or environment ({shim.upstream})"
 
 
 def exit_code(findings: list[Finding], cover: Coverage | None) -> int:

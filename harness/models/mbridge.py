@@ -11,7 +11,7 @@ mbridge's own name maps and TP split/merge, not Megatron-Bridge's.
 mbridge builds megatron-core's Transformer-Engine layer spec, whose norms are fused into linear_qkv
 and linear_fc1 (parameters `...linear_qkv.layer_norm_weight`), and its name maps expect those names.
 Transformer-Engine does not install on CPU, so there `TESpecProvider` is None; the on-demand shim
-`compat.MBRIDGE_TE_SPEC` (compat.VERL_SHIMS) sets it to `LocalTESpecProvider` (harness.compat.te_spec): megatron-core's local modules, with the
+`compat.MBRIDGE_TE_SPEC` (a record of compat.verl.SHIMS) sets it to `LocalTESpecProvider` (harness.compat.te_spec): megatron-core's local modules, with the
 norm folded into the column-parallel linear under TE's parameter names (the checkpoint keys are the
 same either way: the local spec maps `input_layernorm.` to `self_attention.linear_qkv.layer_norm_`).
 With TE installed nothing is replaced.

@@ -25,7 +25,7 @@ FUSIONS = (
 #: Megatron-LM's pipeline p2p setting for the interleaved schedule (training/arguments.py:
 #: `--overlap-p2p-communication` is on by default, `batch_p2p_comm = not overlap_p2p_comm`; Megatron-
 #: Bridge's CommOverlapConfig sets the same whenever vpp > 1). megatron-core's own TransformerConfig
-#: defaults (MCORE_P2P_DEFAULTS) train wrong at PP=2 with vpp: compat.WORKAROUNDS["vpp_overlap_p2p"].
+#: defaults (MCORE_P2P_DEFAULTS) train wrong at PP=2 with vpp: compat.registry.get("vpp_overlap_p2p").
 VPP_P2P: dict[str, bool] = {"overlap_p2p_comm": True, "batch_p2p_comm": False}
 MCORE_P2P_DEFAULTS: dict[str, bool] = {"overlap_p2p_comm": False, "batch_p2p_comm": True}
 

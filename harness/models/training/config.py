@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import ClassVar, Literal
 
-from harness.compat import mcore as compat
+from harness.compat import registry
 from harness.core.topology import Topology
 from harness.core.zoo import ModelSpec
 from harness.models.mcore import (
@@ -69,12 +69,10 @@ class TrainOptions(TrainConfig):
     sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     mem_efficient: bool = False
     steps: int = 2
-    workarounds: tuple[str, ...] = compat.DEFAULT_WORKAROUNDS
+    workarounds: tuple[str, ...] = registry.defaults("training")
 
     def __post_init__(self) -> None:
-        bad = sorted(set(self.workarounds) - set(compat.WORKAROUNDS))
-        if bad:
-            raise ValueError(f"unknown workaround(s) {bad}; known: {sorted(compat.WORKAROUNDS)}")
+        registry.check("training", self.workarounds, "workaround(s)")
         if self.steps < self.min_steps:
             raise ValueError(f"option 'steps' must be >= {self.min_steps}, got {self.steps}")
         if self.bucket_size < 0:
@@ -129,4 +127,4 @@ def workaround_notes(opts: TrainOptions, *topos: Topology) -> list[str]:
     """The result notes that say which defects this run stepped around, and why (the vpp p2p
     setting only where a topology of the case has vpp: elsewhere nothing differs)."""
     vpp = any(t.vpp > 1 for t in topos)
-    return [f"workaround applied: {w}: {compat.WORKAROUNDS[w]}" for w in opts.workarounds if vpp or w != "vpp_overlap_p2p"]
+    return [f"workaround applied: {w}: {registry.get(w).why}" for w in opts.workarounds if vpp or registry.get(w).only_on != "vpp"]

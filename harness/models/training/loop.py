@@ -102,7 +102,7 @@ def prime_optimizer_state(optimizer) -> None:
 
 
 def unshare_adam_step(optimizer) -> int:
-    """Give every param's Adam state its own step tensor (compat.WORKAROUNDS['unshare_adam_step']);
+    """Give every param's Adam state its own step tensor (workaround 'unshare_adam_step', harness.compat.registry);
     return how many of them were another param's (what the workaround undid: 0 when upstream shared none)."""
     seen: dict[int, torch.Tensor] = {}  # keeps each original alive, so no id is reused while counting
     shared = 0

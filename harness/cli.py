@@ -20,10 +20,11 @@ from rich.markup import escape
 
 def _cmd_list(args: argparse.Namespace) -> int:
     from harness.orchestration.matrix import load_matrix
+    from harness.orchestration.schedulers._flags import scheduler_of
 
     m = load_matrix(args.matrix, args.max_world)
     try:
-        specs = _sharded(m.select(args.k), args)
+        specs = scheduler_of(args).select(m.select(args.k))
     except ValueError as exc:
         print(f"ckpt-harness list: {exc}", file=sys.stderr)
         return 2
@@ -34,50 +35,12 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gpus(text: str) -> int:
-    """--gpus-per-node: N >= 1, or `auto` (the GPUs this process sees, asked of NVML: no CUDA context)."""
-    if text == "auto":
-        import torch
-
-        if (n := torch.cuda.device_count()) < 1:
-            raise argparse.ArgumentTypeError("auto: no GPU visible here; give a number")
-        return n
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"a number of GPUs >= 1 or auto, got {text!r}")
-    return int(text)
-
-
-def _add_gpus(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpus-per-node", type=_gpus, default=None, metavar="N|auto",
-                   help="pack cases onto the node's N GPUs, several at once on disjoint sets, largest first "
-                        "(CUDA_VISIBLE_DEVICES per case; with gloo the sets are labels and worlds run on CPU); "
-                        "list: print the predicted schedule (docs/nightly-gpu.md)")
-
-
 def _print_plan(specs: list, args: argparse.Namespace) -> int:
-    from harness.orchestration import packing, shard
+    from harness.orchestration.schedulers import _balance, packing
 
-    jobs = packing.jobs_of(specs, shard.durations_of(args.durations) if args.durations else None)
+    jobs = packing.jobs_of(specs, _balance.durations_of(args.durations) if args.durations else None)
     print("\n".join(packing.plan_lines(jobs, packing.plan(jobs, args.gpus_per_node))))
     return 0
-
-
-def _sharded(specs: list, args: argparse.Namespace) -> list:
-    """The part `--shard I/N` selects (harness.orchestration.shard), balanced by `--durations`."""
-    if not getattr(args, "shard", None):
-        return specs
-    from harness.orchestration import shard
-
-    index, total = shard.parse_shard(args.shard)
-    return shard.select(specs, index, total, shard.durations_of(args.durations) if args.durations else None)
-
-
-def _add_shard(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shard", default=None, metavar="I/N", help="only part I of N, a deterministic balanced split "
-                   "(every runner computes the same one; `merge` joins the parts' results)")
-    p.add_argument("--durations", type=Path, default=None, metavar="RESULTS",
-                   help="balance --shard (and order --gpus-per-node) by the case durations of a previous results.json "
-                        "(else by world size and model)")
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
@@ -114,16 +77,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from harness.orchestration import shard
     from harness.orchestration.matrix import load_matrix
     from harness.orchestration.runner import RunOptions, run_cases
+    from harness.orchestration.schedulers._flags import scheduler_of
     from harness.report import results as report
     from harness.run import ranklog
 
     console = _console()
     matrix = load_matrix(args.matrix, args.max_world)
-    try:
-        specs = _sharded(matrix.select(args.k), args)
+    try:  # the scheduler by name (--scheduler, else what --shard, --gpus-per-node, --jobs imply)
+        scheduler, selected = scheduler_of(args), matrix.select(args.k)
+        specs = scheduler.select(selected)
     except ValueError as exc:
         console.print(f"[red]{escape(str(exc))}[/]")
         return 2
@@ -159,13 +123,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.probe_imports:  # what fails goes into results.json (the gate reads it)
         from harness.run.preload import import_problems
         about["import_problems"] = import_problems(report.moved_from_pins())
+        from harness.gate import archs  # the HF architectures the Bridge registers (the gate diffs them)
+        about[archs.KEY] = archs.probe()
         for module in about["import_problems"]:
             console.print(f"[bold red]{module} does not import in this environment[/] (its traceback is in results.json)")
     if report_path:  # before any case: a run that dies in its first case still names what it was asked
         report.write_json([], report_path, str(args.matrix), 0.0, complete=False, **about)
     try:
-        results = run_cases(specs, options, on_result=progress, jobs=args.jobs, gpus_per_node=args.gpus_per_node,
-                            durations=shard.durations_of(args.durations) if args.durations and args.gpus_per_node else None)
+        results = run_cases(selected, options, on_result=progress, scheduler=scheduler)
     except ValueError as exc:  # jobs > 1 with NCCL or torchrun; a node bigger than the GPUs seen
         console.print(f"[red]{escape(str(exc))}[/]")
         return 2
@@ -234,7 +199,7 @@ def _cmd_gate(args: argparse.Namespace) -> int:
     cache = args.cache or envspec._default_cache()
     return run_gate(args.candidate, args.baseline, args.matrix, args.k, args.out, cache, _thresholds(args), cross=not args.skip_cross,
                     corpus=args.corpus, exact=args.exact, jobs=args.jobs, reuse=not args.no_reuse, trust_pickles=args.trust_pickles,
-                    baseline_results=args.baseline_results)
+                    baseline_results=args.baseline_results, fresh_baseline=args.fresh_baseline, concurrent=args.concurrent)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -331,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     from harness.compat.cuda import guard_megatron_import
 
     guard_megatron_import()  # before anything imports megatron.core (see its reason)
+    from harness.orchestration.schedulers._flags import add_flags as add_scheduling_flags
+
     parser = argparse.ArgumentParser(prog="ckpt-harness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a matrix and print a summary")
@@ -362,15 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--probe-imports", action="store_true", help="first import megatron.core/.bridge and every moved package")
     run.add_argument("--fail-on-not-run", action="store_true",
                      help="exit 3 when a case is not-run (the machine lacks CUDA devices, NCCL, TE, memory): a GPU job whose runner lost its GPUs goes red")
-    _add_shard(run)
-    _add_gpus(run)
+    add_scheduling_flags(run)
     run.set_defaults(func=_cmd_run)
     ls = sub.add_parser("list", help="list the case ids of a matrix")
     ls.add_argument("matrix", type=Path)
     ls.add_argument("-k", default=None)
     _add_max_world(ls)
-    _add_shard(ls)
-    _add_gpus(ls)
+    add_scheduling_flags(ls, run=False)
     mg = sub.add_parser("merge", help="one report (results.json/.md, junit.xml, report.html) from the results of a matrix's shards")
     mg.add_argument("parts", type=Path, nargs="+", help="the shards' results.json files or report dirs")
     mg.add_argument("--out", type=Path, required=True,
@@ -428,10 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--kind", choices=("gpt", "hf", "lora"), default="gpt",
                      help="gpt: GPT shapes through reshard-weights; hf: HF fixtures through hf-roundtrip; lora: LoRA layouts, peft-export")
     exp.add_argument("--no-hf-pad-vocab", action="store_true",
-                     help="hf: never draw pad_vocab (look past the known Bridge export defect, README)")
+                     help="hf: never draw pad_vocab (look past the known Bridge export defect, docs/explore.md)")
     exp.add_argument("--lora-known-defects", action="store_true", help="lora: draw and count the defects the matrices name")
     exp.set_defaults(func=_cmd_explore)
-    from harness.orchestration import cluster
+    from harness.orchestration.schedulers import cluster
 
     cluster.add_parser(sub)  # the `cluster` extra, imported only when the command runs
     from harness.orchestration import bench

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.orchestration.cluster import ClusterOptions, make_executor, run_matrix, run_shard, shard_argv
+from harness.orchestration.schedulers.cluster import ClusterOptions, make_executor, run_matrix, run_shard, shard_argv
 from harness.run import nodes
 
 ROOT = Path(__file__).resolve().parent.parent

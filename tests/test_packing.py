@@ -1,4 +1,4 @@
-"""GPU packing on one node (harness.orchestration.packing): the planner never gives two running
+"""GPU packing on one node (harness.orchestration.schedulers.packing): the planner never gives two running
 cases one GPU nor more GPUs than the node has, starts the largest case that fits first, refuses a
 case bigger than the node; the executor runs cases at once in their own workers, each with its set
 in CUDA_VISIBLE_DEVICES, and the report says where and when each ran. CPU only: gloo and made-up
@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from harness.core.schedule import Placement, summaries, summarize
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
-from harness.orchestration import packing
-from harness.orchestration.packing import Job, pick_gpus, plan
 from harness.orchestration.runner import RunOptions, run_cases
+from harness.orchestration.schedulers import packing
+from harness.orchestration.schedulers.packing import Job, pick_gpus, plan
 from harness.report.results import markdown
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,8 +14,8 @@ import pytest
 from harness.cli import main
 from harness.core.parity import BITWISE, Mismatch
 from harness.core.result import CaseResult, Check
-from harness.orchestration import shard
 from harness.orchestration.matrix import load_matrix
+from harness.orchestration.schedulers import _balance as shard
 from harness.report import results as report
 from harness.report.merge import FILES, MergeError, merge
 

@@ -1,4 +1,4 @@
-"""Where and when a case ran on a node's GPUs (GPU packing, harness.orchestration.packing), and the
+"""Where and when a case ran on a node's GPUs (GPU packing, harness.orchestration.schedulers.packing), and the
 arithmetic of a schedule: shared by the planner (a predicted schedule) and the reports (the one
 that ran), which sit on floors that cannot import each other."""
 

@@ -14,7 +14,7 @@ A SPEC overrides one package (names are PEP 503-normalised):
 
 The resolved request is requirements.txt, requirements-nodeps.txt, constraints.txt,
 requirements-verl.txt (the verl_manager backend's deps) and requirements-cluster.txt (the `cluster`
-extra, harness.orchestration.cluster; both installed with requirements.txt) with every
+extra, harness.orchestration.schedulers.cluster; both installed with requirements.txt) with every
 overridden package's pin dropped and the overrides added (to requirements-nodeps.txt when the
 package is installed --no-deps there, e.g. megatron-bridge, whose declared deps are CUDA-only).
 Its sha256 (12 hex) keys the venv, `cache/venv-<key>`: with no override the request is the five

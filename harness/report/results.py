@@ -258,6 +258,6 @@ def markdown(doc: dict) -> str:
     rows.append(f"\n{len(doc['results'])} cases in {doc.get('wall_s', 0):.0f} s: {total}")
     if line := reuse_line(r.get("reuse", []) for r in doc["results"]):
         rows.append(f"\n{line}")
-    # GPU packing (harness.orchestration.packing): each case's set and times are its `placement`
+    # GPU packing (harness.orchestration.schedulers.packing): each case's set and times are its `placement`
     rows += [f"\nschedule: {s.line()}" for s in summaries(r.get("placement") for r in doc["results"])]
     return "\n".join(rows)

@@ -6,7 +6,7 @@ c10d rendezvous (issue 20 item 4). `launch_torchrun` runs it as its `--torchrun-
 
 A world of W ranks takes the fewest nodes n <= N with W ranks split evenly, at most G a node (a
 world that fits one node runs on one). The agents start through the executor of the cluster extra:
-  * slurm: inside the shard's allocation (harness.orchestration.cluster), one `srun` step of n tasks,
+  * slurm: inside the shard's allocation (harness.orchestration.schedulers.cluster), one `srun` step of n tasks,
     one a node, from the allocation's first node, where this command runs and the rendezvous lives;
   * local: submitit's LocalExecutor with n tasks on this machine, each playing one node
     (`--node-rank k`): the same rendezvous and agents, for tests and one-box runs.

@@ -1,4 +1,4 @@
-"""GPU packing on one node (issue 20 item 2): several cases at once, each on its own GPU set.
+"""The packing scheduler (`--gpus-per-node N`): GPU packing on one node (issue 20 item 2): several cases at once, each on its own GPU set.
 
 Without it a node runs one world at a time (`--jobs` > 1 refuses NCCL), so a 1- or 2-rank case of
 the nightly GPU matrix leaves 6-7 of 8 GPUs idle. A case needs as many GPUs as its largest world,
@@ -7,7 +7,7 @@ read-back world has 1 rank). A case needing more than the node has is refused (`
 the reason) before anything starts.
 
 Policy, greedy list scheduling largest first: cases wait in order of need, then duration (a
-previous results.json's, `--durations`, else shard.estimate), then id; whenever GPUs are free the
+previous results.json's, `--durations`, else _balance.estimate), then id; whenever GPUs are free the
 first waiting case that fits starts on the lowest-numbered contiguous free GPUs (any free ones when
 no run is long enough). One `Packer` decides for `plan` (a simulated clock and estimated durations:
 the predicted schedule) and for `run_packed` (the real clock: a set freed when a case ends goes to
@@ -18,7 +18,7 @@ anything in it initialises CUDA, and the ranks it starts inherit it, so rank r s
 r-th GPU. Workers of a GPU run are children of a forkserver (megatron-core preloaded), never of
 this process: its imports may have touched CUDA, and a forked child of such a process cannot use
 CUDA (a rank's result holding a CUDA tensor is loaded in the worker). Gloo workers are forked from
-this process when it has one thread (the imports inherited), as runner._run_parallel does. CKPT_HARNESS_GPUS carries the same set: gloo
+this process when it has one thread (the imports inherited), as the pool scheduler does. CKPT_HARNESS_GPUS carries the same set: gloo
 ranks hide their GPUs (harness.run.world), so a CPU run with a made-up node size shows the set
 there. Worlds rendezvous through a FileStore in their own directory (no port to share); torchrun's
 --standalone picks a free port per world. The schedule lands in each result's `placement`
@@ -41,7 +41,9 @@ from typing import Any, Callable, Sequence
 
 from harness.core.result import CaseResult
 from harness.core.schedule import Placement, Summary, summarize
-from harness.orchestration.shard import estimate
+from harness.orchestration.schedulers import Scheduler, Settings
+from harness.orchestration.schedulers._balance import estimate, source_group
+from harness.orchestration.schedulers._common import bare as _bare, preload
 
 #: what a packed case's worker and ranks find their GPU set in (indices into the node's visible GPUs
 #: mapped to CUDA_VISIBLE_DEVICES' entries); gloo ranks clear CUDA_VISIBLE_DEVICES but keep this
@@ -56,7 +58,7 @@ class Job:
     id: str
     need: int
     seconds: float
-    #: its likely stored source (harness.orchestration.shard.source_group): it waits while another
+    #: its likely stored source (schedulers._balance.source_group): it waits while another
     #: case of the group runs and none has finished (that one is writing the source it would wait for)
     group: str = ""
 
@@ -68,8 +70,6 @@ def need_of(spec: Any) -> int:
 
 def jobs_of(specs: Sequence[Any], durations: dict[str, float] | None = None) -> list[Job]:
     durations = durations or {}
-    from harness.orchestration.shard import source_group
-
     return [Job(i, s.id, need_of(s), durations.get(s.id) or estimate(s), source_group(s)) for i, s in enumerate(specs)]
 
 
@@ -196,12 +196,6 @@ def start_method(dist_backend: str) -> str:
     return "fork" if dist_backend == "gloo" and threading.active_count() == 1 else "forkserver"
 
 
-def _bare(spec: Any, status: str, **fields: Any) -> CaseResult:
-    return CaseResult(id=spec.id, case=spec.case, model=spec.model, backend=spec.backend, source=spec.source.id,
-                      target=spec.target.id, options=spec.opts, status=status, notes=list(spec.notes),
-                      xfail_reason=spec.xfail.reason if spec.xfail else None, phases={"total": 0.0}, **fields)
-
-
 def _worker(conn, run_one: Callable, spec: Any, options: Any, devices: str) -> None:
     """One case in its own process on its own GPUs; the result goes back through `conn`."""
     from harness.core import requires
@@ -292,3 +286,26 @@ def plan_lines(jobs: Sequence[Job], planned: Plan) -> list[str]:
     if (summary := planned.summary()) is not None:
         lines.append(f"predicted: {summary.line()}")
     return lines
+
+
+class Packing(Scheduler):
+    name = "packing"
+
+    def __init__(self, node_gpus: int, durations: dict[str, float] | None = None):
+        self.node_gpus, self.durations = node_gpus, durations
+
+    def check(self, specs, options) -> None:
+        check_node(self.node_gpus, options.dist_backend, options.launcher, options.torchrun_template)
+
+    def run(self, specs, options, run_one, on_result=None) -> list[CaseResult]:
+        specs = list(specs)
+        preload(specs)
+        return run_packed(specs, options, run_one, self.node_gpus, self.durations, on_result)
+
+
+def make(settings: Settings) -> Packing:
+    if settings.jobs > 1:
+        raise ValueError("--gpus-per-node packs cases by their GPU need: it cannot take --jobs too")
+    if not settings.gpus_per_node:
+        raise ValueError("the packing scheduler needs --gpus-per-node N")
+    return Packing(settings.gpus_per_node, settings.durations)

@@ -1,5 +1,5 @@
-"""A matrix split across CI runners: `run --shard I/N` takes a deterministic, balanced part (issue 20
-item 3). Every runner computes the same split from the same matrix, so the N parts hold every case
+"""The balanced split of a matrix (issue 20 item 3), shared by the shard and cluster schedulers (and
+the cost estimate packing orders by): `run --shard I/N` takes a deterministic, balanced part. Every runner computes the same split from the same matrix, so the N parts hold every case
 exactly once; `ckpt-harness merge` (harness.report.merge) makes one report from their results.
 
 Balance: each case weighs what it took in a previous results.json (`--durations`), else an estimate

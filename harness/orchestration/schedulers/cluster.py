@@ -1,5 +1,5 @@
-"""Matrix cells across a cluster (issue 20 item 4): `ckpt-harness cluster run MATRIX` sends the
-shards of `run --shard I/N` (harness.orchestration.shard) as the jobs of a submitit executor --
+"""The cluster scheduler: matrix cells across a cluster (issue 20 item 4). `ckpt-harness cluster run MATRIX` sends the
+shards of `run --shard I/N` (schedulers._balance) as the jobs of a submitit executor --
 Slurm, or local processes for tests and one box -- waits for them and merges their results
 (harness.report.merge) into one report. With `--nodes N` > 1 every shard job holds N nodes and
 starts each world of its cases as nodes x ranks: torchrun agents meeting through the c10d
@@ -12,6 +12,11 @@ beside the pins (docs/cluster.md says exactly why).
 Each shard job runs `python -m harness.cli run MATRIX --shard I/N --report PARTS/shard-I` in a
 subprocess, so a shard is the same command a CI runner runs; a shard with a failed case (exit 1)
 is a finished shard, one that died leaves no complete results.json and the merge names it.
+
+As a scheduler (`run --scheduler cluster --executor slurm --shards N`, or runner.run_cases with it),
+the same balanced parts go as jobs of the executor that each run their cases through an inner
+scheduler (serial, pool or packing, as the other flags say) and send the CaseResults back, merged
+here in matrix order; a part whose job died comes back as `error` results naming the job and its log.
 """
 
 from __future__ import annotations
@@ -20,13 +25,19 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
+from harness.core.result import CaseResult
+from harness.orchestration.schedulers import Scheduler, Settings, inner_of
+from harness.orchestration.schedulers._balance import split as balanced_split
+from harness.orchestration.schedulers._common import bare
 from harness.run.nodes import EXECUTORS, ClusterExtraMissing, import_submitit, template
 
 
@@ -76,7 +87,7 @@ def shard_argv(matrix: Path, index: int, total: int, part: Path, opts: ClusterOp
     argv += ["--workdir", str(workdir)] if workdir else []
     if opts.nodes > 1:
         argv += ["--launcher", "torchrun", "--torchrun-template", template(opts.executor, opts.per_node(), opts.nodes)]
-    elif opts.gpus_per_node:  # one node: the shard packs its cases onto the node's GPUs (harness.orchestration.packing)
+    elif opts.gpus_per_node:  # one node: the shard packs its cases onto the node's GPUs (the packing scheduler)
         argv += ["--gpus-per-node", str(opts.gpus_per_node)]
     return argv + list(run_args)
 
@@ -144,8 +155,8 @@ def run_matrix(matrix: Path, out: Path, opts: ClusterOptions, k: str | None = No
     writes). Returns (exit code,
     merged document): 0 all green, 1 a case failed or errored, 2 a shard died or bad input, 3 a
     shard's `--fail-on-not-run` tripped, 4 no case matches `k` (as `ckpt-harness run`)."""
-    from harness.orchestration import shard
     from harness.orchestration.matrix import load_matrix
+    from harness.orchestration.schedulers import _balance as shard
     from harness.report import merge as merging
 
     opts.check()
@@ -173,7 +184,8 @@ def run_matrix(matrix: Path, out: Path, opts: ClusterOptions, k: str | None = No
     codes: list[int | None] = []
     for i, job in zip(numbers, jobs):
         try:
-            codes.append(job.result())
+            # with several nodes only task 0 reports (the other tasks' results never come)
+            codes.append((job.task(0) if opts.nodes > 1 else job).result())
         except Exception as exc:  # submitit: the job died, timed out or was cancelled
             codes.append(None)
             log(f"shard {i}/{total} (job {job.job_id}) did not finish: {type(exc).__name__}: {str(exc)[:500]}\n{_log_tail(job)}")
@@ -264,3 +276,66 @@ def run_cli(args: argparse.Namespace) -> int:
     except (ValueError, ClusterExtraMissing) as exc:
         print(f"ckpt-harness cluster: {exc}", file=sys.stderr)
         return 2
+
+
+def run_part(inner: Scheduler, specs: list, options: Any, run_one, env: dict[str, str | None]) -> list[CaseResult]:
+    """A part's job body (pickled by submitit): its cases through the inner scheduler, results back."""
+    for key, value in env.items():
+        os.environ.pop(key, None) if value is None else os.environ.update({key: value})
+    return inner.run(specs, options, run_one, None)
+
+
+class Cluster(Scheduler):
+    """Balanced parts (as `--shard I/N` of `opts.shards`) as jobs of a submitit executor."""
+
+    name = "cluster"
+
+    def __init__(self, opts: ClusterOptions, inner: Scheduler, durations: dict[str, float] | None = None):
+        self.opts, self.inner, self.durations = opts, inner, durations
+
+    def parts(self, specs) -> list[list]:
+        return [p for p in balanced_split(list(specs), self.opts.shards, self.durations) if p]
+
+    def options(self, options: Any) -> Any:
+        """`options` as a part's job runs them: with `--nodes` > 1 every world as nodes x ranks."""
+        if self.opts.nodes == 1:
+            return options
+        return replace(options, launcher="torchrun", torchrun_template=template(self.opts.executor, self.opts.per_node(), self.opts.nodes))
+
+    def check(self, specs, options) -> None:
+        self.opts.check()
+        import_submitit()
+        for part in self.parts(specs):
+            self.inner.check(part, self.options(options))
+
+    def run(self, specs, options, run_one, on_result=None) -> list[CaseResult]:
+        specs, options = list(specs), self.options(options)
+        parts = self.parts(specs)
+        folder = Path(tempfile.mkdtemp(prefix="ckpt-harness-cluster-", dir=options.workdir))  # on Slurm: a shared fs
+        n, lost = len(parts), False
+        jobs = make_executor(self.opts, folder).map_array(run_part, [self.inner] * n, parts, [options] * n, [run_one] * n,
+                                                          [_job_env(self.opts)] * n)
+        by_id: dict[str, CaseResult] = {}
+        for i, (part, job) in enumerate(zip(parts, jobs), 1):
+            try:  # a multi-node job runs its part once, as task 0 (use_srun False): the other nodes' tasks never report
+                got = (job.task(0) if self.opts.nodes > 1 else job).result()
+            except Exception as exc:  # submitit: the job died, timed out or was cancelled
+                lost = True
+                why = f"part {i}/{n} (job {job.job_id} on {self.opts.executor}) did not finish: {type(exc).__name__}: {str(exc)[:500]}"
+                got = [bare(s, "error", error=f"{why}\n{_log_tail(job)}\n(job files in {folder})") for s in part]
+            for r in got:
+                r.notes.append(f"ran in job {job.job_id} ({self.opts.executor}, part {i}/{n})")
+                by_id[r.id] = r
+                if on_result:
+                    on_result(r)
+        if not (options.keep or lost):
+            shutil.rmtree(folder, ignore_errors=True)  # our own mkdtemp
+        return [by_id[s.id] for s in specs]
+
+
+def make(settings: Settings) -> Cluster:
+    given = settings.cluster or {}
+    opts = given if isinstance(given, ClusterOptions) else ClusterOptions(**given)
+    if settings.gpus_per_node and not opts.gpus_per_node:
+        opts = replace(opts, gpus_per_node=settings.gpus_per_node)
+    return Cluster(opts, inner_of(settings, "cluster"), settings.durations)

@@ -12,6 +12,17 @@ import sys
 from pathlib import Path
 
 PACKAGES = ("harness", "cases")
+#: Import names of a top-level package: the wheel installs cases/ as harness/cases (pyproject's
+#: package-dir) and harness/__init__.py names the clone's cases/ the same, so code imports it as
+#: `harness.cases`; the graph keys it by its directory, `cases`.
+ALIASES = {"harness.cases": "cases"}
+
+
+def canonical(name: str) -> str:
+    for alias, real in ALIASES.items():
+        if name == alias or name.startswith(alias + "."):
+            return real + name[len(alias):]
+    return name
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -39,7 +50,7 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
                 up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(up + ([base] if base else []))
             targets = [f"{base}.{a.name}" for a in node.names] + [base]
-        for t in targets:
+        for t in map(canonical, targets):
             while t and t not in known:
                 t = t.rpartition(".")[0]
             if t and t != name:

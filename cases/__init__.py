@@ -3,6 +3,10 @@
 Cases from outside this package: an entry point in the group `ckpt_harness.cases`
 (`name = "package.module:CASE"`). A case runs in the parent process (its rank functions travel
 by value), so no start method needs the registry.
+
+Imported as `harness.cases`: the wheel's name for this directory, which harness/__init__.py gives
+the clone's cases/ too. Case modules import each other relatively (`from .contract import Case`),
+so no module loads under two names; a plugin imports `harness.cases.contract`.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import pkgutil
 from functools import lru_cache
 from importlib import metadata
 
-from cases.contract import Case
+from .contract import Case
 
 ENTRY_POINT_GROUP = "ckpt_harness.cases"
 

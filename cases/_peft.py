@@ -50,7 +50,7 @@ ADAPTERS = {"lora": mb.LORA_TARGETS, "canonical_lora": mb.CANONICAL_TARGETS}  # 
 
 def hf_target_modules(model: HFModelSpec, opts: "PeftOptions | None" = None) -> list[str]:
     """The HF module names (adapter_config.json target_modules) the layout's targets adapt."""
-    from cases._lora_layout import hf_modules
+    from ._lora_layout import hf_modules
 
     targets = (opts or PeftOptions()).base_targets(model)
     return sorted({m.rsplit(".", 1)[-1] for t in targets for m in hf_modules(model, t)})
@@ -77,7 +77,7 @@ class PeftOptions:
 
     def entries(self, model: HFModelSpec | None = None) -> list:
         """The Megatron target_modules entries (cases._lora_layout.Entry) the Bridge adapter gets."""
-        from cases._lora_layout import entries
+        from ._lora_layout import entries
 
         return entries(self.base_targets(model), self.layers)
 
@@ -86,7 +86,7 @@ class PeftOptions:
 
     def validate_layout(self, model: HFModelSpec, topologies: Iterable[Topology]) -> None:
         """ValueError naming the option when the layout cannot be built on `model` at `topologies`."""
-        from cases._lora_layout import validate
+        from ._lora_layout import validate
 
         validate(model, self.adapter, self.dim, self.targets, self.layers, topologies, ADAPTERS)
 
@@ -157,7 +157,7 @@ def logits_check(hf_lora: torch.Tensor, hf_base: torch.Tensor, megatron: torch.T
 
 def peft_wrapped(base_dir: Path, adapter_dir: Path) -> set[str]:
     """The HF modules PeftModel.from_pretrained wraps with the adapter (cases._lora_layout.peft_units)."""
-    from cases._lora_layout import peft_units
+    from ._lora_layout import peft_units
 
     quiet_hf()
     return peft_units(load_peft(base_dir, adapter_dir))
@@ -179,7 +179,7 @@ def peft_views(base_dir: Path, adapter_dir: Path, input_ids: torch.Tensor, dtype
     logits and weights (`save_merged_to`: what save_pretrained writes of them; an MoE model needs it:
     transformers 5 holds Qwen3-MoE's experts fused in memory and writes them per expert, the layout
     the Bridge's merged export has)."""
-    from cases._lora_layout import peft_units
+    from ._lora_layout import peft_units
     from harness.backends._safetensors import read_safetensors
 
     quiet_hf()

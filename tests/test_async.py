@@ -10,7 +10,7 @@ import pytest
 import torch
 from doubles import use_doubles
 
-from cases import async_save as asv
+from harness.cases import async_save as asv
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.judge.checks import async_equals_sync_check, tracker_names_check

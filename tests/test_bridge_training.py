@@ -254,7 +254,7 @@ def test_a_defective_peft_checkpoint_fails_its_check(tmp_path, backend, failed, 
 
 
 def test_adapter_only_reads_the_checkpoint_keys():
-    from cases.peft_resume import adapter_only_check
+    from harness.cases.peft_resume import adapter_only_check
 
     adapters = ["decoder.layers.self_attention.linear_qkv.adapter.linear_in.weight", "optimizer.state.exp_avg.decoder.x.adapter.w",
                 "rng_state/shard_0.0_1.2", "common_state/shard_0_1"]
@@ -284,7 +284,7 @@ def test_a_resume_that_reads_nothing_fails_export_after_load(tmp_path):
 def test_the_interop_judge_fails_a_lossy_import_and_an_untrained_export():
     import torch
 
-    from cases.bridge_hf_interop import judge
+    from harness.cases.bridge_hf_interop import judge
     from harness.core.result import Check
 
     fixture = {"a": torch.zeros(3), "b": torch.ones(2)}

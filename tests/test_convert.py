@@ -18,7 +18,7 @@ import pytest
 import torch
 from doubles import use_doubles
 
-from cases.convert import CASE, export_check, refused_clearly
+from harness.cases.convert import CASE, export_check, refused_clearly
 from harness.compat import megatron_lm as mlm
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology

@@ -119,7 +119,7 @@ def test_long_profile(tmp_path):
 
 def test_judge_side_compares_real_rows_and_reports_padding():
     """real_rows cuts only the padded vocab tensors; padding_check reports, never fails."""
-    from cases.reshard_weights import padding_check, real_rows
+    from harness.cases.reshard_weights import padding_check, real_rows
 
     m = ModelSpec("m", "", hidden_size=48, num_attention_heads=6, num_query_groups=3, ffn_hidden_size=96,
                   vocab_size=97, make_vocab_size_divisible_by=8)

@@ -164,7 +164,7 @@ def test_the_envelope_sets_passed_or_failed_from_the_checks_and_keeps_what_it_is
 
 
 def test_explore_keeps_the_api_line_and_the_traceback(tmp_path, monkeypatch):
-    import cases.reshard_weights as rw
+    import harness.cases.reshard_weights as rw
     from harness.core.topology import Topology
     from harness.core.zoo import get_model
     from harness.orchestration import explore
@@ -179,7 +179,7 @@ def test_explore_keeps_the_api_line_and_the_traceback(tmp_path, monkeypatch):
 
 
 def test_run_case_validates_once_and_reports_an_invalid_spec_with_its_traceback(monkeypatch):
-    from cases.reshard_weights import ReshardWeights
+    from harness.cases.reshard_weights import ReshardWeights
     from harness.core.spec import CaseSpec
     from harness.core.topology import Topology
     from harness.orchestration.runner import run_case

@@ -5,7 +5,7 @@ naming the key and the side, on one planted fault. No world, no megatron: second
 import pytest
 import torch
 
-from cases import (
+from harness.cases import (
     _peft,
     hf_roundtrip,
     peft_export,
@@ -13,7 +13,7 @@ from cases import (
     reshard_weights,
     resume,
 )
-from cases._train_phase import TrainOut
+from harness.cases._train_phase import TrainOut
 from harness.core import truth
 from harness.core.parity import Shard, compare_tensors
 from harness.core.topology import Topology

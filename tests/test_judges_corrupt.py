@@ -4,7 +4,7 @@ intact passes naming the file never read, a crash or a hang fails."""
 
 import torch
 
-from cases import _damaged_load as cl
+from harness.cases import _damaged_load as cl
 from harness.core.frames import _ROOT, Frame
 from harness.faults.damage import Damage
 from harness.run.world import WorldError, WorldTimeout

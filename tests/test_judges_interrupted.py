@@ -6,8 +6,8 @@ that moved to the interrupted step, a write outside the case dir); and the contr
 
 import pytest
 
-from cases import _damaged_load as cl
-from cases import interrupted_save as ints
+from harness.cases import _damaged_load as cl
+from harness.cases import interrupted_save as ints
 
 DIR = "/scratch/case/checkpoints/global_step_2"
 SHARDS = ["__0_0.distcp", "__1_0.distcp"]

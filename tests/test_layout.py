@@ -10,11 +10,13 @@ in `_`-prefixed modules of cases/, or below).
 
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 
 import pytest
 
-from benchmarks.import_graph import cycles, imports_of, modules
+from benchmarks.import_graph import canonical, cycles, imports_of, modules
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Floors, bottom first; each floor holds one or more wings (module-name prefixes).
@@ -25,7 +27,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("harness.models",),
     ("harness.run",),
     ("harness.backends",),
-    ("cases",),
+    ("cases",),  # imported as harness.cases (the wheel's name): benchmarks.import_graph.canonical
     ("harness.orchestration",),
     ("harness.gate",),
     ("harness.cli", "harness.pytest_plugin"),
@@ -38,6 +40,7 @@ LONG_MODULES: dict[str, str] = {}
 def wing_of(module: str) -> tuple[int, str]:
     """(floor, wing) of a project module: the longest wing prefix that names it."""
     best: tuple[int, str] | None = None
+    module = canonical(module)  # harness.cases.x is cases.x
     for floor, wings in enumerate(FLOORS):
         for wing in wings:
             if (module == wing or module.startswith(wing + ".")) and (best is None or len(wing) > len(best[1])):
@@ -123,3 +126,112 @@ def test_the_rules_can_fail(tmp_path):
     assert _peer_arrows(g, "cases", {"cases.contract"}) == ["cases.one -> cases.two"]
     with pytest.raises(LookupError, match="harness.elsewhere"):
         wing_of("harness.elsewhere")
+
+
+# ---------------------------------------------------------------- the wheel's boundary
+#: Top-level names that exist only in a clone: the wheel holds `harness` alone (tests/test_wheel.py),
+#: so harness code that imports one of them, or names one in a "module:attr" string a rank resolves,
+#: works from a clone and breaks when installed. `cases` is there as harness.cases.
+CLONE_ONLY = ("tests", "benchmarks", "cases", "doubles", "probes", "conftest")
+
+
+def clone_only_refs(root: Path = ROOT) -> list[str]:
+    """Every import of, or "module:attr" string naming, a clone-only top-level name in harness/ or cases/."""
+    import ast
+    import re
+
+    spec = re.compile(r"(%s)(\.\w+)*:\w+" % "|".join(CLONE_ONLY))
+    bad = []
+    for name, path in modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                found = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and spec.fullmatch(node.value):
+                found = [node.value]
+            else:
+                continue
+            bad += [f"{name}:{node.lineno} {f}" for f in found if re.split(r"[.:]", f)[0] in CLONE_ONLY]
+    return sorted(bad)
+
+
+def test_no_harness_module_reaches_outside_the_wheel():
+    assert clone_only_refs() == []
+
+
+def test_cases_sit_on_their_floor_under_either_name():
+    assert wing_of("harness.cases") == wing_of("cases") == (FLOORS.index(("cases",)), "cases")
+    assert wing_of("harness.cases.reshard_weights") == wing_of("cases.reshard_weights")
+    g = graph()
+    assert "cases" in g["harness.orchestration.runner"] or any(t.startswith("cases.") for t in g["harness.orchestration.runner"])
+    assert not any(t.startswith("harness.cases") for ts in g.values() for t in ts)
+
+
+def test_the_wheel_rules_can_fail(tmp_path):
+    for rel, text in {"harness/__init__.py": "", "harness/backends/__init__.py": "",
+                      "harness/backends/b.py": "from harness.cases.one import x\n",
+                      "harness/orchestration/__init__.py": "", "harness/orchestration/o.py": "from harness.cases import one\n",
+                      "harness/run/__init__.py": "",
+                      "harness/run/r.py": "import tests.probes\nfrom benchmarks import w\nHOOK = 'probes:mark_hook'\n",
+                      "harness/run/s.py": "from cases import one\nfrom . import r\nfrom doubles import D\n",
+                      "cases/__init__.py": "", "cases/one.py": "from .two import y\n", "cases/two.py": ""}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert clone_only_refs(tmp_path) == ["harness.run.r:1 tests.probes", "harness.run.r:2 benchmarks",
+                                         "harness.run.r:3 probes:mark_hook", "harness.run.s:1 cases",
+                                         "harness.run.s:3 doubles"]
+    g = graph(tmp_path)
+    assert g["harness.orchestration.o"] == {"cases", "cases.one"} and g["cases.one"] == {"cases.two"}
+    assert "harness.backends.b -> cases.one" in upward(g) and not any(a.startswith("harness.orchestration") for a in upward(g))
+    assert _peer_arrows(g, "cases", {"cases.contract"}) == ["cases.one -> cases.two"]
+
+
+def test_a_scheduler_knows_nothing_of_another_and_every_name_has_its_module():
+    """Issue 36 item 2: schedulers share only their package and its `_`-prefixed helpers; the
+    registry's every name is a module of the package, and every module there is registered."""
+    from harness.orchestration.schedulers import SCHEDULERS
+
+    package = "harness.orchestration.schedulers"
+    assert _peer_arrows(graph(), package, set()) == []
+    folder = ROOT / "harness" / "orchestration" / "schedulers"
+    assert all((folder / f"{module}.py").is_file() for module in SCHEDULERS.values()), SCHEDULERS
+    assert {p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")} == set(SCHEDULERS.values())
+
+
+# ---------------------------------------------------------------- one shim registry
+
+#: names of a table of shims or workarounds (the one convention: `SHIMS` in a public module of harness/compat/)
+TABLE = re.compile(r"[A-Z0-9_]*(SHIMS|WORKAROUNDS|FALLBACKS)")
+
+
+def tables(root: Path) -> tuple[list[str], int]:
+    """(top-level names holding a table of shims or workarounds outside the convention, files read).
+    The convention: `SHIMS`, a tuple of Shim records, in a public module of harness/compat/."""
+    bad, seen = [], 0
+    for path in sorted(p for d in ("harness", "cases", "benchmarks") for p in (root / d).rglob("*.py")):
+        seen += 1
+        rel = path.relative_to(root).as_posix()
+        conventional = rel.startswith("harness/compat/") and not path.name.startswith("_") and path.name != "registry.py"
+        for node in ast.parse(path.read_text()).body:
+            targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                       if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            for t in targets:
+                if isinstance(t, ast.Name) and TABLE.fullmatch(t.id) and not (conventional and t.id == "SHIMS"):
+                    bad.append(f"{rel}: {t.id}")
+    return bad, seen
+
+
+def test_no_module_outside_the_convention_defines_a_table_of_shims_or_workarounds(tmp_path):
+    bad, seen = tables(ROOT)
+    assert seen > 50 and bad == []
+    # planted: a backend's own workaround dict, a compat module's second table, a helper's SHIMS
+    for d in ("harness/backends", "harness/compat", "cases", "benchmarks"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "harness/backends/x.py").write_text("FOO_WORKAROUNDS: dict[str, str] = {}\n")
+    (tmp_path / "harness/compat/y.py").write_text("SHIMS = ()\nVERL_SHIMS = {}\nDEFAULT_WORKAROUNDS = ()\n")
+    (tmp_path / "harness/compat/_z.py").write_text("SHIMS = ()\n")
+    (tmp_path / "cases/c.py").write_text("def f():\n    WORKAROUNDS = {}\nSHIMS = ()\n")
+    bad, _ = tables(tmp_path)
+    assert bad == ["cases/c.py: SHIMS", "harness/backends/x.py: FOO_WORKAROUNDS", "harness/compat/_z.py: SHIMS",
+                   "harness/compat/y.py: VERL_SHIMS", "harness/compat/y.py: DEFAULT_WORKAROUNDS"]

@@ -153,7 +153,7 @@ def test_budget_checks_may_be_named_by_an_xfail_when_the_entry_sets_the_budget(t
 
 
 def test_typed_options_are_coerced_from_yaml(tmp_path):
-    from cases import get_case
+    from harness.cases import get_case
 
     path = _write(tmp_path, "entries: [{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], "
                             "options: {lr: 1e-3, workarounds: [prime_adam]}}]")
@@ -164,7 +164,7 @@ def test_typed_options_are_coerced_from_yaml(tmp_path):
 
 
 def test_every_case_declares_its_contract():
-    from cases import all_cases
+    from harness.cases import all_cases
     from harness.backends import CAPABILITIES
 
     for case in all_cases().values():

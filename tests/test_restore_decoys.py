@@ -36,7 +36,7 @@ def test_a_load_that_restores_no_tracker_state_fails_rng_state_and_the_real_one_
 
 
 def _verl(rng=None, before=None, sched=None, sched_before=None):
-    from cases._verl_rank import VerlOut
+    from harness.cases._verl_rank import VerlOut
 
     return VerlOut([], [], [], rng=rng or {"torch": "a", "tracker": "t0"}, rng_before=before, scheduler=sched, scheduler_before=sched_before)
 
@@ -44,7 +44,7 @@ def _verl(rng=None, before=None, sched=None, sched_before=None):
 def test_verl_rng_and_scheduler_prove_nothing_where_the_state_before_the_load_was_the_saved_one():
     """verl's rng and scheduler judges: a loaded rank recorded at the saved state before its load
     proves nothing (not-run, saying so); from a decoy the same comparison passes; no loaded rank fails."""
-    from cases import verl_checkpoint as vc
+    from harness.cases import verl_checkpoint as vc
 
     decoy = {"torch": "d", "tracker": "d0"}
     assert vc.rng_check([_verl()], [_verl(before=decoy)]).status == "passed"
@@ -63,7 +63,7 @@ def test_verl_rng_and_scheduler_prove_nothing_where_the_state_before_the_load_wa
 def test_a_convert_case_without_a_converter_runs_no_check_and_passes_none(tmp_path, monkeypatch):
     """convert with no Megatron-LM converter to run: every check is not-run, naming why; none
     passes (the runner then records the case not-run, never passed)."""
-    from cases.convert import CASE
+    from harness.cases.convert import CASE
     from harness.compat import megatron_lm as mlm
 
     monkeypatch.setenv(mlm.ENV, str(tmp_path))  # a Megatron-LM checkout without tools/checkpoint

@@ -17,7 +17,7 @@ _doubles = use_doubles(test_noop_load_sm="doubles:NoopLoad", test_tagged_sm="dou
 def test_a_registered_double_and_a_rank_hook_reach_the_rank(tmp_path, method):
     path = backends.resolve("test_noop_load_sm")  # the parent resolves; the path travels in the phase
     (out,) = launch(backend_and_hook, path, 1, tmp_path, backend="gloo", start_method=method,
-                    hooks=("harness.run.probes:mark_hook",), timeout_s=120)
+                    hooks=("probes:mark_hook",), timeout_s=120)
     defaults = {"save_strategy": "default", "load_strategy": "default", "async_save": "none", "cache_metadata": False,
                 "content_metadata": True, "strict": "raise_all", "layout": "plain"}
     assert out == {"backend": "NoopLoad", "options": defaults, "hook": "ran"}  # mcore_dist's strategy options, defaulted

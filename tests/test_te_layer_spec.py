@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases.reshard_weights import (
+from harness.cases.reshard_weights import (
     LOGITS_CP_TOLERANCE,
     WeightsOut,
     logits_check,
@@ -70,7 +70,7 @@ def test_logits_run_at_cp_gt_1_with_te_and_are_not_run_with_the_local_spec():
 def test_a_cp_change_shares_the_tp_rule_by_construction():
     """CP cannot be measured on CPU (no CP forward without TE): its bound is the TP bound, the same
     numbers, never a copy that could drift."""
-    from cases.reshard_weights import (
+    from harness.cases.reshard_weights import (
         LOGITS_CP_TOLERANCE_BF16,
         LOGITS_TP_TOLERANCE,
         LOGITS_TP_TOLERANCE_BF16,

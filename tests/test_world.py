@@ -186,7 +186,7 @@ def test_the_same_rank_body_runs_under_torchrun(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_rank_under_torchrun_is_reported(tmp_path):
-    from harness.run.probes import raise_on_rank
+    from probes import raise_on_rank
     from harness.run.world import launch_torchrun
 
     with pytest.raises(WorldError, match="boom on rank 1") as exc:
@@ -198,7 +198,7 @@ def test_a_failing_rank_under_torchrun_is_reported(tmp_path):
 def test_what_ranks_leave_in_their_temp_goes_with_the_world(tmp_path, launcher):
     """verl's checkpoint manager leaves a ckpt_<hash>.lock per save in tempfile.gettempdir(): a rank's
     temp is its world's own (one for all ranks, so such a lock still works), removed with the world."""
-    from harness.run.probes import leave_temp_file
+    from probes import leave_temp_file
     from harness.run.world import launch_torchrun
 
     run = launch if launcher == "mp" else launch_torchrun
@@ -229,9 +229,9 @@ def test_torchrun_ranks_get_the_case_timeout_and_hooks(tmp_path):
     from harness.run.probes import allreduce_ranks
     from harness.run.world import dump_spec
 
-    dump_spec(tmp_path / "spec.pkl", allreduce_ranks, 1.0, 42.0, ("harness.run.probes:mark_hook",))
+    dump_spec(tmp_path / "spec.pkl", allreduce_ranks, 1.0, 42.0, ("probes:mark_hook",))
     spec = pickle.loads((tmp_path / "spec.pkl").read_bytes())
-    assert spec["timeout_s"] == 42.0 and spec["hooks"] == ("harness.run.probes:mark_hook",) and spec["fn"] is allreduce_ranks
+    assert spec["timeout_s"] == 42.0 and spec["hooks"] == ("probes:mark_hook",) and spec["fn"] is allreduce_ranks
 
 
 def _gc_state(ctx, _):

@@ -114,7 +114,7 @@ def hf_models(draw: st.DrawFn, tp: int = 1, pp: int = 1, pad_vocab: bool = True)
     Bridge provider pads it inside Megatron (should_pad_vocab: to a multiple of the largest power
     of two <= 128 dividing the vocab, times tp), so the padded size changes with TP there and
     export-bitwise proves the padded rows do not leak into the exported HF files. `pad_vocab=False`
-    keeps the Bridge's default (no padding): Megatron-Bridge 0.6.2 does leak them (README, the
+    keeps the Bridge's default (no padding): Megatron-Bridge 0.6.2 does leak them (docs/explore.md, the
     `padvocab` xfails), and a search that should look past that known defect turns it off."""
     heads = tp * draw(st.sampled_from([1, 2, 3, 4, 6]))
     values: dict[str, Any] = dict(
@@ -181,11 +181,11 @@ def run_triple(model: AnyModel, src: Topology, dst: Topology, workdir: Path, opt
     result = CaseResult(f"explore[{model.name}-{src.id}->{dst.id}]", case, model.name, backend, src.id, dst.id)
     with case_envelope(result, options) as env:
         if isinstance(model, HFModelSpec):
-            from cases.hf_roundtrip import DdpKnobs, run_roundtrip
+            from harness.cases.hf_roundtrip import DdpKnobs, run_roundtrip
 
             run_roundtrip(model, src, dst, resolve(backend), DdpKnobs(), env, result)
         else:
-            from cases.reshard_weights import run_weights
+            from harness.cases.reshard_weights import run_weights
 
             run_weights(model, src, dst, resolve(backend), "fp32", env, result)
         if not result.checks:  # a run that judged nothing must not count as a pass

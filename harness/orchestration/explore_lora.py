@@ -94,8 +94,8 @@ def layouts(draw: st.DrawFn, model: HFModelSpec, src: Topology, dst: Topology) -
     """A layout for `model`: kind, rank a multiple of every TP/ETP size of S and D times 1..6 (so
     often not dividing hidden or ffn), alpha the default or 1..32, all targets or a subset (output layer included),
     every layer or a filter of 1..3 layers."""
-    from cases._lora_layout import EXTRA_TARGETS
-    from cases._peft import ADAPTERS, PeftOptions
+    from harness.cases._lora_layout import EXTRA_TARGETS
+    from harness.cases._peft import ADAPTERS, PeftOptions
 
     adapter = draw(st.sampled_from(["lora", "canonical_lora"]))
     kind = [t for t in ADAPTERS[adapter] if model.gated or t != "linear_fc1_gate"] + list(EXTRA_TARGETS)
@@ -240,7 +240,7 @@ def in_zoo(model: HFModelSpec) -> Iterator[None]:
 
 def layout_options(layout: Any) -> dict[str, Any]:
     """The layout as matrix `options` (the adapter always, other fields when not their default)."""
-    from cases._peft import PeftOptions
+    from harness.cases._peft import PeftOptions
 
     base = PeftOptions()
     out = {"adapter": layout.adapter}

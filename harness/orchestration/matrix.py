@@ -204,7 +204,7 @@ def load_matrix(path: str | Path, max_world: int | None = None) -> Matrix:
 def _cut_cases(specs: list[CaseSpec], max_world: int) -> list[CaseSpec]:
     """Each spec with its topologies cut to `max_world` ranks, re-validated (a cut the case refuses is
     a MatrixError naming the entry and both pairs), deduplicated by id keeping the first."""
-    from cases import get_case
+    from harness.cases import get_case
     from harness.core.cut import cut
     from harness.core.zoo import get_model
 
@@ -243,7 +243,7 @@ def _cut_cases(specs: list[CaseSpec], max_world: int) -> list[CaseSpec]:
 def _entry_specs(
     entry: Any, where: str, default_backends: list[str], default_markers: list[str], default_timeout: float, max_world: int | None
 ) -> list[CaseSpec]:
-    from cases import get_case
+    from harness.cases import get_case
     from harness.backends import available as available_backends
     from harness.core.zoo import get_model
 

@@ -38,8 +38,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cases import _damaged_load as cl
-from cases._async_rank import (
+from . import _damaged_load as cl
+from ._async_rank import (
     LoadPhase,
     Options,
     SavePhase,
@@ -49,8 +49,8 @@ from cases._async_rank import (
     tracker_text,
     views_path,
 )
-from cases._trajectory import losses_of, resume_tolerances, schedule_checks, segment_losses
-from cases.contract import Case
+from ._trajectory import losses_of, resume_tolerances, schedule_checks, segment_losses
+from .contract import Case
 from harness.backends import get_backend, ref_of
 from harness.core.parity import NOT_COMPARED, Shard
 from harness.core.result import CaseResult, Check
@@ -68,7 +68,7 @@ from harness.judge.checks import (
     tracker_names_check,
 )
 from harness.models.training import cp_rule, untrainable, workaround_notes
-from harness.run.envelope import RunEnv, timed
+from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, WorldTimeout
 
 KILL_HOOK = "harness.faults.hooks:kill_async_write_in_flight"
@@ -213,7 +213,7 @@ class AsyncSave(Case):
 
         k, backend = opts.steps, get_backend(p.backend)
         root, sync_root = Path(p.root), Path(p.sync_root)
-        saved = env.launch(result, "save", save_rank, p, spec.source)
+        saved = env.launch("save", save_rank, p, spec.source)
         layout = getattr(backend.options, "layout", "")
         pending = root / f"iter_{k:07d}" if layout == "megatron-lm" else root
         fin = finalize_gate(backend, saved, [str(pending)]) if saved[0].pending_after_save else None
@@ -229,10 +229,10 @@ class AsyncSave(Case):
         if fin is not None and fin.failed:
             result.checks += not_run_checks(COMPARED, "the async checkpoint was never completed (async-finalize failed)")
             return
-        with timed(result, "compare-files"):
+        with env.timed("compare-files"):
             (a, la), (s, ls) = read_tree(root), read_tree(sync_root)
             result.checks.append(async_equals_sync_check(s, a, (ls, la), RECORDS_HOW_SAVED))
-        from_sync, from_async = (env.launch(result, f"load-{side}", load_rank, LoadPhase(p.model, spec.target, opts, p.backend, str(d),
+        from_sync, from_async = (env.launch(f"load-{side}", load_rank, LoadPhase(p.model, spec.target, opts, p.backend, str(d),
                                                                                         first_step=k, steps_after=k), spec.target)
                                  for side, d in (("sync", sync_root), ("async", root)))
         dst, labels = spec.target.id, ("from-sync", "from-async")
@@ -256,14 +256,14 @@ class AsyncSave(Case):
 
         k, src, dst = opts.steps, spec.source, spec.target
         root, views = Path(p.root), Path(p.views_dir)
-        env.launch(result, "save", save_rank, p, src)
+        env.launch("save", save_rank, p, src)
         saved, world_error, timed_out, error_rank = None, None, False, None
         try:
-            saved = replace(env, hooks=env.hooks + (KILL_HOOK,)).launch(result, "save-killed", save_rank, replace(p, killed=True), src)
+            saved = replace(env, hooks=env.hooks + (KILL_HOOK,)).launch("save-killed", save_rank, replace(p, killed=True), src)
         except WorldError as exc:
             world_error, timed_out, error_rank = str(exc), isinstance(exc, WorldTimeout), exc.rank
             (env.case_dir / "save-error.txt").write_text(world_error)
-        with timed(result, "inspect"):
+        with env.timed("inspect"):
             record = json.loads(kill_record(views).read_text()) if kill_record(views).exists() else None
             errors = [o.save_error for o in saved] if saved else None
             interrupted = step_dir(root, k + 1)
@@ -278,7 +278,7 @@ class AsyncSave(Case):
                                                 f"recorded step {step}'s state: nothing to compare a load with")
                 return
         try:
-            resumed = env.launch(result, "resume", load_rank, LoadPhase(p.model, dst, opts, p.backend, str(root), first_step=k), dst)
+            resumed = env.launch("resume", load_rank, LoadPhase(p.model, dst, opts, p.backend, str(root), first_step=k), dst)
         except WorldError as exc:
             outcome = cl.outcome_of(exc)
             if outcome is None:
@@ -287,7 +287,7 @@ class AsyncSave(Case):
                                        f"{cl.quote(outcome.text)}", tolerance=NOT_COMPARED))
             resumed = None
         if resumed is not None:
-            with timed(result, "compare"):
+            with env.timed("compare"):
                 want, w_problems = state_of(*read_views(views, k, src.world_size)[:2], f"step {k}@{src.id}")
                 got, g_problems = loaded_state(resumed, f"resumed@{dst.id}")
                 result.checks.append(state_check("resumed", want, got, f"step {k}@{src.id}", f"resumed@{dst.id}",
@@ -295,7 +295,7 @@ class AsyncSave(Case):
                                                  "bitwise", problems=w_problems + g_problems))
         dmg = Damage(opts.fault, (), ("metadata.json", ".metadata", interrupted.name), f"step {k + 1}'s async write killed in flight")
         try:
-            loaded = env.launch(result, "load-interrupted", load_rank, LoadPhase(p.model, dst, opts, p.backend, str(interrupted),
+            loaded = env.launch("load-interrupted", load_rank, LoadPhase(p.model, dst, opts, p.backend, str(interrupted),
                                                                                  first_step=k + 1), dst)
         except WorldError as exc:
             outcome = cl.outcome_of(exc)
@@ -303,7 +303,7 @@ class AsyncSave(Case):
                 raise
             result.checks += _renamed(cl.judge(dmg, outcome))
             return
-        with timed(result, "compare"):
+        with env.timed("compare"):
             want, w_problems = state_of(*read_views(views, k + 1, src.world_size)[:2], f"step {k + 1}@{src.id}")
             got, g_problems = loaded_state(loaded, f"loaded@{dst.id}")
             result.checks += _renamed(cl.judge(dmg, cl.Outcome("silent"), want, got, w_problems + g_problems, f"loaded@{dst.id}"))

@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from cases._bridge_job import BridgeJobOptions as Options
-from cases._bridge_job import bridge_job
-from cases.contract import Case
+from ._bridge_job import BridgeJobOptions as Options
+from ._bridge_job import bridge_job
+from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of, resolve
 from harness.core.context import RankContext
 from harness.core.parity import EXACT
@@ -36,7 +36,7 @@ from harness.core.zoo import HFModelSpec, get_model
 from harness.judge.checks import state_check
 from harness.judge.hf_integrity import Expected, export_integrity, source_infos
 from harness.models import bridge as mb
-from harness.run.envelope import RunEnv, timed
+from harness.run.envelope import RunEnv
 
 TAGS = ("save", "load", "import")
 
@@ -54,7 +54,7 @@ class _Phase:
 
 
 def _rank(ctx: RankContext, p: _Phase) -> None:
-    from harness.compat.mcore import DEFAULT_WORKAROUNDS
+    from harness.compat.registry import defaults
     from harness.models import training
 
     export, out = get_backend(resolve("bridge_hf")), Path(p.out)
@@ -70,7 +70,7 @@ def _rank(ctx: RankContext, p: _Phase) -> None:
         job.step = o.steps
         backend.save_training(ctx, job, Path(p.ckpt))
     else:
-        training.load_training(ctx, backend, job, Path(p.ckpt), DEFAULT_WORKAROUNDS)
+        training.load_training(ctx, backend, job, Path(p.ckpt), defaults("training"))
     export.save(ctx, bm, out / f"hf@{p.role}")
 
 
@@ -106,13 +106,13 @@ class BridgeHfInterop(Case):
 
         model = get_model(spec.model, "hf")
         hf_dir, ckpt, out = env.case_dir / "hf-source", env.case_dir / "ckpt", env.case_dir / "exports"
-        with timed(result, "fixture"):
+        with env.timed("fixture"):
             write_fixture(model, hf_dir)
         phase = dict(model=model, hf_dir=str(hf_dir), opts=opts, backend=ref_of(spec), ckpt=str(ckpt), out=str(out))
-        env.launch(result, "save", _rank, _Phase(topo=spec.source, role="save", **phase), spec.source)
-        env.launch(result, "load", _rank, _Phase(topo=spec.target, role="load", **phase), spec.target)
-        env.launch(result, "import", _rank, _Phase(topo=spec.target, role="import", **phase), spec.target)
-        with timed(result, "compare"):
+        env.launch("save", _rank, _Phase(topo=spec.source, role="save", **phase), spec.source)
+        env.launch("load", _rank, _Phase(topo=spec.target, role="load", **phase), spec.target)
+        env.launch("import", _rank, _Phase(topo=spec.target, role="import", **phase), spec.target)
+        with env.timed("compare"):
             hf = get_backend(resolve("bridge_hf"))
             exports = {t: hf.read_full(None, out / f"hf@{t}") for t in TAGS}
             infos = source_infos(hf_dir)

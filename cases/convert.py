@@ -39,12 +39,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from cases._convert_rank import Conversion, HFExport, TargetLoad, WeightsSave, convert, hf_export, target_load, weights_save
-from cases._train_phase import phase_of, train_phase
-from cases.contract import Case
+from ._convert_rank import Conversion, HFExport, TargetLoad, WeightsSave, convert, hf_export, target_load, weights_save
+from ._train_phase import phase_of, train_phase
+from .contract import Case
 from harness.backends import BackendRef, get_backend, parse_ref, ref_of, resolve
 from harness.backends._megatron_lm import iteration_dir
 from harness.compat import megatron_lm as mlm
+from harness.compat import registry
 from harness.core.parity import NOT_COMPARED, assemble
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
@@ -63,7 +64,7 @@ from harness.judge.convert import (
     source_steps,
 )
 from harness.models.training import TrainOptions, untrainable
-from harness.run.envelope import RunEnv, timed
+from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
 
 FSDP_CHECKS = CHECKS[1:]
@@ -77,7 +78,7 @@ class Options(TrainOptions):
     sharding: str = "fully_reshardable"  # what the converter reads per parameter (dp_reshardable: a finding)
     #: False: a weights-only torch_dist source (the canonical weights, no optimizer state)
     optimizer: bool = True
-    converter_workarounds: tuple[str, ...] = mlm.DEFAULT_CONVERTER_WORKAROUNDS
+    converter_workarounds: tuple[str, ...] = registry.defaults("converter")
     #: a backend (with options, harness.backends.parse_ref) that loads the converted checkpoint at
     #: the target: Megatron-FSDP's fsdp_dtensor backend once it is registered; "" = not-run
     target_backend: str = ""
@@ -123,9 +124,7 @@ class Convert(Case):
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
         if spec.backend != "mcore_dist":
             raise ValueError(f"case convert converts the torch_dist checkpoints backend mcore_dist writes; got backend {spec.backend!r}")
-        bad = sorted(set(opts.converter_workarounds) - set(mlm.CONVERTER_WORKAROUNDS))
-        if bad:
-            raise ValueError(f"unknown converter_workarounds {bad}; known: {sorted(mlm.CONVERTER_WORKAROUNDS)}")
+        registry.check("converter", opts.converter_workarounds, "converter_workarounds")
         if opts.optimizer:
             untrainable(spec)
         elif "sharding" in spec.opts or "mem_efficient" in spec.opts:
@@ -158,10 +157,10 @@ class Convert(Case):
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         model, backend = get_model(spec.model, "gpt"), ref_of(spec)
         if opts.optimizer:  # the training save reshard-optimizer runs too: once per run (harness.run.reuse)
-            root, _ = env.launch_source(result, "save", train_phase, lambda d: phase_of(
+            root, _ = env.launch_source("save", train_phase, lambda d: phase_of(
                 model, opts, backend, topo=spec.source, save_to=str(d / "ckpt"), steps_before_save=opts.steps), spec.source)
         else:
-            root, _ = env.launch_source(result, "save", weights_save, lambda d: WeightsSave(model, spec.source, backend, str(d / "ckpt")),
+            root, _ = env.launch_source("save", weights_save, lambda d: WeightsSave(model, spec.source, backend, str(d / "ckpt")),
                                         spec.source)
         source_dir = iteration_dir(root / "ckpt")
         tool = mlm.find_inspector()
@@ -172,7 +171,7 @@ class Convert(Case):
         out = env.case_dir / "converted"
         converted = self._convert(spec, opts, env, result, model, tool, source_dir, out)
         if converted:
-            with timed(result, "compare"):
+            with env.timed("compare"):
                 result.checks += self._judge(model, source_dir, out)
         else:
             result.checks += not_run_checks(FSDP_CHECKS, "the conversion to fsdp_dtensor did not complete (to-fsdp-dtensor)")
@@ -186,7 +185,7 @@ class Convert(Case):
         argv = (mlm.TO_FSDP_DTENSOR, str(source_dir), str(out)) + (("--swiglu",) if model.swiglu else ())
         command = f"{Path(tool.path).name} {' '.join(argv)}".replace(str(source_dir), "SOURCE").replace(str(out), "OUT")
         try:
-            env.launch(result, "convert", convert, Conversion(tool.path, tool.origin, argv, tuple(opts.converter_workarounds)), spec.target)
+            env.launch("convert", convert, Conversion(tool.path, tool.origin, argv, tuple(opts.converter_workarounds)), spec.target)
         except WorldError as exc:
             tb = exc.rank_traceback or str(exc)
             exc_type, message = exception_of(tb)
@@ -216,10 +215,10 @@ class Convert(Case):
                          tolerance=NOT_COMPARED)
         if not converted:
             return Check("target-load", "not-run", "nothing to load: the conversion did not complete", tolerance=NOT_COMPARED)
-        outs = env.launch(result, "target-load", target_load, TargetLoad(model, spec.target, parse_ref(opts.target_backend), str(out)),
+        outs = env.launch("target-load", target_load, TargetLoad(model, spec.target, parse_ref(opts.target_backend), str(out)),
                           spec.target)
         loaded, problems = assemble([s for shards in outs for s in shards], spec.target.id)
-        with timed(result, "compare"):
+        with env.timed("compare"):
             weights = {k: v for k, v in read_checkpoint(source_dir).tensors.items() if not k.startswith("optimizer.")}
         return state_check("target-load", weights, loaded, "torch_dist source", f"{opts.target_backend} at {spec.target.id}",
                            f"{len(loaded)} weights loaded from the fsdp_dtensor checkpoint equal the source, bitwise", problems=problems)
@@ -233,18 +232,18 @@ class Convert(Case):
 
         warm(bridge=True)  # the Bridge imported once in the parent (as for an HF case), not in every export world
         hf_model = get_model(opts.export_hf)
-        hf_dir = env.source_files(result, "fixture", "write_fixture", (hf_model, "fp32", 1, ()), lambda d: write_fixture(hf_model, d))
+        hf_dir = env.source_files("fixture", "write_fixture", (hf_model, "fp32", 1, ()), lambda d: write_fixture(hf_model, d))
         exported, reference = env.case_dir / "hf-export", env.case_dir / "hf-reference"
         phase = HFExport(hf_model, str(hf_dir), str(out), str(exported), str(source_dir), str(reference), ref_of(spec))
         try:
-            env.launch(result, "export", hf_export, phase, Topology())
+            env.launch("export", hf_export, phase, Topology())
             error = None
         except WorldError as exc:
             error = exc
         if not (reference / "config.json").is_file():  # the reference export is the world's first step
             raise error or RuntimeError(f"the reference export left no {reference}/config.json")
         read = get_backend(resolve("bridge_hf")).read_full
-        with timed(result, "compare"):
+        with env.timed("compare"):
             return export_check(error, read(None, exported) if error is None else {}, read(None, reference), str(out))
 
 

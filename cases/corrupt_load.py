@@ -40,7 +40,7 @@ from typing import Literal, get_args
 
 import torch
 
-from cases._damaged_load import (
+from ._damaged_load import (
     DistPhase,
     Outcome,
     judge,
@@ -48,7 +48,7 @@ from cases._damaged_load import (
     rank_dist,
     refused,
 )
-from cases.contract import Case
+from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of
 from harness.core import truth
 from harness.core.context import RankContext
@@ -61,7 +61,7 @@ from harness.judge.checks import assembled
 from harness.models import bridge as mb
 from harness.models import peft_mapping
 from harness.models.hf import quiet_hf, write_fixture
-from harness.run.envelope import RunEnv, timed
+from harness.run.envelope import RunEnv
 from harness.run.world import WorldError
 
 DamageKind = Literal[
@@ -191,17 +191,17 @@ class CorruptLoad(Case):
         backend = ref_of(spec)
         ckpt = env.case_dir / "ckpt"
         saved = damage.other_model(model, kind) if kind in damage.OTHER_MODEL else model
-        env.launch(result, "save", rank_dist, DistPhase(saved, src, backend, save_to=str(ckpt)), src)
-        with timed(result, "damage"):
+        env.launch("save", rank_dist, DistPhase(saved, src, backend, save_to=str(ckpt)), src)
+        with env.timed("damage"):
             dmg = damage.foreign(ckpt, kind, saved, model) if kind in damage.OTHER_MODEL else damage.FUNCTIONS[kind](ckpt)
         try:
-            outs = env.launch(result, "load", rank_dist, DistPhase(model, dst, backend, load_from=str(ckpt)), dst)
+            outs = env.launch("load", rank_dist, DistPhase(model, dst, backend, load_from=str(ckpt)), dst)
         except WorldError as exc:
             outcome = outcome_of(exc)
             if outcome is None:
                 raise
             return judge(dmg, outcome, allowed=allowed)
-        with timed(result, "compare"):
+        with env.timed("compare"):
             full, problems = assembled(outs, "shards", dst.id)
             canonical = {k: truth.canonical_tensor(model, k, tuple(v.shape), v.dtype) for k, v in full.items()}
             return judge(dmg, Outcome("silent"), canonical, full, problems, dst.id)
@@ -213,11 +213,11 @@ class CorruptLoad(Case):
         model = get_model(spec.model, "hf")
         hf_dir, out = env.case_dir / "hf-source", env.case_dir / "artefact"
         adapter = mb.AdapterSpec() if kind in ADAPTER_KINDS else None
-        with timed(result, "fixture"):
+        with env.timed("fixture"):
             write_fixture(model, hf_dir)
-        outs = env.launch(result, "save", _rank_hf, _HFPhase(model, str(hf_dir), spec.source, ref_of(spec), str(out), adapter),
+        outs = env.launch("save", _rank_hf, _HFPhase(model, str(hf_dir), spec.source, ref_of(spec), str(out), adapter),
                           spec.source)
-        with timed(result, "damage"):
+        with env.timed("damage"):
             dmg = damage.FUNCTIONS[kind](out)
         quiet_hf()
 
@@ -228,11 +228,11 @@ class CorruptLoad(Case):
             base = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
             return PeftModel.from_pretrained(base, str(out))
 
-        with timed(result, "load"):
+        with env.timed("load"):
             outcome, loaded_model = _hf_outcome(load_adapter if adapter else load_model)
         if outcome.kind == "refused":
             return judge(dmg, outcome, allowed=allowed)
-        with timed(result, "compare"):
+        with env.timed("compare"):
             if adapter:
                 expected = peft_mapping.to_hf_peft(peft_mapping.gather([p for rank in outs for p in rank], model.gated), model)
                 loaded = {k: v.detach().clone() for k, v in get_peft_model_state_dict(loaded_model).items()}

@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from cases._train_phase import TrainOut, phase_of, train_phase
-from cases.contract import Case
-from cases._trajectory import grad_norm_tolerance, losses_of, resume_tolerances, schedule_checks, segment_losses
+from ._train_phase import TrainOut, phase_of, train_phase
+from .contract import Case
+from ._trajectory import grad_norm_tolerance, losses_of, resume_tolerances, schedule_checks, segment_losses
 from harness.backends import get_backend, parse_ref, ref_of
 from harness.core.parity import EXACT
 from harness.core.result import CaseResult, Check
@@ -38,7 +38,7 @@ from harness.core.spec import CaseSpec
 from harness.core.zoo import get_model
 from harness.judge.checks import assembled, refusal_check, state_check
 from harness.models.training import TrainOptions, cp_rule, untrainable, workaround_notes
-from harness.run.envelope import RunEnv, timed
+from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
 
 @dataclass(frozen=True)
@@ -121,14 +121,14 @@ class Finetune(Case):
         reference: list[TrainOut] = []
         if opts.pretrained in ("saved", "foreign"):
             saved = opts.pretrained == "saved"
-            reference = env.launch(result, "pretrain", train_phase, phase_of(
+            reference = env.launch("pretrain", train_phase, phase_of(
                 model if saved else get_model(opts.foreign_model, "gpt"), opts, saver, topo=spec.source, save_to=str(pre),
                 steps_before_save=k, steps_after=k if saved else 0, restart_after_save=saved,
                 views=("weights", "fresh", "final")), spec.source)
         elif opts.pretrained == "empty":
             pre.mkdir(parents=True)
         try:
-            tuned = env.launch(result, "finetune", train_phase, phase_of(
+            tuned = env.launch("finetune", train_phase, phase_of(
                 model, opts, loader, topo=spec.target, pretrained_from=str(pre), run_dir=str(own), steps_after=k,
                 views=("weights", "fresh", "final")), spec.target)
             error = None
@@ -143,7 +143,7 @@ class Finetune(Case):
             return
         if error is not None:
             raise error
-        with timed(result, "compare"):
+        with env.timed("compare"):
             result.checks.extend(judge(k, spec.source.id, spec.target.id, reference, tuned, opts.dtype))
 
 

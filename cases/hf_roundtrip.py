@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from cases.contract import Case
+from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of, resolve
 from harness.core import truth
 from harness.core.context import RankContext
@@ -51,7 +51,7 @@ from harness.judge.hf_integrity import Expected, export_integrity, source_infos
 from harness.models import bridge as mb
 from harness.models.hf import config_dtype, hf_logits, write_fixture
 from harness.models.mcore import DType
-from harness.run.envelope import RunEnv, timed
+from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
 
 # Megatron's and transformers' fp32 kernels differ (fused QKV, vocab-parallel logits, RoPE in a
@@ -207,7 +207,7 @@ def save_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path,
     weights, AutoBridge), save its megatron-core dist checkpoint into `dist_save` (through
     `dist_backend`, mcore_dist when None) and export it through `export_backend` into `export_to`,
     each when given. Each rank's BridgeOut (DDP knob propagation, Megatron logits)."""
-    return env.launch(result, phase, _rank, save_phase(model, hf_dir, topo, export_backend, dist_save=dist_save, export_to=export_to,
+    return env.launch(phase, _rank, save_phase(model, hf_dir, topo, export_backend, dist_save=dist_save, export_to=export_to,
                                                        ddp=ddp, dtype=dtype, dist_backend=dist_backend), topo)
 
 
@@ -225,7 +225,7 @@ def load_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path,
     """World "load" at `topo`: build the Bridge model from `hf_dir`'s config without its weights,
     load the dist checkpoint `dist_load` (through `dist_backend`, mcore_dist when None), export it
     through `export_backend` into `export_to` when given. A load that raises fails the world."""
-    return env.launch(result, "load", _rank, _Phase(
+    return env.launch("load", _rank, _Phase(
         model, str(hf_dir), topo, False, ddp, export_backend=export_backend, dist_backend=dist_backend or resolve("mcore_dist"),
         dist_load=str(dist_load), export_to=str(export_to) if export_to else None, dtype=dtype), topo)
 
@@ -240,7 +240,7 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
     extra = (full.unmapped_source_key,) if full.unmapped_source_key else ()
     export = env.case_dir / "hf-export"
     # the fixture and the save at S are the same for every target: once per run (harness.run.reuse)
-    hf_dir = env.source_files(result, "fixture", "write_fixture", (model, dtype, full.shards, extra),
+    hf_dir = env.source_files("fixture", "write_fixture", (model, dtype, full.shards, extra),
                               lambda d: write_fixture(model, d, dtype, shards=full.shards, extra_keys=extra))
     worlds = []
     try:
@@ -248,7 +248,7 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
             outs = save_step(env, result, model, hf_dir, src, export_backend, export_to=export, ddp=opts, dtype=dtype, phase="export")
             worlds = [(src.id, outs)]
         else:
-            root, first = env.launch_source(result, "save", _rank, lambda d: save_phase(
+            root, first = env.launch_source("save", _rank, lambda d: save_phase(
                 model, hf_dir, src, export_backend, dist_save=d / "dist-ckpt", ddp=opts, dtype=dtype), src)
             ckpt = root / "dist-ckpt"
             worlds = [(src.id, first)]
@@ -267,7 +267,7 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
         return
     if expect == "refuse":
         result.checks.append(refusal_check(None, "", full.refuse_with, f"{dst.id} of a source holding {extra[0]}", action="export"))
-    with timed(result, "compare"):
+    with env.timed("compare"):
         # first: headers only, and judged even where transformers then cannot load the export
         result.checks.append(export_integrity([Expected(f"export@{dst.id}", export, source_infos(hf_dir))]))
         backend = get_backend(export_backend)

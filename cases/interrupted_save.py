@@ -40,8 +40,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Sequence
 
-from cases import _damaged_load as cl
-from cases.contract import Case
+from . import _damaged_load as cl
+from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of
 from harness.core import truth
 from harness.core.context import RankContext
@@ -53,7 +53,7 @@ from harness.core.zoo import ModelSpec, get_model
 from harness.faults.damage import Damage
 from harness.judge.checks import assembled
 from harness.models import mcore as models
-from harness.run.envelope import RunEnv, timed
+from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, WorldTimeout
 
 Interruption = Literal["kill-after-shard", "async-not-finalized", "write-error"]
@@ -315,11 +315,11 @@ class InterruptedSave(Case):
         save_env = replace(env, hooks=env.hooks + (KILL_HOOK,)) if kind == "kill-after-shard" else env
         error, timed_out, error_rank = None, False, None
         try:
-            save_env.launch(result, "save", _rank_save, _SavePhase(model, src, backend, str(root), kind), src)
+            save_env.launch("save", _rank_save, _SavePhase(model, src, backend, str(root), kind), src)
         except WorldError as exc:
             error, timed_out, error_rank = str(exc), isinstance(exc, WorldTimeout), exc.rank
             (env.case_dir / "save-error.txt").write_text(error)  # the whole report, for --keep
-        with timed(result, "inspect"):
+        with env.timed("inspect"):
             from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
 
             files = sorted(p.name for p in target.iterdir()) if target.is_dir() else []
@@ -335,14 +335,14 @@ class InterruptedSave(Case):
             ]
         dmg = incomplete_damage(kind, target, files)
         try:
-            outs = env.launch(result, "load", cl.rank_dist, cl.DistPhase(model, dst, backend, load_from=str(target)), dst)
+            outs = env.launch("load", cl.rank_dist, cl.DistPhase(model, dst, backend, load_from=str(target)), dst)
         except WorldError as exc:
             outcome = cl.outcome_of(exc)
             if outcome is None:
                 raise
             result.checks += cl.judge(dmg, outcome, allowed=get_backend(backend).refusals)
             return
-        with timed(result, "compare"):
+        with env.timed("compare"):
             full, problems = assembled(outs, "shards", dst.id)
             canonical = {k: truth.canonical_tensor(model, k, tuple(v.shape), v.dtype) for k, v in full.items()}
             result.checks += cl.judge(dmg, cl.Outcome("silent"), canonical, full, problems, dst.id)

@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from cases._lora_layout import megatron_units, targets_checks
-from cases._peft import (
+from ._lora_layout import megatron_units, targets_checks
+from ._peft import (
     PeftOptions,
     PeftViews,
     config_check,
@@ -59,7 +59,7 @@ from cases._peft import (
     peft_load_problems,
     peft_views,
 )
-from cases.contract import Case
+from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of, resolve
 from harness.core import truth
 from harness.core.context import RankContext
@@ -74,7 +74,7 @@ from harness.models import bridge as mb
 from harness.models import peft_mapping
 from harness.models.hf import HF_DTYPES, hf_logits, write_fixture
 from harness.models.mcore import DType
-from harness.run.envelope import RunEnv, timed
+from harness.run.envelope import RunEnv
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ def save_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path,
     (mcore_dist) into `adapter_save`, export the HF PEFT adapter through `export_backend` into
     `export_to` and the merged HF model (bridge_hf) into `merged_to`, each when given. Each rank's
     PeftOut (adapter pieces, Megatron logits)."""
-    return env.launch(result, "save", _rank, save_phase(model, hf_dir, topo, adapter, export_backend, adapter_save=adapter_save,
+    return env.launch("save", _rank, save_phase(model, hf_dir, topo, adapter, export_backend, adapter_save=adapter_save,
                                                         export_to=export_to, merged_to=merged_to, dtype=dtype), topo)
 
 
@@ -220,7 +220,7 @@ def load_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path,
     """World "load" at `topo`: build the Bridge model with `adapter` holding decoy adapter weights,
     load the adapter-only dist checkpoint `adapter_load`, export the HF PEFT adapter into
     `export_to` when given. A load that raises fails the world."""
-    return env.launch(result, "load", _rank, _Phase(
+    return env.launch("load", _rank, _Phase(
         model, str(hf_dir), topo, adapter, False, adapter_load=str(adapter_load), export_to=_opt(export_to),
         **_paths(export_backend, dtype)), topo)
 
@@ -244,15 +244,15 @@ class PeftExport(Case):
         d = env.case_dir
         dtype = opts.dtype
         # the base fixture and the world at S are the same for every target: once per run (harness.run.reuse)
-        hf_dir = env.source_files(result, "fixture", "write_fixture", (model, dtype, 1, ()), lambda p: write_fixture(model, p, dtype))
+        hf_dir = env.source_files("fixture", "write_fixture", (model, dtype, 1, ()), lambda p: write_fixture(model, p, dtype))
         resharded = src != dst
-        root, first = env.launch_source(result, "save", _rank, lambda p: save_phase(
+        root, first = env.launch_source("save", _rank, lambda p: save_phase(
             model, hf_dir, src, adapter, ref_of(spec), adapter_save=p / "adapter-dist-ckpt" if resharded else None,
             export_to=p / "adapter@source", merged_to=p / "merged@source", dtype=dtype), src)
         direct, merged, ckpt = root / "adapter@source", root / "merged@source", root / "adapter-dist-ckpt"
         if resharded:
             again = load_step(env, result, model, hf_dir, dst, adapter, ref_of(spec), ckpt, export_to=d / "adapter@target", dtype=dtype)
-        with timed(result, "compare"):
+        with env.timed("compare"):
             adapters = {"adapter@source": direct} | ({"adapter@target": d / "adapter@target"} if resharded else {})
             result.checks.append(integrity(derivation(model, first), hf_dir, adapters, merged))
             export = get_backend(ref_of(spec))

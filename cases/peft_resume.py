@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cases._bridge_job import BridgeJobOptions, base_shards, bridge_job
-from cases._lora_layout import megatron_units, targets_checks
-from cases._peft import PeftOptions, peft_load_problems, peft_wrapped
-from cases._train_phase import TrainOut
-from cases._trajectory import grad_norm_tolerance, losses_of, resume_tolerances, schedule_checks, segment_losses
-from cases.contract import Case
+from ._bridge_job import BridgeJobOptions, base_shards, bridge_job
+from ._lora_layout import megatron_units, targets_checks
+from ._peft import PeftOptions, peft_load_problems, peft_wrapped
+from ._train_phase import TrainOut
+from ._trajectory import grad_norm_tolerance, losses_of, resume_tolerances, schedule_checks, segment_losses
+from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of, resolve
 from harness.core.context import RankContext
 from harness.core.parity import EXACT, Shard
@@ -48,7 +48,7 @@ from harness.judge.checks import assembled, state_check
 from harness.judge.hf_integrity import ADAPTER_WEIGHTS, Expected, export_integrity, source_infos
 from harness.models import bridge as mb
 from harness.models import peft_mapping
-from harness.run.envelope import RunEnv, timed
+from harness.run.envelope import RunEnv
 
 CHECKS = ("adapter-only", "adapters-restored", "base-restored", "frozen-base", "losses", "lr", "grad-norm", "final-adapters", "peft-load",
           "export-integrity", "lora-targets-matched", "lora-targets-asked")
@@ -82,14 +82,14 @@ class _Out(TrainOut):
 
 
 def _rank(ctx: RankContext, p: _Phase) -> _Out:
-    from harness.compat.mcore import DEFAULT_WORKAROUNDS
+    from harness.compat.registry import defaults
     from harness.models import training
 
     bm, job = bridge_job(p.model, p.hf_dir, p.topo, p.adapter, p.opts, decoy=p.load, backend=p.backend)
     backend, export = get_backend(p.backend), get_backend(resolve("bridge_peft"))
     out, k, out_dir = _Out([], [], []), p.opts.steps, Path(p.out)
     if p.load:
-        training.load_training(ctx, backend, job, Path(p.ckpt), DEFAULT_WORKAROUNDS)
+        training.load_training(ctx, backend, job, Path(p.ckpt), defaults("training"))
         export.save(ctx, bm, out_dir / "adapter@load")
     else:
         out.losses_before_save = training.train_steps(job.chunks, job.optimizer, p.model, 0, k, job.scheduler)
@@ -171,12 +171,12 @@ class PeftResume(Case):
 
         model, ref = get_model(spec.model, "hf"), ref_of(spec)
         hf_dir, ckpt, out = env.case_dir / "hf-source", env.case_dir / "ckpt", env.case_dir / "exports"
-        with timed(result, "fixture"):
+        with env.timed("fixture"):
             write_fixture(model, hf_dir)
         phase = dict(model=model, hf_dir=str(hf_dir), adapter=opts.spec(model), opts=opts, backend=ref, ckpt=str(ckpt), out=str(out))
-        saved = env.launch(result, "save", _rank, _Phase(topo=spec.source, load=False, **phase), spec.source)
-        loaded = env.launch(result, "load", _rank, _Phase(topo=spec.target, load=True, **phase), spec.target)
-        with timed(result, "compare"):
+        saved = env.launch("save", _rank, _Phase(topo=spec.source, load=False, **phase), spec.source)
+        loaded = env.launch("load", _rank, _Phase(topo=spec.target, load=True, **phase), spec.target)
+        with env.timed("compare"):
             peft = get_backend(resolve("bridge_peft"))
             exports = {tag: peft.read_full(None, out / f"adapter@{tag}") for tag in ("save", "load", "end-save", "end-load")}
             reference = source_infos(out / "adapter@save")

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from cases._train_phase import TrainOut, phase_of, step_check, train_phase
-from cases.contract import Case
+from ._train_phase import TrainOut, phase_of, step_check, train_phase
+from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
@@ -46,7 +46,7 @@ from harness.models.training import (
     untrainable,
     workaround_notes,
 )
-from harness.run.envelope import RunEnv, timed
+from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
 
 
@@ -101,7 +101,7 @@ def save_step(env: RunEnv, result: CaseResult, model: ModelSpec, opts: TrainOpti
     """World "save" at `topo`: build the training job of `opts` (DDP, optimizer, sharding,
     workarounds), train `steps` steps, save model + optimizer through `backend` into `save_to`.
     Each rank's TrainOut: knob propagation, optimizer and model shards, the Adam step values."""
-    return env.launch(result, "save", train_phase, save_phase(model, opts, backend, topo, save_to, steps), topo)
+    return env.launch("save", train_phase, save_phase(model, opts, backend, topo, save_to, steps), topo)
 
 
 def save_phase(model: ModelSpec, opts: TrainOptions, backend: BackendRef, topo: Topology, save_to: Path, steps: int):
@@ -114,7 +114,7 @@ def load_step(env: RunEnv, result: CaseResult, model: ModelSpec, opts: TrainOpti
     """World "load" at `topo`: build the same job fresh, load `load_from` through `backend` (the
     training then would go on at `first_step`). Each rank's TrainOut as loaded. A load that raises
     fails the world (harness.run.world.WorldError)."""
-    return env.launch(result, "load", train_phase,
+    return env.launch("load", train_phase,
                       phase_of(model, opts, backend, topo=topo, load_from=str(load_from), first_step=first_step), topo)
 
 
@@ -149,7 +149,7 @@ class ReshardOptimizer(Case):
         model, backend = get_model(spec.model, "gpt"), ref_of(spec)
         result.notes += workaround_notes(opts, spec.source, spec.target)
         # the training at S and its save are the same for every target: once per run (harness.run.reuse)
-        root, saved = env.launch_source(result, "save", train_phase, lambda d: save_phase(
+        root, saved = env.launch_source("save", train_phase, lambda d: save_phase(
             model, opts, backend, spec.source, d / "ckpt", opts.steps), spec.source)
         ckpt = root / "ckpt"
         finalized = finalize_gate(get_backend(backend), saved, [str(ckpt)])
@@ -171,7 +171,7 @@ class ReshardOptimizer(Case):
                 return
         elif error is not None:
             raise error
-        with timed(result, "compare"):
+        with env.timed("compare"):
             result.checks.extend(judge(src, dst, saved, loaded, opts.dtype))
 
 

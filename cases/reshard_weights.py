@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from cases.contract import Case
+from .contract import Case
 from harness.backends import get_backend, ref_of
 from harness.core import truth
 from harness.core.context import RankContext
@@ -46,7 +46,7 @@ from harness.core.topology import Topology
 from harness.core.zoo import ModelSpec, get_model
 from harness.judge.checks import assembled, replicated, state_check, tensor_check
 from harness.models.mcore import TORCH_DTYPES, DType, LayerSpec
-from harness.run.envelope import RunEnv, timed
+from harness.run.envelope import RunEnv
 
 # A TP change splits row-parallel matmuls into partial sums reduced across ranks and splits the
 # vocab-parallel output layer: fp32 results then differ in the last bits. Measured on the zoo:
@@ -245,7 +245,7 @@ def save_step(env: RunEnv, result: CaseResult, model: ModelSpec, topo: Topology,
     """World "save" at `topo`: build `model` with the canonical weights and save it through
     `backend` (an import path, harness.backends.resolve) into `save_to`. Each rank's WeightsOut:
     its shards as built, its logits of the fixed batch when `logits`."""
-    return env.launch(result, "save", _rank_phase, save_phase(model, topo, backend, save_to, logits, dtype, layer_spec), topo)
+    return env.launch("save", _rank_phase, save_phase(model, topo, backend, save_to, logits, dtype, layer_spec), topo)
 
 
 def save_phase(model: ModelSpec, topo: Topology, backend: str, save_to: Path, logits: bool, dtype: DType,
@@ -261,14 +261,14 @@ def load_step(env: RunEnv, result: CaseResult, model: ModelSpec, topo: Topology,
     `backend` (so a tensor the load misses keeps its decoy), re-save into `save_to` when given. Each
     rank's WeightsOut: its shards as loaded, its logits when `logits`. A load that raises fails the
     world (harness.run.world.WorldError, with the rank's traceback)."""
-    return env.launch(result, "load", _rank_phase, _Phase(model, topo, backend, str(load_from), str(save_to) if save_to else None,
+    return env.launch("load", _rank_phase, _Phase(model, topo, backend, str(load_from), str(save_to) if save_to else None,
                                                           logits, dtype, layer_spec), topo)
 
 
 def read_step(env: RunEnv, result: CaseResult, backend: str, dirs: list[Path]) -> dict[str, dict[str, torch.Tensor]]:
     """World "read" (one rank, no model): every checkpoint of `dirs` read plainly through
     `backend`'s read_full, keyed by str(directory)."""
-    return env.launch(result, "read", _rank_read, (backend, [str(d) for d in dirs]), None)[0]
+    return env.launch("read", _rank_read, (backend, [str(d) for d in dirs]), None)[0]
 
 
 def run_weights(model: ModelSpec, src: Topology, dst: Topology, backend: str, dtype: DType, env: RunEnv,
@@ -279,12 +279,12 @@ def run_weights(model: ModelSpec, src: Topology, dst: Topology, backend: str, dt
     ckpt_b = env.case_dir / "ckpt-resaved"
     knobs = dict(logits=cp_forward(src, dst, layer_spec), dtype=dtype, layer_spec=layer_spec)
     # the save at S is the same for every target: once per run (harness.run.reuse), read-only after
-    root, saved = env.launch_source(result, "save", _rank_phase, lambda d: save_phase(
+    root, saved = env.launch_source("save", _rank_phase, lambda d: save_phase(
         model, src, backend, d / "ckpt-source", knobs["logits"], dtype, layer_spec), src)
     ckpt_a = root / "ckpt-source"
     loaded = load_step(env, result, model, dst, backend, ckpt_a, save_to=ckpt_b, **knobs)
     plain = read_step(env, result, backend, [ckpt_a, ckpt_b])
-    with timed(result, "compare"):
+    with env.timed("compare"):
         result.checks.extend(judge(model, src, dst, saved, loaded, plain[str(ckpt_a)], plain[str(ckpt_b)], dtype, layer_spec))
 
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cases._train_phase import TrainOut, phase_of, train_phase
-from cases._trajectory import (  # noqa: F401  (the tolerances, where the docs name them)
+from ._train_phase import TrainOut, phase_of, train_phase
+from ._trajectory import (  # noqa: F401  (the tolerances, where the docs name them)
     RESUME_LOSS_TOLERANCE_BF16,
     RESUME_TOLERANCE,
     RESUME_WEIGHT_TOLERANCE_BF16,
@@ -33,7 +33,7 @@ from cases._trajectory import (  # noqa: F401  (the tolerances, where the docs n
     schedule_checks,
     segment_losses,
 )
-from cases.contract import Case
+from .contract import Case
 from harness.backends import get_backend, parse_ref, ref_of
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
@@ -54,7 +54,7 @@ from harness.models.training import (
     untrainable,
     workaround_notes,
 )
-from harness.run.envelope import RunEnv, timed
+from harness.run.envelope import RunEnv
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class Resume(Case):
         # right after its load: steps_before_save is 0 there) for weights-match-main-params.
         views = ("final", "optimizer") if opts.dtype == "bf16" else ("final",)
         # the reference run at S (and its saves) is the same for every target: once per run (harness.run.reuse)
-        root, reference = env.launch_source(result, "save", train_phase, lambda d: phase_of(
+        root, reference = env.launch_source("save", train_phase, lambda d: phase_of(
             model, opts, backend, topo=spec.source, save_to=str(d / "ckpt"), steps_before_save=k, steps_after=k, views=views,
             resave_to=tuple(str(d / f"ckpt{i}") for i in range(2, opts.saves + 1))), spec.source)
         ckpt, later = root / "ckpt", tuple(str(root / f"ckpt{i}") for i in range(2, opts.saves + 1))
@@ -168,10 +168,10 @@ class Resume(Case):
                                                 "the checkpoint was never completed (async-finalize failed): nothing to resume from")
                 return
         loader = parse_ref(opts.load_with) if opts.load_with else backend
-        resumed = env.launch(result, "load", train_phase, phase_of(
+        resumed = env.launch("load", train_phase, phase_of(
             model, opts, loader, topo=spec.target, load_from=str(ckpt), first_step=k, steps_after=k, views=views,
             reload_from=later), spec.target)
-        with timed(result, "compare"):
+        with env.timed("compare"):
             result.checks.extend(judge(k, spec.source.id, spec.target.id, reference, resumed, opts.dtype))
             if later:
                 result.checks.extend(judge_resave(k, spec.source.id, spec.target.id, reference, resumed, opts.dtype))

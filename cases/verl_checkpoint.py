@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 
-from cases._train_phase import step_check
-from cases._verl_rank import Options, VerlOut, VerlPhase, verl_rank
-from cases._verl_state import rng_check, scheduler_check
-from cases.contract import Case
+from ._train_phase import step_check
+from ._verl_rank import Options, VerlOut, VerlPhase, verl_rank
+from ._verl_state import rng_check, scheduler_check
+from .contract import Case
 from harness.backends import ref_of
 from harness.core.parity import EXACT, NOT_COMPARED
 from harness.core.result import CaseResult, Check
@@ -65,7 +65,7 @@ from harness.judge.checks import (
     weights_match_main_params,
 )
 from harness.judge.hf_integrity import ADAPTER_WEIGHTS, Expected, export_integrity, source_infos
-from harness.run.envelope import RunEnv, timed
+from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -326,12 +326,12 @@ class VerlCheckpoint(Case):
         ckpt, hf_dir = env.case_dir / "ckpt", None
         if model.kind == "hf":
             hf_dir = env.case_dir / "hf-source"
-            with timed(result, "fixture"):
+            with env.timed("fixture"):
                 write_fixture(model, hf_dir)
         phase = dict(model=model, opts=opts, backend=ref, ckpt=str(ckpt), hf_dir=str(hf_dir) if hf_dir else None)
-        saved = env.launch(result, "save", verl_rank, VerlPhase(topo=spec.source, load=False, **phase), spec.source)
+        saved = env.launch("save", verl_rank, VerlPhase(topo=spec.source, load=False, **phase), spec.source)
         try:
-            loaded, error = env.launch(result, "load", verl_rank, VerlPhase(topo=spec.target, load=True, **phase), spec.target), None
+            loaded, error = env.launch("load", verl_rank, VerlPhase(topo=spec.target, load=True, **phase), spec.target), None
         except WorldError as exc:
             loaded, error = None, exc
         if spec.expect == "refuse":
@@ -342,7 +342,7 @@ class VerlCheckpoint(Case):
                 return
         elif error is not None:
             raise error
-        with timed(result, "compare"):
+        with env.timed("compare"):
             last = max(saved[0].saved_steps)
             disk = read_disk(ckpt, last)
             fixture = None
@@ -364,7 +364,7 @@ class VerlCheckpoint(Case):
 def adapter_checks(model: Any, opts: Options, hf_dir: Path, adapter_dir: Path, saved: list[VerlOut], src: str) -> list[Check]:
     """The HF PEFT adapter verl exported, as a user loads it (case peft-export's checks): peft-load,
     adapter-config (r, lora_alpha, targets, base model), logits (transformers+PEFT vs Megatron+LoRA at S)."""
-    from cases._peft import (
+    from ._peft import (
         PeftOptions,
         config_check,
         hf_target_modules,

@@ -10,7 +10,6 @@ import importlib.util
 import pytest
 
 from harness.backends import get_backend, resolve
-from harness.core.result import CaseResult
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.run.envelope import RunEnv
@@ -37,7 +36,7 @@ def _build_and_forward(ctx, arg):
 
 
 def _logits_vs_transformers(tmp_path, tp: int, fault: bool = False):
-    from cases.hf_roundtrip import MEGATRON_HF_TOLERANCE
+    from harness.cases.hf_roundtrip import MEGATRON_HF_TOLERANCE
     from harness.core import truth
     from harness.core.zoo import get_model
     from harness.judge.checks import tensor_check
@@ -49,8 +48,7 @@ def _logits_vs_transformers(tmp_path, tp: int, fault: bool = False):
     write_fixture(spec, hf_dir)
     warm()
     topo = Topology(tp=tp)
-    outs = RunEnv(tmp_path, timeout_s=240).launch(CaseResult("mbridge", "-", spec.name, "verl_manager", "-", "-"), "build",
-                                                  _build_and_forward, (str(hf_dir), topo, fault), topo)
+    outs = RunEnv(tmp_path, timeout_s=240).launch("build", _build_and_forward, (str(hf_dir), topo, fault), topo)
     names = outs[0][0]
     logits = next(o[1] for o in outs if o[1] is not None)
     return names, tensor_check("megatron-logits", hf_logits(hf_dir, truth.fixed_input_ids(spec)), logits,
@@ -82,7 +80,7 @@ def _spec(model: str = "hf-llama", case: str = "verl-checkpoint") -> CaseSpec:
 
 @needs_mbridge
 def test_the_vanilla_option_is_checked_at_load():
-    from cases import get_case
+    from harness.cases import get_case
 
     with pytest.raises(ValueError, match="bridge"):
         get_backend(resolve("verl_manager", {"bridge": "mbridge"}))

@@ -9,7 +9,6 @@ import pytest
 from doubles import use_doubles
 
 from harness.backends import resolve
-from harness.core.result import CaseResult
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology, TopologyError
 from harness.core.zoo import get_model
@@ -30,10 +29,6 @@ def _spec(case, src, dst, backend="mcore_dist", model="gpt-moe", **opts):
                     timeout_s=120)
 
 
-def _result():
-    return CaseResult("keys", "reshard-weights", "gpt-moe-shared", "mcore_dist", "-", "-")
-
-
 def _checks(r):
     return {c.name: c.status for c in r.checks}
 
@@ -41,13 +36,13 @@ def _checks(r):
 def test_checkpoint_keys_and_global_shapes_do_not_depend_on_ep(tmp_path):
     """Every EP size writes the same keys with the same global shapes: experts sit on a global
     expert axis (SequentialMLP.sharded_state_dict), so canonical weights exist for every expert."""
-    from cases.reshard_weights import _Phase, _rank_phase
+    from harness.cases.reshard_weights import _Phase, _rank_phase
 
     model = get_model("gpt-moe-shared")
     seen = {}
     for topo in ("dp1", "dp2ep2", "dp4ep4", "tp2ep2etp1"):
         t = Topology.parse(topo)
-        outs = RunEnv(tmp_path / topo, timeout_s=120).launch(_result(), "keys", _rank_phase,
+        outs = RunEnv(tmp_path / topo, timeout_s=120).launch("keys", _rank_phase,
                                                                _Phase(model, t, resolve("mcore_dist"), None, None, False), t)
         seen[topo] = {(s.key, s.global_shape) for o in outs for s in o.shards}
         experts = {s.index[1] for o in outs for s in o.shards if s.key == EXPERT_FC1}

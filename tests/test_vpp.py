@@ -8,10 +8,9 @@ import pytest
 import torch
 from doubles import use_doubles
 
-from cases import reshard_optimizer, reshard_weights
+from harness.cases import reshard_optimizer, reshard_weights
 from harness.core import truth
 from harness.core.parity import Shard
-from harness.core.result import CaseResult
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.core.zoo import get_model
@@ -122,8 +121,7 @@ def test_checkpoint_keys_are_global_and_chunks_interleave_as_megatron(tmp_path):
     shapes; with vpp, chunk v of pp rank r holds layer v * pp + r (one layer per chunk)."""
     warm()  # forked ranks inherit megatron-core's imports, as run_case does
     env = RunEnv(tmp_path, timeout_s=120)
-    result = CaseResult("layout", "-", "gpt-gqa", "mcore_dist", "-", "-")
-    layouts = {t: env.launch(result, t, _layout, (GQA, Topology.parse(t)), Topology.parse(t)) for t in ("pp1", "pp4", "pp2vpp2")}
+    layouts = {t: env.launch(t, _layout, (GQA, Topology.parse(t)), Topology.parse(t)) for t in ("pp1", "pp4", "pp2vpp2")}
     keys = {t: {(k, shape) for rank in ranks for _, k, shape, _ in rank} for t, ranks in layouts.items()}
     assert keys["pp1"] == keys["pp4"] == keys["pp2vpp2"] and (QKV, (4, 128, 64)) in keys["pp1"]
     held = [sorted({(chunk, layer) for chunk, k, _, layer in rank if k == QKV}) for rank in layouts["pp2vpp2"]]

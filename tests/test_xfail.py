@@ -5,7 +5,7 @@ import pytest
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec, XFail
 from harness.core.topology import Topology
-from harness.orchestration.runner import apply_xfail
+from harness.judge.status import apply_expected_failure
 
 
 def _result(failed=(), status="failed", error=None):
@@ -54,13 +54,13 @@ def _spec(xfail):
 
 def test_apply_xfail_statuses():
     r = _result({"step"})
-    apply_xfail(_spec(XFail("known", checks=("step",))), r)
+    apply_expected_failure(_spec(XFail("known", checks=("step",))).xfail, r)
     assert r.status == "xfailed"
     r = _result(status="error", error="boom")
-    apply_xfail(_spec(XFail("known")), r)
+    apply_expected_failure(_spec(XFail("known")).xfail, r)
     assert r.status == "failed" and any("not as expected" in n for n in r.notes)
     r = _result(status="passed")
-    apply_xfail(_spec(XFail("known")), r)
+    apply_expected_failure(_spec(XFail("known")).xfail, r)
     assert r.status == "failed" and "XPASS(strict)" in r.error
 
 
@@ -70,12 +70,12 @@ def test_an_expected_failure_is_not_judged_where_the_case_could_not_run():
     cases as FAIL in each of Core 0.16-0.18 and as a change where they became xfailed)."""
     api = "API not available in megatron-core 0.16.1: ImportError: cannot import name 'x' from 'megatron.core._rank_utils'"
     r = _result(status="error", error=api + "\nTraceback ...")
-    apply_xfail(_spec(XFail("known", checks=("step",))), r)
+    apply_expected_failure(_spec(XFail("known", checks=("step",))).xfail, r)
     assert r.status == "error" and r.error.startswith(api)
     assert any("not judged" in n for n in r.notes)
     # a defect that IS a moved API (verl F2 imports a module megatron-core 0.19 removed) is still met
     r = _result(status="error", error=api + "\nTraceback ...")
-    apply_xfail(_spec(XFail("verl imports a removed module", match=r"cannot import name 'x'")), r)
+    apply_expected_failure(_spec(XFail("verl imports a removed module", match=r"cannot import name 'x'")).xfail, r)
     assert r.status == "xfailed"
 
 

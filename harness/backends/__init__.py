@@ -146,6 +146,15 @@ class Backend(ABC):
         recorded), or None when the options ask nothing to check."""
         return None
 
+    #: a case whose body raised is not judged by what its saves and loads recorded so far
+    after_error = False
+
+    def checks_of(self, record: Any) -> list:
+        """This backend's part of the case's verdict (harness.core.result.CheckSource):
+        `strategy_check` over what the case's saves and loads recorded (`record.backend_events`)."""
+        check = self.strategy_check(record.backend_events)
+        return list(check) if isinstance(check, (list, tuple)) else [check] if check is not None else []
+
     def pending_saves(self) -> int:
         """How many saves this backend has started and not finalized (async saves)."""
         return 0

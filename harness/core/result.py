@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from harness.core.parity import BITWISE, Mismatch, Tolerance
 
@@ -160,3 +160,43 @@ class CaseResult:
 def _known(cls: type, doc: dict[str, Any]) -> dict[str, Any]:
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in doc.items() if k in names}
+
+
+@dataclass
+class WorldRecord:
+    """What a case's worlds recorded while it ran (harness.run.envelope.RunEnv writes it): per-phase
+    seconds, memory per phase and rank, backend events per phase and rank, the shims any rank
+    applied, the source-store uses and their notes. The sources that judge the case read it
+    (CheckSource); the case's envelope hands it to the result once, at the end (`into`)."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+    backend_events: dict[str, Any] = field(default_factory=dict)
+    compat_shims: list[str] = field(default_factory=list)
+    reuse: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def into(self, result: CaseResult) -> None:
+        """Add this record to `result` (seconds of a phase both hold are summed)."""
+        for phase, s in self.phases.items():
+            result.phases[phase] = round(result.phases.get(phase, 0.0) + s, 3)
+        for own, theirs in ((self.memory, result.memory), (self.backend_events, result.backend_events)):
+            for phase, ranks in own.items():
+                theirs.setdefault(phase, {}).update(ranks)
+        result.compat_shims += [s for s in self.compat_shims if s not in result.compat_shims]
+        result.reuse += self.reuse
+        result.notes += self.notes
+
+
+@runtime_checkable
+class CheckSource(Protocol):
+    """Something besides the case's own judge that judges a case, from what its worlds recorded:
+    each backend the case drove (what its saves and loads ran), the matrix entry's memory budgets,
+    the run's source store. The case's envelope (harness.orchestration.runner.case_envelope) asks
+    each once; `after_error`: whether it still judges a case whose body raised."""
+
+    after_error: bool
+
+    def checks_of(self, record: WorldRecord) -> list[Check]:
+        """The checks this source adds (none when it has nothing to judge)."""
+        ...

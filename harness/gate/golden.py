@@ -37,11 +37,8 @@ from harness.core.spec import XFail
 from harness.core.topology import Topology
 from harness.judge.checks import assembled, state_check
 from harness.judge.ckpt_content import UntrustedPickle, read_objects, refuse_pickles
-from harness.orchestration.runner import (
-    RunOptions,
-    apply_expected_failure,
-    case_envelope,
-)
+from harness.judge.status import apply_expected_failure
+from harness.orchestration.runner import RunOptions, case_envelope
 from harness.run.envelope import RunEnv
 from harness.gate.rollback import rollback_refusal
 
@@ -109,7 +106,7 @@ def _split(ref: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]
 
 
 def _model_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
-    from cases.reshard_weights import save_step
+    from harness.cases.reshard_weights import save_step
     from harness.core.zoo import get_model
 
     save_step(env, result, get_model(a.model, "gpt"), a.source, resolve("mcore_dist"), d / "ckpt")
@@ -117,7 +114,7 @@ def _model_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
 
 
 def _model_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: dict) -> None:
-    from cases.reshard_weights import load_step, read_step
+    from harness.cases.reshard_weights import load_step, read_step
     from harness.core.zoo import get_model
 
     model, path = get_model(a.model, "gpt"), resolve("mcore_dist")
@@ -142,7 +139,7 @@ def _optim_opts(a: Artefact):
 
 
 def _optim_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
-    from cases.reshard_optimizer import save_step, step_values
+    from harness.cases.reshard_optimizer import save_step, step_values
     from harness.core.zoo import get_model
 
     opts = _optim_opts(a)
@@ -204,7 +201,7 @@ def step_reset_check(step: Check, written: list[float], loaded: list[float], hel
 
 
 def _optim_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: dict) -> None:
-    from cases.reshard_optimizer import (
+    from harness.cases.reshard_optimizer import (
         load_step,
         step_check,
         step_values,
@@ -236,7 +233,7 @@ def _optim_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: d
 
 
 def _hf_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
-    from cases.hf_roundtrip import save_step
+    from harness.cases.hf_roundtrip import save_step
     from harness.core.zoo import get_model
     from harness.models.hf import write_fixture
 
@@ -248,7 +245,7 @@ def _hf_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
 
 def _hf_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: dict) -> None:
     """The reader builds without weights (from the writer's HF config) and loads the dist checkpoint."""
-    from cases.hf_roundtrip import load_step
+    from harness.cases.hf_roundtrip import load_step
     from harness.core.zoo import get_model
 
     mine = env.case_dir / "hf-export"
@@ -264,13 +261,13 @@ def _hf_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: dict
 
 
 def _adapter():
-    from cases.peft_export import PeftOptions
+    from harness.cases.peft_export import PeftOptions
 
     return PeftOptions().spec()
 
 
 def _peft_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
-    from cases.peft_export import save_step
+    from harness.cases.peft_export import save_step
     from harness.core.zoo import get_model
     from harness.models import peft_mapping
     from harness.models.hf import write_fixture
@@ -284,7 +281,7 @@ def _peft_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
 
 
 def _peft_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: dict) -> None:
-    from cases.peft_export import load_step, peft_load_problems
+    from harness.cases.peft_export import load_step, peft_load_problems
     from harness.core.zoo import get_model
     from harness.models import peft_mapping
 
@@ -438,9 +435,8 @@ def check(corpus: Path, options: RunOptions | None = None, k: str | None = None,
                 if refusal is None:
                     raise  # the envelope reports it as the artefact's error
                 result.checks.append(refusal)
-        known = _KNOWN.get(result.xfail_reason or "")
-        if known is not None:
-            apply_expected_failure(known, result)
+        # the check names the known defect it meets (result.xfail_reason) while it runs: applied after it
+        apply_expected_failure(_KNOWN.get(result.xfail_reason or ""), result)
         results.append(result)
     return results
 

@@ -1,9 +1,11 @@
 """Why a case is what it is: the one place a case's status is decided.
 
-Every way a case runs (a matrix, the golden corpus, explore, bench) ends here, in three steps:
-`settle` after the case's body (its checks decide), `errored` when the body raised (an upstream
-API the harness's own code reached for and this release lacks is `not-applicable`; anything else
-is `error`), then `apply_expected_failure` (a named upstream defect met exactly is `xfailed`).
+Every way a case runs (a matrix, the golden corpus, explore, bench) ends here, in `conclude`: the
+checks the case's other sources contributed (its backends, memory budgets, the source store) join
+the case's own, then `settle` after the case's body (its checks decide), or `errored` when the body
+raised (an upstream API the harness's own code reached for and this release lacks is
+`not-applicable`; anything else is `error`), then `apply_expected_failure` (a named upstream
+defect met exactly is `xfailed`).
 
 The rules, each a guard against a verdict that says more than was seen:
 - passed needs at least one passed check that judges the case itself (a memory budget or the
@@ -154,3 +156,21 @@ def api_unavailable(exc_type: str, message: str, traceback_text: str) -> str | N
         version = "(not installed)"
     first = message.splitlines()[0] if message else ""
     return f"{API_MISSING}{dist} {version}: {exc_type}: {first} (looked up at {frame})"
+
+
+def conclude(result: CaseResult, contributed: Iterable[Check], xfail: XFail | None = None,
+             error: str | None = None, moved: set[str] | None = None) -> None:
+    """The case's verdict, decided once: `contributed` (the checks of its other sources, in order;
+    a name two sources both record, e.g. two backends' `strategy`, is kept once, the first) joins
+    its checks, then its status (`settle`, or `errored` from `error`'s text with `moved`, the
+    packages this environment moved from the pins), then the matrix entry's expected failure."""
+    seen: set[str] = set()
+    for check in contributed:
+        if check.name not in seen:
+            result.checks.append(check)
+        seen.add(check.name)
+    if error is None:
+        settle(result)
+    else:
+        errored(result, error, moved or set())
+    apply_expected_failure(xfail, result)

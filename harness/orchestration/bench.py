@@ -128,15 +128,14 @@ def bench_one(model: str, topo: Topology, strategy: str, repeats: int, options: 
     with case_envelope(result, options) as env:
         root = (keep / f"{model}-{topo.world_size}-{strategy}") if keep is not None else env.case_dir / "checkpoints"
         job = BenchJob(model, topo, engine, tuple(sorted(opts.items())), str(root), repeats, keep_last=keep is not None)
-        ranks = env.launch(result, "bench", bench_rank, job, topo)
+        ranks = env.launch("bench", bench_rank, job, topo)
         short = [r for r, figures in enumerate(ranks) if len(figures) != repeats]
         # the rank raises when a load gives back other weights than it saved: every repeat timed is a round trip
         result.checks.append(Check("weights-roundtrip", "failed" if short or not ranks else "passed",
                                    f"ranks {short} timed fewer than {repeats} repeat(s)" if short else
                                    f"{len(ranks)} rank(s) loaded back the saved weights in each of {repeats} repeat(s)"))
         if engine != DCP:  # the backend ran what its options asked (harness.backends._mcore_events)
-            check = get_backend(resolve(engine, opts)).strategy_check(result.backend_events)
-            result.checks.extend(list(check) if isinstance(check, (list, tuple)) else [check] if check is not None else [])
+            env.sources.append(get_backend(resolve(engine, opts)))
     if result.status != "passed":
         failed = "; ".join(f"{c.name}: {c.detail}" for c in result.failed_checks)
         row["error"] = _first_lines(result.error or failed)

@@ -9,10 +9,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 from harness.core.parity import NOT_COMPARED
-from harness.core.result import CaseResult, Check
+from harness.core.result import CaseResult, Check, WorldRecord
 from harness.core.topology import Topology
 from harness.run import world
 from harness.run.reuse import PLACEHOLDER, SOURCE_UNCHANGED, SourceStore, SourceUse, source_key
@@ -64,15 +64,24 @@ class RunEnv:
     store: SourceStore | None = None
     uses: list[SourceUse] = field(default_factory=list)  # what this case took from (or wrote into) the store
     log_dir: Path | None = None  # the case's log directory (harness.run.ranklog): <phase>-rank<N>.log; None: the world's dir
+    #: what else judges the case (harness.core.result.CheckSource: its backends, its memory
+    #: budgets), asked with this env's own `checks_of` when the case's envelope concludes
+    sources: list[Any] = field(default_factory=list)
+    #: a source written during a failed case must still hash as written: judged after an error too
+    after_error: ClassVar[bool] = True
+    case_id: str = ""  # the case's id: whose world a store entry is (harness.run.reuse)
+    #: what this case's worlds recorded (seconds, memory, events, shims, store uses): the sources read
+    #: it, and the case's envelope hands it to the result once, when the case ends
+    record: WorldRecord = field(default_factory=WorldRecord)
 
-    def launch(self, result: CaseResult, phase: str, fn: world.RankFn, arg: Any, topo: Topology | None) -> list[Any]:
-        """One world for `topo` (one rank without parallel_state when None), timed into
-        result.phases[phase]; its memory records and shims go into `result`. Returns each rank's value."""
-        outs = self._world(result, phase, fn, arg, topo)
-        self._record(result, phase, outs)
+    def launch(self, phase: str, fn: world.RankFn, arg: Any, topo: Topology | None) -> list[Any]:
+        """One world for `topo` (one rank without parallel_state when None), timed as `phase`; its
+        memory records, backend events and shims go into this env's `record`. Returns each rank's value."""
+        outs = self._world(phase, fn, arg, topo)
+        self._record(phase, outs)
         return [o.value for o in outs]
 
-    def launch_source(self, result: CaseResult, phase: str, fn: world.RankFn, make_arg: Callable[[Path], Any],
+    def launch_source(self, phase: str, fn: world.RankFn, make_arg: Callable[[Path], Any],
                       topo: Topology | None) -> tuple[Path, list[Any]]:
         """A world that writes a checkpoint the case then only reads: `make_arg(root)` is its
         argument with every output under `root`. With a store, the first case of the run with this
@@ -85,34 +94,39 @@ class RunEnv:
         probe = make_arg(PLACEHOLDER)
         if self.store is None or str(self.case_dir) in repr(probe):
             own.mkdir(parents=True, exist_ok=True)
-            return own, self.launch(result, phase, fn, make_arg(own), topo)
+            return own, self.launch(phase, fn, make_arg(own), topo)
         key = source_key(fn, probe, topo, {"dist_backend": self.dist_backend, "launcher": self.launcher,
                                             "torchrun_template": self.torchrun_template})
-        root, outs, use = self.store.get_or_make(key, phase, result.id, lambda d: self._world(result, phase, fn, make_arg(d), topo))
-        self._record(result, phase, outs, measured_by=use.writer if use.role == "reused" else None)
+        root, outs, use = self.store.get_or_make(key, phase, self.case_id, lambda d: self._world(phase, fn, make_arg(d), topo))
+        self._record(phase, outs, measured_by=use.writer if use.role == "reused" else None)
         self.uses.append(use)
-        result.reuse.append(use.to_dict())
+        self.record.reuse.append(use.to_dict())
         if use.role == "reused":
-            result.notes.append(f"{phase}: the source world of {use.writer} reused (store entry {use.key}, saved {use.world_s:.1f} s)")
+            self.record.notes.append(f"{phase}: the source world of {use.writer} reused (store entry {use.key}, saved {use.world_s:.1f} s)")
         return root, [o.value for o in outs]
 
-    def source_files(self, result: CaseResult, phase: str, what: str, spec: Any, make: Callable[[Path], Any]) -> Path:
+    def source_files(self, phase: str, what: str, spec: Any, make: Callable[[Path], Any]) -> Path:
         """A file tree this process writes from `spec` alone (an HF fixture: `what` names the
         writer, `make(dir)` writes it), timed as `phase`: once per run in the store like a source
         world, else in the case's own `<phase>/`. Returns its directory."""
         if self.store is None or str(self.case_dir) in repr(spec):
-            with timed(result, phase):
+            with self.timed(phase):
                 make(self.case_dir / phase)
             return self.case_dir / phase
         key = source_key(what, spec, None, {})
-        with timed(result, phase):
-            root, _, use = self.store.get_or_make(key, phase, result.id, lambda d: make(d))
+        with self.timed(phase):
+            root, _, use = self.store.get_or_make(key, phase, self.case_id, lambda d: make(d))
         self.uses.append(use)
-        result.reuse.append(use.to_dict())
+        self.record.reuse.append(use.to_dict())
         return root
 
-    def source_checks(self) -> list[Check]:
-        """`source-unchanged` for each stored source this case used: its files hash as they did when written."""
+    def timed(self, phase: str) -> Any:
+        """A context that adds its seconds to this case's `phase` (the case's own steps: compare, fixture)."""
+        return timed(self.record, phase)
+
+    def checks_of(self, record: WorldRecord) -> list[Check]:
+        """`source-unchanged` for each stored source this case used: its files hash as they did when
+        written (this env is the store's harness.core.result.CheckSource; `record` is not read)."""
         checks = []
         for use in self.uses:
             problems = self.store.verify(use) if self.store is not None else []
@@ -121,12 +135,12 @@ class RunEnv:
             checks.append(Check(SOURCE_UNCHANGED, "failed" if problems else "passed", detail, tolerance=NOT_COMPARED))
         return checks
 
-    def _world(self, result: CaseResult, phase: str, fn: world.RankFn, arg: Any, topo: Topology | None) -> list[RankOut]:
+    def _world(self, phase: str, fn: world.RankFn, arg: Any, topo: Topology | None) -> list[RankOut]:
         size = topo.world_size if topo is not None else 1
         workdir = self.case_dir / f"world-{phase}"
         call = (fn, arg, topo)
         logs = LogFiles(str(self.log_dir), safe_name(phase), kept=True) if self.log_dir is not None else None
-        with timed(result, phase):
+        with self.timed(phase):
             if self.launcher == "torchrun":
                 outs = world.launch_torchrun(
                     _envelope, call, size, workdir, backend=self.dist_backend, timeout_s=self.timeout_s,
@@ -139,23 +153,24 @@ class RunEnv:
                 )
         return outs
 
-    @staticmethod
-    def _record(result: CaseResult, phase: str, outs: list[RankOut], measured_by: str | None = None) -> None:
+    def _record(self, phase: str, outs: list[RankOut], measured_by: str | None = None) -> None:
+        record = self.record
         by = {"measured_by": measured_by} if measured_by else {}
         for rank, out in enumerate(outs):
             for name, m in out.memory.items():
                 key = name if name == phase else f"{phase}:{name}"
-                result.memory.setdefault(key, {})[str(rank)] = {**m, "shard_bytes": getattr(out.value, "shard_bytes", 0), **by}
+                record.memory.setdefault(key, {})[str(rank)] = {**m, "shard_bytes": getattr(out.value, "shard_bytes", 0), **by}
             if out.events:
-                result.backend_events.setdefault(phase, {})[str(rank)] = out.events
+                record.backend_events.setdefault(phase, {})[str(rank)] = out.events
         for out in outs:  # what any rank of any of the case's worlds applied, first-seen order
-            result.compat_shims += [name for name in out.compat if name not in result.compat_shims]
+            record.compat_shims += [name for name in out.compat if name not in record.compat_shims]
 
 
 @contextmanager
-def timed(result: CaseResult, phase: str) -> Iterator[None]:
+def timed(record: CaseResult | WorldRecord, phase: str) -> Iterator[None]:
+    """Add the seconds the block takes to `record.phases[phase]`."""
     start = time.perf_counter()
     try:
         yield
     finally:
-        result.phases[phase] = round(result.phases.get(phase, 0.0) + time.perf_counter() - start, 3)
+        record.phases[phase] = round(record.phases.get(phase, 0.0) + time.perf_counter() - start, 3)

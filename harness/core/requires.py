@@ -12,6 +12,7 @@ never counted green.
 | nccl | torch has NCCL, plus what `cuda` needs |
 | te | `transformer_engine` is importable, plus what `cuda` needs (TE layers run on GPU only) |
 | host-memory-gib>=N | the host has at least N GiB of memory (psutil total) |
+| module:NAME | the Python module NAME (dotted) is installed: found on the path, never imported (a CUDA-only kernel such as `mamba_ssm` or `fla`, or the transformers package that would hold an architecture's modeling code) |
 
 The probe asks the parent only what harness.run.world.choose_backend already asks (torch's
 device_count) plus import specs and psutil: no CUDA context, so later forked gloo worlds stay safe.
@@ -26,6 +27,7 @@ from functools import lru_cache
 
 NAMES = ("cuda", "nccl", "te")
 _MEMORY = re.compile(r"^host-memory-gib>=(\d+(?:\.\d+)?)$")
+_MODULE = re.compile(r"^module:([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
 #: What each need brings with it.
 _IMPLIES = {"nccl": ("cuda",), "te": ("cuda",)}
 
@@ -36,8 +38,8 @@ class RequirementError(ValueError):
 
 def parse(item: str) -> str:
     """A requirement as written in a matrix, checked; raises RequirementError naming the known ones."""
-    if not isinstance(item, str) or not (item in NAMES or _MEMORY.match(item)):
-        raise RequirementError(f"unknown requirement {item!r}; known: {', '.join(NAMES)}, host-memory-gib>=N")
+    if not isinstance(item, str) or not (item in NAMES or _MEMORY.match(item) or _MODULE.match(item)):
+        raise RequirementError(f"unknown requirement {item!r}; known: {', '.join(NAMES)}, host-memory-gib>=N, module:NAME")
     return item
 
 
@@ -94,8 +96,28 @@ def unmet(requires: tuple[str, ...], ranks: int, dist_backend: str = "auto", mac
             reasons.append("needs NCCL; this torch build has none")
         elif r == "te" and m.te_missing:
             reasons.append(f"needs Transformer-Engine: {m.te_missing}")
+        elif (mod := _MODULE.match(r)) and (missing := module_missing(mod.group(1))):
+            reasons.append(f"needs the module {mod.group(1)}: {missing}")
         elif mem := _MEMORY.match(r):
             need = float(mem.group(1))
             if m.host_memory_gib < need:
                 reasons.append(f"needs {need:g} GiB of host memory; this machine has {m.host_memory_gib:.1f} GiB")
     return reasons
+
+
+def module_missing(name: str) -> str | None:
+    """Why the dotted module `name` is not installed (None when it is), found on the path without
+    importing it or its parents (a parent's import may touch CUDA)."""
+    top, *rest = name.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None:
+        return f"No module named {top!r}"
+    import os
+
+    where = list(spec.submodule_search_locations or [])
+    for i, part in enumerate(rest):
+        found = [d for d in where if os.path.isdir(os.path.join(d, part)) or os.path.isfile(os.path.join(d, part + ".py"))]
+        if not found:
+            return f"No module named {'.'.join([top, *rest[:i + 1]])!r}"
+        where = [os.path.join(d, part) for d in found if os.path.isdir(os.path.join(d, part))]
+    return None

@@ -44,6 +44,7 @@ MARKERS: dict[str, str] = {
     "interop": "a checkpoint one tool wrote, loaded by another (Megatron-Bridge <-> megatron-core / Megatron-LM layouts)",
     "convert": "checkpoint format conversions (torch_dist <-> fsdp_dtensor, fsdp_dtensor -> HF) through the converters upstream ships",
     "fanout": "one source loaded at many targets (a cross product; its save runs once per run: harness/run/reuse.py)",
+    "arch": "matrices/architectures.yaml: one round trip per architecture the installed Megatron-Bridge registers (opt-in: scripts/test -m arch)",
     "slow": "heavier cases, not in the default suite",
     "memory": "host-memory cases and budgets (heavier)",
     "gpu": "needs CUDA devices",

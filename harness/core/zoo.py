@@ -9,7 +9,9 @@ should hold are harness.core.truth.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, Union
+from typing import Any, ClassVar, Union
+
+from harness.core.families import FAMILIES, Family
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,10 @@ class HFModelSpec:
     kind: ClassVar[str] = "hf"
     name: str
     description: str
-    arch: str  # "llama" | "qwen2" | "nemotron" | "qwen3_moe"
+    #: transformers' model_type: "llama" | "qwen2" | "nemotron" | "qwen3_moe" (hand-written configs in
+    #: harness.models.hf), or any other (a family of harness.core.families: its config class's
+    #: defaults shrunk by harness.models.architectures, plus `overrides`)
+    arch: str
     tied: bool = False
     num_layers: int = 4
     hidden_size: int = 64
@@ -97,6 +102,10 @@ class HFModelSpec:
     num_experts: int | None = None
     moe_intermediate_size: int = 32
     num_experts_per_tok: int = 2
+    #: config fields on top of the derived tiny config (families: their distinctive options)
+    overrides: tuple[tuple[str, Any], ...] = ()
+    #: the HF architecture config.json names ("" the transformers class's own name): the Bridge dispatches on it
+    architecture: str = ""
 
     # what Topology.validate reads
     @property
@@ -118,7 +127,7 @@ class HFModelSpec:
     @property
     def gated(self) -> bool:
         """A gated (SwiGLU) MLP: Megatron's fc1 holds [gate; up]; Nemotron's squared ReLU has no gate."""
-        return self.arch != "nemotron"
+        return self.arch not in ("nemotron", "nemotron_h")
 
     @property
     def head_dim(self) -> int:
@@ -196,6 +205,23 @@ ZOO: dict[str, AnyModel] = {
     )
 }
 
+
+#: The spec fields a family's overrides also set (the zoo's view of the config must match the fixture's).
+_SPEC_FIELDS = {"num_key_value_heads": "num_key_value_heads", "num_attention_heads": "num_attention_heads",
+                "hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "moe_intermediate_size": "moe_intermediate_size",
+                "num_experts_per_tok": "num_experts_per_tok"}
+
+
+def family_model(f: Family) -> HFModelSpec:
+    """`hf-<family>`: a tiny fixture of one architecture the Bridge registers (harness.core.families)."""
+    fields = {_SPEC_FIELDS[k]: v for k, v in f.overrides if k in _SPEC_FIELDS}
+    return HFModelSpec(f.zoo_name, f"{f.architecture}: {f.note or f.path}", f.model_type or f.name, tied=f.tied,
+                       num_layers=f.num_layers, num_experts=f.num_experts, overrides=f.overrides, architecture=f.architecture,
+                       **fields)
+
+
+# the four hand-written fixtures keep their names (hf-llama, hf-qwen2, hf-nemotron); every other family is hf-<family>
+ZOO.update({f.zoo_name: family_model(f) for f in FAMILIES if f.zoo_name not in ZOO})
 
 #: Models shaped on purpose not to split evenly (LoRA layouts and the explorer's finds): they fit the
 #: topologies their matrix entries name, not every small one (tests/test_topology.py checks both).

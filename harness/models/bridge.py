@@ -98,6 +98,7 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     from megatron.core.transformer.module import Float16Module
 
     from harness.compat.te import import_megatron_bridge
+    from harness.models.architectures import HAND_WRITTEN, cpu_layer_spec
     from harness.models.hf import HF_DTYPES
     from harness.models.parallel import rank_device, seed_model_parallel
 
@@ -111,7 +112,8 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     overrides: dict[str, Any] = {
         "tensor_model_parallel_size": topo.tp, "pipeline_model_parallel_size": topo.pp, "pipeline_dtype": torch_dtype,
         "transformer_layer_spec": (
-            zero_centered_local_spec if getattr(provider, "layernorm_zero_centered_gamma", False)
+            cpu_layer_spec(provider) if spec.arch not in HAND_WRITTEN or spec.overrides  # every other family: its own config's spec
+            else zero_centered_local_spec if getattr(provider, "layernorm_zero_centered_gamma", False)
             else get_gpt_layer_local_spec(num_experts=getattr(spec, "num_experts", None), moe_grouped_gemm=False,
                                           qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm")),
         **{name: False for name in FUSIONS},

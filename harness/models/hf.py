@@ -19,7 +19,14 @@ HF_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat
 
 
 def hf_config(spec: HFModelSpec):
+    """The four hand-written configs (their fixtures' bytes are pinned by goldens); any other
+    model_type: harness.models.architectures.tiny_config (its config class shrunk + the spec's overrides)."""
     from transformers import LlamaConfig, NemotronConfig, Qwen2Config, Qwen3MoeConfig
+
+    from harness.models.architectures import HAND_WRITTEN, tiny_config
+
+    if spec.arch not in HAND_WRITTEN or spec.overrides:
+        return tiny_config(spec)
 
     common = dict(
         vocab_size=spec.vocab_size,
@@ -95,8 +102,13 @@ def write_fixture(spec: HFModelSpec, directory: Path, dtype: str = "fp32", shard
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state = canonical_hf_state(spec, shapes)
+    held = model.state_dict()
+    for k, v in held.items():  # integer buffers (counters, indices) keep what the model holds
+        if not v.is_floating_point():
+            state[k] = v
     if spec.tied:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        for target, source in tied_keys(model).items():
+            state[target] = state[source]
     model.load_state_dict(state, strict=True)
     if dtype != "fp32":
         model.to(HF_DTYPES[dtype])
@@ -108,8 +120,29 @@ def write_fixture(spec: HFModelSpec, directory: Path, dtype: str = "fp32", shard
         model.save_pretrained(directory, safe_serialization=True)
     if extra_keys:
         add_tensors(directory, {k: torch.linspace(0.5, 1.5, 8).to(HF_DTYPES[dtype]) for k in extra_keys})
+    if spec.architecture:  # the spelling the Bridge dispatches on (save_pretrained writes the class's own)
+        import json
+
+        cfg = json.loads((directory / "config.json").read_text())
+        cfg["architectures"] = [spec.architecture]
+        (directory / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     write_tokenizer(spec, directory)
     return directory
+
+
+def tied_keys(model) -> dict[str, str]:
+    """{tied key: the key it shares storage with} of a transformers model (lm_head.weight ->
+    model.embed_tokens.weight for a Llama), read from the parameters that are one tensor."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    if not out and "lm_head.weight" in model.state_dict():
+        out["lm_head.weight"] = "model.embed_tokens.weight"
+    return out
 
 
 def add_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,151 @@
+"""The architectures Megatron-Bridge registers, as data: one `Family` per registered HF
+architecture (AutoBridge.list_supported_models() of the installed Bridge), with what a tiny
+fixture of it keeps on. Values only (the bottom floor): the zoo makes an `hf-<family>` model of
+each; harness.models.architectures enumerates the installed registry, classifies each
+architecture against the installed transformers, derives the tiny config (a generic shrink of
+the config class's defaults plus `overrides`) and writes matrices/architectures.yaml.
+
+`overrides`: config fields on top of the generic shrink: the family's distinctive options kept
+ON (MLA ranks, biases, soft-capping, sliding windows, sinks, shared experts, dense first layers).
+`needs`: a Python module the family needs and this kind of machine lacks (a CUDA-only kernel,
+or the transformers package that would hold modeling code the hub ships as remote code): the
+matrix entry `requires: [module:<needs>]`, so the case is not-run naming it. `path`: "text" (a
+causal LM, the language path) or "vl" (a VL/omni/audio model: its language path is later work).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # the zoo's hf-<name>
+    architecture: str  # the HF architecture class name the Bridge registers
+    model_type: str | None  # transformers' model_type of the fixture's config (None: transformers has none)
+    path: str = "text"  # "text" | "vl"
+    num_layers: int = 4
+    num_experts: int | None = None
+    tied: bool = False
+    overrides: tuple[tuple[str, Any], ...] = ()
+    needs: str = ""  # a module (dotted) this family needs to run; "" none beyond the harness's
+    note: str = ""
+
+    @property
+    def zoo_name(self) -> str:
+        return f"hf-{self.name}"
+
+
+def _o(**kw: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items()))
+
+
+_MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, qk_head_dim=16)
+_DSMOE = dict(n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, moe_intermediate_size=32)
+_REMOTE = "modeling code shipped only as hub remote code (trust_remote_code); transformers {v} has no {m}"
+
+FAMILIES: tuple[Family, ...] = (
+    # ---- dense text causal LMs
+    Family("llama", "LlamaForCausalLM", "llama", note="GQA, SwiGLU, RMSNorm (zoo hf-llama's shape)"),
+    Family("mistral", "MistralForCausalLM", "mistral", overrides=_o(sliding_window=None),
+           note="Llama-like GQA; the Bridge maps no sliding window (None, as Mistral >= v0.2)"),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", note="q/k/v biases (zoo hf-qwen2)"),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", note="QK RMSNorm, head_dim 8"),
+    Family("gemma", "GemmaForCausalLM", "gemma", tied=True, note="tied, GeGLU (gelu_tanh), (1 + w) RMSNorm, embedding scaled by sqrt(h)"),
+    Family("gemma2", "Gemma2ForCausalLM", "gemma2", tied=True,
+           overrides=_o(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=8, query_pre_attn_scalar=8),
+           note="attention and final logit soft-capping, sliding window 8 on alternate layers, pre/post norms"),
+    Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", tied=True, num_layers=6, overrides=_o(sliding_window=8, query_pre_attn_scalar=8),
+           note="QK norm, sliding window 8 (5 local : 1 global), local/global RoPE bases"),
+    Family("gemma4", "Gemma4ForCausalLM", "gemma4_text", tied=True, overrides=_o(sliding_window=8, hidden_size_per_layer_input=8,
+           vocab_size_per_layer_input=128, global_head_dim=16), note="per-layer input embeddings, global head_dim 16"),
+    Family("nemotron", "NemotronForCausalLM", "nemotron", note="non-gated squared ReLU, LayerNorm1p (zoo hf-nemotron)"),
+    Family("exaone4", "Exaone4ForCausalLM", "exaone4", overrides=_o(sliding_window=8, sliding_window_pattern=4),
+           note="QK norm, post-norms, sliding window 8 (3 local : 1 global)"),
+    # ---- MoE text causal LMs
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", num_experts=4, note="routed experts top-2, QK norm"),
+    Family("olmoe", "OlmoeForCausalLM", "olmoe", num_experts=4, note="QK norm over the full q/k width, top-2 of 4"),
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek_v2", num_experts=4, overrides=_o(**_MLA, **_DSMOE, num_experts_per_tok=2),
+           note="MLA (q_lora_rank 32, kv_lora_rank 16), 1 shared expert, first layer dense"),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", num_experts=4, overrides=_o(**_MLA, **_DSMOE),
+           note="MLA, sigmoid router with expert bias, 1 shared expert, first layer dense"),
+    Family("deepseek_v4", "DeepseekV4ForCausalLM", "deepseek_v4", num_experts=4,
+           overrides=_o(q_lora_rank=32, o_lora_rank=16, o_groups=2, head_dim=16, qk_rope_head_dim=8,
+                        index_n_heads=2, index_head_dim=8, index_topk=4, sliding_window=8, hc_mult=2, n_shared_experts=1,
+                        num_nextn_predict_layers=0), note="MLA-like q LoRA, grouped o LoRA, hyper-connections, indexer"),
+    Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", num_experts=4,
+           overrides=_o(n_shared_experts=1, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True),
+           note="partial RoPE 0.5, q/k/v biases, QK norm, 1 shared expert, first layer dense"),
+    Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", "glm4_moe_lite", num_experts=4, overrides=_o(**_MLA, **_DSMOE),
+           note="MLA, shared expert, first layer dense"),
+    Family("glm_moe_dsa", "GlmMoeDsaForCausalLM", "glm_moe_dsa", num_experts=4,
+           overrides=_o(**_MLA, **_DSMOE, index_n_heads=2, index_head_dim=16, index_topk=4),
+           note="MLA + DeepSeek sparse attention indexer"),
+    Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", num_experts=4, overrides=_o(sliding_window=8, attention_bias=True),
+           note="attention sinks, q/k/v/o biases, expert biases, clamped SwiGLU, sliding window 8 on alternate layers"),
+    Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", "ernie4_5_moe", num_experts=4, tied=True,
+           overrides=_o(moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=3),
+           note="tied, 1 shared expert, first layer dense, expert-bias router"),
+    Family("exaone_moe", "ExaoneMoeForCausalLM", "exaone_moe", num_experts=4,
+           overrides=_o(num_shared_experts=1, first_k_dense_replace=1, sliding_window=8),
+           note="shared expert, first layer dense, sliding window"),
+    Family("exaone_moe_caps", "ExaoneMoEForCausalLM", "exaone_moe", num_experts=4,
+           overrides=_o(num_shared_experts=1, first_k_dense_replace=1, sliding_window=8),
+           note="the Bridge's second spelling of Exaone-MoE (remote-code name): config.architectures names it"),
+    Family("hy_v3", "HYV3ForCausalLM", "hy_v3", num_experts=4, overrides=_o(num_shared_experts=1, first_k_dense_replace=1),
+           note="shared expert, QK norm"),
+    Family("minimax_m2", "MiniMaxM2ForCausalLM", "minimax_m2", num_experts=4, note="sigmoid router with bias, QK norm over all heads"),
+    # ---- hybrid / linear attention (Megatron's layers need CUDA-only kernels)
+    Family("qwen3_next", "Qwen3NextForCausalLM", "qwen3_next", num_experts=4, needs="fla",
+           note="gated DeltaNet layers: Megatron's GatedDeltaNet needs flash-linear-attention (fla)"),
+    Family("qwen3_5_text", "Qwen3_5ForCausalLM", "qwen3_5_text", needs="fla",
+           note="gated DeltaNet layers: Megatron's GatedDeltaNet needs flash-linear-attention (fla)"),
+    Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", num_experts=4, needs="fla",
+           note="gated DeltaNet layers: Megatron's GatedDeltaNet needs flash-linear-attention (fla)"),
+    Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", needs="mamba_ssm", overrides=_o(
+           mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=1, chunk_size=16, layers_block_type=["mamba", "attention", "mamba", "mlp"]),
+           note="Mamba-2 layers: Megatron's MambaMixer needs mamba_ssm (CUDA kernels)"),
+    Family("falcon_h1", "FalconH1ForCausalLM", "falcon_h1", needs="mamba_ssm", overrides=_o(
+           mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=16),
+           note="parallel attention + Mamba-2: Megatron's MambaMixer needs mamba_ssm (CUDA kernels)"),
+    # ---- registered by name only: modeling code is hub remote code
+    Family("bailing_moe_v2", "BailingMoeV2ForCausalLM", None, needs="transformers.models.bailing_moe_v2",
+           note=_REMOTE.format(v="5.12.1", m="BailingMoeV2ForCausalLM")),
+    Family("kimi_k2", "KimiK2ForCausalLM", None, needs="transformers.models.kimi_k2",
+           note="remote code (DeepSeek-V3 shaped); transformers has no kimi_k2"),
+    Family("mimo", "MiMoForCausalLM", None, needs="transformers.models.mimo", note="remote code (Qwen2 + MTP)"),
+    Family("mimo_v2_flash", "MiMoV2FlashForCausalLM", None, needs="transformers.models.mimo_v2_flash", note="remote code"),
+    Family("llama_nemotron", "DeciLMForCausalLM", None, needs="transformers.models.deci", note="remote code (DeciLM, heterogeneous blocks)"),
+    Family("sarvam_mla", "SarvamMLAForCausalLM", None, needs="transformers.models.sarvam", note="remote code"),
+    Family("sarvam_moe", "SarvamMoEForCausalLM", None, needs="transformers.models.sarvam", note="remote code"),
+    Family("step3p5", "Step3p5ForCausalLM", None, needs="transformers.models.step3p5", note="remote code (the Bridge registers only its config)"),
+    Family("nemotron_labs_diffusion", "NemotronLabsDiffusionModel", None, needs="transformers.models.nemotron_labs_diffusion",
+           note="remote code; a diffusion LM, not a causal LM"),
+    # ---- VL / omni / audio: the language path is later work
+    *(Family(n, a, mt, path="vl") for n, a, mt in (
+        ("ernie4_5_vl_moe", "Ernie4_5_VLMoeForConditionalGeneration", "ernie4_5_vl_moe"),
+        ("exaone4_5", "Exaone4_5_ForConditionalGeneration", "exaone4_5"),
+        ("gemma3_vl", "Gemma3ForConditionalGeneration", "gemma3"),
+        ("gemma4_vl", "Gemma4ForConditionalGeneration", "gemma4"),
+        ("glm4v_moe", "Glm4vMoeForConditionalGeneration", "glm4v_moe"),
+        ("kimi_k25_vl", "KimiK25ForConditionalGeneration", None),
+        ("minimax_m3_vl", "MiniMaxM3SparseForConditionalGeneration", "minimax_m3_vl"),
+        ("mistral3", "Mistral3ForConditionalGeneration", "mistral3"),
+        ("nemotron_vl", "NemotronH_Nano_VL_V2", None),
+        ("nemotron_omni", "NemotronH_Nano_Omni_Reasoning_V3", None),
+        ("qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3_vl"),
+        ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"),
+        ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
+        ("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"),
+        ("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", "qwen3_5"),
+        ("qwen3_asr", "Qwen3ASRForConditionalGeneration", None),
+        ("qwen2_audio", "Qwen2AudioForConditionalGeneration", "qwen2_audio"),
+        ("qwen3_omni", "Qwen3OmniMoeForConditionalGeneration", "qwen3_omni_moe"),
+        ("qwen2_5_omni", "Qwen2_5OmniForConditionalGeneration", "qwen2_5_omni"),
+        ("step3p7_vl", "Step3p7ForConditionalGeneration", None),
+    )),
+)
+
+BY_ARCHITECTURE: dict[str, Family] = {f.architecture: f for f in FAMILIES}
+BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}

@@ -1,0 +1,299 @@
+"""Every architecture the installed Megatron-Bridge registers: enumerate, classify, derive a tiny
+config, generate the matrix.
+
+- `registered()`: the HF architecture names of the installed Bridge's registry
+  (`AutoBridge.list_supported_models()`, i.e. `get_model_bridge`'s dispatch table that every
+  `@MegatronModelBridge.register_bridge(source=...)` fills), each with its bridge class, the
+  model_type it declares and its provider class.
+- `classify(family)`: against the installed transformers: "text" (config class in
+  CONFIG_MAPPING and a causal-LM class in MODEL_FOR_CAUSAL_LM_MAPPING: runnable here unless it
+  `needs` a module this machine lacks), "vl" (the language path is later work) or "missing" (the
+  modeling code is hub remote code, or a CUDA-only kernel: the module named).
+- `tiny_config(spec)`: the family's config class's defaults, shrunk generically (`SHRINK`, the
+  MoE and MLA knobs below, `layer_types` recomputed for the layer count) plus the family's
+  `overrides` (harness.core.families): one table, no per-architecture function.
+- `matrix_yaml()`: matrices/architectures.yaml (`python -m harness.models.architectures --write`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.core.families import BY_ARCHITECTURE, FAMILIES, Family
+from harness.core.zoo import HFModelSpec
+
+#: The generic shrink: every key the config class has is set so (a model of ~100k parameters).
+SHRINK: dict[str, Any] = dict(vocab_size=128, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                              initializer_range=0.02)
+#: MoE knobs by their names across families: routed expert count, top-k, expert ffn widths.
+MOE_COUNT = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+MOE_TOPK = ("num_experts_per_tok", "moe_k", "top_k_experts")
+MOE_FFN = ("moe_intermediate_size", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size")
+#: Per-layer pattern lists transformers derives from the layer count when absent.
+LAYER_LISTS = ("layer_types", "mlp_layer_types", "indexer_types")
+#: The hand-written fixtures of harness.models.hf (bytes pinned by goldens: never through this path).
+HAND_WRITTEN = ("llama", "qwen2", "nemotron", "qwen3_moe")
+#: The MoE families whose shrink keeps their dense first layer (first_k_dense_replace 1).
+_DENSE_FIRST = ("first_k_dense_replace", "moe_layer_start_index")
+
+
+@dataclass(frozen=True)
+class Registered:
+    architecture: str
+    bridge: str  # module.Class of the bridge
+    model_type: str | None  # what the bridge declares (MODEL_TYPE), None when it declares none
+    provider: str | None
+
+
+def registered() -> list[Registered]:
+    """The installed Bridge's registry, sorted by architecture; raises when it is empty (an
+    import that silently registered nothing would otherwise read as "no architectures")."""
+    from harness.compat.te import import_megatron_bridge
+
+    import_megatron_bridge()
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.models.conversion import model_bridge as mbm
+
+    names = AutoBridge.list_supported_models()
+    out = []
+    for key, impl in mbm.get_model_bridge._exact_types.items():
+        name = key if isinstance(key, str) else key.__name__
+        cls = next((c.cell_contents for c in (impl.__closure__ or ()) if isinstance(c.cell_contents, type)
+                    and issubclass(c.cell_contents, mbm.MegatronModelBridge)), None)
+        prov = getattr(cls, "PROVIDER_CLASS", None)
+        out.append(Registered(name, f"{cls.__module__}.{cls.__name__}" if cls else "?", getattr(cls, "MODEL_TYPE", None),
+                              prov.__name__ if prov else None))
+    if not names or not out:
+        raise RuntimeError("the installed Megatron-Bridge registers no architecture (AutoBridge.list_supported_models() is empty)")
+    return sorted(out, key=lambda r: r.architecture)
+
+
+def family_of(architecture: str) -> Family | None:
+    return BY_ARCHITECTURE.get(architecture)
+
+
+def unknown_architectures(names: list[str]) -> list[str]:
+    """Registered architectures harness.core.families has no row for (a Bridge bump added them)."""
+    return sorted(n for n in names if n not in BY_ARCHITECTURE)
+
+
+def classify(f: Family) -> tuple[str, str]:
+    """(status, reason): "text" runnable here, "vl" (later), "missing" (the module named in reason)."""
+    from harness.core.requires import module_missing
+
+    if f.path == "vl":
+        return "vl", f"{f.architecture}: a VL/omni/audio model; its language path is later work"
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if f.model_type is None or f.model_type not in CONFIG_MAPPING_NAMES:
+        return "missing", f"needs the module {f.needs}: transformers has no config for {f.architecture} ({f.note})"
+    if f.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "missing", f"transformers has no causal-LM class for model_type {f.model_type}"
+    if f.needs and (why := module_missing(f.needs)):
+        return "missing", f"needs the module {f.needs}: {why} ({f.note})"
+    return "text", f.note
+
+
+# --------------------------------------------------------------------------- the tiny config
+
+
+def _shrink(spec: HFModelSpec, defaults: dict[str, Any]) -> dict[str, Any]:
+    kw: dict[str, Any] = {k: v for k, v in SHRINK.items() if k in defaults}
+    kw.update(hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+              num_key_value_heads=spec.num_key_value_heads, tie_word_embeddings=spec.tied, vocab_size=spec.vocab_size)
+    if "intermediate_size" in defaults:
+        kw["intermediate_size"] = spec.intermediate_size
+    if "head_dim" in defaults:
+        kw["head_dim"] = spec.head_dim
+    for eps in ("rms_norm_eps", "norm_eps", "layer_norm_epsilon"):
+        if eps in defaults:
+            kw[eps] = 1e-6
+    if spec.num_experts:
+        kw.update({k: spec.num_experts for k in MOE_COUNT if k in defaults})
+        kw.update({k: spec.num_experts_per_tok for k in MOE_TOPK if k in defaults})
+        kw.update({k: spec.moe_intermediate_size for k in MOE_FFN if k in defaults})
+    for k in ("n_group", "topk_group"):
+        if defaults.get(k) is not None:
+            kw[k] = 1
+    return kw
+
+
+def tiny_config(spec: HFModelSpec):
+    """The family's config class at the spec's size, its distinctive options on (`spec.overrides`)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[spec.arch]
+    defaults = cls().to_dict()
+    kw = _shrink(spec, defaults)
+    kw.update({k: list(v) if isinstance(v, tuple) else v for k, v in spec.overrides})
+    config = AutoConfig.for_model(spec.arch, **kw)
+    for name in LAYER_LISTS:  # a list the class did not derive for this layer count: the default's pattern, cut
+        value = getattr(config, name, None)
+        if isinstance(value, list) and len(value) != spec.num_layers:
+            setattr(config, name, (list(defaults.get(name) or value) * spec.num_layers)[: spec.num_layers])
+    if spec.architecture:
+        config.architectures = [spec.architecture]
+    return config
+
+
+def distinctive(config) -> dict[str, Any]:
+    """The options a tiny config keeps on, by name (what tests/test_architectures.py asserts)."""
+    keys = ("q_lora_rank", "kv_lora_rank", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "attention_bias",
+            "n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "first_k_dense_replace", "tie_word_embeddings",
+            *MOE_COUNT, *MOE_TOPK, "layer_types", "mlp_layer_types")
+    return {k: getattr(config, k) for k in keys if hasattr(config, k)}
+
+
+# --------------------------------------------------------------------------- the CPU layer spec
+
+
+def cpu_layer_spec(provider: Any):
+    """A family's layer spec on CPU: megatron-core's decoder block spec without Transformer-Engine
+    (local modules), from the provider's own config (MoE layer frequency, MLA, QK norm, MTP), in
+    place of the provider's TE spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    def spec(config, vp_stage: int | None = None):
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization,
+                                           qk_l2_norm=bool(getattr(config, "qk_l2_norm", False)), vp_stage=vp_stage)
+        if getattr(config, "layernorm_zero_centered_gamma", False):
+            _swap_norms(block, set())
+        return block
+
+    return spec
+
+
+def _swap_norms(node: Any, seen: set[int]) -> None:
+    """Every megatron-core local norm (WrappedTorchNorm) in a spec tree -> ZeroCenteredNorm:
+    megatron-core 0.19.2's torch_norm.py:44 asserts `not layernorm_zero_centered_gamma` (Gemma's
+    (1 + w) RMSNorm), the fused norms need Apex or Transformer-Engine."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if id(node) in seen or node is None or isinstance(node, (str, int, float, bool, type)):
+        return
+    seen.add(id(node))
+    items = vars(node).items() if hasattr(node, "__dict__") else (enumerate(node) if isinstance(node, list) else ())
+    for key, value in list(items):
+        if value is WrappedTorchNorm:
+            if isinstance(node, list):
+                node[key] = ZeroCenteredNorm
+            else:
+                setattr(node, key, ZeroCenteredNorm)
+        else:
+            _swap_norms(value, seen)
+
+
+class ZeroCenteredNorm(torch.nn.Module):
+    """y = norm(x) * (1 + weight) (+ bias for LayerNorm): RMSNorm or LayerNorm as the config says."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__()
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        for p in self.parameters():
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+            return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight + 1, self.bias, self.eps)
+
+
+# --------------------------------------------------------------------------- the matrix
+
+_HEADER = """\
+# Generated by `python -m harness.models.architectures --write` from the installed Megatron-Bridge's
+# registry (AutoBridge.list_supported_models()) and harness/core/families.py; edit those, then
+# regenerate (tests/test_architectures.py fails when the two disagree). docs/architectures.md: the table.
+# Marker `arch`: opt-in (scripts/test excludes it): scripts/test -m arch, or
+#   ckpt-harness run matrices/architectures.yaml -k hf-<family>
+name: architectures
+defaults: {backends: [bridge_hf], timeout_s: 600, max_world_size: 2, markers: [hf, arch]}
+entries:
+"""
+
+
+def pairs_for(f: Family) -> list[str]:
+    """tp1 -> tp2 (expert TP 1 for a family whose experts have biases: megatron-core asserts
+    ETP 1 there, transformer_config.py:2279-2281), and tp1 -> pp2 where the layers split over two stages."""
+    tp2 = "tp2etp1" if dict(f.overrides).get("attention_bias") and f.num_experts else "tp2"
+    return [f"tp1 -> {tp2}"] + (["tp1 -> pp2"] if f.num_layers % 2 == 0 and f.num_layers >= 2 else [])
+
+
+def matrix_yaml(xfails: dict[str, dict[str, Any]] | None = None) -> str:
+    """The matrix: one hf-roundtrip entry per text family and pair (not-run through `requires`
+    where a module is missing; a strict xfail from XFAILS, keyed "family" or "family pair");
+    VL/omni families listed as deferred in a comment (the docs' table says why)."""
+    xfails = xfails if xfails is not None else XFAILS
+    lines = [_HEADER]
+    for f in FAMILIES:
+        if f.path == "vl":
+            continue
+        for pair in pairs_for(f):
+            lines.append(f"  - case: hf-roundtrip\n    models: [{f.zoo_name}]\n    pairs: [\"{pair}\"]\n")
+            if f.needs:
+                lines.append(f"    requires: [\"module:{f.needs}\"]\n")
+            x = xfails.get(f"{f.name} {pair}") or xfails.get(f.name)
+            if x:
+                lines.append("    xfail:\n" + "".join(f"      {k}: {_q(v)}\n" for k, v in x.items()))
+    deferred = [f for f in FAMILIES if f.path == "vl"]
+    lines.append("# deferred: VL / omni / audio (the language path is later work): "
+                 + ", ".join(f.architecture for f in deferred) + "\n")
+    return "".join(lines)
+
+
+def _q(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+#: Named upstream defects per family (strict xfails): filled from the triage (docs/architectures.md).
+_MLA_XFAIL = {
+    "reason": "megatron-core 0.19.2: the local (non-TE) MLA spec cannot build: MLASelfAttention passes k_channels "
+              "(transformer/multi_latent_attention.py:214) to core_attention, but the local DotProductAttention "
+              "(transformer/dot_product_attention.py:41-51) takes no k_channels; only TEDotProductAttention does",
+    "match": "DotProductAttention.__init__\\(\\) got an unexpected keyword argument 'k_channels'",
+    "raised_in": "megatron.core.transformer",
+}
+XFAILS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": _MLA_XFAIL, "deepseek_v3": _MLA_XFAIL, "glm4_moe_lite": _MLA_XFAIL,
+    "gemma4 tp1 -> pp2": {
+        "reason": "Megatron-Bridge 0.6.2: Gemma4DenseProvider.provide raises for pipeline_model_parallel_size != 1 "
+                  "(models/gemma/gemma4_provider.py:199-200)",
+        "match": "Gemma4DenseProvider currently supports PP=1 only", "raised_in": "megatron.bridge.models.gemma"},
+    "glm_moe_dsa": {
+        "reason": "Megatron-Bridge 0.6.2 glm_moe_dsa/glm5_bridge.py:135 reads hf_config.indexer_rope_interleave, a field "
+                  "transformers 5.12.1's GlmMoeDsaConfig does not define (the model's own config has no such field)",
+        "match": "'GlmMoeDsaConfig' object has no attribute 'indexer_rope_interleave'", "raised_in": "transformers.configuration_utils"},
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help="write matrices/architectures.yaml")
+    ap.add_argument("--list", action="store_true", help="print the registry with each family's class")
+    a = ap.parse_args(argv)
+    if a.list:
+        for r in registered():
+            f = family_of(r.architecture)
+            status, why = classify(f) if f else ("unknown", "no row in harness/core/families.py")
+            print(f"{r.architecture:45s} {(f.zoo_name if f else '-'):28s} {status:8s} {why}")
+    if a.write:
+        Path("matrices/architectures.yaml").write_text(matrix_yaml())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

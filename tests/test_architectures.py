@@ -1,0 +1,149 @@
+"""The architectures the installed Megatron-Bridge registers (harness.models.architectures):
+the registry enumeration, the families table covering it, each tiny config keeping its family's
+distinctive options on, the generated matrix agreeing with the table, and a planted mapping
+defect in one family's fixture turning only that family red."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.core.families import BY_NAME, FAMILIES
+from harness.core.zoo import get_model
+from harness.models import architectures as arch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return arch.registered()
+
+
+def test_registry_enumerates_the_installed_bridge(registry):
+    names = [r.architecture for r in registry]
+    assert len(names) >= 50 and "LlamaForCausalLM" in names and "DeepseekV3ForCausalLM" in names
+    assert arch.unknown_architectures(names) == [], "a registered architecture has no row in harness/core/families.py"
+
+
+def test_empty_registry_fails(monkeypatch):
+    arch.registered()  # the Bridge imported once
+    from megatron.bridge import AutoBridge
+
+    monkeypatch.setattr(AutoBridge, "list_supported_models", classmethod(lambda cls: []))
+    with pytest.raises(RuntimeError, match="registers no architecture"):
+        arch.registered()
+
+
+def test_every_family_resolves_in_the_zoo():
+    for f in FAMILIES:
+        assert get_model(f.zoo_name, "hf").arch in (f.model_type, f.name)
+
+
+def test_matrix_file_is_the_generated_one():
+    assert (ROOT / "matrices" / "architectures.yaml").read_text() == arch.matrix_yaml(), \
+        "regenerate: python -m harness.models.architectures --write"
+
+
+def _config(name):
+    return arch.tiny_config(get_model(f"hf-{name}"))
+
+
+# family -> the options its tiny config keeps on
+DISTINCTIVE = {
+    "deepseek_v3": lambda c: c.q_lora_rank and c.kv_lora_rank and c.n_shared_experts >= 1 and c.first_k_dense_replace == 1,
+    "deepseek_v2": lambda c: c.q_lora_rank and c.kv_lora_rank,
+    "glm4_moe_lite": lambda c: c.q_lora_rank and c.kv_lora_rank,
+    "gemma2": lambda c: c.attn_logit_softcapping and c.final_logit_softcapping and c.sliding_window < 16
+    and "sliding_attention" in c.layer_types and "full_attention" in c.layer_types and c.tie_word_embeddings,
+    "gemma3": lambda c: c.sliding_window < 16 and "sliding_attention" in c.layer_types and "full_attention" in c.layer_types,
+    "gpt_oss": lambda c: c.attention_bias and c.num_local_experts >= 2 and c.sliding_window < 16,
+    "glm4_moe": lambda c: c.attention_bias and c.use_qk_norm and c.n_shared_experts >= 1,
+    "gemma": lambda c: c.tie_word_embeddings,
+    "exaone4": lambda c: c.sliding_window < 16 and len(c.layer_types) == c.num_hidden_layers,
+    "ernie4_5_moe": lambda c: c.moe_num_shared_experts >= 1 and c.moe_layer_start_index == 1,
+}
+
+
+@pytest.mark.parametrize("name", sorted(DISTINCTIVE))
+def test_tiny_config_keeps_the_family_options_on(name):
+    c = _config(name)
+    assert DISTINCTIVE[name](c), arch.distinctive(c)
+    assert c.num_hidden_layers <= 6 and c.hidden_size <= 64
+
+
+def test_qwen2_has_qkv_biases():
+    from transformers import AutoModelForCausalLM
+
+    from harness.models.hf import hf_config
+
+    model = AutoModelForCausalLM.from_config(hf_config(get_model("hf-qwen2")))
+    names = {n for n, _ in model.named_parameters()}
+    assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias"} <= names
+
+
+@pytest.mark.parametrize("f", [f for f in FAMILIES if f.num_experts and f.model_type], ids=lambda f: f.name)
+def test_moe_families_route_top_k_of_several(f):
+    if arch.classify(f)[0] != "text" and not f.needs:
+        pytest.skip(arch.classify(f)[1])
+    c = _config(f.name)
+    counts = [getattr(c, k) for k in arch.MOE_COUNT if getattr(c, k, None)]
+    topk = [getattr(c, k) for k in arch.MOE_TOPK if getattr(c, k, None)]
+    assert counts and min(counts) >= 2 and topk and 1 <= min(topk) < min(counts), arch.distinctive(c)
+
+
+def test_classification_names_the_missing_module():
+    assert arch.classify(BY_NAME["nemotron_h"]) == ("missing", arch.classify(BY_NAME["nemotron_h"])[1])
+    assert "mamba_ssm" in arch.classify(BY_NAME["nemotron_h"])[1]
+    assert "transformers.models.kimi_k2" in arch.classify(BY_NAME["kimi_k2"])[1]
+    assert arch.classify(BY_NAME["gemma2"])[0] == "text"
+    assert arch.classify(BY_NAME["qwen3_vl"])[0] == "vl"
+
+
+# ---------------------------------------------------------------- a planted mapping defect
+
+
+def _unmapped_keys(name: str, tmp_path: Path) -> list[str]:
+    """The fixture keys of `name` that its Bridge's mapping registry cannot place (HF -> Megatron
+    lookup): cheap, no world."""
+    from harness.compat.te import import_megatron_bridge
+
+    import_megatron_bridge()
+    from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+    from safetensors import safe_open
+
+    from harness.models.hf import write_fixture
+
+    spec = get_model(f"hf-{name}")
+    d = write_fixture(spec, tmp_path / name)
+    with safe_open(str(d / "model.safetensors"), "pt") as fh:
+        keys = list(fh.keys())
+    registry = get_model_bridge(spec.architecture or arch.tiny_config(spec).architectures[0]).mapping_registry()
+    return sorted(k for k in keys if registry.hf_to_megatron_lookup(k) is None)
+
+
+FAMILIES_CHECKED = ("gemma2", "qwen3", "gemma", "deepseek_v3")
+
+
+@pytest.mark.parametrize("name", FAMILIES_CHECKED)
+def test_fixture_keys_are_all_mapped(name, tmp_path):
+    assert _unmapped_keys(name, tmp_path) == []
+
+
+def test_planted_mapping_defect_turns_only_its_family_red(tmp_path, monkeypatch):
+    """Gemma2's bridge loses its post-feedforward norm mapping: only gemma2 turns red, naming those keys."""
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+
+    cls = type(get_model_bridge("Gemma2ForCausalLM"))
+    original = cls.mapping_registry
+
+    def planted(self):
+        reg = original(self)
+        return MegatronMappingRegistry(*[m for m in reg.mappings if "post_feedforward_layernorm" not in str(m.hf_param)])
+
+    monkeypatch.setattr(cls, "mapping_registry", planted)
+    red = {name: _unmapped_keys(name, tmp_path / "planted") for name in FAMILIES_CHECKED}
+    assert red["gemma2"] and all("post_feedforward_layernorm" in k for k in red["gemma2"])
+    assert {n: v for n, v in red.items() if v and n != "gemma2"} == {}

@@ -26,11 +26,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from harness.core.result import API_MISSING, GREEN
-from harness.gate import classify, compare, envspec, evidence
+from harness.core.result import GREEN
+from harness.gate import archs, baseline_cache, classify, compare, envspec, evidence, progress
 from harness.gate.golden import NOT_WRITTEN
+from harness.gate.progress import say
+from harness.gate.verdict import reason, verdict_markdown  # noqa: F401  (bump.reason, bump.verdict_markdown)
 from harness.report.results import code_digest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,18 +61,21 @@ def _tail(text: str, n: int = 30) -> str:
     return "\n".join(text.rstrip().splitlines()[-n:])
 
 
-def _harness(side: Side, args: list[str], log: Path) -> int:
-    """`ckpt-harness ARGS` in the side's venv, from this checkout (the same harness code in both)."""
+def _harness(side: Side, args: list[str], log: Path, on_line: Callable[[str], Any] | None = None) -> int:
+    """`ckpt-harness ARGS` in the side's venv, from this checkout (the same harness code in both);
+    its output goes to `log`, each line also to `on_line` as it comes (the gate's progress)."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    cmd, env = [str(side.venv / "bin" / "python"), "-m", "harness.cli", *args], {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
-        proc = subprocess.run([str(side.venv / "bin" / "python"), "-m", "harness.cli", *args], cwd=ROOT, stdout=out,
-                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
-    return proc.returncode
-
-
-def say(text: str) -> None:
-    """One progress line on stderr (the verdict alone goes to stdout): a gate takes minutes a side."""
-    print(f"gate: {text}", file=sys.stderr, flush=True)
+        if on_line is None:
+            return subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                                errors="replace", bufsize=1)
+        for line in proc.stdout:
+            out.write(line)
+            out.flush()
+            on_line(line)
+        return proc.wait()
 
 
 def build_side(side: Side, cache: Path) -> None:
@@ -96,9 +101,13 @@ def run_matrix(side: Side, matrix: Path, k: str | None, out: Path, jobs: int = 2
     smoke runs them (a stored source is that run's, so it is never shared across sides)."""
     start = time.perf_counter()
     say(f"{side.name}: running {matrix}{f' -k {k!r}' if k else ''} (log: {out / 'run.log'})")
-    rc = _harness(side, ["run", str(matrix), "--report", str(out), "--jobs", str(jobs), "--probe-imports", *(["-k", k] if k else []),
-                         *([] if reuse else ["--no-reuse"])],
-                  out / "run.log")
+    progress.start(side.name, None)
+    try:
+        rc = _harness(side, ["run", str(matrix), "--report", str(out), "--jobs", str(jobs), "--probe-imports",
+                             *(["-k", k] if k else []), *([] if reuse else ["--no-reuse"])],
+                      out / "run.log", on_line=lambda line: progress.case_line(side.name, line))
+    finally:
+        progress.finish(side.name)
     log = _tail((out / "run.log").read_text(errors="replace"))
     if not (out / "results.json").exists():
         raise GateError(f"the {side.name} matrix run exited {rc} without results:\n{log}")
@@ -197,88 +206,6 @@ def cross_findings(doc: dict[str, Any], rollback: bool, base_versions: dict | No
     return out
 
 
-def reason(error: str | None) -> str:
-    """The line of an error a reader needs: the 'API not available' line, else the exception a
-    rank raised (not the 'rank N of M raised:' header), else the first line."""
-    from harness.run.world import exception_of
-
-    lines = (error or "").strip().splitlines()
-    if not lines:
-        return ""
-    if lines[0].startswith((API_MISSING, NOT_WRITTEN)):
-        return lines[0]
-    exc_type, message = exception_of(error or "")
-    return f"{exc_type}: {message.splitlines()[0] if message else ''}" if exc_type else lines[0]
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "/").replace("\n", " ")
-
-
-def _findings_section(title: str, meaning: str, found: list[compare.Finding]) -> list[str]:
-    if not found:
-        return []
-    rows = [f"| `{f.case}` | {f.kind} | {_cell(f.detail)} |" for f in found]
-    return [f"## {title} ({len(found)})", "", meaning + ".", "", "| case | class | detail |", "|---|---|---|", *rows, ""]
-
-
-def _not_evaluated(findings: list[compare.Finding]) -> list[str]:
-    """The harness's own limits on this candidate: counted per case kind, with each distinct reason once."""
-    holes = [f for f in findings if f.kind == "not-evaluated"]
-    if not holes:
-        return []
-    kinds: dict[str, int] = {}
-    reasons: dict[str, list[str]] = {}
-    for f in holes:
-        kinds[classify.case_kind(f.case)] = kinds.get(classify.case_kind(f.case), 0) + 1
-        reasons.setdefault(f.detail.split(": ", 1)[-1], []).append(f.case)
-    lines = [f"## Could not evaluate ({len(holes)})", "", "A coverage hole of the harness, not a finding about the "
-             "candidate: no driver for this release's internals, or no valid release set.", "",
-             "| case kind | cases |", "|---|---:|", *[f"| {k} | {n} |" for k, n in sorted(kinds.items())], "",
-             "| reason | cases |", "|---|---|"]
-    lines += [f"| {_cell(why)[:300]} | {len(ids)}: {', '.join(f'`{i}`' for i in ids[:3])}{' ...' if len(ids) > 3 else ''} |"
-              for why, ids in reasons.items()]
-    return lines + [""]
-
-
-def _release_sets(sides: list[Side]) -> list[str]:
-    """What was asked, what was resolved with it and why each companion moved (harness.gate.releases)."""
-    lines = []
-    for s in sides:
-        rs = s.release_set
-        if not rs:
-            continue
-        lines += [f"### Release set: {s.name}", "", "| | package | spec | why |", "|---|---|---|---|"]
-        lines += [f"| asked | | `{a}` | |" for a in rs.get("asked", [])]
-        lines += [f"| companion | {c['name']} | `{c['spec']}` | {_cell(c['reason'])} |" for c in rs.get("resolved", [])]
-        lines += [f"| dropped pin | {d['name']} | `{d.get('pinned')}` | {_cell(d['why'])} |" for d in rs.get("dropped", [])]
-        lines += [f"| user wins | | | {_cell(str(o))} |" for o in rs.get("overridden", [])]
-        lines += [f"| note | | | {_cell(str(n))} |" for n in rs.get("notes", [])]
-        lines.append("")
-    return lines
-
-
-def _side_table(sides: list[Side]) -> list[str]:
-    rows = ["| | specs | venv | megatron-core | megatron-bridge | torch | transformers | peft | env build s |", "|---|---|---|---|---|---|---|---|---:|"]
-    for s in sides:
-        v = s.versions
-        rows.append(f"| {s.name} | {' '.join(f'`{x}`' for x in s.specs) or 'the pins'} | `{s.venv.name if s.venv else '-'}` | "
-                    f"{v.get('megatron-core')} | {v.get('megatron-bridge')} | {v.get('torch')} | {v.get('transformers')} | {v.get('peft')} | {s.build_s:.0f} |")
-    return rows
-
-
-def _results_rows(doc: dict[str, Any]) -> list[str]:
-    rows = ["| artefact | status | checks | note |", "|---|---|---|---|"]
-    for r in doc["results"]:
-        checks = r.get("checks", [])
-        bad = [c["name"] for c in checks if c["status"] != "passed"]
-        note = reason(r.get("error"))[:200] if r.get("error") else "; ".join(
-            c["detail"][:160] for c in checks if c["name"] == "refusal")
-        rows.append(f"| `{r['id']}` | {r['status']} | {sum(c['status'] == 'passed' for c in checks)}/{len(checks)}"
-                    f"{' (' + ', '.join(bad) + ')' if bad else ''} | {note.replace('|', '/')} |")
-    return rows
-
-
 def stored_corpus(reader: Side, corpus: Path, out: Path, trust_pickles: bool = False) -> tuple[Path, float]:
     """The candidate reads a corpus written earlier (CI caches one per baseline pin hash). The corpus
     is a user's directory: its pickles are read weights_only unless `trust_pickles` (--trust-pickles)."""
@@ -295,7 +222,10 @@ def stored_corpus(reader: Side, corpus: Path, out: Path, trust_pickles: bool = F
 def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str | None, out: Path, cache: Path,
              thresholds: compare.Thresholds = compare.Thresholds(), cross: bool = True, corpus: Path | None = None,
              exact: bool = False, jobs: int = 2, reuse: bool = True, trust_pickles: bool = False,
-             baseline_results: Path | None = None) -> int:
+             baseline_results: Path | None = None, fresh_baseline: bool = False, concurrent: bool | None = None) -> int:
+    """The gate. The baseline's run comes from the cache (harness.gate.baseline_cache) when one was
+    made under the same key, else it runs (beside the candidate when `concurrent`, by default when
+    the machine has 4 cores or more) and is cached; `fresh_baseline` runs it again."""
     if out.exists() and any(out.iterdir()):
         print(f"ckpt-harness: {out} is not empty; the gate writes a new directory (it never overwrites or deletes)", file=sys.stderr)
         return 2
@@ -304,8 +234,9 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
     timings: dict[str, float] = {}
     findings: list[compare.Finding] = []
     cross_docs: list[tuple[str, dict]] = []
-    base = cand = None
+    base = cand = arch_problem = None
     cover: evidence.Coverage | None = None
+    notes: list[str] = []
     start = time.perf_counter()
     try:
         if not candidates:
@@ -318,20 +249,33 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
                     raise GateError(f"--{s.name} {spec!r}: {exc}") from None
         for s in sides:
             build_side(s, cache)
+        entry = key = None
         if baseline_results is not None:
             reuse_baseline(sides[0], baseline_results, out / "baseline")
-        for s in sides[1 if baseline_results is not None else 0:]:
-            timings[f"{s.name} matrix"] = run_matrix(s, matrix, k, out / s.name, jobs, reuse)
+            notes.append(f"- Baseline: the run given as --baseline-results `{baseline_results}` (not run by this gate).")
+        else:
+            entry, key = cached_baseline(sides[0], matrix, k, out, cache, fresh_baseline, notes)
+        to_run = [s for s in sides if s.name == "candidate" or (baseline_results is None and entry is None)]
+        timings.update(run_sides(to_run, matrix, k, out, jobs, reuse, concurrent, notes))
+        if key is not None and entry is None:
+            entry = baseline_cache.store(cache, key, out / "baseline" / "results.json", out)
+            if entry is not None:
+                say(f"baseline: cached as {entry.path} (key {key.digest}): the next gate with this key reuses it")
         base, cand = compare.load(out / "baseline"), compare.load(out / "candidate")
         same_selection(base, cand)
-        findings = compare.compare(base, cand, thresholds)
+        findings = compare.compare(base, cand, thresholds) + archs.diff(base, cand)
+        arch_problem = archs.problem(base, cand)
         if cross:
+            if entry is not None and baseline_cache.restore_corpus(entry, out / "cross" / "written-by-baseline"):
+                say(f"cross-version: the baseline's golden corpus comes from the cache ({entry.path / 'corpus'})")
             for writer, reader, rollback in ((sides[0], sides[1], False), (sides[1], sides[0], True)):
                 report, secs = run_cross(writer, reader, out / "cross", rollback)
                 timings[f"cross {writer.name}->{reader.name}"] = secs
                 doc = compare.load(report)
                 cross_docs.append((f"{writer.name} writes, {reader.name} reads" + (" (rollback)" if rollback else ""), doc))
                 findings += cross_findings(doc, rollback, sides[0].versions, sides[1].versions)
+            if entry is not None:
+                baseline_cache.store_corpus(entry, out / "cross" / "written-by-baseline")
         if corpus is not None:
             report, timings["stored corpus -> candidate"] = stored_corpus(sides[1], corpus, out / "cross", trust_pickles)
             doc = compare.load(report)
@@ -342,20 +286,70 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
         cover = evidence.coverage(base, cand, findings)
         code = evidence.exit_code(findings, cover)
         error = no_evidence(cover) if code == 2 else None
+        if archs.exit_code(code, arch_problem) != code:  # "no change" is evidence only when there is a registry
+            code, error = 2, f"the Megatron-Bridge architecture registry gives no evidence: {arch_problem}"
     except (GateError, compare.CompareInputError) as exc:
         code, error = 2, str(exc)
     timings["total"] = time.perf_counter() - start
     for s in sides:
         timings[f"{s.name} env build"] = s.build_s
-    md = verdict_markdown(sides, findings, base, cand, cross_docs, timings, error, code, cover)
+    head = [*(archs.lines(findings, arch_problem, base, cand) if base is not None and cand is not None else []), *notes]
+    md = verdict_markdown(sides, findings, base, cand, cross_docs, timings, error, code, cover, head)
     (out / "verdict.md").write_text(md + "\n")
     (out / "gate.json").write_text(json.dumps({
         "exit_code": code, "error": error, "sides": [{**asdict(s), "venv": str(s.venv)} for s in sides],
-        "coverage": asdict(cover) if cover is not None else None,
+        "coverage": asdict(cover) if cover is not None else None, "notes": notes,
         "timings_s": {k: round(v, 1) for k, v in timings.items()}, "findings": [f.to_dict() for f in findings],
     }, indent=2, default=str) + "\n")
     print(md)
     return code
+
+
+def cached_baseline(side: Side, matrix: Path, k: str | None, out: Path, cache: Path, fresh: bool,
+                    notes: list[str]) -> tuple[baseline_cache.Entry | None, baseline_cache.Key | None]:
+    """(the cache entry whose run stands in for the baseline's, copied into out/baseline | None, the key
+    this gate's baseline has); what was used and why goes into `notes` (the verdict's first lines)."""
+    ids = baseline_cache.selection(matrix, k)
+    if ids is None or side.venv is None:
+        notes.append("- Baseline: run by this gate (its selection could not be read here, so it is not cached).")
+        return None, None
+    key = baseline_cache.key_for(side.venv.name.removeprefix("venv-"), matrix, k, ids, code_digest(), ROOT)
+    if fresh:
+        notes.append(f"- Baseline: run by this gate (--fresh-baseline), cached under key `{key.digest}` ({key.describe()}).")
+        return None, key
+    entry, why = baseline_cache.lookup(cache, key)
+    if entry is not None:
+        try:
+            reuse_baseline(side, entry.results, out / "baseline")
+        except GateError as exc:  # the entry's env or code is not this gate's after all: run it
+            entry, why = None, str(exc).split(":")[0]
+    if entry is None:
+        say(f"baseline: {why}; running it")
+        notes.append(f"- Baseline: run by this gate ({why}), cached under key `{key.digest}` ({key.describe()}).")
+        return None, key
+    notes.append(f"- Baseline: **reused from the cache**, {entry.describe()}: {key.describe()}. "
+                 "`--fresh-baseline` runs it again.")
+    return entry, key
+
+
+def run_sides(sides: list[Side], matrix: Path, k: str | None, out: Path, jobs: int, reuse: bool,
+              concurrent: bool | None, notes: list[str]) -> dict[str, float]:
+    """Each side's matrix run: at once when `concurrent` (None: when this machine has >= 4 cores),
+    else one after the other; {'<side> matrix': seconds}."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    together = len(sides) > 1 and (concurrent if concurrent is not None else cores >= 4)
+    if len(sides) > 1:
+        how = (f"at once ({'--concurrent' if concurrent else f'{cores} cores'})" if together else
+               f"one after the other ({'--no-concurrent' if concurrent is False else f'{cores} core(s) < 4; --concurrent overlaps them'})")
+        say(f"the baseline and candidate runs go {how}")
+        notes.append(f"- Sides: the baseline and candidate matrix runs went {how}.")
+    if not together:
+        return {f"{s.name} matrix": run_matrix(s, matrix, k, out / s.name, jobs, reuse) for s in sides}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(sides)) as pool:
+        futures = {s.name: pool.submit(run_matrix, s, matrix, k, out / s.name, jobs, reuse) for s in sides}
+        return {f"{name} matrix": f.result() for name, f in futures.items()}  # the baseline's error first
 
 
 def import_findings(sides: list[Side]) -> list[compare.Finding]:
@@ -378,60 +372,3 @@ def no_evidence(cover: evidence.Coverage) -> str:
             "about that kind, so it cannot call the candidate safe")
 
 
-def verdict_markdown(sides: list[Side], findings: list[compare.Finding], base: dict | None, cand: dict | None,
-                     cross_docs: list[tuple[str, dict]], timings: dict[str, float], error: str | None,
-                     code: int | None = None, cover: evidence.Coverage | None = None) -> str:
-    """verdict.md: the head and what could not be evaluated first, then what failed (an import the
-    candidate broke with its traceback before anything else), then the evidence in detail."""
-    code = code if code is not None else 2 if error else compare.exit_code(findings)
-    failing = [f for f in findings if f.failing]
-    if code == 2:
-        head = "# Bump gate: COULD NOT RUN (exit 2)" if cover is None else "# Bump gate: NOT EVALUATED (exit 2)"
-    elif code == 1:
-        head = f"# Bump gate: NOT SAFE, {len(failing)} failing finding(s) (exit 1)"
-    else:
-        head = "# Bump gate: SAFE TO BUMP (exit 0)"
-    lines = [head, ""]
-    if cover is not None:
-        lines += [*cover.lines(), ""]
-    if error:
-        lines += ["```", error.strip(), "```", ""]
-    for f in (f for f in findings if f.kind == "does-not-import"):
-        module = f.case.removeprefix("import ")
-        lines += [f"## {module} does not import in the candidate", "", "Every user who bumps hits this first:", "",
-                  "```", sides[1].import_problems[module].strip(), "```", ""]
-    lines += [*_side_table(sides), "", *_release_sets(sides)]
-    for s in sides:
-        for module, problem in s.import_problems.items():
-            if s.name == "baseline" or module in sides[0].import_problems:
-                lines += [f"**{module} does not import in the {s.name}**: its cases could not be evaluated there.", "",
-                          "```", problem.strip(), "```", ""]
-    regressions = [f for f in failing if f.kind not in ("api-break", "does-not-import")]
-    lines += _findings_section("Regressions", "a check that passed now fails, or the candidate raises where the "
-                               "baseline loaded", regressions)
-    lines += _findings_section("Breaking API changes", "the candidate removed or renamed an API users call: whoever "
-                               "bumps hits it too (counted as failing)", [f for f in findings if f.kind == "api-break"])
-    lines += _not_evaluated(findings)
-    lines += _workarounds(sides, base, cand)
-    if base is not None and cand is not None:
-        matrix_findings = [f for f in findings if not f.case.startswith(("golden[", "import "))]
-        lines += [compare.markdown(base, cand, matrix_findings, ("baseline", "candidate")).replace("## ckpt-harness compare", "## Matrix"), ""]
-    for title, doc in cross_docs:
-        lines += [f"## Cross-version: {title}", "", *_results_rows(doc), ""]
-    lines += ["## Wall time", "", "| step | s |", "|---|---:|", *[f"| {k} | {v:.0f} |" for k, v in timings.items()]]
-    return "\n".join(lines)
-
-
-def _workarounds(sides: list[Side], base: dict | None, cand: dict | None) -> list[str]:
-    """Which harness.compat workarounds applied on each side, and to how many cases."""
-    counts: dict[str, list[int]] = {}
-    for i, doc in enumerate((base, cand)):
-        for r in (doc or {}).get("results") or []:
-            for name in r.get("compat_shims") or []:
-                counts.setdefault(name, [0, 0])[i] += 1
-    if not counts:
-        return []
-    return ["## Workarounds applied", "", "Each applied because its probe saw the upstream condition it patches "
-            "(harness/compat); one that applied on one side only is listed under Matrix.", "",
-            f"| workaround | {sides[0].name} cases | {sides[1].name} cases |", "|---|---:|---:|",
-            *[f"| {name} | {b} | {c} |" for name, (b, c) in sorted(counts.items())], ""]

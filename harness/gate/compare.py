@@ -24,6 +24,7 @@ Classes of finding (one case can have several):
 | fixed | base failed/error -> candidate passed | no |
 | not-run | a case ran on base and is `not-run` on the candidate (its reason: the machine lacked CUDA, TE, ...), or the reverse, or `not-applicable` on the base (the base release lacks an API the case needs): coverage moved with the machine or the release, not the code | no (listed) |
 | time-growth | phases.total grew > 1.5x and > 5 s | no |
+| architecture-removed / -added | an HF architecture the baseline's Megatron-Bridge registers and the candidate's does not / the reverse (harness.gate.archs, the gate only) | removed: yes; added: no (listed) |
 
 A disappeared case only warns: a renamed or re-tagged matrix entry disappears and appears under
 another id, and the gate cannot tell that from lost coverage, so it says so loudly and lets a
@@ -46,10 +47,11 @@ from harness.core.result import (
 )
 from harness.gate import classify
 
-FAILING = ("does-not-import", "regression", "new-refusal", "api-break", "diff-growth", "memory-growth")
+FAILING = ("does-not-import", "architecture-removed", "regression", "new-refusal", "api-break", "diff-growth",
+           "memory-growth")
 WARNING = ("disappeared", "new-workaround")
-ORDER = (*FAILING, "fixed-upstream", *WARNING, "not-evaluated", "not-run", "workaround-dropped", "appeared", "fixed",
-         "time-growth")
+ORDER = (*FAILING, "fixed-upstream", *WARNING, "not-evaluated", "not-run", "workaround-dropped", "architecture-added",
+         "appeared", "fixed", "time-growth")
 OK = ("passed", "xfailed")
 BAD = ("failed", "error")
 MiB = 2**20

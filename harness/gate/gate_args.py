@@ -30,4 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                       help="reuse this baseline run (a previous gate's DIR/baseline) instead of running the baseline "
                            "again: refused unless it is a whole run of this harness code in the baseline's environment "
                            "over the same cases")
+    gate.add_argument("--fresh-baseline", action="store_true",
+                      help="run the baseline even when a cached run of it exists (the cache, under --cache's baselines/, is keyed "
+                           "by the baseline env, the harness code digest and the selection; a matching entry is reused by default)")
+    gate.add_argument("--concurrent", action=argparse.BooleanOptionalAction, default=None,
+                      help="run the baseline and candidate matrix runs at once (default: only on a machine with 4 or more cores)")
     return gate

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from harness.gate.sweep.arch_axis import axis as arch_axis
 from harness.gate.sweep.render import load_results, write
 from harness.gate.sweep.spec import SweepSpecError, parse_releases, release_label
 from harness.gate.sweep.table import (
@@ -125,6 +126,7 @@ def run_cli(args: argparse.Namespace, driver: Driver | None = None, cross_driver
                                                            "error": f"{NOT_WRITTEN} or not checked: {type(exc).__name__}: {exc}"}]}))
                 cross = cross_table(checks, [lb for lb, _ in runs])
         table = sweep_table(runs, cross)
+        table.archs = arch_axis(runs)  # architecture x release, from each run's Bridge registry
     except (SweepSpecError, SweepInputError) as exc:
         return fail(str(exc))
     paths = write(table, args.out)

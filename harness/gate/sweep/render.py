@@ -9,6 +9,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from harness.gate.sweep.arch_axis import markdown_lines as arch_lines
+from harness.gate.sweep.arch_axis import to_json as arch_json
 from harness.gate.sweep.table import (
     GLYPHS,
     HOLES,
@@ -84,6 +86,8 @@ def markdown(t: SweepTable) -> str:
         for rel, o, why, ids in holes:
             shown = ", ".join(_code(i) for i in ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
             lines.append(f"| {_ranges(rel)} | {GLYPHS.get(o, o)} | {_md(why) or '-'} | {len(ids)}: {shown} |")
+    if t.archs is not None:
+        lines += ["", *arch_lines(t.archs)]
     if t.cross is not None:
         lines += ["", *_cross_markdown(t.cross)]
     return "\n".join(lines) + "\n"
@@ -164,6 +168,9 @@ def render_html(t: SweepTable, title: str = "ckpt-harness sweep") -> str:
         rows = "".join(f"<tr><td>{_e(_ranges(rel))}</td><td>{_e(o)}</td><td>{_e(why)}</td>"
                        f"<td>{len(ids)}: {_e(', '.join(ids))}</td></tr>" for rel, o, why, ids in holes)
         parts.append(f"<h2>Coverage holes</h2><table><tr><th>releases</th><th>outcome</th><th>reason</th><th>cases</th></tr>{rows}</table>")
+    if t.archs is not None:
+        ax = arch_lines(t.archs)
+        parts.append(f"<h2>{_e(ax[0].removeprefix('## '))}</h2><pre>{_e(chr(10).join(ax[2:]))}</pre>")
     if t.cross is not None:
         parts.append(_cross_html(t.cross))
     parts.append("</body></html>")
@@ -213,6 +220,7 @@ def to_json(t: SweepTable) -> dict[str, Any]:
             "checks": dict(zip(t.labels, row.checks)),
         } for row in t.cases],
         "cross": t.cross.to_dict() if t.cross is not None else None,
+        "architectures": arch_json(t.archs),
     }
 
 

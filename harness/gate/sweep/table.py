@@ -224,6 +224,8 @@ class SweepTable:
     releases: list[Release]
     cases: list[CaseRow]  # changed first (by first change, then id), then unchanged (by id)
     cross: CrossTable | None = None
+    #: the architecture x release axis (harness.gate.sweep.arch_axis.ArchAxis; None: no run recorded a registry)
+    archs: Any = None
 
     @property
     def labels(self) -> list[str]:

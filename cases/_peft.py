@@ -100,22 +100,42 @@ def load_peft(base_dir: Path, adapter_dir: Path, dtype: str = "fp32") -> Any:
     return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=HF_DTYPES[dtype]), adapter_dir)
 
 
-def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32") -> list[str]:
+def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32", input_ids: torch.Tensor | None = None) -> list[str]:
     """What goes wrong when users load the HF PEFT adapter `adapter_dir` over the HF base `base_dir`
-    with peft ([] when nothing; the peft-load check of peft-export, verl-checkpoint and the golden
-    corpus). Load as users do (PeftModel.from_pretrained, which only warns about missing keys and says
-    nothing of unexpected ones), then load the same files again through load_adapter, whose
-    result lists both."""
+    with peft ([] when nothing; the peft-load check of peft-export, peft-resume, verl-checkpoint and
+    the golden corpus; harness.judge.adapter_load judges it). Load as users do
+    (PeftModel.from_pretrained, which only warns about missing keys and says nothing of unexpected
+    ones: a warning filters away), then load the same files again through load_adapter, whose load
+    result lists both whatever PEFT's warning level; read every loaded lora_B and the file's, and
+    the adapted logits of `input_ids` (default: a fixed batch of the vocabulary) against the base
+    model's with the adapter disabled (redai-studio/Relax #262: a prefix-less adapter loads with
+    one warning and every lora_B zero)."""
     import warnings
+
+    from harness.backends._safetensors import read_safetensors
+    from harness.judge.adapter_load import AdapterLoad, adapter_load_problems
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = load_peft(base_dir, adapter_dir, dtype)
-    problems = [f"from_pretrained warned: {w.message}" for w in caught if "adapter keys" in str(w.message)]
+    r = AdapterLoad(warnings=[str(w.message) for w in caught if "adapter keys" in str(w.message)])
+    loaded = [m.lora_B["default"].weight for m in model.modules() if hasattr(m, "lora_B") and "default" in getattr(m, "lora_B", {})]
+    r.loaded_lora_b = len(loaded)
+    r.loaded_lora_b_max = max((float(b.detach().abs().max()) for b in loaded), default=0.0)
+    saved = [v for k, v in read_safetensors(adapter_dir).items() if "lora_B" in k]
+    r.saved_lora_b, r.saved_lora_b_max = len(saved), max((float(v.abs().max()) for v in saved), default=0.0)
+    with torch.no_grad():
+        model.eval()
+        if input_ids is None:
+            vocab = int(model.get_base_model().config.vocab_size)
+            input_ids = (torch.arange(16) * 7 % vocab).reshape(2, 8)
+        adapted = model(input_ids=input_ids).logits.float()
+        with model.disable_adapter():
+            base = model(input_ids=input_ids).logits.float()
+    r.effect = max_abs_diff(adapted, base)
     result = model.load_adapter(adapter_dir, adapter_name="recheck")
-    problems += [f"missing: {k}" for k in result.missing_keys]
-    problems += [f"unexpected: {k}" for k in result.unexpected_keys]
-    return problems
+    r.missing, r.unexpected = list(result.missing_keys), list(result.unexpected_keys)
+    return adapter_load_problems(r)
 
 
 def config_check(cfg: dict[str, Any], asked: dict[str, Any]) -> Check:

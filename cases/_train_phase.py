@@ -48,6 +48,10 @@ class TrainOut:
     fresh: dict[str, Any] | None = None
     #: per step of `losses_after`: the LR it used and the grad norm (training.train_steps' trace)
     trace_after: list[dict] = field(default_factory=list)
+    #: view "next": model and optimizer shards right after the first step of `losses_after` (the
+    #: step past a save or a load: resume's next-step check)
+    next_model: list[Shard] | None = None
+    next_optimizer: list[Shard] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ class TrainPhase:
     run_dir: str | None = None
     #: the finetune's reference: after its save the job restarts as a finetune would (training.restart)
     restart_after_save: bool = False
+    #: False: the job's saves leave the optimizer state out (TrainingJob.save_optim)
+    save_optim: bool = True
 
 
 def phase_of(model: ModelSpec, opts: training.TrainOptions, backend: BackendRef, **kw: Any) -> TrainPhase:
@@ -112,6 +118,7 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
     job, propagated = build_job(build, p.model, p.topo, p.cfg, decoy, sharding=p.sharding, mem_efficient=p.mem_efficient,
                                 step=p.first_step, **p2p)
     ddp, optimizer, scheduler = job.chunks, job.optimizer, job.scheduler
+    job.save_optim = p.save_optim
     step = p.first_step
     as_loaded = None
     if p.load_from is not None:
@@ -134,7 +141,14 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
         scheduler, step = training.restart(optimizer, p.cfg), 0
     if "fresh" in p.views:
         out.fresh = training.fresh_view(optimizer, scheduler)
-    out.losses_after = training.train_steps(ddp, optimizer, p.model, step, p.steps_after, scheduler, trace=out.trace_after)
+    first = 1 if "next" in p.views and p.steps_after else 0  # the step past the save/load, viewed on its own
+    out.losses_after = training.train_steps(ddp, optimizer, p.model, step, first, scheduler, trace=out.trace_after)
+    if first:
+        build.sync_params(ddp, optimizer, p.cfg)
+        out.next_optimizer, _ = build.optimizer_view(ddp, optimizer)
+        out.next_model = build.model_shards(ddp)
+    out.losses_after += training.train_steps(ddp, optimizer, p.model, step + first, p.steps_after - first, scheduler,
+                                             trace=out.trace_after)
     step += p.steps_after
     build.sync_params(ddp, optimizer, p.cfg)
     if "final" in p.views:

@@ -14,6 +14,10 @@ Checks:
                    one copy and not the other is a classic silent bug; not-run for fp32 (no split)
   refusal          (expect: refuse) the load raised one of `refuse_with`, with its message;
                    a silent load fails, and so does a refusal through an obscure exception
+  optimizer-absent (save_optim: false) the job saved without its optimizer state and the load asks for
+                   it (Megatron-Bridge #5706): the load must refuse with an error naming the optimizer
+                   state; one that completes (fresh optimizer state under a resumed job) or crashes on a
+                   bare KeyError fails (harness.judge.optimizer_absent)
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from harness.models.training import (
     untrainable,
     workaround_notes,
 )
+from harness.judge.optimizer_absent import OPTIMIZER_ABSENT, optimizer_absent_check
 from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
 
@@ -54,6 +59,9 @@ from harness.run.world import WorldError, exception_of
 class Options(TrainOptions):
     steps: int = 2
     refuse_with: tuple[str, ...] = ("CheckpointingException",)
+    #: false: the save leaves the optimizer state out (Megatron-LM --no-save-optim, Bridge
+    #: CheckpointConfig.save_optim) while the load still asks for it: check optimizer-absent only
+    save_optim: bool = True
 
 
 def refusal_meaning(spec: CaseSpec, opts: TrainOptions) -> str:
@@ -106,7 +114,8 @@ def save_step(env: RunEnv, result: CaseResult, model: ModelSpec, opts: TrainOpti
 
 def save_phase(model: ModelSpec, opts: TrainOptions, backend: BackendRef, topo: Topology, save_to: Path, steps: int):
     """What save_step's world runs (ReshardOptimizer.run hands it to RunEnv.launch_source)."""
-    return phase_of(model, opts, backend, topo=topo, save_to=str(save_to), steps_before_save=steps)
+    return phase_of(model, opts, backend, topo=topo, save_to=str(save_to), steps_before_save=steps,
+                    save_optim=getattr(opts, "save_optim", True))
 
 
 def load_step(env: RunEnv, result: CaseResult, model: ModelSpec, opts: TrainOptions, backend: BackendRef, topo: Topology,
@@ -116,6 +125,18 @@ def load_step(env: RunEnv, result: CaseResult, model: ModelSpec, opts: TrainOpti
     fails the world (harness.run.world.WorldError)."""
     return env.launch("load", train_phase,
                       phase_of(model, opts, backend, topo=topo, load_from=str(load_from), first_step=first_step), topo)
+
+
+def absent_check(error: WorldError | None, loaded: list[TrainOut] | None, change: str):
+    """optimizer-absent from the load world's outcome: its error (exception, message, the upstream
+    frame it was raised in), or, when it completed, the Adam step values the job then held."""
+    from harness.core.frames import raising_frame
+
+    if error is None:
+        return optimizer_absent_check(None, "", change, fresh=f"Adam step values after the load: {step_values(loaded or [])}")
+    text = error.rank_traceback or str(error)
+    exc_type, message = exception_of(text)
+    return optimizer_absent_check(exc_type or None, message, change, str(raising_frame(text) or ""))
 
 
 def step_values(outs: Sequence[TrainOut]) -> list[float]:
@@ -134,13 +155,16 @@ class ReshardOptimizer(Case):
     description = "model + optimizer checkpoint saved at S, loaded at D: optimizer state bitwise, step kept"
     Options = Options
     needs = frozenset({"training_state"})
-    checks = ("propagation", "optimizer-state", "step", "model-weights", WEIGHTS_MATCH_MAIN_PARAMS, "refusal", ASYNC_FINALIZE)
+    checks = ("propagation", "optimizer-state", "step", "model-weights", WEIGHTS_MATCH_MAIN_PARAMS, "refusal", OPTIMIZER_ABSENT,
+              ASYNC_FINALIZE)
     refusable = True
     finalizes_saves = True
 
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
         if spec.expect != "refuse" and "refuse_with" in spec.opts:
             raise ValueError("option 'refuse_with' only means something with expect: refuse")
+        if not opts.save_optim and spec.expect == "refuse":
+            raise ValueError("option 'save_optim: false' judges the refusal itself (check optimizer-absent): drop expect: refuse")
         untrainable(spec)
         cp_rule(spec, opts)
 
@@ -164,6 +188,11 @@ class ReshardOptimizer(Case):
             error = None
         except WorldError as exc:
             loaded, error = None, exc
+        if not opts.save_optim:
+            result.checks.append(absent_check(error, loaded, f"{src} -> {dst}"))
+            result.checks += not_run_checks([c for c in self.checks if c not in (ASYNC_FINALIZE, "refusal", OPTIMIZER_ABSENT)],
+                                            "saved with save_optim: false: only whether the load refuses is judged")
+            return
         if spec.expect == "refuse":
             exc_type, message = exception_of(error.rank_traceback or str(error)) if error else (None, "")
             result.checks.append(refusal_check(exc_type, message, opts.refuse_with, f"{src} -> {dst}", refusal_meaning(spec, opts)))

@@ -14,6 +14,12 @@ weights-match-main-params (dtype bf16: the resumed job's bf16 weights right afte
 its fp32 main params cast to bf16, bitwise, as do the uninterrupted job's at the save; not-run for
 fp32, which has no main/model split).
 
+next-step (option next_step: true; torchtitan's checkpoint_compat_test, Megatron-LM's
+checkpoint-consistency test): the step right past the load, on its own: its loss, the params and
+the optimizer state after it equal the uninterrupted run's after the same step (bitwise at S == D,
+else the resume tolerances). With `betas: [0, 0]` Adam's saved moments are the last gradient and
+its square, so a load that lost or reset them shows in that one step.
+
 dtype bf16 takes RESUME_LOSS_TOLERANCE_BF16 / RESUME_WEIGHT_TOLERANCE_BF16 across a topology
 change (S == D stays bitwise).
 """
@@ -72,6 +78,9 @@ class Options(TrainOptions):
     #: "mcore_dist strict=assume_ok_unexpected"; default the case's backend): a checkpoint one tool
     #: wrote, resumed by another
     load_with: str = ""
+    #: true: both jobs view model and optimizer right after the first step past the save / the load
+    #: (TrainOut.next_model / next_optimizer): check next-step
+    next_step: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -99,6 +108,23 @@ def judge_resave(k: int, src: str, dst: str, reference: list[TrainOut], resumed:
                         weight_tol, problems=p_ref + p_res),
         ]
     return checks
+
+
+def next_step_check(k: int, src: str, dst: str, reference: list[TrainOut], resumed: list[TrainOut], dtype: str = "fp32") -> Check:
+    """next-step: step k+1, the first past the save (uninterrupted) and the load (resumed): its loss,
+    then the params and the optimizer state after it, each equal (resume_tolerances: bitwise at S == D)."""
+    loss_tol, weight_tol = resume_tolerances(src, dst, dtype)
+    parts = [segment_losses(1, k, losses_of(reference)[:1], losses_of(resumed)[:1], src, dst, "next-step", loss_tol)]
+    for field, what in (("next_model", "params"), ("next_optimizer", "optimizer tensors")):
+        e, pe = assembled(reference, field, src)
+        a, pa = assembled(resumed, field, dst)
+        parts.append(state_check("next-step", e, a, f"uninterrupted@{src}", f"resumed@{dst}", f"{len(a)} {what} after step {k + 1} agree",
+                                 weight_tol, problems=pe + pa))
+    failed = [c for c in parts if c.failed]
+    worst = max((c.max_abs_diff or 0.0) for c in parts)
+    said = lambda c: c.detail + "".join(f" [{m.key}: {m.detail}]" for m in c.mismatches[:4])  # noqa: E731
+    return Check("next-step", "failed" if failed else "passed", "; ".join(map(said, failed or parts)), worst,
+                 parts[1].tolerance, [m for c in failed for m in c.mismatches])
 
 
 class _Final:
@@ -130,6 +156,7 @@ def judge(k: int, src: str, dst: str, reference: list[TrainOut], resumed: list[T
         state_check("final-weights", w_ref, w_res, f"uninterrupted@{src}", f"resumed@{dst}",
                     f"{len(w_res)} weights after {2 * k} steps agree", weight_tol, problems=p_ref + p_res),
         weights_match_main_params(sides, dtype),
+        *([next_step_check(k, src, dst, reference, resumed, dtype)] if any(o.next_model is not None for o in reference + resumed) else []),
     ]
 
 
@@ -139,7 +166,7 @@ class Resume(Case):
     Options = Options
     needs = frozenset({"training_state"})
     checks = ("propagation", "losses", "lr", "grad-norm", "final-weights", WEIGHTS_MATCH_MAIN_PARAMS, "resave-losses", "resave-final-weights",
-              ASYNC_FINALIZE)
+              "next-step", ASYNC_FINALIZE)
     finalizes_saves = True
 
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
@@ -154,7 +181,7 @@ class Resume(Case):
         result.notes += workaround_notes(opts, spec.source, spec.target)
         # bf16 also records model + optimizer views (the reference's at its save, the resumed job's
         # right after its load: steps_before_save is 0 there) for weights-match-main-params.
-        views = ("final", "optimizer") if opts.dtype == "bf16" else ("final",)
+        views = (("final", "optimizer") if opts.dtype == "bf16" else ("final",)) + (("next",) if opts.next_step else ())
         # the reference run at S (and its saves) is the same for every target: once per run (harness.run.reuse)
         root, reference = env.launch_source("save", train_phase, lambda d: phase_of(
             model, opts, backend, topo=spec.source, save_to=str(d / "ckpt"), steps_before_save=k, steps_after=k, views=views,

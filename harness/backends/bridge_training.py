@@ -341,7 +341,7 @@ class BridgeTraining(Backend):
         from harness.models.training import GLOBAL_BATCH
 
         self._prepare(job)
-        state = self._state(job, save=str(directory), load=None)
+        state = self._state(job, save=str(directory), load=None, save_optim=getattr(job, "save_optim", True))
         if self.options.async_save:  # one queue for the job's saves, as Bridge's GlobalState keeps it
             from harness.compat import require
             from harness.compat.mcore import ASYNC_RESULTS_QUEUE

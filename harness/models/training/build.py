@@ -64,8 +64,10 @@ def optimizer_config(cfg: TrainConfig):
     clip 1.0, bf16 flags with fp32 main params; the LR floor only where a scheduler reads it)."""
     from megatron.core.optimizer import OptimizerConfig
 
+    betas = dict(adam_beta1=float(cfg.betas[0]), adam_beta2=float(cfg.betas[1])) if getattr(cfg, "betas", ()) else {}
     return OptimizerConfig(
-        optimizer="adam",
+        optimizer=getattr(cfg, "optimizer", "adam"),
+        **betas,
         lr=cfg.lr,
         # the param groups' floor, read by an OptimizerParamScheduler (None without one: unchanged)
         min_lr=cfg.lr / 100 if cfg.lr_schedule != "none" else None,

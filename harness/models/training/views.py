@@ -72,9 +72,15 @@ class TrainingJob:
     step: int = 0
     bridge: Any = None  # harness.models.bridge.BridgeModel for a Megatron-Bridge model (AutoBridge, provider, HF dir)
     seed: int = 0  # the model's seed (a backend's CPU RNG-tracker shim derives from it)
+    #: False: a save leaves the optimizer state out (Megatron-LM's --no-save-optim, Bridge's
+    #: CheckpointConfig.save_optim); a load still asks for it (Megatron-Bridge #5706)
+    save_optim: bool = True
 
     def sharded_state(self, is_loading: bool, metadata: dict[str, Any] | None = None) -> dict:
-        return sharded_state(self.chunks, self.optimizer, self.sharding, self.mem_efficient, is_loading, metadata)
+        state = sharded_state(self.chunks, self.optimizer, self.sharding, self.mem_efficient, is_loading, metadata)
+        if not is_loading and not self.save_optim:
+            state.pop("optimizer", None)
+        return state
 
     def content_metadata(self) -> dict[str, Any]:
         """What Megatron-LM saves as this job's checkpoint content metadata."""

@@ -147,3 +147,39 @@ def test_planted_mapping_defect_turns_only_its_family_red(tmp_path, monkeypatch)
     red = {name: _unmapped_keys(name, tmp_path / "planted") for name in FAMILIES_CHECKED}
     assert red["gemma2"] and all("post_feedforward_layernorm" in k for k in red["gemma2"])
     assert {n: v for n, v in red.items() if v and n != "gemma2"} == {}
+
+
+def test_provider_specs_localize_every_te_class(registry):
+    """Gemma2's / EXAONE 4's own layer specs on CPU: every TE placeholder swapped for a stand-in that
+    keeps TE's parameter names (linear_qkv.layer_norm_weight, linear_proj.post_layernorm)."""
+    from unittest.mock import NonCallableMock
+
+    from megatron.bridge.models.exaone.exaone4.exaone4_provider import exaone4_layer_spec
+    from megatron.bridge.models.gemma.gemma2_provider import gemma2_layer_spec
+
+    from harness.models import cpu_spec
+
+    for build in (gemma2_layer_spec, exaone4_layer_spec):
+        leaves: list = []
+        spec = cpu_spec.localize(build(None))
+        cpu_spec._walk(spec, lambda v, _p: leaves.append(v) or v, {})
+        assert not [v for v in leaves if isinstance(v, NonCallableMock)], build.__name__
+    attn = cpu_spec.localize(gemma2_layer_spec(None)).submodules.self_attention.submodules
+    assert "LayerNormColumnParallelLinear" in attn.linear_qkv.__name__ and attn.linear_proj.__name__ == "RowParallelLinearPostLN"
+
+
+def test_grouped_expert_names_and_module_swaps(registry):
+    """SequentialMLP -> GroupedNamesMLP (TEGroupedMLP's names, for the Bridges that map only those);
+    OLMoE's full-width QK-norm attention and MiniMax-M2's full-dim norms swapped into the generic spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from harness.models import cpu_spec
+
+    block = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, qk_layernorm=True)])
+    block = cpu_spec.grouped_expert_names(block)
+    assert block.layer_specs[0].submodules.mlp.keywords["submodules"].experts.func.__name__ == "GroupedNamesMLP"
+    block = cpu_spec.apply_swaps(block, cpu_spec.module_swaps("minimax_m2_layer_spec"))
+    assert block.layer_specs[0].submodules.self_attention.submodules.q_layernorm.__name__ == "FullDimQNorm"
+    block = cpu_spec.apply_swaps(block, cpu_spec.module_swaps("olmoe_layer_spec"))
+    assert block.layer_specs[0].submodules.self_attention.module.__name__ == "OLMoESelfAttention"

@@ -152,15 +152,35 @@ def distinctive(config) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the CPU layer spec
 
 
-def cpu_layer_spec(provider: Any):
-    """A family's layer spec on CPU: megatron-core's decoder block spec without Transformer-Engine
-    (local modules), from the provider's own config (MoE layer frequency, MLA, QK norm, MTP), in
-    place of the provider's TE spec."""
+def cpu_layer_spec(provider: Any, grouped_experts: bool = False):
+    """A family's layer spec on CPU. The provider's own spec where harness.models.cpu_spec builds it
+    (PROVIDER_SPECS: its TE classes localized, the block's final norm a CPU norm; MODULE_SWAPS: the
+    generic spec plus the provider's swapped modules); else megatron-core's decoder block spec
+    without Transformer-Engine (local modules) from the provider's own config (MoE layer frequency,
+    MLA, QK norm, MTP). `grouped_experts`: the experts under TEGroupedMLP's parameter names (a
+    Bridge that maps only those)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from harness.models import cpu_spec
+
+    own = provider.transformer_layer_spec
+    name = getattr(getattr(own, "func", own), "__name__", "")
+
     def spec(config, vp_stage: int | None = None):
+        if name in cpu_spec.PROVIDER_SPECS:
+            from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+            layer = cpu_spec.localize(own(config))
+            attn = layer.submodules.self_attention.submodules
+            if getattr(config, "qk_layernorm", False) and attn.q_layernorm is None:  # EXAONE 4: TE reads it from the config
+                attn.q_layernorm = attn.k_layernorm = cpu_spec._norm
+            return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                              layer_norm=cpu_spec._norm)
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization,
                                            qk_l2_norm=bool(getattr(config, "qk_l2_norm", False)), vp_stage=vp_stage)
+        cpu_spec.apply_swaps(block, cpu_spec.module_swaps(name))
+        if grouped_experts:
+            block = cpu_spec.grouped_expert_names(block)
         if getattr(config, "layernorm_zero_centered_gamma", False):
             _swap_norms(block, set())
         return block

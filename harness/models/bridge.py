@@ -112,7 +112,7 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     overrides: dict[str, Any] = {
         "tensor_model_parallel_size": topo.tp, "pipeline_model_parallel_size": topo.pp, "pipeline_dtype": torch_dtype,
         "transformer_layer_spec": (
-            cpu_layer_spec(provider) if spec.arch not in HAND_WRITTEN or spec.overrides  # every other family: its own config's spec
+            cpu_layer_spec(provider, grouped_experts=_maps_only_grouped_experts(bridge)) if spec.arch not in HAND_WRITTEN or spec.overrides  # every other family: its own config's spec
             else zero_centered_local_spec if getattr(provider, "layernorm_zero_centered_gamma", False)
             else get_gpt_layer_local_spec(num_experts=getattr(spec, "num_experts", None), moe_grouped_gemm=False,
                                           qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm")),
@@ -140,6 +140,13 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     )
     experts = getattr(spec, "num_experts", None)
     return BridgeModel(bridge, modules, peft, ddp_config, str(hf_dir), experts // topo.ep if experts else None, provider)
+
+
+def _maps_only_grouped_experts(bridge: Any) -> bool:
+    """The Bridge maps experts only under TEGroupedMLP's names (`experts.linear_fc1.weight*`), none
+    under SequentialMLP's (`experts.local_experts.*`): GLM-4.5, EXAONE-MoE, OLMoE, MiniMax-M2."""
+    names = [m.megatron_param for m in bridge._model_bridge.mapping_registry().mappings]
+    return any(".experts.linear_fc" in n for n in names) and not any(".local_experts." in n for n in names)
 
 
 def finalize_provider(provider: Any, dtype: torch.dtype, overrides: dict[str, Any]) -> None:

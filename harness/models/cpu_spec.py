@@ -1,0 +1,256 @@
+"""A Bridge provider's OWN layer spec, built on CPU: its Transformer-Engine classes swapped for local
+stand-ins that keep TE's parameter names (what the Bridge's mappings read), and the generic CPU
+spec's experts under TEGroupedMLP's names where a Bridge maps only those.
+
+- `localize(spec)`: walks a ModuleSpec tree (a layer spec or a block's) and replaces, by identity,
+  every TE class the installed packages expose without TE (MagicMock placeholders of
+  `megatron.core.extensions.transformer_engine`, Bridge's `TERowParallelLinearLayerNorm`, Gemma3's
+  TE core attention) with its stand-in; a TE placeholder left unreplaced raises, naming its path.
+- `grouped_expert_names(spec)`: SequentialMLP -> `GroupedNamesMLP` (the same experts, parameters
+  registered as `experts.linear_fc1.weight<i>` / `linear_fc2.weight<i>`, as TEGroupedMLP's).
+- `PROVIDER_SPECS`: the provider specs (by function name) harness.models.architectures builds
+  through `localize` instead of megatron-core's generic local spec; `MODULE_SWAPS`: a spec whose
+  only non-generic piece is a module swap (OLMoE's full-width QK norm attention, MiniMax-M2's).
+
+Every stand-in's parallelism is what Bridge's `_detect_parallelism_type` reads (class name holding
+"LayerNormColumnParallelLinear", or `tensor_model_parallel` + `partition_dim`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+
+def _norm(config, hidden_size: int, eps: float | None = None):
+    """TENorm on CPU: RMSNorm/LayerNorm as the config says, (1 + w) where the config zero-centres."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from harness.models.architectures import ZeroCenteredNorm
+
+    eps = config.layernorm_epsilon if eps is None else eps
+    if getattr(config, "layernorm_zero_centered_gamma", False):
+        return ZeroCenteredNorm(config, hidden_size, eps=eps)
+    return WrappedTorchNorm(config, hidden_size, eps=eps)
+
+
+def _classes() -> dict[str, type]:
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from harness.compat.te_spec import _norm_linear_class
+
+    base = _norm_linear_class()
+
+    class LayerNormColumnParallelLinear(base):  # the name Bridge reads as "fused norm + column linear"
+        """TE's LayerNormColumnParallelLinear on CPU (harness.compat.te_spec's NormColumnParallelLinear)."""
+
+    class RowParallelLinearPostLN(RowParallelLinear):
+        """Bridge's TERowParallelLinearLayerNorm on CPU (common/te_layers.py): row-parallel linear,
+        then `post_layernorm` on the output (Gemma2/3, EXAONE 4 post-norms)."""
+
+        tensor_model_parallel, partition_dim = True, 1
+
+        def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+            kwargs.pop("name", None)
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.post_layernorm = _norm(config, output_size)
+
+        def forward(self, x):
+            out, bias = super().forward(x)
+            if bias is not None:
+                raise ValueError("RowParallelLinearPostLN assumes add_bias_linear=False (as TERowParallelLinearLayerNorm)")
+            return self.post_layernorm(out), bias
+
+    class ColumnLinear(ColumnParallelLinear):
+        tensor_model_parallel, partition_dim = True, 0
+
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("name", None)
+            super().__init__(*args, **kwargs)
+
+    class RowLinear(RowParallelLinear):
+        tensor_model_parallel, partition_dim = True, 1
+
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("name", None)
+            super().__init__(*args, **kwargs)
+
+    class SlidingDotProductAttention(DotProductAttention):
+        """Gemma3TEDotProductAttention on CPU (gemma3_provider.py:225-269): the local layers of the
+        (local, global) pattern get window (window_size - 1, 0), the global ones none; the
+        provider's softmax_scale."""
+
+        def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, attention_dropout=None, **kwargs):
+            from megatron.bridge.models.gemma.gemma3_provider import _is_local_attn_layer
+
+            config = copy.deepcopy(config)
+            local = _is_local_attn_layer(layer_number, config.interleaved_attn_pattern) and not config.is_vision_language
+            config.window_size = (config.window_size - 1, 0) if local else None
+            config.window_attn_skip_freq = None
+            kwargs.setdefault("softmax_scale", config.softmax_scale)
+            kwargs.pop("k_channels", None), kwargs.pop("v_channels", None)
+            super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, **kwargs)
+
+    return {"norm_linear": LayerNormColumnParallelLinear, "row_post_ln": RowParallelLinearPostLN, "column": ColumnLinear,
+            "row": RowLinear, "attention": DotProductAttention, "sliding_attention": SlidingDotProductAttention}
+
+
+_CACHE: dict[str, Any] = {}
+
+
+def replacements() -> dict[int, Any]:
+    """id(TE placeholder or TE class) -> its CPU stand-in."""
+    if "map" in _CACHE:
+        return _CACHE["map"]
+    import megatron.core.extensions.transformer_engine as te
+    from megatron.bridge.models.common import te_layers
+    from megatron.bridge.models.gemma import gemma3_provider
+
+    c = _classes()
+    pairs = [(getattr(te, "TELayerNormColumnParallelLinear", None), c["norm_linear"]),
+             (getattr(te, "TEColumnParallelLinear", None), c["column"]), (getattr(te, "TERowParallelLinear", None), c["row"]),
+             (getattr(te, "TEDotProductAttention", None), c["attention"]), (getattr(te, "TENorm", None), _norm),
+             (te_layers.TERowParallelLinearLayerNorm, c["row_post_ln"]), (te_layers.TENorm, _norm),
+             (gemma3_provider.Gemma3TEDotProductAttention, c["sliding_attention"]), (getattr(gemma3_provider, "TENorm", None), _norm)]
+    _CACHE["map"] = {id(a): b for a, b in pairs if a is not None}
+    return _CACHE["map"]
+
+
+def _is_placeholder(obj: Any) -> bool:
+    from unittest.mock import NonCallableMock
+
+    return isinstance(obj, NonCallableMock)
+
+
+def _walk(node: Any, swap, seen: dict[int, Any], path: str = "spec") -> Any:
+    """The node with `swap` applied to every leaf (a new functools.partial where a partial's function
+    or keywords changed: megatron-core 0.19.2 builds its specs of partials; containers in place)."""
+    import functools
+
+    if id(node) in seen:
+        return seen[id(node)]
+    new = swap(node, path)
+    if new is not node or node is None or isinstance(node, (str, int, float, bool, type, torch.Tensor)):
+        return new
+    seen[id(node)] = node
+    if isinstance(node, functools.partial):
+        func = _walk(node.func, swap, seen, f"{path}.func")
+        kw = {k: _walk(v, swap, seen, f"{path}.{k}") for k, v in node.keywords.items()}
+        args = tuple(_walk(v, swap, seen, f"{path}[{i}]") for i, v in enumerate(node.args))
+        if func is not node.func or args != node.args or any(kw[k] is not v for k, v in node.keywords.items()):
+            seen[id(node)] = functools.partial(func, *args, **kw)
+        return seen[id(node)]
+    if isinstance(node, (list, dict)):
+        for key, value in (list(enumerate(node)) if isinstance(node, list) else list(node.items())):
+            node[key] = _walk(value, swap, seen, f"{path}.{key}")
+    elif hasattr(node, "__dataclass_fields__") or type(node).__name__ == "ModuleSpec":
+        for key, value in list(vars(node).items()):
+            new_value = _walk(value, swap, seen, f"{path}.{key}")
+            if new_value is not value:
+                setattr(node, key, new_value)
+    return node
+
+
+def localize(spec: Any) -> Any:
+    """The spec with every TE class swapped for its CPU stand-in (in place; returned)."""
+    table = replacements()
+
+    def swap(value, path):
+        if id(value) in table:
+            return table[id(value)]
+        if _is_placeholder(value):
+            raise NotImplementedError(f"{path}: a Transformer-Engine class ({value!r}) with no CPU stand-in in harness.models.cpu_spec")
+        return value
+
+    return _walk(spec, swap, {})
+
+
+def grouped_expert_names(spec: Any) -> Any:
+    """Every SequentialMLP of the spec -> GroupedNamesMLP (in place; returned)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    cls = grouped_names_mlp()
+    return _walk(spec, lambda v, _p: cls if v is SequentialMLP else v, {})
+
+
+def grouped_names_mlp() -> type:
+    if "grouped" in _CACHE:
+        return _CACHE["grouped"]
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class _Holder(torch.nn.Module):
+        tensor_model_parallel = True
+
+        def __init__(self, partition_dim: int):
+            super().__init__()
+            self.partition_dim = partition_dim
+
+    class GroupedNamesMLP(SequentialMLP):
+        """SequentialMLP (local experts one by one, megatron-core's local path) whose parameters are
+        registered under TEGroupedMLP's names, `linear_fc1.weight<i>` / `linear_fc2.weight<i>` (and
+        bias<i>): the same Parameter objects, so the forward is SequentialMLP's. For the Bridges that
+        map only the grouped names (GLM-4.5, EXAONE-MoE, OLMoE, MiniMax-M2)."""
+
+        def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
+            super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
+            experts = self._modules.pop("local_experts")
+            object.__setattr__(self, "local_experts", experts)  # kept for forward, off the module tree
+            self.linear_fc1, self.linear_fc2 = _Holder(0), _Holder(1)
+            for i, e in enumerate(experts):
+                for fc in ("linear_fc1", "linear_fc2"):
+                    lin = getattr(e, fc)
+                    getattr(self, fc).register_parameter(f"weight{i}", lin.weight)
+                    if getattr(lin, "bias", None) is not None:
+                        getattr(self, fc).register_parameter(f"bias{i}", lin.bias)
+
+    _CACHE["grouped"] = GroupedNamesMLP
+    return GroupedNamesMLP
+
+
+def module_swaps(name: str) -> dict[str, Any]:
+    """The non-generic modules of a provider spec that is the generic one plus a swap."""
+    if name == "olmoe_layer_spec":
+        from megatron.bridge.models.olmoe.olmoe_provider import OLMoESelfAttention
+
+        return {"self_attention.module": OLMoESelfAttention}
+    if name == "minimax_m2_layer_spec":
+        from megatron.bridge.models.minimax_m2.minimax_m2_provider import FullDimKNorm, FullDimQNorm
+
+        return {"self_attention.submodules.q_layernorm": FullDimQNorm, "self_attention.submodules.k_layernorm": FullDimKNorm}
+    return {}
+
+
+def apply_swaps(block: Any, swaps: dict[str, Any]) -> Any:
+    """Each swap ("self_attention.module", "self_attention.submodules.q_layernorm") applied to every
+    layer spec of the block (a partial's function for "module", its keywords for "submodules")."""
+    import functools
+
+    def put(node, parts, value):
+        head, rest = parts[0], parts[1:]
+        if isinstance(node, functools.partial):
+            if head == "module" and not rest:
+                return functools.partial(value, *node.args, **node.keywords)
+            if head == "submodules":
+                return functools.partial(node.func, *node.args, **{**node.keywords, "submodules": put(node.keywords["submodules"], rest, value)} if rest else {**node.keywords, "submodules": value})
+            return functools.partial(node.func, *node.args, **{**node.keywords, "submodules": put(node.keywords["submodules"], parts, value)})
+        if not rest:
+            setattr(node, head, value)
+            return node
+        setattr(node, head, put(getattr(node, head), rest, value))
+        return node
+
+    if swaps:
+        for i, layer in enumerate(block.layer_specs):
+            for dotted, value in swaps.items():
+                layer = put(layer, ["submodules", *dotted.split(".")], value)
+            block.layer_specs[i] = layer
+    return block
+
+
+#: Provider specs built as themselves (TE classes localized): Gemma2/Gemma3 (pre+post norms fused
+#: into the linears, soft-capping / local-global attention), EXAONE 4 (pure post-norm).
+PROVIDER_SPECS = ("gemma2_layer_spec", "gemma3_layer_spec", "exaone4_layer_spec")
+MODULE_SWAPS = ("olmoe_layer_spec", "minimax_m2_layer_spec")

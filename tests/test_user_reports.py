@@ -200,8 +200,8 @@ def test_betas_and_optimizer_options_are_checked():
     cfg = TrainOptions(betas=(0.0, 0.0))
     oc = optimizer_config(cfg.config)
     assert (oc.adam_beta1, oc.adam_beta2, oc.optimizer) == (0.0, 0.0, "adam")
-    assert optimizer_config(TrainOptions(optimizer="sgd").config).optimizer == "sgd"
+    assert optimizer_config(TrainOptions(optimizer_type="sgd").config).optimizer == "sgd"
     with pytest.raises(ValueError, match="betas"):
         TrainOptions(betas=(0.9,))
     with pytest.raises(ValueError, match="Adam's"):
-        TrainOptions(optimizer="sgd", betas=(0.0, 0.0))
+        TrainOptions(optimizer_type="sgd", betas=(0.0, 0.0))

@@ -66,7 +66,7 @@ def optimizer_config(cfg: TrainConfig):
 
     betas = dict(adam_beta1=float(cfg.betas[0]), adam_beta2=float(cfg.betas[1])) if getattr(cfg, "betas", ()) else {}
     return OptimizerConfig(
-        optimizer=getattr(cfg, "optimizer", "adam"),
+        optimizer=getattr(cfg, "optimizer_type", "adam"),
         **betas,
         lr=cfg.lr,
         # the param groups' floor, read by an OptimizerParamScheduler (None without one: unchanged)

@@ -52,7 +52,8 @@ class TrainConfig:
     layer_spec: LayerSpec = "local"
     #: megatron-core OptimizerConfig.optimizer: "adam" (Megatron-LM's default, AdamW-style decay) or
     #: "sgd" (momentum OptimizerConfig.sgd_momentum, 0.9): Megatron-LM #6920, resume parity beyond Adam
-    optimizer: Literal["adam", "sgd"] = "adam"
+    #: (named optimizer_type: `optimizer` is convert's own option, a weights-only source when false)
+    optimizer_type: Literal["adam", "sgd"] = "adam"
     #: (beta1, beta2) of Adam (OptimizerConfig.adam_beta1/2); () megatron-core's (0.9, 0.999). [0, 0]:
     #: the moments a checkpoint holds are the last step's gradient and its square (the resume next-step check)
     betas: tuple[float, ...] = ()
@@ -83,8 +84,8 @@ class TrainOptions(TrainConfig):
             raise ValueError(f"option 'steps' must be >= {self.min_steps}, got {self.steps}")
         if self.betas and (len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas)):
             raise ValueError(f"option 'betas' must be two numbers in [0, 1), got {list(self.betas)}")
-        if self.betas and self.optimizer != "adam":
-            raise ValueError(f"option 'betas' is Adam's; optimizer {self.optimizer!r} has none")
+        if self.betas and self.optimizer_type != "adam":
+            raise ValueError(f"option 'betas' is Adam's; optimizer_type {self.optimizer_type!r} has none")
         if self.bucket_size < 0:
             raise ValueError(f"option 'bucket_size' must be >= 0, got {self.bucket_size}")
         if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):

@@ -401,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_parser(sub)  # the `cluster` extra, imported only when the command runs
     from harness.orchestration import bench
     bench.add_parser(sub)  # sets its own func (bench.run_cli)
+    from harness.plan import cli as plan_cli
+    plan_cli.add_parser(sub)  # sets its own func (plan_cli.run_cli)
     args = parser.parse_args(argv)
     from harness.orchestration.matrix import MatrixError
 

@@ -26,7 +26,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("harness.judge", "harness.report", "harness.faults"),
     ("harness.models",),
     ("harness.run",),
-    ("harness.backends",),
+    ("harness.backends", "harness.plan"),  # plan builds models (above models, run); nothing below orchestration uses it
     ("cases",),  # imported as harness.cases (the wheel's name): benchmarks.import_graph.canonical
     ("harness.orchestration",),
     ("harness.gate",),

@@ -61,7 +61,12 @@ DISTINCTIVE = {
     "gpt_oss": lambda c: c.attention_bias and c.num_local_experts >= 2 and c.sliding_window < 16,
     "glm4_moe": lambda c: c.attention_bias and c.use_qk_norm and c.n_shared_experts >= 1,
     "gemma": lambda c: c.tie_word_embeddings,
-    "exaone4": lambda c: c.sliding_window < 16 and len(c.layer_types) == c.num_hidden_layers,
+    # the Bridge maps EXAONE-4.0-1.2B's shape: tied, full attention (exaone4_bridge.py:177, exaone4_provider.py:54-93)
+    "exaone4": lambda c: c.tie_word_embeddings and c.sliding_window is None and set(c.layer_types) == {"full_attention"}
+    and len(c.layer_types) == c.num_hidden_layers,
+    # V4's YaRN on the compressed layers, carried as a nested override (deepseek_v4_bridge.py:441-446 reads it)
+    "deepseek_v4": lambda c: c.rope_parameters["compress"]["rope_type"] == "yarn" and c.rope_parameters["compress"]["factor"] > 1
+    and "original_max_position_embeddings" in c.rope_parameters["compress"],
     "ernie4_5_moe": lambda c: c.moe_num_shared_experts >= 1 and c.moe_layer_start_index == 1,
 }
 
@@ -183,3 +188,31 @@ def test_grouped_expert_names_and_module_swaps(registry):
     assert block.layer_specs[0].submodules.self_attention.submodules.q_layernorm.__name__ == "FullDimQNorm"
     block = cpu_spec.apply_swaps(block, cpu_spec.module_swaps("olmoe_layer_spec"))
     assert block.layer_specs[0].submodules.self_attention.module.__name__ == "OLMoESelfAttention"
+
+
+def test_nested_override_is_carried_as_json():
+    """A dict override (DeepSeek-V4's rope_parameters) keeps Family hashable: JSON text, decoded by tiny_config."""
+    from harness.core.families import BY_NAME, Nested, _o
+
+    o = dict(_o(rope_parameters={"factor": 4.0, "rope_type": "yarn"}))["rope_parameters"]
+    assert isinstance(o, Nested) and o.value() == {"factor": 4.0, "rope_type": "yarn"}
+    hash(BY_NAME["deepseek_v4"])
+
+
+def test_grouped_names_mlp_sharded_state_dict_uses_its_own_names(registry):
+    """GroupedNamesMLP's sharded_state_dict: the dict keys are the module's state-dict names (so
+    load_state_dict takes the loaded dict back), the checkpoint keys SequentialMLP's expert axis."""
+    from harness.models import cpu_spec
+
+    cls = cpu_spec.grouped_names_mlp()
+    mlp = cls.__new__(cls)
+    sd = {"p.local_experts.0.linear_fc1.weight": "w0", "p.local_experts.1.linear_fc2.weight": "w1",
+          "p.local_experts.1.linear_fc2.bias": "b1", "p.local_experts.0.linear_fc1._extra_state": "x", "p.other": "o"}
+    base = cls.__mro__[1]
+    orig = base.sharded_state_dict
+    try:
+        base.sharded_state_dict = lambda self, prefix="", sharded_offsets=(), metadata=None: dict(sd)
+        out = mlp.sharded_state_dict("p.")
+    finally:
+        base.sharded_state_dict = orig
+    assert out == {"p.linear_fc1.weight0": "w0", "p.linear_fc2.weight1": "w1", "p.linear_fc2.bias1": "b1", "p.other": "o"}

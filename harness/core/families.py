@@ -15,6 +15,7 @@ causal LM, the language path) or "vl" (a VL/omni/audio model: its language path 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +38,21 @@ class Family:
         return f"hf-{self.name}"
 
 
+class Nested(str):
+    """A nested config value (a dict: DeepSeek-V4's rope_parameters) carried as its JSON text, so a
+    Family stays hashable and frozen; harness.models.architectures.tiny_config decodes it (`value()`)."""
+
+    def value(self) -> Any:
+        return json.loads(self)
+
+
 def _o(**kw: Any) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items()))
+    def hold(v: Any) -> Any:
+        if isinstance(v, dict):
+            return Nested(json.dumps(v, sort_keys=True))
+        return tuple(v) if isinstance(v, list) else v
+
+    return tuple(sorted((k, hold(v)) for k, v in kw.items()))
 
 
 _MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, qk_head_dim=16)
@@ -61,11 +75,17 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma4", "Gemma4ForCausalLM", "gemma4_text", tied=True, overrides=_o(sliding_window=8, hidden_size_per_layer_input=8,
            vocab_size_per_layer_input=128, global_head_dim=16), note="per-layer input embeddings, global head_dim 16"),
     Family("nemotron", "NemotronForCausalLM", "nemotron", note="non-gated squared ReLU, LayerNorm1p (zoo hf-nemotron)"),
-    Family("exaone4", "Exaone4ForCausalLM", "exaone4", overrides=_o(sliding_window=8, sliding_window_pattern=4),
-           note="QK norm, post-norms, sliding window 8 (3 local : 1 global)"),
+    Family("exaone4", "Exaone4ForCausalLM", "exaone4", tied=True,  # the Bridge maps no lm_head (exaone4_bridge.py:177)
+           # full attention on every layer, RoPE on every layer (EXAONE-4.0-1.2B's shape): the Bridge's spec has no
+           # local/global branch (exaone4_provider.py:54-93, "1.2B model uses full attention only"; the 32B hybrid is unmapped)
+           overrides=_o(sliding_window=None, layer_types=["full_attention"] * 4),
+           note="tied, QK norm, pure post-norms (no pre-norms), full attention (the 1.2B shape the Bridge maps)"),
     # ---- MoE text causal LMs
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", num_experts=4, note="routed experts top-2, QK norm"),
-    Family("olmoe", "OlmoeForCausalLM", "olmoe", num_experts=4, note="QK norm over the full q/k width, top-2 of 4"),
+    # MHA as OLMoE ships (16/16): the Bridge's OLMoESelfAttention sizes k_layernorm head_dim * num_attention_heads
+    # (olmoe/olmoe_provider.py:129-134), transformers' k_norm head_dim * num_key_value_heads
+    Family("olmoe", "OlmoeForCausalLM", "olmoe", num_experts=4, overrides=_o(num_key_value_heads=8),
+           note="MHA, QK norm over the full q/k width, top-2 of 4"),
     Family("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek_v2", num_experts=4, overrides=_o(**_MLA, **_DSMOE, num_experts_per_tok=2),
            note="MLA (q_lora_rank 32, kv_lora_rank 16), 1 shared expert, first layer dense"),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", num_experts=4, overrides=_o(**_MLA, **_DSMOE),
@@ -73,7 +93,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("deepseek_v4", "DeepseekV4ForCausalLM", "deepseek_v4", num_experts=4,
            overrides=_o(q_lora_rank=32, o_lora_rank=16, o_groups=2, head_dim=16, qk_rope_head_dim=8,
                         index_n_heads=2, index_head_dim=8, index_topk=4, sliding_window=8, hc_mult=2, n_shared_experts=1,
-                        num_nextn_predict_layers=0), note="MLA-like q LoRA, grouped o LoRA, hyper-connections, indexer"),
+                        num_nextn_predict_layers=0,
+                        # V4's YaRN on the compressed layers (deepseek_v4_bridge.py:441-446 reads factor,
+                        # original_max_position_embeddings, beta_fast/slow from rope_parameters["compress"])
+                        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
+                                             beta_fast=32.0, beta_slow=1.0)),
+           note="MLA-like q LoRA, grouped o LoRA, hyper-connections, indexer, YaRN on compressed layers"),
     Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", num_experts=4,
            overrides=_o(n_shared_experts=1, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True),
            note="partial RoPE 0.5, q/k/v biases, QK norm, 1 shared expert, first layer dense"),

@@ -223,9 +223,10 @@ def family_model(f: Family) -> HFModelSpec:
 # the four hand-written fixtures keep their names (hf-llama, hf-qwen2, hf-nemotron); every other family is hf-<family>
 ZOO.update({f.zoo_name: family_model(f) for f in FAMILIES if f.zoo_name not in ZOO})
 
-#: Models shaped on purpose not to split evenly (LoRA layouts and the explorer's finds): they fit the
-#: topologies their matrix entries name, not every small one (tests/test_topology.py checks both).
-ODD_SHAPES: frozenset[str] = frozenset({"hf-llama-odd", "hf-llama-ffn23", "hf-qwen3moe-ffn6"})
+#: Models shaped on purpose not to split evenly (LoRA layouts, the explorer's finds, and hf-gemma3's 6
+#: layers: one whole 5-local/1-global sliding-window period): they fit the topologies their matrix
+#: entries name, not every small one (tests/test_topology.py checks both).
+ODD_SHAPES: frozenset[str] = frozenset({"hf-llama-odd", "hf-llama-ffn23", "hf-qwen3moe-ffn6", "hf-gemma3"})
 
 
 def get_model(name: str, kind: str | None = None) -> AnyModel:

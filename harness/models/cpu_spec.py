@@ -28,8 +28,6 @@ def _norm(config, hidden_size: int, eps: float | None = None):
     """TENorm on CPU: RMSNorm/LayerNorm as the config says, (1 + w) where the config zero-centres."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from harness.models.architectures import ZeroCenteredNorm
-
     eps = config.layernorm_epsilon if eps is None else eps
     if getattr(config, "layernorm_zero_centered_gamma", False):
         return ZeroCenteredNorm(config, hidden_size, eps=eps)
@@ -206,6 +204,22 @@ def grouped_names_mlp() -> type:
                     if getattr(lin, "bias", None) is not None:
                         getattr(self, fc).register_parameter(f"bias{i}", lin.bias)
 
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """SequentialMLP's (experts.experts.linear_fc1.weight etc., one expert axis: the layout
+            TEGroupedMLP also saves), under this module's state-dict names (`linear_fc1.weight<i>`)
+            so the loaded dict goes back through load_state_dict; the local experts' `_extra_state`
+            (always None on local linears) is left out: the holders have none."""
+            import re
+
+            pat = re.compile(re.escape(prefix) + r"local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+            out = {}
+            for key, value in super().sharded_state_dict(prefix, sharded_offsets, metadata).items():
+                if m := pat.match(key):
+                    out[f"{prefix}{m[2]}.{m[3]}{m[1]}"] = value
+                elif not key.startswith(f"{prefix}local_experts."):
+                    out[key] = value
+            return out
+
     _CACHE["grouped"] = GroupedNamesMLP
     return GroupedNamesMLP
 
@@ -254,3 +268,42 @@ def apply_swaps(block: Any, swaps: dict[str, Any]) -> Any:
 #: into the linears, soft-capping / local-global attention), EXAONE 4 (pure post-norm).
 PROVIDER_SPECS = ("gemma2_layer_spec", "gemma3_layer_spec", "exaone4_layer_spec")
 MODULE_SWAPS = ("olmoe_layer_spec", "minimax_m2_layer_spec")
+
+
+def swap_norms(node: Any, seen: set[int]) -> None:
+    """Every megatron-core local norm (WrappedTorchNorm) in a spec tree -> ZeroCenteredNorm:
+    megatron-core 0.19.2's torch_norm.py:44 asserts `not layernorm_zero_centered_gamma` (Gemma's
+    (1 + w) RMSNorm), the fused norms need Apex or Transformer-Engine."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if id(node) in seen or node is None or isinstance(node, (str, int, float, bool, type)):
+        return
+    seen.add(id(node))
+    items = vars(node).items() if hasattr(node, "__dict__") else (enumerate(node) if isinstance(node, list) else ())
+    for key, value in list(items):
+        if value is WrappedTorchNorm:
+            if isinstance(node, list):
+                node[key] = ZeroCenteredNorm
+            else:
+                setattr(node, key, ZeroCenteredNorm)
+        else:
+            swap_norms(value, seen)
+
+
+class ZeroCenteredNorm(torch.nn.Module):
+    """y = norm(x) * (1 + weight) (+ bias for LayerNorm): RMSNorm or LayerNorm as the config says."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__()
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        for p in self.parameters():
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+            return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight + 1, self.bias, self.eps)

@@ -13,7 +13,8 @@ from harness.core.memory import Budget
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.core.zoo import get_model
-from harness.orchestration.runner import RunOptions, run_case, run_cases, writers_first
+from harness.orchestration.runner import RunOptions, run_case, run_cases
+from harness.orchestration.schedulers._common import writers_first
 from harness.run.reuse import PLACEHOLDER, SOURCE_UNCHANGED, SourceStore, manifest, source_key
 
 

@@ -18,7 +18,6 @@ from harness.judge.budgets import Budgets
 from harness.judge.status import api_unavailable, apply_expected_failure, conclude
 from harness.orchestration.schedulers import Scheduler, Settings
 from harness.orchestration.schedulers import get as get_scheduler
-from harness.orchestration.schedulers._common import writers_first  # noqa: F401 - its old home (tests/test_reuse.py)
 from harness.report.results import moved_from_pins
 from harness.run import ranklog
 from harness.run.envelope import RunEnv

@@ -228,15 +228,16 @@ def _expand(sharded: dict) -> tuple[dict, dict]:
     return sharded, factories
 
 
-def _sharded_tensors(tree: Any) -> Iterator[Any]:
+def sharded_tensors(tree: Any) -> Iterator[Any]:
+    """Every ShardedTensor of a (nested dict/list/tuple) sharded state dict, in order."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     if isinstance(tree, dict):
         for v in tree.values():
-            yield from _sharded_tensors(v)
+            yield from sharded_tensors(v)
     elif isinstance(tree, (list, tuple)):
         for v in tree:
-            yield from _sharded_tensors(v)
+            yield from sharded_tensors(v)
     elif isinstance(tree, ShardedTensor):
         yield tree
 
@@ -276,7 +277,7 @@ def shards_of(sharded_tree: Any, keep=lambda sh: True) -> list[Shard]:
     """Every ShardedTensor of a sharded state dict (factories applied) as a plain Shard."""
     sharded, _ = _expand(sharded_tree)
     out = []
-    for sh in _sharded_tensors(sharded):
+    for sh in sharded_tensors(sharded):
         if not keep(sh):
             continue
         out.append(

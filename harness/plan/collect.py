@@ -9,9 +9,10 @@ state, and their replica ids are what a save tells apart."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from harness.core.topology import Topology
+from harness.models.mcore import sharded_tensors
 from harness.plan.model import PlanInputError, PlanModel
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
@@ -87,19 +88,6 @@ def transformer_config(model: PlanModel, topo: Topology):
         fp16=model.dtype == "float16", params_dtype=dtype, pipeline_dtype=dtype, **moe)
 
 
-def _boxes(tree: Any) -> Iterator[Any]:
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _boxes(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _boxes(v)
-    elif isinstance(tree, ShardedTensor):
-        yield tree
-
-
 def rank_records(model: PlanModel, topo: Topology, rank: int) -> list[Record]:
     """Be `rank` of `topo` for a moment: its GPTModel on meta, its sharded_state_dict as records."""
     import torch
@@ -128,7 +116,7 @@ def rank_records(model: PlanModel, topo: Topology, rank: int) -> list[Record]:
         coord = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                  ps.get_expert_model_parallel_rank())
         out = []
-        for sh in _boxes(sharded):
+        for sh in sharded_tensors(sharded):
             box = [(s.start, s.stop) if isinstance(s, slice) else (int(s), int(s) + 1) for s in sh.global_slice()]
             rid = sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,)
             out.append(Record(key=sh.key, global_shape=tuple(sh.global_shape), global_offset=tuple(b[0] for b in box),

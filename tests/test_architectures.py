@@ -179,10 +179,10 @@ def test_grouped_expert_names_and_module_swaps(registry):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from harness.models import cpu_spec
+    from harness.models import cpu_experts, cpu_spec
 
     block = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, qk_layernorm=True)])
-    block = cpu_spec.grouped_expert_names(block)
+    block = cpu_experts.grouped_expert_names(block)
     assert block.layer_specs[0].submodules.mlp.keywords["submodules"].experts.func.__name__ == "GroupedNamesMLP"
     block = cpu_spec.apply_swaps(block, cpu_spec.module_swaps("minimax_m2_layer_spec"))
     assert block.layer_specs[0].submodules.self_attention.submodules.q_layernorm.__name__ == "FullDimQNorm"
@@ -202,9 +202,9 @@ def test_nested_override_is_carried_as_json():
 def test_grouped_names_mlp_sharded_state_dict_uses_its_own_names(registry):
     """GroupedNamesMLP's sharded_state_dict: the dict keys are the module's state-dict names (so
     load_state_dict takes the loaded dict back), the checkpoint keys SequentialMLP's expert axis."""
-    from harness.models import cpu_spec
+    from harness.models import cpu_experts
 
-    cls = cpu_spec.grouped_names_mlp()
+    cls = cpu_experts.grouped_names_mlp()
     mlp = cls.__new__(cls)
     sd = {"p.local_experts.0.linear_fc1.weight": "w0", "p.local_experts.1.linear_fc2.weight": "w1",
           "p.local_experts.1.linear_fc2.bias": "b1", "p.local_experts.0.linear_fc1._extra_state": "x", "p.other": "o"}

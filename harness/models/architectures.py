@@ -161,7 +161,7 @@ def cpu_layer_spec(provider: Any, grouped_experts: bool = False):
     Bridge that maps only those)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from harness.models import cpu_spec
+    from harness.models import cpu_experts, cpu_spec
 
     own = provider.transformer_layer_spec
     name = getattr(getattr(own, "func", own), "__name__", "")
@@ -180,7 +180,7 @@ def cpu_layer_spec(provider: Any, grouped_experts: bool = False):
                                            qk_l2_norm=bool(getattr(config, "qk_l2_norm", False)), vp_stage=vp_stage)
         cpu_spec.apply_swaps(block, cpu_spec.module_swaps(name))
         if grouped_experts:
-            block = cpu_spec.grouped_expert_names(block)
+            block = cpu_experts.grouped_expert_names(block)
         if getattr(config, "layernorm_zero_centered_gamma", False):
             cpu_spec.swap_norms(block, set())
         return block
@@ -209,22 +209,31 @@ def pairs_for(f: Family) -> list[str]:
     return [f"tp1 -> {tp2}"] + (["tp1 -> pp2"] if f.num_layers % 2 == 0 and f.num_layers >= 2 else [])
 
 
-def matrix_yaml(xfails: dict[str, dict[str, Any]] | None = None) -> str:
-    """The matrix: one hf-roundtrip entry per text family and pair (not-run through `requires`
-    where a module is missing; a strict xfail from XFAILS, keyed "family" or "family pair");
-    VL/omni families listed as deferred in a comment (the docs' table says why)."""
-    xfails = xfails if xfails is not None else XFAILS
+def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[str, dict[str, Any]] | None = None) -> str:
+    """The matrix: per runnable family and pair, one hf-roundtrip entry (weights and logits through
+    the Bridge, the dist checkpoint at S loaded at D) and one peft-export entry (LoRA on every
+    target the family has, `save_hf_adapter` -> PeftModel, the adapter checkpoint at S loaded at
+    D); not-run through `requires` where a module is missing; strict xfails from
+    harness.models.xfails_roundtrip / xfails_lora, keyed "family" or "family pair". VL/omni
+    families without a language path are listed as deferred in a comment."""
+    from harness.models.xfails_lora import LORA
+    from harness.models.xfails_roundtrip import ROUNDTRIP
+
+    tables = {"hf-roundtrip": ROUNDTRIP if roundtrip is None else roundtrip, "peft-export": LORA if lora is None else lora}
     lines = [_HEADER]
     for f in FAMILIES:
         if f.path == "vl":
             continue
-        for pair in pairs_for(f):
-            lines.append(f"  - case: hf-roundtrip\n    models: [{f.zoo_name}]\n    pairs: [\"{pair}\"]\n")
-            if f.needs:
-                lines.append(f"    requires: [\"module:{f.needs}\"]\n")
-            x = xfails.get(f"{f.name} {pair}") or xfails.get(f.name)
-            if x:
-                lines.append("    xfail:\n" + "".join(f"      {k}: {_q(v)}\n" for k, v in x.items()))
+        for case, xfails in tables.items():
+            for pair in pairs_for(f):
+                lines.append(f"  - case: {case}\n    models: [{f.zoo_name}]\n    pairs: [\"{pair}\"]\n")
+                if case == "peft-export":
+                    lines.append("    backends: [bridge_peft]\n    markers: [peft, arch]\n    axes: {adapter: [lora]}\n")
+                if f.needs:
+                    lines.append(f"    requires: [\"module:{f.needs}\"]\n")
+                x = xfails.get(f"{f.name} {pair}") or xfails.get(f.name)
+                if x:
+                    lines.append("    xfail:\n" + "".join(f"      {k}: {_q(v)}\n" for k, v in x.items()))
     deferred = [f for f in FAMILIES if f.path == "vl"]
     lines.append("# deferred: VL / omni / audio (the language path is later work): "
                  + ", ".join(f.architecture for f in deferred) + "\n")
@@ -235,49 +244,6 @@ def _q(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(v) + "]"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-#: Named upstream defects per family (strict xfails): filled from the triage (docs/architectures.md).
-_MLA_XFAIL = {
-    "reason": "megatron-core 0.19.2: the local (non-TE) MLA spec cannot build: MLASelfAttention passes k_channels "
-              "(transformer/multi_latent_attention.py:214) to core_attention, but the local DotProductAttention "
-              "(transformer/dot_product_attention.py:41-51) takes no k_channels; only TEDotProductAttention does",
-    "match": "DotProductAttention.__init__\\(\\) got an unexpected keyword argument 'k_channels'",
-    "raised_in": "megatron.core.transformer",
-}
-XFAILS: dict[str, dict[str, Any]] = {
-    "deepseek_v2": _MLA_XFAIL, "deepseek_v3": _MLA_XFAIL, "glm4_moe_lite": _MLA_XFAIL,
-    "deepseek_v4": {
-        "reason": "Megatron-Bridge 0.6.2 sets experimental_attention_variant='dsv4_hybrid' (deepseek/deepseek_v4_bridge.py:397) "
-                  "with megatron-core's experimental-variant block spec (:403), but megatron-core 0.19.2 knows only "
-                  "'gated_delta_net' and 'dsa' (models/gpt/experimental_attention_variant_module_specs.py:142-148 raises "
-                  "'Invalid experimental attention variant') and that spec is TE-only (:442); the CPU generic spec asserts "
-                  "on the variant (models/gpt/gpt_layer_specs.py:572-575)",
-        "match": "Experimental attention variant is not supported with get_gpt_decoder_layer_specs, "
-                 "but got config.experimental_attention_variant='dsv4_hybrid'",
-        "raised_in": "megatron.core.models.gpt"},
-    "olmoe tp1 -> tp2": {
-        "reason": "Megatron-Bridge 0.6.2 OLMoESelfAttention builds q/k_layernorm over head_dim * num_attention_heads, the "
-                  "full width (olmoe/olmoe_provider.py:120-135), and applies them to the tensor-parallel-local q/k "
-                  "(width / TP) with no gather (olmoe_provider.py:177-180): any TP > 1 fails in the norm",
-        "match": "Given normalized_shape=\\[64\\], expected input with shape \\[\\*64\\], but got input of size\\[16, 2, 32\\]",
-        "raised_in": "torch.nn"},
-    "ernie4_5_moe": {
-        "reason": "Megatron-Bridge 0.6.2 maps ERNIE-4.5-MoE's router as sigmoid + expert bias (ernie/ernie_45_bridge.py:225-226); "
-                  "transformers 5.12.1's Ernie4_5_MoeTopKRouter is softmax, top-k by softmax + e_score_correction_bias, "
-                  "renormalized (models/ernie4_5_moe/modeling_ernie4_5_moe.py:371-376), and megatron-core 0.19.2 applies an "
-                  "expert bias only with sigmoid/sqrtsoftplus (transformer/moe/moe_utils.py:839-870, the bias only at :862): the expert weights "
-                  "differ (with transformers' router patched to sigmoid both pairs pass at 7.2e-07)",
-        "checks": ["megatron-logits"]},
-    "gemma4 tp1 -> pp2": {
-        "reason": "Megatron-Bridge 0.6.2: Gemma4DenseProvider.provide raises for pipeline_model_parallel_size != 1 "
-                  "(models/gemma/gemma4_provider.py:199-200)",
-        "match": "Gemma4DenseProvider currently supports PP=1 only", "raised_in": "megatron.bridge.models.gemma"},
-    "glm_moe_dsa": {
-        "reason": "Megatron-Bridge 0.6.2 glm_moe_dsa/glm5_bridge.py:135 reads hf_config.indexer_rope_interleave, a field "
-                  "transformers 5.12.1's GlmMoeDsaConfig does not define (the model's own config has no such field)",
-        "match": "'GlmMoeDsaConfig' object has no attribute 'indexer_rope_interleave'", "raised_in": "transformers.configuration_utils"},
-}
 
 
 def main(argv: list[str] | None = None) -> int:

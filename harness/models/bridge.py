@@ -267,7 +267,7 @@ def ddp_propagation(bm: BridgeModel, asked: dict[str, Any], dtype: str = "fp32")
     if bm.local_experts_asked is not None:  # the provider really split the experts over EP
         import re
 
-        # SequentialMLP's local_experts.<i>.*, or TEGroupedMLP's names linear_fc1.weight<i> (cpu_spec.GroupedNamesMLP)
+        # SequentialMLP's local_experts.<i>.*, or TEGroupedMLP's names linear_fc1.weight<i> (cpu_experts.GroupedNamesMLP)
         pat = re.compile(r"layers\.\d+\.mlp\.experts\.(?:local_experts\.(\d+)\.|linear_fc1\.weight(\d+)$)")
         local = {m.group(1) or m.group(2) for n, _ in unwrapped(bm).named_parameters() if (m := pat.search(n))}
         records.append({"knob": "local experts (num_experts/ep)", "asked": bm.local_experts_asked, "actual": len(local),

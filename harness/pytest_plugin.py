@@ -100,7 +100,7 @@ class MatrixFile(pytest.File):
             matrix = load_matrix(self.path, self.config.getoption("--ckpt-max-world"))
         except MatrixError as exc:
             raise self.CollectError(str(exc)) from None
-        for spec in matrix.cases:
+        for spec in matrix.own():  # an included file's cases are collected from that file
             item = CaseItem.from_parent(self, name=spec.id, spec=spec)
             for marker in ("reshard", *spec.markers):
                 item.add_marker(marker)

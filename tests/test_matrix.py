@@ -247,3 +247,59 @@ def test_every_shipped_xfail_that_accepts_an_error_names_its_upstream_module(nam
     m = load_matrix(ROOT / "matrices" / name)
     accepting = [c for c in m.cases if c.xfail and c.xfail.accepts_errors]
     assert all(c.xfail.raised_in and not c.xfail.raised_in.startswith(("harness", "cases")) for c in accepting)
+
+
+# ----------------------------------------------------------------------------- include
+
+
+def _files(tmp_path, **bodies) -> dict[str, Path]:
+    out = {}
+    for name, body in bodies.items():
+        out[name] = tmp_path / f"{name}.yaml"
+        out[name].write_text(textwrap.dedent(body))
+    return out
+
+
+A = """
+name: a
+entries:
+  - case: reshard-weights
+    models: [gpt-gqa]
+    pairs: ["tp1 -> tp2", "tp1 -> pp2"]
+"""
+B = """
+name: b
+defaults: {markers: [arch], timeout_s: 600}
+entries:
+  - case: reshard-weights
+    models: [gpt-gqa]
+    pairs: ["tp1 -> tp2", "tp2 -> tp1"]
+"""
+
+
+def test_include_takes_every_case_once_and_pytest_collects_only_own_entries(tmp_path):
+    f = _files(tmp_path, a=A, b=B, both="name: both\ninclude: [a.yaml, b.yaml]\n")
+    m = load_matrix(f["both"])
+    ids = [c.id for c in m.cases]
+    assert len(ids) == 3 == len(set(ids)), ids  # tp1 -> tp2 is in both files, with other markers: once
+    assert m.included == [f["a"], f["b"]] and m.own() == []
+    assert [c.id for c in load_matrix(f["a"]).own()] == ids[:2]
+
+
+def test_include_refuses_a_case_that_differs_between_files_and_a_cycle(tmp_path):
+    f = _files(tmp_path, a=A, c=B.replace('pairs: ["tp1 -> tp2", "tp2 -> tp1"]', 'pairs: ["tp1 -> tp2"]\n    xfail: {reason: "r", checks: [logits]}'),
+               both="name: both\ninclude: [a.yaml, c.yaml]\n", loop="name: loop\ninclude: [loop.yaml]\n")
+    with pytest.raises(MatrixError, match=r"reshard-weights\[mcore_dist-gpt-gqa-tp1pp1dp1cp1->tp2pp1dp1cp1\] of .*c.yaml: entries\[0\] differs from its definition in .*a.yaml: entries\[0\]"):
+        load_matrix(f["both"])
+    with pytest.raises(MatrixError, match="includes itself"):
+        load_matrix(f["loop"])
+    with pytest.raises(MatrixError, match="no such matrix file"):
+        load_matrix(_files(tmp_path, gone="name: g\ninclude: [nowhere.yaml]\n")["gone"])
+
+
+def test_the_gate_matrix_is_the_smoke_slice_plus_every_architecture():
+    m = load_matrix(ROOT / "matrices" / "gate.yaml")
+    ids = {c.id for c in m.cases}
+    smoke = {c.id for c in load_matrix(ROOT / "matrices" / "smoke.yaml").cases}
+    arch = {c.id for c in load_matrix(ROOT / "matrices" / "architectures.yaml").cases}
+    assert smoke and arch and ids == smoke | arch and len(ids) == len(m.cases)

@@ -419,7 +419,7 @@ def test_the_drivers_run_the_gate_steps_once_per_release_set(tmp_path, monkeypat
     assert got == tmp_path / "x" / "writer-to-reader" / "results.json"
     assert built == [("PKG==1", ["PKG==1"], cache), ("PKG==2", ["PKG==2"], cache)]  # the cross pair reuses both builds
     assert ran == [(cache / "venv-1", tmp_path / "m.yaml", "tp2", tmp_path / "r1"),
-                   (cache / "venv-2", bump.ROOT / "matrices" / "smoke.yaml", None, tmp_path / "r2")]
+                   (cache / "venv-2", bump.ROOT / "matrices" / "gate.yaml", None, tmp_path / "r2")]
     assert crossed == [("writer", cache / "venv-1", "reader", cache / "venv-2", tmp_path / "x", True, tmp_path / "x" / "written-by-writer")]
     # the same writer for another reader: its corpus is reused, not written again
     sweep_driver.cross_driver(["PKG==1"], ["PKG==3"], False, Path("y"), cache=cache)

@@ -9,7 +9,8 @@ from pathlib import Path
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """`ckpt-harness gate ...` (thresholds and the handler are added by the caller)."""
     gate = sub.add_parser("gate", help="run a candidate Megatron-Bridge/-Core against the pinned baseline: one verdict")
-    gate.add_argument("matrix", type=Path, nargs="?", default=Path("matrices/smoke.yaml"))
+    gate.add_argument("matrix", type=Path, nargs="?", default=Path("matrices/gate.yaml"),
+                      help="default matrices/gate.yaml: the smoke slice plus every architecture (hf-roundtrip and LoRA per family)")
     gate.add_argument("--candidate", action="append", default=[], metavar="SPEC",
                       help="an override of the pins: 'megatron-core==0.19.0', 'megatron-bridge @ git+URL@SHA', a source tree, a wheel")
     gate.add_argument("--baseline", action="append", default=[], metavar="SPEC", help="overrides for the baseline (default: the pins)")

@@ -43,7 +43,7 @@ from harness.core.requires import parse as parse_requirement
 from harness.core.spec import BACKEND_AXIS, MARKERS, CaseSpec, XFail
 from harness.core.topology import Topology, TopologyError
 
-_TOP_KEYS = {"name", "description", "defaults", "entries"}
+_TOP_KEYS = {"name", "description", "defaults", "entries", "include"}
 _DEFAULT_KEYS = {"backends", "timeout_s", "max_world_size", "markers"}
 _ENTRY_KEYS = {
     "case", "models", "backends", "pairs", "cross", "axes", "options", "backend_options", "expect", "xfail", "markers", "timeout_s",
@@ -61,6 +61,12 @@ class Matrix:
     path: Path
     description: str = ""
     cases: list[CaseSpec] = field(default_factory=list)
+    #: the matrix files `include:` brought in (their cases are in `cases`, origin naming their file)
+    included: list[Path] = field(default_factory=list)
+
+    def own(self) -> list[CaseSpec]:
+        """The cases this file's own entries define (pytest collects an included file on its own)."""
+        return [s for s in self.cases if s.origin.startswith(f"{self.path}: ")]
 
     def select(self, pattern: str | None) -> list[CaseSpec]:
         """`-k`-like selection: every whitespace-separated word must appear in the id."""
@@ -154,8 +160,13 @@ def _parse_xfail(raw: Any, where: str, entry: str = "") -> XFail | None:
     return XFail(raw["reason"], match, tuple(checks), raised_in)
 
 
-def load_matrix(path: str | Path, max_world: int | None = None) -> Matrix:
+def load_matrix(path: str | Path, max_world: int | None = None, _within: tuple[Path, ...] = ()) -> Matrix:
     """Read and validate a whole matrix file; every problem is a MatrixError naming file, entry and key.
+
+    `include: [other.yaml, ...]` (paths relative to this file) adds every case of those matrices,
+    each with its own defaults, before this file's own `entries` (optional then): one selection
+    that `run`, `gate` and `sweep` take as one matrix (matrices/gate.yaml). A case id defined twice
+    across the files, or an include cycle, is a MatrixError naming both places.
 
     `max_world` cuts every topology above that many ranks to one that fits (harness.core.cut's rule),
     after the matrix is validated as written; cases that collapse to one id run once, and each
@@ -180,16 +191,31 @@ def load_matrix(path: str | Path, max_world: int | None = None) -> Matrix:
     unknown = set(defaults) - _DEFAULT_KEYS
     if unknown:
         raise MatrixError(f"{path}: defaults: unknown key(s) {sorted(unknown)}; allowed: {sorted(_DEFAULT_KEYS)}")
-    entries = raw.get("entries")
-    if not isinstance(entries, list) or not entries:
-        raise MatrixError(f"{path}: 'entries' must be a non-empty list")
     matrix = Matrix(name=str(raw.get("name", path.stem)), path=path, description=str(raw.get("description", "")))
+    seen: dict[str, str] = {}
+    for name in _strings(raw.get("include"), f"{path}: include"):
+        other = path.parent / name
+        if other.resolve() in _within + (path.resolve(),):
+            raise MatrixError(f"{path}: include: {name} includes itself (a cycle through {[str(p) for p in _within]})")
+        for spec in load_matrix(other, None, _within + (path.resolve(),)).cases:
+            if spec.id in seen:  # the same case in two files (the smoke's per-family slice): once, if it is the same
+                first = next(c for c in matrix.cases if c.id == spec.id)
+                if _same_case(first, spec):
+                    continue
+                raise MatrixError(f"{path}: include: case {spec.id} of {spec.origin} differs from its definition in {seen[spec.id]}")
+            seen[spec.id] = spec.origin
+            matrix.cases.append(spec)
+        matrix.included.append(other)
+    entries = raw.get("entries")
+    if not matrix.included and (not isinstance(entries, list) or not entries):
+        raise MatrixError(f"{path}: 'entries' must be a non-empty list")
+    if entries is not None and not isinstance(entries, list):
+        raise MatrixError(f"{path}: 'entries' must be a list, got {type(entries).__name__}")
     file_max_world = _number(defaults["max_world_size"], f"{path}: defaults.max_world_size", int) if "max_world_size" in defaults else None
     default_timeout = _number(defaults.get("timeout_s", 300), f"{path}: defaults.timeout_s")
     default_backends = _strings(defaults.get("backends", ["mcore_dist"]), f"{path}: defaults.backends")
     default_markers = _strings(defaults.get("markers"), f"{path}: defaults.markers")
-    seen: dict[str, str] = {}
-    for i, entry in enumerate(entries):
+    for i, entry in enumerate(entries or ()):
         where = f"{path}: entries[{i}]"
         for spec in _entry_specs(entry, where, default_backends, default_markers, default_timeout, file_max_world):
             if spec.id in seen:
@@ -199,6 +225,11 @@ def load_matrix(path: str | Path, max_world: int | None = None) -> Matrix:
     if max_world is not None:
         matrix.cases = _cut_cases(matrix.cases, _number(max_world, "--max-world", int))
     return matrix
+
+
+def _same_case(a: CaseSpec, b: CaseSpec) -> bool:
+    """One case written in two files: equal but for where it is written, its markers and timeout."""
+    return replace(a, origin="", notes=(), markers=(), timeout_s=0.0) == replace(b, origin="", notes=(), markers=(), timeout_s=0.0)
 
 
 def _cut_cases(specs: list[CaseSpec], max_world: int) -> list[CaseSpec]:

@@ -49,7 +49,8 @@ def _cross_labelled(value: str) -> tuple[str, str, Path]:
 def add_parser(subparsers: Any, driver: Driver | None = None, cross_driver: CrossDriver | None = None) -> argparse.ArgumentParser:
     """`ckpt-harness sweep`; with a driver, the parser's func runs it (cli.main calls args.func(args))."""
     p = subparsers.add_parser("sweep", help="run one matrix over a list of releases: a version x case table of where outcomes change")
-    p.add_argument("matrix", type=Path, nargs="?", default=Path("matrices/smoke.yaml"))
+    p.add_argument("matrix", type=Path, nargs="?", default=Path("matrices/gate.yaml"),
+                   help="default matrices/gate.yaml: the smoke slice plus every architecture")
     p.add_argument("--releases", default=None, metavar="SPEC,SPEC,...",
                    help="release sets, oldest first: 'megatron-bridge==0.4.2,0.5.0' (a bare version continues the previous "
                         "package), 'megatron-bridge==0.5.1+megatron-core==0.18.2' (one set of two packages)")

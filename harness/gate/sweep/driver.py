@@ -50,7 +50,7 @@ def _matrix_path(matrix: Path | None) -> Path:
     here is made absolute; otherwise it stays relative to the checkout (matrices/smoke.yaml)."""
     from harness.gate.bump import ROOT
 
-    matrix = Path(matrix) if matrix is not None else Path("matrices/smoke.yaml")
+    matrix = Path(matrix) if matrix is not None else Path("matrices/gate.yaml")
     return matrix.resolve() if matrix.exists() else (ROOT / matrix)
 
 

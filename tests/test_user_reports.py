@@ -205,3 +205,36 @@ def test_betas_and_optimizer_options_are_checked():
         TrainOptions(betas=(0.9,))
     with pytest.raises(ValueError, match="Adam's"):
         TrainOptions(optimizer_type="sgd", betas=(0.0, 0.0))
+
+
+# ------------------------------------------------ AReaL #1468 / verl #5154: the load's optimizer template
+@pytest.mark.parametrize("how, is_loading, metadata", [("megatron-lm", True, "found"), ("no-is-loading", False, "found"),
+                                                       ("no-metadata", True, {})])
+def test_load_template_builds_the_template_as_the_client_does(monkeypatch, tmp_path, how, is_loading, metadata):
+    """Each `load_template` asks the job for the template its client builds: Megatron-LM's
+    (is_loading, the checkpoint's content metadata), AReaL before #1468's (is_loading False), and a
+    client passing no metadata ({}: Core's default sharding type). A backend that ignored the option
+    would build Megatron-LM's every time: the other two rows go red."""
+    from dataclasses import replace
+
+    from megatron.core import dist_checkpointing
+
+    asked = []
+
+    class Job:
+        def sharded_state(self, is_loading, metadata=None):
+            asked.append((is_loading, metadata))
+            return {}
+
+        def restore(self, state):
+            pass
+
+        def content_metadata(self):
+            return {"distrib_optim_sharding_type": "fully_reshardable"}
+
+    monkeypatch.setattr(dist_checkpointing, "load_content_metadata", lambda checkpoint_dir: "found")
+    backend = McoreDist(replace(McoreDist.Options(), load_template=how))
+    monkeypatch.setattr(backend, "load_state", lambda ctx, state, directory: {})
+    monkeypatch.setattr("harness.backends.mcore_dist.restore_scheduler", lambda job, state: None)
+    backend.load_training(None, Job(), tmp_path)
+    assert asked == [(is_loading, metadata)]

@@ -41,6 +41,14 @@ megatron/training/checkpointing.py wires it (save_checkpoint / _load_global_dist
                   log_all: what users load with, e.g. a Megatron-Bridge training checkpoint whose RNG and
                   rerun-state keys a plain job does not ask for
 
+  load_template   how a client builds the training load's sharded state (the template the load fills):
+                  megatron-lm (default): `sharded_state_dict(..., is_loading=True, metadata=<the
+                  checkpoint's content metadata>)`, as Megatron-LM and AReaL after #1468 do;
+                  no-is-loading: `is_loading=False` (AReaL before #1468: its template of the
+                  distributed optimizer's state is not the one the load writes back); no-metadata:
+                  `metadata=None`, the client passes nothing and gets the installed Core's default
+                  sharding type whatever the checkpoint was written with (verl #5154)
+
   layout          plain (the dist checkpoint is the directory, as verl writes it); megatron-lm: a
                   training save writes Megatron-LM's layout (harness.backends._megatron_lm: `iter_NNNNNNN/`
                   with `args`, `iteration` and the scheduler in the common state, then the tracker file;
@@ -94,6 +102,7 @@ class McoreDistOptions:
     content_metadata: bool = True
     strict: Literal["raise_all", "assume_ok_unexpected", "log_all"] = "raise_all"
     layout: Literal["plain", "megatron-lm"] = "plain"
+    load_template: Literal["megatron-lm", "no-is-loading", "no-metadata"] = "megatron-lm"
 
 
 def is_complete(directory: Path) -> bool:
@@ -276,7 +285,9 @@ class McoreDist(Backend):
         directory = iteration_dir(directory)
         found = dist_checkpointing.load_content_metadata(checkpoint_dir=str(directory))
         record_event({"op": "content_metadata", "read": found, "job": job.content_metadata()}, self.name)
-        state = self.load_state(ctx, job.sharded_state(is_loading=True, metadata=found), directory)
+        how = self.strategy.load_template
+        template = job.sharded_state(is_loading=how != "no-is-loading", metadata={} if how == "no-metadata" else found)
+        state = self.load_state(ctx, template, directory)
         job.restore(state)
         restore_scheduler(job, state)
 

@@ -403,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser(sub)  # sets its own func (bench.run_cli)
     from harness.plan import cli as plan_cli
     plan_cli.add_parser(sub)  # sets its own func (plan_cli.run_cli)
+    from harness.inspect import cli as inspect_cli
+    inspect_cli.add_parsers(sub)  # `inspect` and `check-load` (their own funcs)
     args = parser.parse_args(argv)
     from harness.orchestration.matrix import MatrixError
 

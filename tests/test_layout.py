@@ -27,6 +27,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("harness.models",),
     ("harness.run",),
     ("harness.backends", "harness.plan"),  # plan builds models (above models, run); nothing below orchestration uses it
+    ("harness.inspect",),  # reads checkpoints' metadata and builds check-load's target through harness.plan; only the faces use it
     ("cases",),  # imported as harness.cases (the wheel's name): benchmarks.import_graph.canonical
     ("harness.orchestration",),
     ("harness.gate",),

@@ -78,7 +78,9 @@ def transformer_config(model: PlanModel, topo: Topology):
                    moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
                    moe_shared_expert_intermediate_size=model.moe_shared_expert_size,
                    expert_model_parallel_size=topo.ep, moe_grouped_gemm=False,
-                   moe_token_dispatcher_type="alltoall" if topo.ep > 1 else "allgather")
+                   # the dispatcher decides no checkpoint key; the alltoall one makes a CUDA stream when built
+                   # (torch.cuda.Stream: fails on a CPU-only torch), the allgather one builds anywhere
+                   moe_token_dispatcher_type="allgather")
     return TransformerConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.kv_channels,

@@ -211,3 +211,29 @@ def test_a_load_that_swallows_the_refusal_of_the_killed_step_is_silent_and_red()
     assert r.check("outcome").status == "failed" and r.check("outcome").detail.startswith("silent:")
     assert r.check("loaded-equal").status == "failed"
     assert r.check("resumed").status == "passed"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the probe is about a machine without CUDA; GPU runs use the worker")
+@pytest.mark.xfail(strict=True, reason=(
+    "megatron-core 0.19.2: the persistent async checkpoint worker dies at start on a machine without CUDA "
+    "(dist_checkpointing/strategies/async_utils.py:565 torch.cuda.set_device(rank % torch.cuda.device_count()): "
+    "ZeroDivisionError), and PersistentAsyncCaller.schedule_async_call has no liveness check: it blocks forever "
+    "on the preload queue's join() (async_utils.py:416-423) for a worker that will never take the request. The "
+    "same blocking wait is what hangs a job whose worker dies on a GPU (SkyRL #1960, radixark/miles #1763). "
+    "Why Bridge's async_save with use_persistent_ckpt_worker is not-run on CPU here"))
+def test_a_dead_persistent_worker_reaches_the_trainer(tmp_path):
+    """What users need from an async writer: the trainer's schedule call comes back (or raises) when
+    the worker cannot take the request. Strict xfail: it blocks; a fix (a liveness check, a CPU
+    worker) turns it XPASS, and Bridge's persistent-worker entries can then run on CPU."""
+    import subprocess
+    import sys
+
+    from harness.run.nodes import free_port
+
+    probe = Path(__file__).parent / "data" / "persistent_worker_probe.py"
+    out = subprocess.run([sys.executable, str(probe), "10", str(free_port())], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("returned=")), "")
+    assert line, f"the probe printed no result: {out.stderr[-2000:]}"
+    assert line.startswith("returned=True"), f"schedule_async_call still blocked after 10 s ({line}); worker: " + \
+        ("ZeroDivisionError at async_utils.py:565" if "ZeroDivisionError" in out.stderr else out.stderr[-500:])

@@ -207,10 +207,11 @@ class BridgeTraining(Backend):
     def unavailable(self) -> str | None:
         o = self.options
         if o.async_save and o.use_persistent_ckpt_worker and not torch.cuda.is_available():
-            return ("async_save with Bridge's persistent checkpoint worker (a spawn-mode process megatron-core starts per "
-                    "rank) never takes the save request in a forked CPU rank: schedule_async_call waits on its queue "
-                    "forever (probed on this machine); on CPU the harness runs async_save with "
-                    "use_persistent_ckpt_worker: false")
+            return ("async_save with Bridge's persistent checkpoint worker: on a machine without CUDA megatron-core's "
+                    "worker dies at start (dist_checkpointing/strategies/async_utils.py:565, torch.cuda.set_device(rank % "
+                    "torch.cuda.device_count()): ZeroDivisionError) and schedule_async_call then blocks forever on the "
+                    "preload queue (no liveness check, :416-423; tests/test_async.py shows it, a strict xfail); on CPU the "
+                    "harness runs async_save with use_persistent_ckpt_worker: false, GPU machines run the worker")
         return None
 
     def validate_case(self, case: Any, source: Any, target: Any, opts: Any) -> None:

@@ -1,0 +1,118 @@
+"""The architecture x path x status table of docs/architectures.md, from a run's results.json of
+matrices/architectures.yaml: one row per registered architecture (harness.core.families), one cell
+per case kind (hf-roundtrip: weights, logits, the dist checkpoint at S loaded at D; peft-export:
+LoRA through PEFT) and pair, each the case's status and seconds, plus what the cell cannot say by
+itself (the strict xfail's reason, the not-run's missing piece, a failure's first failed check).
+
+    python -m harness.models.arch_table REPORT/results.json > table.md
+
+Written from results, never by hand, so the table says what a run measured."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from harness.core.families import FAMILIES, Family
+
+KINDS = ("hf-roundtrip", "peft-export")
+_PAIR = re.compile(r"-(tp\d+pp\d+dp\d+cp\d+\S*?)->(tp\d+pp\d+dp\d+cp\d+[a-z0-9]*)")
+SHORT = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "xfailed": "xfail", "xpassed": "XPASS",
+         "not-run": "not-run", "not-applicable": "n/a"}
+
+
+def _target(case_id: str) -> str:
+    m = _PAIR.search(case_id)
+    tgt = m[2] if m else "?"
+    return "pp2" if "pp2" in tgt else "tp2"
+
+
+def _why(r: dict[str, Any]) -> str:
+    if r.get("status") == "xfailed":
+        return str(r.get("xfail_reason") or "").split(":")[0][:90]
+    if r.get("status") == "not-run":
+        return str(r.get("not_run_reason") or "")[:90]
+    bad = [c for c in r.get("checks") or [] if c.get("status") not in ("passed", "xfailed")]
+    if bad:
+        return f"{bad[0].get('name')}: {str(bad[0].get('detail') or '')[:80]}"
+    err = (r.get("error") or "").strip().splitlines()
+    return err[-1][:90] if err else ""
+
+
+def cells(doc: dict[str, Any]) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """(zoo model, case kind, target "tp2"/"pp2") -> the case record."""
+    out = {}
+    for r in doc.get("results") or []:
+        if r.get("case") in KINDS:
+            out[(r.get("model"), r["case"], _target(r["id"]))] = r
+    return out
+
+
+def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[list[str]]:
+    """One row per family: architecture, zoo name, four cells, reasons. Raises on a results.json
+    with no case of the architecture matrix (an empty table would read as "nothing to say")."""
+    got = cells(doc)
+    if not got:
+        raise ValueError("no hf-roundtrip or peft-export case in this results.json")
+    out = []
+    for f in families:
+        line, whys = [f.architecture, f.zoo_name], []
+        for kind in KINDS:
+            for tgt in ("tp2", "pp2"):
+                r = got.get((f.zoo_name, kind, tgt))
+                if r is None:
+                    line.append("-" if f.path != "vl" else "deferred")
+                    continue
+                secs = sum((r.get("phases") or {}).values())
+                line.append(f"{SHORT.get(r['status'], r['status'])} {secs:.1f}" if r["status"] not in ("not-run",) else "not-run")
+                if r["status"] != "passed" and (w := _why(r)) and w not in whys:
+                    whys.append(w)
+        out.append(line + ["; ".join(whys)])
+    return out
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    head = ["architecture", "zoo", "round trip tp1->tp2", "round trip tp1->pp2", "LoRA tp1->tp2", "LoRA tp1->pp2", "reason / finding"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows(doc)]
+    return summary(doc) + "\n\n" + "\n".join(lines) + "\n"
+
+
+def summary(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> str:
+    """How many architectures: every case passed; every case a real result (passed or its strict
+    named xfail); not-run (each names its missing piece); red (a failure, error or XPASS)."""
+    got = cells(doc)
+    green, real, not_run, red = [], [], [], []
+    for f in families:
+        rs = [got[k] for k in got if k[0] == f.zoo_name]
+        if not rs:
+            continue
+        st = {r["status"] for r in rs}
+        if st == {"passed"}:
+            green.append(f.name)
+        if st <= {"passed", "xfailed"}:
+            real.append(f.name)
+        elif st == {"not-run"}:
+            not_run.append(f.name)
+        else:
+            red.append(f.name)
+    return (f"{len(real)} architectures with real results on every case ({len(green)} of them every case passed), "
+            f"{len(not_run)} not-run, {len(red)} with a red case" + (f" ({', '.join(red)})" if red else "") + ".")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    if len(args) != 1:
+        print("usage: python -m harness.models.arch_table RESULTS.json", file=sys.stderr)
+        return 2
+    path = Path(args[0])
+    path = path / "results.json" if path.is_dir() else path
+    sys.stdout.write(markdown(json.loads(path.read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

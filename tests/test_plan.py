@@ -148,3 +148,14 @@ def test_llama3_70b_plans_end_to_end(tmp_path):
     assert 70e9 < plan["save"]["parameters"] < 71e9
     assert plan["save"]["checkpoint_weight_bytes"] == plan["load"]["checkpoint_weight_bytes"]
     print(f"llama3-70b plan: {time.perf_counter() - t0:.1f} s")
+
+
+def test_a_target_that_cannot_hold_the_model_fails_before_anything_is_built(tmp_path, capsys, monkeypatch):
+    """Qwen3-235B has 4 kv heads: tp8 cannot hold it. The source (256 coordinates of a 235B MoE, minutes)
+    must not be built first: the bad target is named at once."""
+    from harness.plan import collect
+
+    built = []
+    monkeypatch.setattr(collect, "rank_records", lambda *a, **k: built.append(a) or [])
+    assert _main(["--model", "qwen3-235b-a22b", "--from", "tp4pp2dp128ep32", "--to", "tp8pp2dp64ep16", "--out", str(tmp_path)]) == EXIT_BAD_INPUT
+    assert "tp8pp2dp64cp1ep16" in capsys.readouterr().err and built == []

@@ -42,6 +42,11 @@ def plan(model_ref: str, src: str, dst: str, fmt: str = "fully_reshardable", voc
             topos.append(Topology.parse(text))
         except TopologyError as e:
             raise PlanInputError(f"topology {text!r}: {e}") from e
+    for topo in topos:  # both before building either: a target that cannot hold the model fails in seconds
+        try:
+            topo.validate(model)
+        except ValueError as e:
+            raise PlanInputError(f"topology {topo.id} cannot hold model {model.name}: {e}") from e
     saved = topology_records(model, topos[0], progress)
     loading = topology_records(model, topos[1], progress)
     return assemble(model.to_json(), topos[0], topos[1], fmt, saved, loading, time.perf_counter() - t0)

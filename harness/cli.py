@@ -194,12 +194,14 @@ def _cmd_golden(args: argparse.Namespace) -> int:
 
 def _cmd_gate(args: argparse.Namespace) -> int:
     from harness.gate import envspec
+    from harness.gate import scale
     from harness.gate.bump import run_gate
 
     cache = args.cache or envspec._default_cache()
     return run_gate(args.candidate, args.baseline, args.matrix, args.k, args.out, cache, _thresholds(args), cross=not args.skip_cross,
                     corpus=args.corpus, exact=args.exact, jobs=args.jobs, reuse=not args.no_reuse, trust_pickles=args.trust_pickles,
-                    baseline_results=args.baseline_results, fresh_baseline=args.fresh_baseline, concurrent=args.concurrent)
+                    baseline_results=args.baseline_results, fresh_baseline=args.fresh_baseline, concurrent=args.concurrent,
+                    scale_plans=() if args.no_scale else scale.PLANS)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from harness.core.result import GREEN
-from harness.gate import archs, baseline_cache, classify, compare, envspec, evidence, progress
+from harness.gate import archs, baseline_cache, classify, compare, envspec, evidence, progress, scale
 from harness.gate.golden import NOT_WRITTEN
 from harness.gate.progress import say
 from harness.gate.verdict import reason, verdict_markdown  # noqa: F401  (bump.reason, bump.verdict_markdown)
@@ -219,10 +219,25 @@ def stored_corpus(reader: Side, corpus: Path, out: Path, trust_pickles: bool = F
     return report, time.perf_counter() - start
 
 
+def run_scale(sides: list[Side], plan: "scale.ScalePlan", out: Path, timings: dict[str, float]) -> list[compare.Finding]:
+    """One production shape planned in each side's environment (harness.gate.scale), diffed."""
+    docs, logs = [], []
+    for s in sides:
+        where = out / s.name / plan.name.replace(" ", "_").replace(">", "")
+        say(f"scale: {s.name} plans {plan.name}")
+        start = time.perf_counter()
+        _harness(s, plan.args(where), where.parent / f"{where.name}.log")
+        timings[f"scale {plan.name} {s.name}"] = time.perf_counter() - start
+        docs.append(scale.load(where / "plan.json"))
+        logs.append((where.parent / f"{where.name}.log").read_text(errors="replace") if (where.parent / f"{where.name}.log").exists() else "")
+    return scale.diff(plan, docs[0], docs[1], logs[0], logs[1])
+
+
 def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str | None, out: Path, cache: Path,
              thresholds: compare.Thresholds = compare.Thresholds(), cross: bool = True, corpus: Path | None = None,
              exact: bool = False, jobs: int = 2, reuse: bool = True, trust_pickles: bool = False,
-             baseline_results: Path | None = None, fresh_baseline: bool = False, concurrent: bool | None = None) -> int:
+             baseline_results: Path | None = None, fresh_baseline: bool = False, concurrent: bool | None = None,
+             scale_plans: tuple = ()) -> int:
     """The gate. The baseline's run comes from the cache (harness.gate.baseline_cache) when one was
     made under the same key, else it runs (beside the candidate when `concurrent`, by default when
     the machine has 4 cores or more) and is cached; `fresh_baseline` runs it again."""
@@ -276,6 +291,8 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
                 findings += cross_findings(doc, rollback, sides[0].versions, sides[1].versions)
             if entry is not None:
                 baseline_cache.store_corpus(entry, out / "cross" / "written-by-baseline")
+        for plan in scale_plans:
+            findings += run_scale(sides, plan, out / "scale", timings)
         if corpus is not None:
             report, timings["stored corpus -> candidate"] = stored_corpus(sides[1], corpus, out / "cross", trust_pickles)
             doc = compare.load(report)

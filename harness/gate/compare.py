@@ -49,7 +49,7 @@ from harness.gate import classify
 
 FAILING = ("does-not-import", "architecture-removed", "regression", "new-refusal", "api-break", "diff-growth",
            "memory-growth")
-WARNING = ("disappeared", "new-workaround")
+WARNING = ("disappeared", "new-workaround", "layout-change")
 ORDER = (*FAILING, "fixed-upstream", *WARNING, "not-evaluated", "not-run", "workaround-dropped", "architecture-added",
          "appeared", "fixed", "time-growth")
 OK = ("passed", "xfailed")

@@ -20,6 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gate.add_argument("--corpus", type=Path, default=None,
                       help="also have the candidate check this golden corpus (one the previous pins wrote; CI caches it)")
     gate.add_argument("--skip-cross", action="store_true", help="no cross-version corpus (matrix comparison only)")
+    gate.add_argument("--no-scale", action="store_true", help="no scale axis: skip `plan` of the production shapes "
+                      "(harness.gate.scale.PLANS) in each side and the diff of their checkpoint layouts")
     gate.add_argument("--jobs", "-j", type=int, default=2, metavar="N", help="cases at once in each side's matrix run "
                       "(as `run --jobs`, smoke's 2 by default; gloo only)")
     gate.add_argument("--no-reuse", action="store_true", help="each side's cases run their own source worlds (as `run --no-reuse`)")

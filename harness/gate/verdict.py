@@ -139,10 +139,13 @@ def verdict_markdown(sides: list[Any], findings: list[compare.Finding], base: di
                                [f for f in findings if f.kind == "architecture-removed"])
     lines += _findings_section("Architectures added", "new in the candidate's registry (listed, never failing)",
                                [f for f in findings if f.kind == "architecture-added"])
+    lines += _findings_section("Layout changes at scale", "the production shapes of harness.gate.scale planned on both "
+                               "sides: the same keys, shapes and dtypes, chunked otherwise (a warning; a key or shape "
+                               "change is a regression above)", [f for f in findings if f.kind == "layout-change"])
     lines += _not_evaluated(findings)
     lines += _workarounds(sides, base, cand)
     if base is not None and cand is not None:
-        matrix_findings = [f for f in findings if not f.case.startswith(("golden[", "import ", "architecture "))]
+        matrix_findings = [f for f in findings if not f.case.startswith(("golden[", "import ", "architecture ", "scale "))]
         lines += [compare.markdown(base, cand, matrix_findings, ("baseline", "candidate")).replace("## ckpt-harness compare", "## Matrix"), ""]
     for title, doc in cross_docs:
         lines += [f"## Cross-version: {title}", "", *_results_rows(doc), ""]

@@ -63,6 +63,7 @@ def assemble(model: dict, src: Topology, dst: Topology, fmt: str, saved: list, l
         "verdict": "INVALID" if bad else "VALID", "exit_code": EXIT_INVALID if bad else EXIT_OK,
         "save": predict.summary(saved, src), "load": predict.summary(loading, dst),
         "save_problems": save_problems, "load_problems": load_problems, "keys": keys, "optimizer": optimizer,
+        "layout": {"save": validate.layout(saved), "load": validate.layout(loading)},
     }
 
 

@@ -97,3 +97,22 @@ def load_problems(saved: Iterable, loading: Iterable) -> dict[str, list[str]]:
         "mismatched": [f"{k}: saved {s[k][0]} {s[k][1]}, load asks {l[k][0]} {l[k][1]}"
                        for k in sorted(set(s) & set(l)) if s[k] != l[k]],
     }
+
+
+def layout(records: list) -> dict[str, dict]:
+    """Per key, what a checkpoint's metadata says of it at this topology: global shape, dtype, how
+    many chunks the built coordinates hold, and a digest of those chunks (offset, local shape,
+    replica id, sorted). Two releases that plan the same model and topologies the same way give the
+    same layout; the gate's scale step (harness.gate.scale) diffs it."""
+    import hashlib
+
+    by: dict[str, list] = {}
+    for r in records:
+        by.setdefault(r.key, []).append(r)
+    out = {}
+    for key, rs in sorted(by.items()):
+        chunks = sorted({(tuple(r.global_offset), tuple(r.local_shape), tuple(r.replica_id)) for r in rs})
+        out[key] = {"shape": list(rs[0].global_shape), "dtype": rs[0].dtype, "chunks": len(chunks),
+                    "digest": hashlib.sha1(repr(chunks).encode()).hexdigest()[:16]}
+    return out
+

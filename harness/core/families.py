@@ -10,7 +10,8 @@ ON (MLA ranks, biases, soft-capping, sliding windows, sinks, shared experts, den
 `needs`: a Python module the family needs and this kind of machine lacks (a CUDA-only kernel,
 or the transformers package that would hold modeling code the hub ships as remote code): the
 matrix entry `requires: [module:<needs>]`, so the case is not-run naming it. `path`: "text" (a
-causal LM, the language path) or "vl" (a VL/omni/audio model: its language path is later work).
+causal LM), "vl-text" (a VL model: the language path of a whole-model fixture, harness.models.vl) or
+"vl" (a VL/omni/audio model without a language-path case: `note` says why).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class Family:
     name: str  # the zoo's hf-<name>
     architecture: str  # the HF architecture class name the Bridge registers
     model_type: str | None  # transformers' model_type of the fixture's config (None: transformers has none)
-    path: str = "text"  # "text" | "vl"
+    path: str = "text"  # "text" | "vl-text" (a VL model's language path runs) | "vl"
     num_layers: int = 4
     num_experts: int | None = None
     tied: bool = False
@@ -57,6 +58,9 @@ def _o(**kw: Any) -> tuple[tuple[str, Any], ...]:
 
 _MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, qk_head_dim=16)
 _DSMOE = dict(n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, moe_intermediate_size=32)
+_TE_VL = ("a Megatron-built ViT and language model on Transformer-Engine only: {c}.provide builds the language layers with "
+          "get_gpt_layer_with_transformer_engine_spec whatever transformer_layer_spec says ({f}) and the ViT with "
+          "get_vit_layer_with_transformer_engine_spec ({v})")
 _REMOTE = "modeling code shipped only as hub remote code (trust_remote_code); transformers {v} has no {m}"
 
 FAMILIES: tuple[Family, ...] = (
@@ -147,28 +151,81 @@ FAMILIES: tuple[Family, ...] = (
     Family("step3p5", "Step3p5ForCausalLM", None, needs="transformers.models.step3p5", note="remote code (the Bridge registers only its config)"),
     Family("nemotron_labs_diffusion", "NemotronLabsDiffusionModel", None, needs="transformers.models.nemotron_labs_diffusion",
            note="remote code; a diffusion LM, not a causal LM"),
-    # ---- VL / omni / audio: the language path is later work
-    *(Family(n, a, mt, path="vl") for n, a, mt in (
-        ("ernie4_5_vl_moe", "Ernie4_5_VLMoeForConditionalGeneration", "ernie4_5_vl_moe"),
-        ("exaone4_5", "Exaone4_5_ForConditionalGeneration", "exaone4_5"),
-        ("gemma3_vl", "Gemma3ForConditionalGeneration", "gemma3"),
-        ("gemma4_vl", "Gemma4ForConditionalGeneration", "gemma4"),
-        ("glm4v_moe", "Glm4vMoeForConditionalGeneration", "glm4v_moe"),
-        ("kimi_k25_vl", "KimiK25ForConditionalGeneration", None),
-        ("minimax_m3_vl", "MiniMaxM3SparseForConditionalGeneration", "minimax_m3_vl"),
-        ("mistral3", "Mistral3ForConditionalGeneration", "mistral3"),
-        ("nemotron_vl", "NemotronH_Nano_VL_V2", None),
-        ("nemotron_omni", "NemotronH_Nano_Omni_Reasoning_V3", None),
-        ("qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3_vl"),
-        ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"),
-        ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
-        ("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"),
-        ("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", "qwen3_5"),
-        ("qwen3_asr", "Qwen3ASRForConditionalGeneration", None),
-        ("qwen2_audio", "Qwen2AudioForConditionalGeneration", "qwen2_audio"),
-        ("qwen3_omni", "Qwen3OmniMoeForConditionalGeneration", "qwen3_omni_moe"),
-        ("qwen2_5_omni", "Qwen2_5OmniForConditionalGeneration", "qwen2_5_omni"),
-        ("step3p7_vl", "Step3p7ForConditionalGeneration", None),
+    # ---- VL / omni / audio, language path ("vl-text"): the fixture is the whole ConditionalGeneration model
+    # (vision tower too: import and export see every key), logits on text tokens alone (harness.models.vl)
+    # Qwen2.5-VL keeps the real head_dim 128 and M-RoPE sections [16, 24, 24]: the Bridge hard-codes the
+    # sections (qwen_vl/qwen25_vl_provider.py:36; qwen25_vl_bridge.py reads no mrope_section)
+    Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", path="vl-text",
+           overrides=_o(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, intermediate_size=128,
+                        rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[16, 24, 24])),
+           note="M-RoPE (sections 16/24/24), q/k/v biases, Qwen2.5 ViT (window attention) + merger"),
+    Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3_vl", path="vl-text",
+           overrides=_o(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+                        rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True)),
+           needs="transformer_engine", note=_TE_VL.format(c="Qwen3VLModelProvider", f="qwen_vl/qwen3_vl_provider.py:148",
+                                                          v="qwen_vl/modelling_qwen3_vl/model.py:305")),
+    Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe", path="vl-text", num_experts=4,
+           overrides=_o(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+                        rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True)),
+           needs="transformer_engine", note=_TE_VL.format(c="Qwen3VLMoEModelProvider", f="qwen_vl/qwen3_vl_provider.py:314",
+                                                          v="qwen_vl/modelling_qwen3_vl/model.py:305")),
+    # SigLIP without its pooling head, as Gemma 3 ships (vision_use_head false; modeling_gemma3_vl.py:96 builds none)
+    Family("gemma3_vl", "Gemma3ForConditionalGeneration", "gemma3", path="vl-text", tied=True, num_layers=6,
+           overrides=_o(sliding_window=8, query_pre_attn_scalar=8, **{"vision.vision_use_head": False}),
+           note="Gemma 3 text (as hf-gemma3) + SigLIP tower + avg-pool projector"),
+    Family("gemma4_vl", "Gemma4ForConditionalGeneration", "gemma4", path="vl-text", tied=True,
+           overrides=_o(sliding_window=8, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, global_head_dim=16),
+           note="Gemma 4 text (as hf-gemma4) + its vision tower"),
+    Family("glm4v_moe", "Glm4vMoeForConditionalGeneration", "glm4v_moe", path="vl-text", num_experts=4,
+           overrides=_o(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128, n_shared_experts=1,
+                        first_k_dense_replace=1, use_qk_norm=False,  # as GLM-4.5V's config.json carries it (glm_45v_bridge.py:72 reads it)
+                        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[8, 12, 12])),
+           note="M-RoPE over half the head (sections 8/12/12), shared expert, first layer dense, GLM-4V ViT"),
+    # Ministral 3's text config (the Bridge's Ministral3ModelProvider): its provider_bridge reads neither rms_norm_eps nor
+    # the rope (ministral3_bridge.py:97-113): the provider's defaults stand (eps 1e-5, YaRN factor 16 over 16384,
+    # ministral3_provider.py:86-100), which are Ministral 3's own (ministral3 config defaults, kept), but for YaRN's
+    # `truncate`: the provider's correction range is unrounded (yarn_correction_range_round_to_int False, :97), so the
+    # fixture says truncate false (transformers' default True: logits 5.4e-5 off); untied, as Ministral 3 ships
+    Family("mistral3", "Mistral3ForConditionalGeneration", "mistral3", path="vl-text",
+           overrides=_o(text_model_type="ministral3", rms_norm_eps=1e-5, max_position_embeddings=262144,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0, original_max_position_embeddings=16384,
+                                             max_position_embeddings=262144, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                                             mscale_all_dim=1.0, llama_4_scaling_beta=0.1, truncate=False)),
+           note="Ministral 3 text (YaRN, Llama-4 attention scaling) + Pixtral tower + patch-merger projector"),
+    Family("exaone4_5", "Exaone4_5_ForConditionalGeneration", "exaone4_5", path="vl-text", needs="transformer_engine",
+           note="EXAONE 4 text + a Megatron-built ViT: its ViT layers are get_vit_layer_with_transformer_engine_spec() "
+                "(exaone/exaone45/modelling_exaone45/model.py:130) and its block spec use_transformer_engine=True "
+                "(exaone45_provider.py:48): Transformer-Engine only"),
+    Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", "qwen3_5", path="vl-text", needs="fla",
+           note="gated DeltaNet layers (as hf-qwen3_5_text): Megatron's GatedDeltaNet needs flash-linear-attention (fla)"),
+    Family("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", path="vl-text", num_experts=4, needs="fla",
+           note="gated DeltaNet layers (as hf-qwen3_5_moe_text): Megatron's GatedDeltaNet needs flash-linear-attention (fla)"),
+    # RoPE over half the head, as MiniMax-M3 (64 of 128), said both ways: the Bridge reads rotary_dim (rotary_percent =
+    # rotary_dim / head_dim, minimax_m3_bridge.py:333-337), transformers rope_parameters' partial_rotary_factor
+    # (modeling_minimax_m3_vl.py:301-303); layer_types: the class default's (full attention) cut to 4 layers
+    Family("minimax_m3_vl", "MiniMaxM3SparseForConditionalGeneration", "minimax_m3_vl", path="vl-text", num_experts=4,
+           overrides=_o(rotary_dim=4, rope_parameters=dict(rope_type="default", rope_theta=5000000.0, partial_rotary_factor=0.5)),
+           note="MiniMax-M3 text (experts, QK norm, partial RoPE, (1 + w) norms) + its vision tower; the Bridge's flex "
+                "(DeepEP HybridEP, CUDA-only) token dispatcher runs as alltoall here (harness.models.bridge)"),
+    # ---- VL / omni / audio without a language-path case here: the reason in the note
+    *(Family(n, a, mt, path="vl", note=why) for n, a, mt, why in (
+        ("ernie4_5_vl_moe", "Ernie4_5_VLMoeForConditionalGeneration", "ernie4_5_vl_moe",
+         "its language layers need the provider's own heterogeneous block (dense + text/vision expert pools, "
+         "ernie_vl/modeling_ernie45_vl/ernie_decoder_layer_spec.py:219); without TE that spec builds a plain "
+         "ColumnParallelLinear for the fused norm+linear (:78-91), so the Bridge's layer_norm_weight mappings have no "
+         "parameter (load: 'NoneType' object has no attribute 'megatron_module', model_bridge.py:1100), and the harness's "
+         "generic CPU spec lacks the expert pools: a harness CPU stand-in for this spec is not built yet"),
+        ("kimi_k25_vl", "KimiK25ForConditionalGeneration", None, "remote code: transformers 5.12.1 has no kimi_k25 config"),
+        ("nemotron_vl", "NemotronH_Nano_VL_V2", None, "remote code; its language model is Nemotron-H (Mamba-2: mamba_ssm)"),
+        ("nemotron_omni", "NemotronH_Nano_Omni_Reasoning_V3", None, "remote code; Nemotron-H language model (mamba_ssm)"),
+        ("qwen3_asr", "Qwen3ASRForConditionalGeneration", None, "remote code: transformers 5.12.1 has no qwen3_asr config"),
+        ("qwen2_audio", "Qwen2AudioForConditionalGeneration", "qwen2_audio",
+         "audio-text: no image-text-to-text class in transformers (an audio fixture is not built here)"),
+        ("qwen3_omni", "Qwen3OmniMoeForConditionalGeneration", "qwen3_omni_moe",
+         "omni (thinker + talker + audio): no image-text-to-text class in transformers"),
+        ("qwen2_5_omni", "Qwen2_5OmniForConditionalGeneration", "qwen2_5_omni",
+         "omni (thinker + talker + audio): no image-text-to-text class in transformers"),
+        ("step3p7_vl", "Step3p7ForConditionalGeneration", None, "remote code: transformers 5.12.1 has no step3p7 config"),
     )),
 )
 

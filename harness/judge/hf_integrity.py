@@ -189,7 +189,7 @@ def source_problems(a: Artefact, source: Mapping[str, TensorInfo], allowed_extra
     for k in sorted(set(source) - set(got) - set(allowed_missing)):
         out.append(Mismatch(k, "missing", source_label, a.directory.name, detail=f"source tensor {k} ({source[k]}) is in no file of the export"))
     for k in sorted(set(got) - set(source) - set(allowed_extra)):
-        if k == LM_HEAD and a.tied:
+        if k == lm_head_key(got) and a.tied:
             continue
         out.append(Mismatch(k, "extra", source_label, a.directory.name, detail=f"{k} ({got[k]}, in {file_of[k]}) is not in the source"))
     for k in sorted(set(got) & set(source)):
@@ -201,16 +201,25 @@ def source_problems(a: Artefact, source: Mapping[str, TensorInfo], allowed_extra
     return out
 
 
+def lm_head_key(keys) -> str:
+    """The output layer's key: `lm_head.weight`, or a VL model's under its language model
+    (`language_model.lm_head.weight`: Mistral 3, MiniMax-M3 VL); `lm_head.weight` where none is held."""
+    if LM_HEAD in keys:
+        return LM_HEAD
+    return next((k for k in keys if k.endswith("." + LM_HEAD)), LM_HEAD)
+
+
 def tied_problems(a: Artefact, source: Mapping[str, TensorInfo] | None) -> list[Mismatch]:
     """lm_head.weight as the export's config.json says embeddings are (nothing to judge without
     a tie_word_embeddings there)."""
-    has = LM_HEAD in a.tensors
+    head = lm_head_key(a.tensors)
+    has = head in a.tensors
     if a.tied is False and not has:
         return [Mismatch(LM_HEAD, "tied", "untied (tie_word_embeddings false)", "absent",
                          detail=f"config.json says untied embeddings but no file of {a.directory.name} holds {LM_HEAD}")]
-    if a.tied and has and (source is None or LM_HEAD not in source):
-        return [Mismatch(LM_HEAD, "tied", "tied (tie_word_embeddings true)", "present",
-                         detail=f"config.json says tied embeddings but {a.directory.name} holds {LM_HEAD}, which the source does not")]
+    if a.tied and has and (source is None or head not in source):
+        return [Mismatch(head, "tied", "tied (tie_word_embeddings true)", "present",
+                         detail=f"config.json says tied embeddings but {a.directory.name} holds {head}, which the source does not")]
     return []
 
 

@@ -7,7 +7,8 @@ config, generate the matrix.
   model_type it declares and its provider class.
 - `classify(family)`: against the installed transformers: "text" (config class in
   CONFIG_MAPPING and a causal-LM class in MODEL_FOR_CAUSAL_LM_MAPPING: runnable here unless it
-  `needs` a module this machine lacks), "vl" (the language path is later work) or "missing" (the
+  `needs` a module this machine lacks), "vl-text" (a VL model whose language path runs on a
+  whole-model fixture: harness.models.vl), "vl" (no language-path case) or "missing" (the
   modeling code is hub remote code, or a CUDA-only kernel: the module named).
 - `tiny_config(spec)`: the family's config class's defaults, shrunk generically (`SHRINK`, the
   MoE and MLA knobs below, `layer_types` recomputed for the layer count) plus the family's
@@ -79,11 +80,13 @@ def unknown_architectures(names: list[str]) -> list[str]:
 
 
 def classify(f: Family) -> tuple[str, str]:
-    """(status, reason): "text" runnable here, "vl" (later), "missing" (the module named in reason)."""
+    """(status, reason): "text" / "vl-text" runnable here, "vl" (no case), "missing" (the module named in reason)."""
     from harness.core.requires import module_missing
 
     if f.path == "vl":
-        return "vl", f"{f.architecture}: a VL/omni/audio model; its language path is later work"
+        return "vl", f"{f.architecture}: VL/omni/audio, no language-path case here: {f.note}"
+    if f.path == "vl-text":
+        return _classify_vl_text(f)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -94,6 +97,24 @@ def classify(f: Family) -> tuple[str, str]:
     if f.needs and (why := module_missing(f.needs)):
         return "missing", f"needs the module {f.needs}: {why} ({f.note})"
     return "text", f.note
+
+
+def _classify_vl_text(f: Family) -> tuple[str, str]:
+    """A "vl-text" family: its ConditionalGeneration class must ship in transformers (the whole
+    model is the fixture); its language path runs on text tokens alone."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    from harness.core.requires import module_missing
+    from harness.models.vl import is_vl
+
+    if f.model_type not in CONFIG_MAPPING or not is_vl(CONFIG_MAPPING[f.model_type]):
+        return "missing", f"transformers has no VL config (text + vision) for model_type {f.model_type}"
+    if f.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return "missing", f"transformers has no image-text-to-text class for model_type {f.model_type}"
+    if f.needs and (why := module_missing(f.needs)):
+        return "missing", f"needs the module {f.needs}: {why} ({f.note})"
+    return "vl-text", f.note
 
 
 # --------------------------------------------------------------------------- the tiny config
@@ -126,6 +147,10 @@ def tiny_config(spec: HFModelSpec):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[spec.arch]
+    from harness.models import vl
+
+    if vl.is_vl(cls):  # a VL family: its text config shrunk so, its vision config by vl.VISION_SHRINK
+        return vl.tiny_vl_config(spec, _shrink, LAYER_LISTS)
     defaults = cls().to_dict()
     kw = _shrink(spec, defaults)
     from harness.core.families import Nested
@@ -157,11 +182,11 @@ def cpu_layer_spec(provider: Any, grouped_experts: bool = False):
     (PROVIDER_SPECS: its TE classes localized, the block's final norm a CPU norm; MODULE_SWAPS: the
     generic spec plus the provider's swapped modules); else megatron-core's decoder block spec
     without Transformer-Engine (local modules) from the provider's own config (MoE layer frequency,
-    MLA, QK norm, MTP). `grouped_experts`: the experts under TEGroupedMLP's parameter names (a
-    Bridge that maps only those)."""
+    MLA with harness.models.cpu_attention's core attention, QK norm, MTP). `grouped_experts`: the
+    experts under TEGroupedMLP's parameter names (a Bridge that maps only those)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from harness.models import cpu_experts, cpu_spec
+    from harness.models import cpu_attention, cpu_experts, cpu_spec
 
     own = provider.transformer_layer_spec
     name = getattr(getattr(own, "func", own), "__name__", "")
@@ -172,6 +197,10 @@ def cpu_layer_spec(provider: Any, grouped_experts: bool = False):
 
             layer = cpu_spec.localize(own(config))
             attn = layer.submodules.self_attention.submodules
+            if getattr(config, "is_vision_language", False):  # Gemma 3 VL: per-layer additive biases, not a window
+                from harness.models.vl import bias_as_mask
+
+                attn.core_attention = bias_as_mask(attn.core_attention)
             if getattr(config, "qk_layernorm", False) and attn.q_layernorm is None:  # EXAONE 4: TE reads it from the config
                 attn.q_layernorm = attn.k_layernorm = cpu_spec._norm
             return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
@@ -179,6 +208,8 @@ def cpu_layer_spec(provider: Any, grouped_experts: bool = False):
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization,
                                            qk_l2_norm=bool(getattr(config, "qk_l2_norm", False)), vp_stage=vp_stage)
         cpu_spec.apply_swaps(block, cpu_spec.module_swaps(name))
+        if getattr(config, "multi_latent_attention", False):  # MLA's k/v head dims differ: a TE-like core attention
+            cpu_attention.localize_mla(block)
         if grouped_experts:
             block = cpu_experts.grouped_expert_names(block)
         if getattr(config, "layernorm_zero_centered_gamma", False):
@@ -214,9 +245,10 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
     the Bridge, the dist checkpoint at S loaded at D) and one peft-export entry (LoRA on every
     target the family has, `save_hf_adapter` -> PeftModel, the adapter checkpoint at S loaded at
     D); not-run through `requires` where a module is missing; strict xfails from
-    harness.models.xfails_roundtrip / xfails_lora, keyed "family" or "family pair". VL/omni
-    families without a language path are listed as deferred in a comment."""
-    from harness.models.xfails_lora import LORA
+    harness.models.xfails_roundtrip / xfails_lora, keyed "family" or "family pair". A "vl-text"
+    family (harness.models.vl) gets its entries as a text one; VL/omni families without a
+    language-path case ("vl") are listed as deferred in a comment."""
+    from harness.models.xfails_lora import LORA, NEEDS_CUDA
     from harness.models.xfails_roundtrip import ROUNDTRIP
 
     tables = {"hf-roundtrip": ROUNDTRIP if roundtrip is None else roundtrip, "peft-export": LORA if lora is None else lora}
@@ -225,18 +257,25 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
         if f.path == "vl":
             continue
         for case, xfails in tables.items():
+            if case == "peft-export" and f.path == "vl-text":
+                continue  # the harness's adapter derivation reads GPT names, not the VL model's language_model.* (listed below)
             for pair in pairs_for(f):
                 lines.append(f"  - case: {case}\n    models: [{f.zoo_name}]\n    pairs: [\"{pair}\"]\n")
                 if case == "peft-export":
                     lines.append("    backends: [bridge_peft]\n    markers: [peft, arch]\n    axes: {adapter: [lora]}\n")
                 if f.needs:
                     lines.append(f"    requires: [\"module:{f.needs}\"]\n")
+                elif case == "peft-export" and (why := NEEDS_CUDA.get(f"{f.name} {pair}")):
+                    lines.append(f"    requires: [cuda]   # {why}\n")
                 x = xfails.get(f"{f.name} {pair}") or xfails.get(f.name)
                 if x:
                     lines.append("    xfail:\n" + "".join(f"      {k}: {_q(v)}\n" for k, v in x.items()))
     deferred = [f for f in FAMILIES if f.path == "vl"]
-    lines.append("# deferred: VL / omni / audio (the language path is later work): "
+    lines.append("# deferred: VL / omni / audio without a language-path case (why: docs/architectures.md): "
                  + ", ".join(f.architecture for f in deferred) + "\n")
+    lines.append("# not generated: LoRA (peft-export) of the VL language paths; the harness's adapter derivation "
+                 "(harness.models.peft_mapping) reads a GPT's names, not language_model.*: "
+                 + ", ".join(f.zoo_name for f in FAMILIES if f.path == "vl-text") + "\n")
     return "".join(lines)
 
 

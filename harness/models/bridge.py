@@ -123,6 +123,8 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
         # The provider's alltoall dispatcher stays: harness.compat's shims run it on CPU/gloo.
         overrides.update(expert_model_parallel_size=topo.ep, expert_tensor_parallel_size=topo.etp,
                          moe_grouped_gemm=False, moe_permute_fusion=False)
+        if getattr(provider, "moe_token_dispatcher_type", None) == "flex":  # MiniMax-M3: DeepEP/HybridEP, CUDA only
+            overrides["moe_token_dispatcher_type"] = "alltoall"
     if getattr(spec, "pad_vocab", False):  # the Bridge's default (no padding) otherwise
         overrides["should_pad_vocab"] = True
     peft = None
@@ -130,7 +132,13 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
         peft = adapter.make()
         # peft_hook(provider, peft): a client's own pre-wrap hook (Bridge's PEFT hook loads the base first)
         provider.register_pre_wrap_hook(peft_hook(provider, peft) if peft_hook else (lambda m: peft(m, training=True)))
+        from harness.models.cpu_spec import lora_reads_normed_input  # CPU fused-norm stand-ins: LoRA reads the normed input
+
+        provider.register_pre_wrap_hook(lora_reads_normed_input)
     finalize_provider(provider, torch_dtype, overrides)
+    from harness.models.vl import localize_te_globals
+
+    localize_te_globals(provider)  # a VL model's own TE names (its projector's norm) -> CPU stand-ins
     # built where the rank runs (as harness.models.mcore.build_gpt moves its models): on an NCCL rank the
     # provider moves the model to its GPU itself unless told to initialise on CPU (the lent H200 showed
     # every Bridge forward failing on CPU weights with the batch on cuda:0)
@@ -218,7 +226,8 @@ def _tp_of(name: str) -> tuple[int, int]:
     """(rank, size) of the tensor-parallel group that splits this parameter: expert-TP for an expert's."""
     from megatron.core import parallel_state as ps
 
-    if _EXPERT in name:
+    # a local expert's, or a grouped expert linear's (cpu_experts: experts.linear_fc1 / linear_fc2)
+    if _EXPERT in name or ".mlp.experts.linear_fc" in name:
         return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
@@ -277,8 +286,12 @@ def ddp_propagation(bm: BridgeModel, asked: dict[str, Any], dtype: str = "fp32")
 
 def megatron_logits(bm: BridgeModel, spec: HFModelSpec, device) -> torch.Tensor | None:
     from harness.models.mcore import forward_logits
+    from harness.models.vl import TextOnly, language_model
 
-    logits = forward_logits(forward_module(bm), truth.hf_batch(spec), device)
+    module = forward_module(bm)
+    if language_model(unwrapped(bm)) is not None:  # a VL model: keyword forward, text tokens alone (harness.models.vl)
+        module = TextOnly(module)
+    logits = forward_logits(module, truth.hf_batch(spec), device)
     # a padded vocab (spec.pad_vocab) adds columns no token maps to; transformers has none
     return None if logits is None else logits[..., : spec.vocab_size].contiguous()
 

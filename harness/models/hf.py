@@ -16,6 +16,21 @@ from harness.core.zoo import HFModelSpec
 
 #: The precision an HF fixture is written in (the `dtype` option of hf-roundtrip and peft-export).
 HF_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: attention options transformers' default sdpa path takes through **kwargs and drops
+#: (transformers/integrations/sdpa_attention.py:40-49): a config that sets one is referenced through
+#: eager attention, which applies it (Gemma2's attn_logit_softcapping: modeling_gemma2.py:214-217, :293).
+#: hf-roundtrip's reference logits and the PEFT cases' transformers+PEFT model (cases._peft.load_peft) use it.
+SDPA_DROPS = ("attn_logit_softcapping",)
+
+
+def reference_attention(directory: Path) -> str | None:
+    """"eager" where the checkpoint's config (a VL config: its text_config) sets an option of
+    SDPA_DROPS, else None (transformers' default)."""
+    import json
+
+    cfg = json.loads((Path(directory) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+    return "eager" if any(cfg.get(k) for k in SDPA_DROPS) else None
 
 
 def hf_config(spec: HFModelSpec):
@@ -93,13 +108,13 @@ def write_fixture(spec: HFModelSpec, directory: Path, dtype: str = "fp32", shard
     model.safetensors.index.json), as real checkpoints are. `extra_keys`: tensors the model does not
     hold (a persisted buffer such as `rotary_emb.inv_freq`, or an unknown key), added to the last
     file as real checkpoints carry them, for what an exporter does with a source key it does not map."""
-    from transformers import AutoModelForCausalLM
+    from harness.models.vl import model_class
 
     quiet_hf()
     directory.mkdir(parents=True, exist_ok=True)
     config = hf_config(spec)
     torch.manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = model_class(config).from_config(config, torch_dtype=torch.float32)  # a VL config: the whole model, vision too
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state = canonical_hf_state(spec, shapes)
     held = model.state_dict()
@@ -167,10 +182,11 @@ def add_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
 @torch.no_grad()
 def hf_logits(directory: Path, input_ids: torch.Tensor, adapter: Path | None = None, dtype: str = "fp32") -> torch.Tensor:
     """Logits of transformers (optionally + a PEFT adapter) on CPU in `dtype`, returned as fp32."""
-    from transformers import AutoModelForCausalLM
+    from harness.models.vl import auto_class_of
 
     quiet_hf()
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=HF_DTYPES[dtype])
+    # a VL checkpoint: its ConditionalGeneration model, on text tokens alone
+    model = auto_class_of(directory).from_pretrained(directory, dtype=HF_DTYPES[dtype])
     if adapter is not None:
         from peft import PeftModel
 

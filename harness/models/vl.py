@@ -1,0 +1,184 @@
+"""The language path of VL / omni families (path "vl-text" in harness.core.families): a tiny
+fixture of the FULL ConditionalGeneration model (vision tower too, so the Bridge's import and
+export meet every key a real checkpoint has), and the Megatron VL model driven on a text-only
+input (no pixel values) for logits compared with transformers'.
+
+- `is_vl(config_cls)`: a config with nested text and vision configs.
+- `tiny_vl_config(spec, shrink)`: the text config shrunk as a text family's (the same
+  harness.models.architectures shrink, then the family's overrides) and the vision config by
+  `VISION_SHRINK` (two blocks, width 32, its output width the text width).
+- `model_class(config)`: the transformers auto class that builds the whole model.
+- `TextOnly`: a Megatron VL model behind GPTModel's positional forward (input_ids, position_ids,
+  attention_mask): the VL models take (input_ids, attention_mask, position_ids, ...) and derive
+  their own (M-)RoPE positions; harness.models.mcore.forward_logits calls chunks positionally.
+- `localize_te_globals(provider)`: TE names a VL modeling module imported itself (Gemma 3 VL's
+  projector norm) -> harness.models.cpu_spec's stand-ins; `bias_as_mask(core)`: the CPU core
+  attention taking Gemma 3 VL's additive per-layer biases.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+#: The vision tower's generic shrink: every key the vision config class has is set so.
+VISION_SHRINK: dict[str, Any] = dict(depth=2, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                     num_attention_heads=2, num_key_value_heads=2, fullatt_block_indexes=[1])
+#: The override naming the text sub-config's model_type where the family ships another than the
+#: class default (Mistral3Config defaults to a "mistral" text config, Ministral 3 ships "ministral3").
+TEXT_MODEL_TYPE = "text_model_type"
+#: Where a multimodal placeholder id the class defaults inside the tiny vocab (EXAONE 4.5's image 67,
+#: Mistral3's 10) moves: above the vocab, as in the real checkpoints' vocabularies the text never draws them.
+PLACEHOLDER_BASE = 1000
+
+
+def is_vl(config_cls: Any) -> bool:
+    """A config class with nested text_config and vision_config (a ConditionalGeneration model)."""
+    subs = getattr(config_cls, "sub_configs", None) or {}
+    return "text_config" in subs and "vision_config" in subs
+
+
+def _sub_defaults(config_cls: Any, name: str) -> dict[str, Any]:
+    """A sub-config's defaults as the top-level class builds it (some declare AutoConfig there)."""
+    sub = getattr(config_cls(), name)
+    return (sub if sub is not None else config_cls.sub_configs[name]()).to_dict()  # Gemma 4: no vision by default
+
+
+def tiny_vl_config(spec: Any, shrink: Callable[[Any, dict[str, Any]], dict[str, Any]], layer_lists: tuple[str, ...]):
+    """The VL config of `spec`: the text sub-config shrunk by `shrink` (the text families' shrink)
+    plus the family's overrides (a key of the top-level config only, e.g. image_token_id, goes
+    there), the vision sub-config by VISION_SHRINK with its output width the text width."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from harness.core.families import Nested
+
+    cls = CONFIG_MAPPING[spec.arch]
+    top = cls().to_dict()
+    text_type = dict(spec.overrides).get(TEXT_MODEL_TYPE)  # another text config than the class's default (Ministral 3)
+    text_defaults = CONFIG_MAPPING[text_type]().to_dict() if text_type else _sub_defaults(cls, "text_config")
+    text = shrink(spec, text_defaults)
+    for k, v in list(text.items()):  # a per-modality list (ERNIE-VL's [text, vision] expert widths): the shrink per entry
+        if isinstance(v, int) and isinstance(text_defaults.get(k), list) and text_defaults[k]:
+            text[k] = [v] * len(text_defaults[k])
+    if text_type:
+        text["model_type"] = text_type
+    top_kw: dict[str, Any] = {"tie_word_embeddings": spec.tied}
+    for k, v in spec.overrides:
+        v = list(v) if isinstance(v, tuple) else v.value() if isinstance(v, Nested) else v
+        if k.startswith("vision.") or k == TEXT_MODEL_TYPE:
+            continue
+        (top_kw if k in top and k not in text_defaults else text)[k] = v
+    vision_defaults = _sub_defaults(cls, "vision_config")
+    vision = {k: v for k, v in VISION_SHRINK.items() if k in vision_defaults}
+    for key in ("out_hidden_size", "projection_dim"):
+        if key in vision_defaults:
+            vision[key] = text["hidden_size"]
+    vision.update({k.removeprefix("vision."): (list(v) if isinstance(v, tuple) else v) for k, v in spec.overrides
+                   if k.startswith("vision.")})
+    for k, v in top.items():  # a multimodal placeholder id inside the tiny vocab would turn text tokens into image slots
+        if (k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and not isinstance(v, bool)
+                and v < text["vocab_size"] and k not in top_kw):
+            top_kw[k] = PLACEHOLDER_BASE + v
+    config = AutoConfig.for_model(spec.arch, text_config=text, vision_config=vision, **top_kw)
+    tc = config.text_config
+    tc.tie_word_embeddings = spec.tied
+    for name in layer_lists:
+        value = getattr(tc, name, None)
+        if isinstance(value, list) and len(value) != spec.num_layers:
+            setattr(tc, name, (list(text_defaults.get(name) or value) * spec.num_layers)[: spec.num_layers])
+    if spec.architecture:
+        config.architectures = [spec.architecture]
+    return config
+
+
+def model_class(config: Any):
+    """transformers' auto class building `config`'s whole model: image-text-to-text for a VL
+    config (its vision tower included), the causal LM otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vl(type(config)) else AutoModelForCausalLM
+
+
+def auto_class_of(directory: Any):
+    """model_class of the checkpoint in `directory` (its config.json)."""
+    from transformers import AutoConfig
+
+    return model_class(AutoConfig.from_pretrained(directory))
+
+
+class TextOnly(torch.nn.Module):
+    """A Megatron VL model called as a GPTModel chunk: forward(input_ids, position_ids,
+    attention_mask) -> the VL model on the text tokens alone (no pixel values), position_ids left
+    to the model (it derives its own M-RoPE positions, as in training)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+        self.config = module.config
+
+    def set_input_tensor(self, tensor) -> None:
+        self.module.set_input_tensor(tensor)
+
+    def forward(self, input_ids, position_ids, attention_mask):
+        kw = {}
+        if "mm_token_type_ids" in _parameters(self.module):  # GLM-4.5V takes the token types from its data step: all text
+            kw["mm_token_type_ids"] = torch.zeros_like(input_ids, dtype=torch.int)
+        out = self.module(input_ids=input_ids, attention_mask=attention_mask, **kw)
+        return out[0] if isinstance(out, tuple) else out  # Ministral3Model returns (logits, loss_mask)
+
+
+def _parameters(module: torch.nn.Module) -> set[str]:
+    """The forward parameters of the VL model under any wrappers (Float16Module, TextOnly)."""
+    import inspect
+
+    while hasattr(module, "module") and not hasattr(module, "language_model"):
+        module = module.module
+    return set(inspect.signature(module.forward).parameters)
+
+
+def localize_te_globals(provider: Any) -> list[str]:
+    """A VL provider's modeling modules build some modules from Transformer-Engine names they
+    imported (Gemma 3 VL's projector norm: TENorm, modeling_gemma3_vl.py:315): each such global that
+    is a TE placeholder here is swapped for its harness.models.cpu_spec stand-in, in the provider's
+    own package only (a text provider is left alone). The names swapped, as module.name."""
+    import sys
+
+    from harness.models.cpu_spec import replacements
+
+    if getattr(provider, "vision_config", None) is None:
+        return []
+    package = type(provider).__module__.rsplit(".", 1)[0]
+    swap = replacements()
+    done = []
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == package or name.startswith(package + ".")):
+            continue
+        for key, value in list(vars(mod).items()):
+            if id(value) in swap:
+                setattr(mod, key, swap[id(value)])
+                done.append(f"{name}.{key}")
+    return done
+
+
+def language_model(module: torch.nn.Module) -> Any:
+    """The GPT language model inside a Megatron VL model (None for a plain GPTModel)."""
+    return getattr(module, "language_model", None)
+
+
+def bias_as_mask(core_attention: type) -> type:
+    """`core_attention` (a local, non-TE DotProductAttention stand-in) taking an additive
+    `attention_bias` as its boolean mask: Gemma 3 VL hands each layer its (local or global) bias
+    of 0 / finfo.min fills instead of a window (modeling_gemma3_vl.py:237-273, picked per layer at
+    gemma3_provider.py:201-209), which TE's core attention adds; megatron-core's local one asserts
+    it is None (dot_product_attention.py:157). Filled entries are exactly the masked ones."""
+
+    class BiasAsMask(core_attention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+            if attention_bias is not None:
+                attention_mask = attention_bias < 0
+            return super().forward(query, key, value, attention_mask, attn_mask_type, None, packed_seq_params)
+
+    BiasAsMask.__name__ = BiasAsMask.__qualname__ = f"BiasAsMask{core_attention.__name__}"
+    return BiasAsMask

@@ -1,0 +1,131 @@
+"""The language path of the VL families (harness.models.vl, path "vl-text" in harness.core.families):
+the tiny VL config keeps each family's options in its text sub-config and shrinks the vision tower,
+the fixture is the whole model (vision and language keys, every one mapped by the Bridge), the
+classification and the matrix, the text-only forward adapter, the TE-globals swap."""
+
+from __future__ import annotations
+
+import sys
+import types
+from unittest.mock import MagicMock
+
+import pytest
+import torch
+
+from harness.core.families import BY_NAME, FAMILIES
+from harness.core.zoo import get_model
+from harness.models import architectures as arch
+from harness.models import vl
+
+
+def test_vl_tiny_config_keeps_the_family_options():
+    c = arch.tiny_config(get_model("hf-qwen2_5_vl"))
+    t, v = c.text_config, c.vision_config
+    assert (t.hidden_size, t.num_attention_heads, t.num_hidden_layers, t.vocab_size) == (256, 2, 4, 128)
+    assert t.rope_parameters["mrope_section"] == [16, 24, 24]  # the sections the Bridge hard-codes: head_dim 128
+    assert v.depth == 2 and v.hidden_size == 32 and v.out_hidden_size == t.hidden_size
+    assert c.architectures == ["Qwen2_5_VLForConditionalGeneration"] and c.tie_word_embeddings is False
+    m = arch.tiny_config(get_model("hf-mistral3"))
+    assert m.text_config.model_type == "ministral3" and m.text_config.rope_parameters["rope_type"] == "yarn"
+    assert m.text_config.rope_parameters["truncate"] is False and m.text_config.rms_norm_eps == 1e-5
+    assert m.image_token_index >= m.text_config.vocab_size  # a text token never lands on the image placeholder
+
+
+def test_vl_fixture_holds_vision_and_language_keys_all_mapped(tmp_path):
+    from safetensors import safe_open
+
+    from harness.compat.te import import_megatron_bridge
+    from harness.models.hf import write_fixture
+
+    import_megatron_bridge()
+    from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+
+    spec = get_model("hf-qwen2_5_vl")
+    d = write_fixture(spec, tmp_path / "q")
+    with safe_open(str(d / "model.safetensors"), "pt") as fh:
+        keys = list(fh.keys())
+    assert any(k.startswith("visual.blocks.") for k in keys) and any(k.startswith("visual.merger.") for k in keys)
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" in keys
+    registry = get_model_bridge(spec.architecture).mapping_registry()
+    assert [k for k in keys if registry.hf_to_megatron_lookup(k) is None] == []
+
+
+def test_vl_classification_and_matrix():
+    assert arch.classify(BY_NAME["qwen2_5_vl"])[0] == "vl-text"
+    status, why = arch.classify(BY_NAME["qwen3_vl"])
+    assert status == "missing" and "transformer_engine" in why and "qwen3_vl_provider.py:148" in why
+    assert arch.classify(BY_NAME["qwen2_audio"])[0] == "vl"
+    text = arch.matrix_yaml()
+    runnable = [f for f in FAMILIES if f.path == "vl-text"]
+    assert len(runnable) >= 3 and all(f"models: [{f.zoo_name}]" in text for f in runnable)
+    assert "models: [hf-qwen2_audio]" not in text and "Qwen2AudioForConditionalGeneration" in text.split("# deferred")[-1]
+    assert 'requires: ["module:transformer_engine"]' in text.split("models: [hf-qwen3_vl]")[1].split("- case")[0]
+
+
+class _FakeVL(torch.nn.Module):
+    """A VL model's signature: (input_ids, attention_mask, position_ids, ..., mm_token_type_ids)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(name="cfg")
+        self.language_model = torch.nn.Identity()
+        self.seen: dict = {}
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, mm_token_type_ids=None):
+        self.seen = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, mm=mm_token_type_ids)
+        return input_ids.float(), "loss_mask"
+
+
+def test_text_only_routes_the_positional_call_by_keyword():
+    inner = _FakeVL()
+    wrapped = vl.TextOnly(inner)
+    ids, pos, mask = torch.arange(6).view(2, 3), torch.zeros(2, 3, dtype=torch.long), torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    out = wrapped(ids, pos, mask)
+    assert torch.equal(out, ids.float())  # the (logits, loss_mask) tuple unwrapped
+    assert inner.seen["attention_mask"] is mask and inner.seen["position_ids"] is None  # the model derives its M-RoPE positions
+    assert torch.equal(inner.seen["mm"], torch.zeros_like(ids, dtype=torch.int))  # all text
+    assert wrapped.config is inner.config
+
+
+def test_te_globals_of_a_vl_package_are_swapped(monkeypatch):
+    from harness.models import cpu_spec
+
+    placeholder = MagicMock(name="TENorm")
+    stand_in = object()
+    monkeypatch.setattr(cpu_spec, "replacements", lambda: {id(placeholder): stand_in})
+    pkg = types.ModuleType("fakevl_pkg")
+    modeling = types.ModuleType("fakevl_pkg.modeling")
+    modeling.TENorm = placeholder
+    for m in (pkg, modeling):
+        monkeypatch.setitem(sys.modules, m.__name__, m)
+    Provider = type("Provider", (), {"__module__": "fakevl_pkg.provider"})
+    text_provider = Provider()
+    assert vl.localize_te_globals(text_provider) == [] and modeling.TENorm is placeholder  # no vision_config: left alone
+    provider = Provider()
+    provider.vision_config = object()
+    assert vl.localize_te_globals(provider) == ["fakevl_pkg.modeling.TENorm"] and modeling.TENorm is stand_in
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "mistral3", "gemma4_vl"])
+def test_vl_families_build_a_vl_config(name):
+    assert vl.is_vl(type(arch.tiny_config(get_model(f"hf-{name}"))))
+
+
+def test_bias_as_mask_turns_an_additive_bias_into_the_mask():
+    class Core:
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+            return attention_mask, attention_bias
+
+    bias = torch.zeros(1, 1, 3, 3).masked_fill_(~torch.ones(3, 3, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
+    mask, passed = vl.bias_as_mask(Core)().forward(None, None, None, "causal", None, bias)
+    assert passed is None and torch.equal(mask, bias < 0) and mask[0, 0, 0, 1] and not mask[0, 0, 1, 0]
+    assert vl.bias_as_mask(Core)().forward(None, None, None, "causal") == ("causal", None)  # no bias: the mask as given
+
+
+def test_integrity_reads_a_vl_models_lm_head():
+    """Mistral 3 / MiniMax-M3 VL keep the output layer under language_model.: an untied export holds it there."""
+    from harness.judge.hf_integrity import lm_head_key
+
+    assert lm_head_key({"language_model.lm_head.weight": 1, "vision_tower.x": 2}) == "language_model.lm_head.weight"
+    assert lm_head_key({"lm_head.weight": 1, "language_model.lm_head.weight": 2}) == "lm_head.weight"
+    assert lm_head_key({"model.embed_tokens.weight": 1}) == "lm_head.weight"  # none held: the name an untied one needs

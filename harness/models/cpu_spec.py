@@ -6,7 +6,10 @@ spec's experts under TEGroupedMLP's names where a Bridge maps only those.
   every TE class the installed packages expose without TE (MagicMock placeholders of
   `megatron.core.extensions.transformer_engine`, Bridge's `TERowParallelLinearLayerNorm`, Gemma3's
   TE core attention) with its stand-in; a TE placeholder left unreplaced raises, naming its path.
-- the experts under TEGroupedMLP's names: harness.models.cpu_experts.
+- the experts under TEGroupedMLP's names: harness.models.cpu_experts; MLA's core attention:
+  harness.models.cpu_attention.
+- `lora_reads_normed_input`: a pre-wrap hook after the LoRA transform: the fused-norm stand-in hands
+  its normed input to the adapter, as TE's does once the Bridge's LoRA sets return_layernorm_output.
 - `PROVIDER_SPECS`: the provider specs (by function name) harness.models.architectures builds
   through `localize` instead of megatron-core's generic local spec; `MODULE_SWAPS`: a spec whose
   only non-generic piece is a module swap (OLMoE's full-width QK norm attention, MiniMax-M2's).
@@ -42,7 +45,21 @@ def _classes() -> dict[str, type]:
     base = _norm_linear_class()
 
     class LayerNormColumnParallelLinear(base):  # the name Bridge reads as "fused norm + column linear"
-        """TE's LayerNormColumnParallelLinear on CPU (harness.compat.te_spec's NormColumnParallelLinear)."""
+        """TE's LayerNormColumnParallelLinear on CPU (harness.compat.te_spec's NormColumnParallelLinear).
+        `return_layernorm_output` as TE's: ((out, normed input), bias), what the Bridge's LoRA sets on
+        TE's class so its adapter reads the normed input (peft/utils.py:598-600, adapter_wrapper.py:148-153);
+        `lora_reads_normed_input` sets it here (the Bridge's branch needs TE)."""
+
+        return_layernorm_output = False
+
+        def forward(self, x, *args, **kwargs):
+            if not self.return_layernorm_output:
+                return super().forward(x, *args, **kwargs)
+            w = self.layer_norm_weight + 1 if self.zero_centered else self.layer_norm_weight
+            normed = (torch.nn.functional.rms_norm(x, (x.shape[-1],), w, self.eps) if self.rms
+                      else torch.nn.functional.layer_norm(x, (x.shape[-1],), w, self.layer_norm_bias, self.eps))
+            out, bias = ColumnParallelLinear.forward(self, normed, *args, **kwargs)
+            return (out, normed), bias
 
     class RowParallelLinearPostLN(RowParallelLinear):
         """Bridge's TERowParallelLinearLayerNorm on CPU (common/te_layers.py): row-parallel linear,
@@ -114,6 +131,19 @@ def replacements() -> dict[int, Any]:
              (gemma3_provider.Gemma3TEDotProductAttention, c["sliding_attention"]), (getattr(gemma3_provider, "TENorm", None), _norm)]
     _CACHE["map"] = {id(a): b for a, b in pairs if a is not None}
     return _CACHE["map"]
+
+
+def lora_reads_normed_input(model: list) -> list:
+    """A pre-wrap hook (after the LoRA transform): every LoRA-wrapped fused-norm stand-in returns its
+    normed input, so the adapter reads what HF's q/k/v (gate/up) projections read, as the Bridge makes
+    TE's do (peft/utils.py:598-600; that branch needs TE). The model chunks, returned."""
+    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
+
+    for chunk in model:
+        for m in chunk.modules():
+            if isinstance(m, AdapterWrapper) and hasattr(type(m.to_wrap), "return_layernorm_output"):
+                m.to_wrap.return_layernorm_output = True
+    return model
 
 
 def _is_placeholder(obj: Any) -> bool:

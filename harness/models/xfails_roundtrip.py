@@ -7,15 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 #: Named upstream defects per family (strict xfails): filled from the triage (docs/architectures.md).
-_MLA_XFAIL = {
-    "reason": "megatron-core 0.19.2: the local (non-TE) MLA spec cannot build: MLASelfAttention passes k_channels "
-              "(transformer/multi_latent_attention.py:214) to core_attention, but the local DotProductAttention "
-              "(transformer/dot_product_attention.py:41-51) takes no k_channels; only TEDotProductAttention does",
-    "match": "DotProductAttention.__init__\\(\\) got an unexpected keyword argument 'k_channels'",
-    "raised_in": "megatron.core.transformer",
-}
 ROUNDTRIP: dict[str, dict[str, Any]] = {
-    "deepseek_v2": _MLA_XFAIL, "deepseek_v3": _MLA_XFAIL, "glm4_moe_lite": _MLA_XFAIL,
     "deepseek_v4": {
         "reason": "Megatron-Bridge 0.6.2 sets experimental_attention_variant='dsv4_hybrid' (deepseek/deepseek_v4_bridge.py:397) "
                   "with megatron-core's experimental-variant block spec (:403), but megatron-core 0.19.2 knows only "
@@ -40,6 +32,11 @@ ROUNDTRIP: dict[str, dict[str, Any]] = {
         "checks": ["megatron-logits"]},
     "gemma4 tp1 -> pp2": {
         "reason": "Megatron-Bridge 0.6.2: Gemma4DenseProvider.provide raises for pipeline_model_parallel_size != 1 "
+                  "(models/gemma/gemma4_provider.py:199-200)",
+        "match": "Gemma4DenseProvider currently supports PP=1 only", "raised_in": "megatron.bridge.models.gemma"},
+    "gemma4_vl tp1 -> pp2": {
+        "reason": "Megatron-Bridge 0.6.2: Gemma4DenseVLProvider.provide_language_model calls Gemma4DenseProvider.provide "
+                  "(models/gemma_vl/gemma4_vl_provider.py:110-111), which raises for pipeline_model_parallel_size != 1 "
                   "(models/gemma/gemma4_provider.py:199-200)",
         "match": "Gemma4DenseProvider currently supports PP=1 only", "raised_in": "megatron.bridge.models.gemma"},
     "glm_moe_dsa": {

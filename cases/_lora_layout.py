@@ -6,8 +6,10 @@ A layout is the PEFT cases' options (cases._peft.PeftOptions): `targets` (a subs
 kind's base linears), `layers` (global decoder layers: each target becomes the Bridge's documented
 wildcard entry `*.layers.N.*.<target>`, megatron/bridge/peft/lora.py's LoRA docstring) and any `dim`.
 Everything is counted in HF module units (`model.layers.L.self_attn.q_proj`, an expert's
-`model.layers.L.mlp.experts.E.gate_proj`), the unit a PEFT adapter wraps:
-  asked     what the entry selects in the model's global layer numbering (the harness's own table)
+`model.layers.L.mlp.experts.E.gate_proj`, a shared expert's `model.layers.L.mlp.shared_experts.gate_proj`),
+under transformers' in-memory module names, the unit a PEFT adapter wraps:
+  asked     what the entry selects in the model's global layer numbering (the harness's own table; an
+            MLP target per layer what transformers' model of the fixture config holds there: `mlp_units`)
   megatron  what the Megatron LoRA wrapped (the adapter parameters every rank holds, mapped to HF
             modules by harness.models.peft_mapping, independent of the Bridge's export)
   peft      what PeftModel.from_pretrained wrapped over the HF base (its LoraLayer modules; a
@@ -40,16 +42,107 @@ HF_MODULES: dict[str, tuple[str, ...]] = {
     "linear_fc1_up": ("mlp.up_proj",),
     "linear_fc2": ("mlp.down_proj",),
     "output_layer": ("lm_head",),  # not in a decoder layer: a layer filter leaves it one entry
+    # multi-latent attention (DeepSeek-V2/V3, GLM-4-MoE-Lite: megatron/bridge/models/deepseek/common.py's mappings)
+    "linear_q_down_proj": ("self_attn.q_a_proj",),
+    "linear_q_up_proj": ("self_attn.q_b_proj",),
+    "linear_q_proj": ("self_attn.q_proj",),  # MLA without a q LoRA rank (q_lora_rank None)
+    "linear_kv_down_proj": ("self_attn.kv_a_proj_with_mqa",),
+    "linear_kv_up_proj": ("self_attn.kv_b_proj",),
 }
+#: the MLA linears that stand for the adapter kinds' q/k/v targets on a multi-latent-attention model
+MLA_Q_LORA = ("linear_q_down_proj", "linear_q_up_proj")
+MLA_Q = ("linear_q_proj",)
+MLA_KV = ("linear_kv_down_proj", "linear_kv_up_proj")
+_QKV = ("linear_qkv", "linear_q", "linear_k", "linear_v")
 #: targets beyond the adapter kinds' defaults (both kinds wrap it with a plain LoRALinear)
 EXTRA_TARGETS = ("output_layer",)
 _OUTSIDE_LAYERS = {"output_layer"}
 NO_ENTRY = "(no entry)"
 #: targets on a column-parallel base (their adapter's linear_in splits the rank over TP)
-COLUMN = frozenset({"linear_qkv", "linear_q", "linear_k", "linear_v", "linear_fc1", "linear_fc1_gate", "linear_fc1_up", "output_layer"})
-_UNIT = re.compile(r"^(?:model\.layers\.(\d+)\.(self_attn\.\w+|mlp\.(?:experts\.\d+\.)?\w+)|(lm_head))$")
+#: (MLA's down projections too: Megatron's local spec builds them ColumnParallelLinear(gather_output=False),
+#: megatron/core/transformer/multi_latent_attention.py:524-533; under TE they are TELinear 'duplicated')
+COLUMN = frozenset({"linear_qkv", "linear_q", "linear_k", "linear_v", "linear_fc1", "linear_fc1_gate", "linear_fc1_up", "output_layer",
+                    *MLA_Q_LORA, *MLA_Q, *MLA_KV})
+_UNIT = re.compile(r"^(?:model\.layers\.(\d+)\.(self_attn\.\w+|mlp\.(?:(?:shared_experts|experts\.\d+)\.)?\w+)|(lm_head))$")
+_MOE_PART = re.compile(r"(?:shared_experts|experts\.\d+)\.")
 #: transformers 5 fused expert parameters (Qwen3-MoE) -> the per-expert HF modules they hold
 _FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+_MLP_LEAVES = ("gate_proj", "up_proj", "down_proj")
+_MLP_UNITS: dict[str, dict[int, dict[str, list[str]]]] = {}
+
+
+_MLA: dict[str, tuple[str, ...] | None] = {}
+
+
+def mla_targets(model: HFModelSpec) -> tuple[str, ...] | None:
+    """The Megatron MLA linears of the model's attention (None: not multi-latent attention), from its
+    HF config: kv_lora_rank set means MLA; q_lora_rank set: q through linear_q_down_proj / linear_q_up_proj
+    (HF q_a_proj / q_b_proj), None (DeepSeek-V2-Lite): linear_q_proj (HF q_proj)."""
+    key = repr(model)
+    if key not in _MLA:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        from harness.models.hf import hf_config
+
+        if model.arch not in CONFIG_MAPPING_NAMES:  # remote code only: its case is not-run through `requires`
+            _MLA[key] = None
+            return None
+        cfg = hf_config(model)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        if getattr(cfg, "kv_lora_rank", None) is None:
+            _MLA[key] = None
+        else:
+            _MLA[key] = (MLA_Q_LORA if getattr(cfg, "q_lora_rank", None) else MLA_Q) + MLA_KV
+    return _MLA[key]
+
+
+def model_targets(model: HFModelSpec, targets: Iterable[str]) -> tuple[str, ...]:
+    """An adapter kind's default targets as `model` has them: a non-gated MLP has no fc1 gate; a
+    multi-latent-attention model's q/k/v targets (linear_qkv, CanonicalLoRA's linear_q/k/v) are its MLA
+    linears (mla_targets), in their place."""
+    out: list[str] = []
+    mla = mla_targets(model)
+    for t in targets:
+        if t == "linear_fc1_gate" and not model.gated:
+            continue
+        if t in _QKV and mla is not None:
+            out += [m for m in mla if m not in out]
+        else:
+            out.append(t)
+    return tuple(out)
+
+
+def mlp_units(model: HFModelSpec) -> dict[int, dict[str, list[str]]]:
+    """Per decoder layer, HF MLP module ("mlp.gate_proj" / "mlp.up_proj" / "mlp.down_proj") -> the
+    units that hold it: a dense MLP's own, each routed expert's (a fused [E, ...] parameter counts E),
+    the shared expert's. Read from transformers' model of the fixture's config, built on the meta
+    device: which layers are dense (first_k_dense_replace, mlp_layer_types) and whether a layer
+    has shared experts is the model's, not the Megatron side's."""
+    key = repr(model)
+    if key not in _MLP_UNITS:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from harness.models.hf import hf_config, quiet_hf
+
+        quiet_hf()
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(hf_config(model))
+        out: dict[int, dict[str, list[str]]] = {i: {f"mlp.{m}": [] for m in _MLP_LEAVES} for i in range(model.num_layers)}
+        pat = re.compile(r"^model\.layers\.(\d+)\.(mlp\..+)$")
+        for name, mod in hf.named_modules():
+            if not (m := pat.match(name)) or int(m[1]) not in out:
+                continue
+            layer, leaf = out[int(m[1])], m[2].rsplit(".", 1)[-1]
+            if isinstance(mod, torch.nn.Linear) and leaf in _MLP_LEAVES:
+                layer[f"mlp.{leaf}"].append(name)
+            for pname, p in mod.named_parameters(recurse=False):
+                if pname in _FUSED and p.dim() == 3:
+                    for e in range(p.shape[0]):
+                        for hf_name in _FUSED[pname]:
+                            layer[f"mlp.{hf_name}"].append(f"{name}.{e}.{hf_name}")
+        _MLP_UNITS[key] = out
+    return _MLP_UNITS[key]
 
 
 @dataclass(frozen=True)
@@ -75,13 +168,26 @@ def hf_modules(model: HFModelSpec, target: str) -> tuple[str, ...]:
     return tuple(m for m in HF_MODULES[target] if model.gated or m != "mlp.gate_proj")
 
 
+def checkpoint_leaves(model: HFModelSpec, module: str) -> set[str]:
+    """The leaf names the HF checkpoint gives `module` ("self_attn.q_proj", "mlp.gate_proj") over
+    the model's layers: a routed expert's projection as harness.models.peft_mapping.EXPERT_NAMES
+    names it for the family (MiniMax-M2: w1 / w3 / w2), every other module its own leaf."""
+    from harness.models.peft_mapping import expert_leaf
+
+    leaf = module.rsplit(".", 1)[-1]
+    if not module.startswith("mlp.") or not model.num_experts:
+        return {leaf}
+    units = [u for layer in mlp_units(model).values() for u in layer[module]]
+    return {expert_leaf(leaf, model.arch) if re.search(r"\.experts\.\d+\.", u) else leaf for u in units} or {leaf}
+
+
 def _units(model: HFModelSpec, target: str, layer: int) -> list[str]:
     out = []
     for m in hf_modules(model, target):
         if target in _OUTSIDE_LAYERS:
             out.append(m)
-        elif m.startswith("mlp.") and model.num_experts:
-            out += [f"model.layers.{layer}.mlp.experts.{e}.{m[4:]}" for e in range(model.num_experts)]
+        elif m.startswith("mlp."):
+            out += mlp_units(model)[layer][m]
         else:
             out.append(f"model.layers.{layer}.{m}")
     return out
@@ -102,16 +208,21 @@ def attribute(units: Iterable[str], model: HFModelSpec, ents: list[Entry]) -> di
         if m and m.group(3):  # lm_head
             owner = next((e.pattern for e in ents if e.target in _OUTSIDE_LAYERS), NO_ENTRY)
         elif m:
-            layer, module = int(m.group(1)), re.sub(r"experts\.\d+\.", "", m.group(2))
+            layer, module = int(m.group(1)), _MOE_PART.sub("", m.group(2))
             owner = next((e.pattern for e in ents if e.target not in _OUTSIDE_LAYERS and e.layer in (None, layer)
                           and module in hf_modules(model, e.target)), NO_ENTRY)
         out.setdefault(owner, set()).add(unit)
     return out
 
 
-def megatron_units(derived: dict[str, Any]) -> set[str]:
-    """The HF modules of an HF PEFT state dict (the harness's derivation from the Megatron adapter)."""
-    return {re.sub(r"\.lora_[AB]\.weight$", "", k).removeprefix("base_model.model.") for k in derived}
+def megatron_units(derived: dict[str, Any], model: HFModelSpec | None = None) -> set[str]:
+    """The HF modules of an HF PEFT state dict (the harness's derivation from the Megatron adapter),
+    under transformers' in-memory names (`model`: its checkpoint names renamed as transformers
+    renames them on load, harness.models.peft_mapping.memory_name)."""
+    from harness.models.peft_mapping import memory_name
+
+    return {memory_name(re.sub(r"\.lora_[AB]\.weight$", "", k).removeprefix("base_model.model."), model.arch if model else "")
+            for k in derived}
 
 
 def peft_units(peft_model: Any) -> set[str]:
@@ -169,7 +280,7 @@ def targets_checks(model: HFModelSpec, ents: list[Entry], megatron: set[str], pe
 def validate(model: HFModelSpec, adapter: str, dim: int, targets: tuple[str, ...], layers: tuple[int, ...],
              topologies: Iterable[Topology], kinds: dict[str, tuple[str, ...]]) -> None:
     """A layout's options against the model and topologies: ValueError naming the option."""
-    allowed = tuple(t for t in kinds[adapter] if model.gated or t != "linear_fc1_gate") + EXTRA_TARGETS
+    allowed = model_targets(model, kinds[adapter]) + EXTRA_TARGETS
     bad = [t for t in targets if t not in allowed]
     if bad:
         raise ValueError(f"option 'targets': {bad} not targets of adapter {adapter!r} on {model.name!r}; choose from {list(allowed)}")

@@ -16,7 +16,7 @@ from harness.core.result import Check
 from harness.core.topology import Topology
 from harness.core.zoo import HFModelSpec
 from harness.models import bridge as mb
-from harness.models.hf import HF_DTYPES, quiet_hf
+from harness.models.hf import HF_DTYPES, quiet_hf, reference_attention
 from harness.models.mcore import DType
 
 PEFT_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-5, why="Megatron+LoRA vs transformers+PEFT fp32 kernels")
@@ -49,11 +49,12 @@ ADAPTERS = {"lora": mb.LORA_TARGETS, "canonical_lora": mb.CANONICAL_TARGETS}  # 
 
 
 def hf_target_modules(model: HFModelSpec, opts: "PeftOptions | None" = None) -> list[str]:
-    """The HF module names (adapter_config.json target_modules) the layout's targets adapt."""
-    from ._lora_layout import hf_modules
+    """The HF module names (adapter_config.json target_modules) the layout's targets adapt, as the
+    HF checkpoint spells them (MiniMax-M2's routed experts: w1/w3/w2, cases._lora_layout.checkpoint_leaves)."""
+    from ._lora_layout import checkpoint_leaves, hf_modules
 
     targets = (opts or PeftOptions()).base_targets(model)
-    return sorted({m.rsplit(".", 1)[-1] for t in targets for m in hf_modules(model, t)})
+    return sorted({leaf for t in targets for m in hf_modules(model, t) for leaf in checkpoint_leaves(model, m)})
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,15 @@ class PeftOptions:
     layers: tuple[int, ...] = ()
 
     def base_targets(self, model: HFModelSpec | None = None) -> tuple[str, ...]:
-        """The asked targets; CanonicalLoRA's defaults on a non-gated MLP target fc1's up side only (there is no gate)."""
-        targets = self.targets or ADAPTERS[self.adapter]
-        if model is not None and not model.gated and not self.targets:
-            targets = tuple(t for t in targets if t != "linear_fc1_gate")
+        """The asked targets; the defaults as the model has them (cases._lora_layout.model_targets): CanonicalLoRA's
+        on a non-gated MLP target fc1's up side only (there is no gate), multi-latent attention's the MLA linears."""
+        if self.targets:
+            return self.targets
+        targets = ADAPTERS[self.adapter]
+        if model is not None:
+            from ._lora_layout import model_targets
+
+            targets = model_targets(model, targets)
         return targets
 
     def entries(self, model: HFModelSpec | None = None) -> list:
@@ -97,7 +103,11 @@ def load_peft(base_dir: Path, adapter_dir: Path, dtype: str = "fp32") -> Any:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=HF_DTYPES[dtype]), adapter_dir)
+    # eager attention where transformers' sdpa path drops an option the config sets (Gemma2's attention
+    # soft-cap: harness.models.hf.SDPA_DROPS), as hf-roundtrip's reference; its merged model inherits it
+    attn = reference_attention(base_dir)
+    kw: dict[str, Any] = {"attn_implementation": attn} if attn else {}
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=HF_DTYPES[dtype], **kw), adapter_dir)
 
 
 def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32", input_ids: torch.Tensor | None = None) -> list[str]:

@@ -167,7 +167,7 @@ def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOu
         logits_check(ex.peft.lora_logits, ex.hf_base_logits, meg, src, dtype, asked["lora_alpha"] / asked["r"]) if meg is not None
         else Check("logits", "failed", "no rank returned Megatron logits"),
         merged_logits_check(ex.peft.merged_logits, ex.peft.lora_logits, meg, src, dtype, asked["lora_alpha"] / asked["r"]),
-        *targets_checks(model, entries if entries is not None else PeftOptions().entries(model), megatron_units(derived), ex.peft.units),
+        *targets_checks(model, entries if entries is not None else PeftOptions().entries(model), megatron_units(derived, model), ex.peft.units),
     ]
 
 

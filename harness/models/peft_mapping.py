@@ -2,6 +2,12 @@
 Bridge: TP shards are gathered here, Megatron's fused QKV (interleaved per query group) and fused
 SwiGLU fc1 ([gate; up] per TP rank) are split here; a non-gated fc1 (Nemotron's squared ReLU) is
 HF's up_proj as it is; the output layer's adapter (vocab-parallel, like linear_qkv) is HF's lm_head.
+Multi-latent attention's linears (linear_q_down_proj / linear_q_up_proj / linear_q_proj / linear_kv_down_proj /
+linear_kv_up_proj) are one HF module each (q_a_proj / q_b_proj / q_proj / kv_a_proj_with_mqa / kv_b_proj), column-parallel.
+MoE: a local expert's adapter (`experts.local_experts.E.`) is HF's expert E; a grouped expert
+linear's (`experts.linear_fc1`, TEGroupedMLP: one adapter shared by the experts of its EP rank) is
+every expert's; a shared expert's (`shared_experts.`) is the HF shared MLP, named per family from
+transformers' modeling code (`SHARED_MLP`, `EXPERT_NAMES`).
 Exported adapters are judged against this.
 """
 
@@ -15,13 +21,48 @@ import torch
 from harness.core.zoo import HFModelSpec
 
 # Megatron base module -> is it column-parallel (output split across TP)?
-_COLUMN = {"linear_qkv": True, "linear_fc1": True, "linear_proj": False, "linear_fc2": False, "output_layer": True}
+# (MLA: q_up/kv_up and q_proj are column-parallel; the local spec builds q_down/kv_down ColumnParallelLinear
+# (gather_output=False) too, megatron/core/transformer/multi_latent_attention.py:524-533, :570-580)
+_COLUMN = {"linear_qkv": True, "linear_fc1": True, "linear_proj": False, "linear_fc2": False, "output_layer": True,
+           "linear_q_proj": True, "linear_q_down_proj": True, "linear_q_up_proj": True, "linear_kv_down_proj": True,
+           "linear_kv_up_proj": True}
+# groups: layer, self_attention|mlp, the MoE part (experts.local_experts.E | experts | shared_experts), E,
+# base, CanonicalLoRA sub-adapter, linear_in|linear_out
 _NAME = re.compile(
-    r"^(?:decoder\.layers\.(\d+)\.(self_attention|mlp)\.(?:experts\.local_experts\.(\d+)\.)?)?"
-    r"(linear_qkv|linear_proj|linear_fc1|linear_fc2|output_layer)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
+    r"^(?:decoder\.layers\.(\d+)\.(self_attention|mlp)\.(?:(experts\.local_experts\.(\d+)|experts|shared_experts)\.)?)?"
+    r"(linear_qkv|linear_proj|linear_fc1|linear_fc2|output_layer|linear_q_proj|linear_q_down_proj|linear_q_up_proj|"
+    r"linear_kv_down_proj|linear_kv_up_proj)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
 )
-_HF_MODULE = {"linear_proj": "self_attn.o_proj", "linear_fc2": "mlp.down_proj"}
+_HF_MODULE = {"linear_proj": "self_attn.o_proj", "linear_fc2": "mlp.down_proj",
+              # multi-latent attention (megatron/bridge/models/deepseek/common.py:38-61): one HF module each
+              "linear_q_proj": "self_attn.q_proj", "linear_q_down_proj": "self_attn.q_a_proj", "linear_q_up_proj": "self_attn.q_b_proj",
+              "linear_kv_down_proj": "self_attn.kv_a_proj_with_mqa", "linear_kv_up_proj": "self_attn.kv_b_proj"}
 _CANONICAL = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
+#: model_type -> the HF module of a layer's shared expert(s) (transformers' modeling code), "mlp.shared_experts" else
+SHARED_MLP = {"hy_v3": "mlp.shared_mlp"}
+#: model_type -> (the HF routed experts' module, their gate / up / down projections), ("mlp.experts", gate/up/down_proj) else
+EXPERT_NAMES = {"minimax_m2": ("block_sparse_moe.experts", {"gate": "w1", "up": "w3", "down": "w2"})}
+_EXPERT_DEFAULT = ("mlp.experts", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+#: model_type -> the checkpoint -> in-memory module renames transformers applies on load
+#: (transformers/conversion_mapping.py: "mixtral" :796-807 for MiniMax-M2, "hy_v3" :1446-1450)
+MEMORY_RENAMES = {
+    "minimax_m2": ((r"\.block_sparse_moe\.", ".mlp."), (r"\.w1$", ".gate_proj"), (r"\.w3$", ".up_proj"), (r"\.w2$", ".down_proj")),
+    "hy_v3": ((r"\.mlp\.shared_mlp\.", ".mlp.shared_experts."),),
+}
+
+
+def expert_leaf(leaf: str, arch: str) -> str:
+    """A routed expert's HF projection "gate_proj" / "up_proj" / "down_proj" as the family's
+    checkpoint names it (MiniMax-M2: w1 / w3 / w2)."""
+    return EXPERT_NAMES.get(arch, _EXPERT_DEFAULT)[1][leaf.removesuffix("_proj")]
+
+
+def memory_name(unit: str, arch: str) -> str:
+    """An HF module name as the checkpoint (and the adapter file) spells it -> as transformers'
+    model names it in memory (what PEFT wraps)."""
+    for pat, repl in MEMORY_RENAMES.get(arch, ()):
+        unit = re.sub(pat, repl, unit)
+    return unit
 
 
 def gather(pieces: list[dict], gated: bool = True) -> dict[str, torch.Tensor]:
@@ -44,7 +85,7 @@ def gather(pieces: list[dict], gated: bool = True) -> dict[str, torch.Tensor]:
         m = _NAME.match(name)
         if not m:
             raise ValueError(f"unrecognised adapter parameter {name}")
-        base, sub, which = m.group(4), m.group(5), m.group(6)
+        base, sub, which = m.group(5), m.group(6), m.group(7)
         parts = [shards[r] for r in sorted(shards)]
         if len(parts) == 1:
             full[name] = parts[0]
@@ -71,24 +112,34 @@ def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec) -> dict[str
         if b is not None:
             out[f"{prefix}.lora_B.weight"] = b
 
+    experts_module, proj = EXPERT_NAMES.get(spec.arch, _EXPERT_DEFAULT)
+
+    def mlp(layer: str, prefix: str, names: dict[str, str], base: str, sub: str | None, is_a: bool, t: torch.Tensor) -> None:
+        """An MLP's fc1 ([gate; up]) / fc2 (down) adapter onto the HF modules `prefix`.<names>."""
+        if base == "linear_fc2":
+            put(layer, f"{prefix}.{names['down']}", t if is_a else None, None if is_a else t)
+        elif sub is not None:  # CanonicalLoRA: adapter_up / adapter_gate
+            put(layer, f"{prefix}.{names[sub]}", t if is_a else None, None if is_a else t)
+        elif is_a:
+            put(layer, f"{prefix}.{names['gate']}", t, None)
+            put(layer, f"{prefix}.{names['up']}", t, None)
+        else:
+            gate, up = t.chunk(2, dim=0)
+            put(layer, f"{prefix}.{names['gate']}", None, gate.contiguous())
+            put(layer, f"{prefix}.{names['up']}", None, up.contiguous())
+
     for name, t in megatron.items():
-        layer, _, expert, base, sub, which = _NAME.match(name).groups()
+        layer, _, moe, expert, base, sub, which = _NAME.match(name).groups()
         is_a = which == "linear_in"
         if base == "output_layer":  # lm_head; a padded vocab's extra rows carry no token
             out[f"base_model.model.lm_head.lora_{'A' if is_a else 'B'}.weight"] = t if is_a else t[: spec.vocab_size].contiguous()
         elif expert is not None:  # a routed expert (global index): HF's per-expert modules
-            prefix = f"mlp.experts.{expert}"
-            if base == "linear_fc2":
-                put(layer, f"{prefix}.down_proj", t if is_a else None, None if is_a else t)
-            elif sub is not None:  # CanonicalLoRA: the expert's adapter_up / adapter_gate
-                put(layer, f"{prefix}.{sub}_proj", t if is_a else None, None if is_a else t)
-            elif is_a:
-                put(layer, f"{prefix}.gate_proj", t, None)
-                put(layer, f"{prefix}.up_proj", t, None)
-            else:
-                gate, up = t.chunk(2, dim=0)
-                put(layer, f"{prefix}.gate_proj", None, gate.contiguous())
-                put(layer, f"{prefix}.up_proj", None, up.contiguous())
+            mlp(layer, f"{experts_module}.{expert}", proj, base, sub, is_a, t)
+        elif moe == "experts":  # a grouped expert linear: one adapter, every expert's
+            for e in range(spec.num_experts or 0):
+                mlp(layer, f"{experts_module}.{e}", proj, base, sub, is_a, t)
+        elif moe == "shared_experts":
+            mlp(layer, SHARED_MLP.get(spec.arch, "mlp.shared_experts"), _EXPERT_DEFAULT[1], base, sub, is_a, t)
         elif sub is not None:  # CanonicalLoRA: one adapter per q/k/v/gate/up
             put(layer, _CANONICAL[sub], t if is_a else None, None if is_a else t)
         elif base in _HF_MODULE:

@@ -234,14 +234,17 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red():
         return {"id": f"{case}[x-{model}-tp1pp1dp1cp1->{tgt}pp1dp1cp1]".replace("pp2pp1", "tp1pp2"), "case": case,
                 "model": model, "status": status, "phases": {"run": 1.0}, "checks": kw.pop("checks", []), **kw}
 
-    fams = tuple(BY_NAME[n] for n in ("llama", "mistral", "olmoe"))
+    fams = tuple(BY_NAME[n] for n in ("llama", "mistral", "olmoe", "minimax_m2"))
     results = [rec("hf-llama", k, t, "passed") for k in arch_table.KINDS for t in ("tp2", "pp2")]
     results += [rec("hf-mistral", "hf-roundtrip", "tp2", "xfailed", xfail_reason="upstream x.py:1: why"),
                 rec("hf-mistral", "peft-export", "tp2", "passed")]
     results += [rec("hf-olmoe", "peft-export", "tp2", "failed", checks=[{"name": "logits", "status": "failed", "detail": "off by 3"}])]
+    results += [rec("hf-minimax_m2", "hf-roundtrip", "tp2", "passed"), rec("hf-minimax_m2", "peft-export", "tp2", "not-run",
+                    not_run_reason="needs cuda")]
     doc = {"results": results}
     assert arch_table.summary(doc, fams).startswith("2 architectures with real results on every case (1 of them")
     assert "1 with a red case (olmoe)" in arch_table.summary(doc, fams)
+    assert "1 with real results and a not-run case (minimax_m2)" in arch_table.summary(doc, fams)
     rows = {r[0]: r for r in arch_table.rows(doc, fams)}
     assert rows["OlmoeForCausalLM"][4] == "FAIL 1.0" and "logits: off by 3" in rows["OlmoeForCausalLM"][-1]
     assert rows["MistralForCausalLM"][2] == "xfail 1.0" and "upstream x.py" in rows["MistralForCausalLM"][-1]

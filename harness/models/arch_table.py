@@ -85,7 +85,7 @@ def summary(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> str
     """How many architectures: every case passed; every case a real result (passed or its strict
     named xfail); not-run (each names its missing piece); red (a failure, error or XPASS)."""
     got = cells(doc)
-    green, real, not_run, red = [], [], [], []
+    green, real, holes, not_run, red = [], [], [], [], []
     for f in families:
         rs = [got[k] for k in got if k[0] == f.zoo_name]
         if not rs:
@@ -97,10 +97,13 @@ def summary(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> str
             real.append(f.name)
         elif st == {"not-run"}:
             not_run.append(f.name)
+        elif st <= {"passed", "xfailed", "not-run"}:
+            holes.append(f.name)
         else:
             red.append(f.name)
     return (f"{len(real)} architectures with real results on every case ({len(green)} of them every case passed), "
-            f"{len(not_run)} not-run, {len(red)} with a red case" + (f" ({', '.join(red)})" if red else "") + ".")
+            f"{len(holes)} with real results and a not-run case" + (f" ({', '.join(holes)})" if holes else "")
+            + f", {len(not_run)} not-run, {len(red)} with a red case" + (f" ({', '.join(red)})" if red else "") + ".")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,12 @@ import torch
 from harness.core.zoo import get_model
 
 
+# An in-process gloo world leaves the xdist worker unable to fork: a later forked world (test_bench's)
+# hangs at its first collective (reproduced: test_arch_lora.py then test_bench.py in one process).
+# Opt-in until the world runs in a child process.
+_IN_PROCESS_WORLD = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def world():
     """A one-rank gloo world with megatron-core's model-parallel groups (torn down after)."""
@@ -50,6 +56,7 @@ def _experts(config):
     return cpu_experts.grouped_names_mlp()(config.num_moe_experts, config)
 
 
+@_IN_PROCESS_WORLD
 def test_bridge_lora_adapts_the_grouped_linears_as_te_grouped_ones(world):
     """LoRA wraps experts.linear_fc1/linear_fc2 (one adapter shared by the local experts, expert-TP),
     with the full in/out features TE's grouped linears report; the wrapped TEGroupedMLP forward is
@@ -89,6 +96,7 @@ def test_bridge_lora_adapts_the_grouped_linears_as_te_grouped_ones(world):
     torch.testing.assert_close(out, torch.cat(want), rtol=1e-5, atol=1e-5)
 
 
+@_IN_PROCESS_WORLD
 def test_grouped_experts_checkpoint_under_sequential_keys(world):
     """GroupedNamesMLP's sharded state dict: state-dict names `linear_fc1.weight<i>` (what
     load_state_dict takes back), checkpoint keys SequentialMLP's with the global expert axis, no extra state."""

@@ -161,13 +161,9 @@ def _source(ins: Inspection, part: Part) -> Topology | None:
     if isinstance(m, dict) and m.get("tensor_model_parallel_size"):
         return _mp(m["tensor_model_parallel_size"], m.get("pipeline_model_parallel_size") or 1,
                    m.get("expert_model_parallel_size") or 1)
-    found = detect.corpus_manifest(part.path)
-    if found is not None:
-        root, manifest = found
-        rel = part.path.relative_to(root).parts
-        entry = manifest["artefacts"].get(rel[0]) if rel else None
-        if entry and entry.get("source"):
-            return Topology.parse(entry["source"])
+    found = detect.manifest_entry(part.path)
+    if found is not None and found[2].get("source"):
+        return Topology.parse(found[2]["source"])
     return None
 
 

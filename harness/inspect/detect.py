@@ -96,6 +96,17 @@ def corpus_manifest(d: Path) -> tuple[Path, dict] | None:
     return None
 
 
+def manifest_entry(d: Path) -> tuple[Path, str, dict] | None:
+    """The corpus manifest's entry for the artefact `d` lies in: (corpus root, artefact name, entry)."""
+    found = corpus_manifest(d)
+    if found is None:
+        return None
+    root, manifest = found
+    rel = d.relative_to(root).parts
+    entry = manifest["artefacts"].get(rel[0]) if rel else None
+    return (root, rel[0], entry) if entry else None
+
+
 def _corpus(ins: Inspection) -> None:
     """The manifest's versions and artefacts, and every file it names present (sha256 is `golden
     check`'s: hashing reads the tensor data, which inspect never does)."""

@@ -108,14 +108,12 @@ def resolve(part: Part, ref: str | None) -> tuple[PlanModel, str]:
                       if (r / "huggingface" / "config.json").is_file()), None)
     if hf_config is not None:  # verl's actor dir: <actor>/huggingface/ beside <actor>/model/dist_ckpt
         return from_ref(str(hf_config)), f"verl's {hf_config.relative_to(hf_config.parents[2])}"
-    found = detect.corpus_manifest(part.path)
+    found = detect.manifest_entry(part.path)
     if found is not None:
-        root, manifest = found
-        rel = part.path.relative_to(root).parts
-        entry = manifest["artefacts"].get(rel[0]) if rel else None
-        if entry and entry.get("model"):
+        root, name, entry = found
+        if entry.get("model"):
             try:
-                return from_zoo(entry["model"]), f"corpus manifest ({rel[0]}: {entry['model']})"
+                return from_zoo(entry["model"]), f"corpus manifest ({name}: {entry['model']})"
             except KeyError:
                 raise InspectInputError(f"{root}/manifest.json names model {entry['model']!r}, which this harness's zoo lacks; "
                                         "pass --model") from None

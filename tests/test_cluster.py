@@ -67,7 +67,7 @@ def test_a_matrix_sent_as_local_jobs_merges_into_one_report_with_every_case_once
 
 def test_a_shard_that_dies_is_named_and_nothing_is_merged_and_an_empty_part_gets_no_job(tmp_path):
     lines: list[str] = []
-    k = "reshard-weights gpt-tied pp4"
+    k = "reshard-weights gpt-tied ->tp2pp1"
     assert len(_ids(k)) == 3  # 5 shards: 2 parts stay empty
     code, doc = run_matrix(SMOKE, tmp_path, ClusterOptions(executor="local", shards=5), k=k,
                            run_args=["--no-such-option"], log=lines.append)

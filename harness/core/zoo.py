@@ -223,10 +223,12 @@ def family_model(f: Family) -> HFModelSpec:
 # the four hand-written fixtures keep their names (hf-llama, hf-qwen2, hf-nemotron); every other family is hf-<family>
 ZOO.update({f.zoo_name: family_model(f) for f in FAMILIES if f.zoo_name not in ZOO})
 
-#: Models shaped on purpose not to split evenly (LoRA layouts, the explorer's finds, and hf-gemma3's 6
-#: layers: one whole 5-local/1-global sliding-window period): they fit the topologies their matrix
+#: Models shaped on purpose not to split evenly (LoRA layouts, the explorer's finds, hf-gemma3(_vl)'s 6
+#: layers: one whole 5-local/1-global sliding-window period, and the VL fixtures that keep the real
+#: head_dim 128 under M-RoPE's sections: 2 heads at hidden 256): they fit the topologies their matrix
 #: entries name, not every small one (tests/test_topology.py checks both).
-ODD_SHAPES: frozenset[str] = frozenset({"hf-llama-odd", "hf-llama-ffn23", "hf-qwen3moe-ffn6", "hf-gemma3"})
+ODD_SHAPES: frozenset[str] = frozenset({"hf-llama-odd", "hf-llama-ffn23", "hf-qwen3moe-ffn6", "hf-gemma3", "hf-gemma3_vl",
+                                        "hf-qwen2_5_vl", "hf-qwen3_vl", "hf-qwen3_vl_moe", "hf-glm4v_moe"})
 
 
 def get_model(name: str, kind: str | None = None) -> AnyModel:

@@ -68,6 +68,9 @@ class PeftOptions:
     targets: tuple[str, ...] = ()
     #: global decoder layers to adapt, each target then the Bridge's wildcard entry `*.layers.N.*.<target>`; () every layer
     layers: tuple[int, ...] = ()
+    #: grouped-expert adapter layout (harness.models.bridge.EXPERT_LAYOUTS): shared (the Bridge's default), per-expert,
+    #: shared-outer (Megatron-Bridge's experts_shared_outer_loras, LoRA only)
+    experts: Literal["shared", "per-expert", "shared-outer"] = "shared"
 
     def base_targets(self, model: HFModelSpec | None = None) -> tuple[str, ...]:
         """The asked targets; the defaults as the model has them (cases._lora_layout.model_targets): CanonicalLoRA's
@@ -88,26 +91,30 @@ class PeftOptions:
         return entries(self.base_targets(model), self.layers)
 
     def spec(self, model: HFModelSpec | None = None) -> mb.AdapterSpec:
-        return mb.AdapterSpec(self.adapter, self.dim, self.alpha, tuple(e.pattern for e in self.entries(model)))
+        return mb.AdapterSpec(self.adapter, self.dim, self.alpha, tuple(e.pattern for e in self.entries(model)), experts=self.experts)
 
     def validate_layout(self, model: HFModelSpec, topologies: Iterable[Topology]) -> None:
         """ValueError naming the option when the layout cannot be built on `model` at `topologies`."""
         from ._lora_layout import validate
 
+        if self.experts == "shared-outer" and self.adapter != "lora":
+            raise ValueError(f"option experts: shared-outer is LoRA's layout only (Megatron-Bridge experts_shared_outer_loras), not {self.adapter}'s")
         validate(model, self.adapter, self.dim, self.targets, self.layers, topologies, ADAPTERS)
 
 
 def load_peft(base_dir: Path, adapter_dir: Path, dtype: str = "fp32") -> Any:
     """The exported adapter `adapter_dir` over the HF base `base_dir`, loaded as users do
-    (PeftModel.from_pretrained over AutoModelForCausalLM.from_pretrained)."""
+    (PeftModel.from_pretrained over AutoModelForCausalLM.from_pretrained; a VL checkpoint's
+    ConditionalGeneration class, harness.models.vl.auto_class_of)."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+
+    from harness.models.vl import auto_class_of
 
     # eager attention where transformers' sdpa path drops an option the config sets (Gemma2's attention
     # soft-cap: harness.models.hf.SDPA_DROPS), as hf-roundtrip's reference; its merged model inherits it
     attn = reference_attention(base_dir)
     kw: dict[str, Any] = {"attn_implementation": attn} if attn else {}
-    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=HF_DTYPES[dtype], **kw), adapter_dir)
+    return PeftModel.from_pretrained(auto_class_of(base_dir).from_pretrained(base_dir, dtype=HF_DTYPES[dtype], **kw), adapter_dir)
 
 
 def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32", input_ids: torch.Tensor | None = None) -> list[str]:
@@ -119,11 +126,13 @@ def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32", i
     result lists both whatever PEFT's warning level; read every loaded lora_B and the file's, and
     the adapted logits of `input_ids` (default: a fixed batch of the vocabulary) against the base
     model's with the adapter disabled (redai-studio/Relax #262: a prefix-less adapter loads with
-    one warning and every lora_B zero)."""
+    one warning and every lora_B zero); and every lora_A/lora_B tensor of the file that is not 2D
+    (harness.judge.lora_tensors: Megatron-Bridge #6076's 3D shared-outer key, which stock PEFT cannot load)."""
     import warnings
 
     from harness.backends._safetensors import read_safetensors
     from harness.judge.adapter_load import AdapterLoad, adapter_load_problems
+    from harness.judge.lora_tensors import lora_tensor_problems
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -132,12 +141,13 @@ def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32", i
     loaded = [m.lora_B["default"].weight for m in model.modules() if hasattr(m, "lora_B") and "default" in getattr(m, "lora_B", {})]
     r.loaded_lora_b = len(loaded)
     r.loaded_lora_b_max = max((float(b.detach().abs().max()) for b in loaded), default=0.0)
-    saved = [v for k, v in read_safetensors(adapter_dir).items() if "lora_B" in k]
+    state = read_safetensors(adapter_dir)
+    saved = [v for k, v in state.items() if "lora_B" in k]
     r.saved_lora_b, r.saved_lora_b_max = len(saved), max((float(v.abs().max()) for v in saved), default=0.0)
     with torch.no_grad():
         model.eval()
         if input_ids is None:
-            vocab = int(model.get_base_model().config.vocab_size)
+            vocab = int(model.get_base_model().config.get_text_config().vocab_size)
             input_ids = (torch.arange(16) * 7 % vocab).reshape(2, 8)
         adapted = model(input_ids=input_ids).logits.float()
         with model.disable_adapter():
@@ -145,7 +155,7 @@ def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32", i
     r.effect = max_abs_diff(adapted, base)
     result = model.load_adapter(adapter_dir, adapter_name="recheck")
     r.missing, r.unexpected = list(result.missing_keys), list(result.unexpected_keys)
-    return adapter_load_problems(r)
+    return adapter_load_problems(r) + lora_tensor_problems(state)
 
 
 def config_check(cfg: dict[str, Any], asked: dict[str, Any]) -> Check:

@@ -50,6 +50,7 @@ from harness.models.training import (
     untrainable,
     workaround_notes,
 )
+from harness.judge.chunk_metadata import DP_SLICES, EXPERT_CHUNKS, metadata_checks
 from harness.judge.optimizer_absent import OPTIMIZER_ABSENT, optimizer_absent_check
 from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
@@ -62,6 +63,9 @@ class Options(TrainOptions):
     #: false: the save leaves the optimizer state out (Megatron-LM --no-save-optim, Bridge
     #: CheckpointConfig.save_optim) while the load still asks for it: check optimizer-absent only
     save_optim: bool = True
+    #: true: judge the saved torch_dist `.metadata` too (harness.judge.chunk_metadata: expert-chunks for
+    #: an MoE model, dp-slices for dp_reshardable; docs/user-reports.md, Megatron-LM #7162, vime #139)
+    ckpt_metadata: bool = False
 
 
 def refusal_meaning(spec: CaseSpec, opts: TrainOptions) -> str:
@@ -156,7 +160,7 @@ class ReshardOptimizer(Case):
     Options = Options
     needs = frozenset({"training_state"})
     checks = ("propagation", "optimizer-state", "step", "model-weights", WEIGHTS_MATCH_MAIN_PARAMS, "refusal", OPTIMIZER_ABSENT,
-              ASYNC_FINALIZE)
+              ASYNC_FINALIZE, EXPERT_CHUNKS, DP_SLICES)
     refusable = True
     finalizes_saves = True
 
@@ -183,6 +187,8 @@ class ReshardOptimizer(Case):
                 result.checks += not_run_checks([c for c in self.checks if c not in (ASYNC_FINALIZE, "refusal")],
                                                 "the checkpoint was never completed (async-finalize failed): nothing to load")
                 return
+        if opts.ckpt_metadata:  # read before any load: what the save wrote, whatever the load then does
+            result.checks += metadata_checks(ckpt, model.num_moe_experts, opts.sharding)
         try:
             loaded = load_step(env, result, model, opts, backend, spec.target, ckpt, opts.steps)
             error = None

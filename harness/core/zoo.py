@@ -55,6 +55,10 @@ class ModelSpec:
     moe_token_dispatcher: str = "alltoall"
     #: load-balancing aux loss coefficient (router type "aux_loss"); deterministic, topology-independent
     moe_aux_loss_coeff: float = 0.0
+    #: megatron-core's moe_layer_freq as a per-layer pattern (1 MoE, 0 dense: a dense MLP of
+    #: `ffn_hidden_size`); None: every layer MoE. Mixed layers are built from megatron-core's
+    #: decoder block spec and checkpoint per layer (`decoder.layers.<i>.mlp...`)
+    moe_layer_freq: tuple[int, ...] | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -167,6 +171,16 @@ ZOO: dict[str, AnyModel] = {
         ModelSpec(
             "gpt-moe-shared", "gpt-moe plus a shared expert (ffn 64, split by TP)",
             num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_shared_expert_size=64,
+        ),
+        # docs/user-reports.md (vime #139, radixark/Megatron-LM #66): parameter sizes as uneven as a
+        # real MoE's, so DP slices of the optimizer buffers hold different numbers of params per rank:
+        # dense layers 0 and 3 (ffn 512: 98k elements each), MoE layers 1 and 2 (4 experts of ffn 8:
+        # 1.5k each, a shared expert of ffn 64), vocab 512 (32k), norms of 64
+        ModelSpec(
+            "gpt-moe-uneven", "MoE with very uneven parameter sizes: dense ffn-512 layers 0 and 3, MoE layers 1-2 "
+            "(4 experts of ffn 8, a shared expert of ffn 64), vocab 512",
+            ffn_hidden_size=512, vocab_size=512, num_moe_experts=4, moe_ffn_hidden_size=8, moe_router_topk=2,
+            moe_aux_loss_coeff=1e-2, moe_shared_expert_size=64, moe_layer_freq=(0, 1, 1, 0),
         ),
         ModelSpec(
             "gpt-moe-grouped", "gpt-moe with grouped GEMM experts (TEGroupedMLP: needs Transformer-Engine)",

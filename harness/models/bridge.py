@@ -17,6 +17,7 @@ from harness.models.mcore import FUSIONS
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 CANONICAL_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate", "linear_fc2")
+EXPERT_LAYOUTS = ("shared", "per-expert", "shared-outer")  # AdapterSpec.experts
 
 
 @dataclass(frozen=True)
@@ -26,16 +27,24 @@ class AdapterSpec:
     alpha: int = 8
     targets: tuple[str, ...] = field(default=LORA_TARGETS)
     seed: int = 77
+    #: grouped-expert adapter layout (EXPERT_LAYOUTS): the Bridge's default "shared" (one adapter shared by the
+    #: experts of an EP rank), "per-expert" (share_expert_adapters=False), "shared-outer" (experts_shared_outer_loras)
+    experts: str = "shared"
 
     def make(self):
+        if self.experts not in EXPERT_LAYOUTS or (self.kind != "lora" and self.experts == "shared-outer"):
+            raise ValueError(f"expert adapter layout {self.experts!r} on {self.kind}: expected one of {EXPERT_LAYOUTS} "
+                             "(shared-outer is LoRA's only)")
+        layout = {"per-expert": {"share_expert_adapters": False}, "shared-outer": {"experts_shared_outer_loras": True}}
+        kw = layout.get(self.experts, {})
         if self.kind == "lora":
             from megatron.bridge.peft.lora import LoRA
 
-            return LoRA(target_modules=list(self.targets), dim=self.dim, alpha=self.alpha, dropout=0.0)
+            return LoRA(target_modules=list(self.targets), dim=self.dim, alpha=self.alpha, dropout=0.0, **kw)
         if self.kind == "canonical_lora":
             from megatron.bridge.peft.canonical_lora import CanonicalLoRA
 
-            return CanonicalLoRA(target_modules=list(self.targets), dim=self.dim, alpha=self.alpha, dropout=0.0)
+            return CanonicalLoRA(target_modules=list(self.targets), dim=self.dim, alpha=self.alpha, dropout=0.0, **kw)
         raise ValueError(f"adapter kind must be lora or canonical_lora, got {self.kind!r}")
 
 
@@ -97,6 +106,7 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
+    from harness.compat.attention_env import fresh_attention_env
     from harness.compat.te import import_megatron_bridge
     from harness.models.architectures import HAND_WRITTEN, cpu_layer_spec
     from harness.models.hf import HF_DTYPES
@@ -142,6 +152,7 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     # built where the rank runs (as harness.models.mcore.build_gpt moves its models): on an NCCL rank the
     # provider moves the model to its GPU itself unless told to initialise on CPU (the lent H200 showed
     # every Bridge forward failing on CPU weights with the batch on cuda:0)
+    fresh_attention_env()  # the NVTE_* an earlier model of this process wrote (harness.compat.attention_env)
     modules = provider.provide_distributed_model(
         ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None, use_cpu_initialization=rank_device().type == "cpu",
         mixed_precision_wrapper=Float16Module if dtype == "bf16" else None,
@@ -202,11 +213,13 @@ _EXPERT = ".mlp.experts.local_experts."
 
 
 def global_name(local: str, offset: int, expert_offset: int = 0) -> str:
-    """decoder.layers.<local>.… -> decoder.layers.<global>.…, and an expert's
-    mlp.experts.local_experts.<local>.… -> its global expert index (EP rank x experts per rank + local)."""
+    """decoder.layers.<local>.… -> decoder.layers.<global>.… (a VL model's language_model.decoder… too),
+    and an expert's mlp.experts.local_experts.<local>.… -> its global expert index (EP rank x experts
+    per rank + local)."""
     parts = local.split(".")
-    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers" and parts[2].isdigit():
-        parts[2] = str(int(parts[2]) + offset)
+    at = 1 if parts[:1] == ["language_model"] else 0
+    if len(parts) > at + 2 and parts[at] == "decoder" and parts[at + 1] == "layers" and parts[at + 2].isdigit():
+        parts[at + 2] = str(int(parts[at + 2]) + offset)
     if _EXPERT in local:
         i = parts.index("local_experts") + 1
         parts[i] = str(int(parts[i]) + expert_offset)

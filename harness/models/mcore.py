@@ -76,6 +76,7 @@ def moe_config(spec: ModelSpec, topo: Topology) -> dict[str, Any]:
         moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
         expert_model_parallel_size=topo.ep,
         expert_tensor_parallel_size=topo.etp,
+        **({"moe_layer_freq": list(spec.moe_layer_freq)} if getattr(spec, "moe_layer_freq", None) else {}),
     )
 
 
@@ -119,10 +120,15 @@ def transformer_config(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", l
     return TransformerConfig(**kwargs)
 
 
-def layer_spec_module(spec: ModelSpec, layer_spec: LayerSpec):
-    """megatron-core's layer spec for `layer_spec` (the TE one imports Transformer-Engine: GPU ranks only)."""
+def layer_spec_module(spec: ModelSpec, layer_spec: LayerSpec, config: Any = None, vp_stage: int | None = None):
+    """megatron-core's layer spec for `layer_spec` (the TE one imports Transformer-Engine: GPU ranks only).
+    A model mixing dense and MoE layers (`moe_layer_freq`) gets megatron-core's decoder block spec, as
+    Megatron-LM builds it: one layer spec per layer of this (virtual) pipeline stage, from `config`."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if getattr(spec, "moe_layer_freq", None):
+        return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=layer_spec == "te",
+                                                          normalization=spec.normalization, vp_stage=vp_stage)
     if layer_spec == "te":
         moe = dict(num_experts=spec.num_moe_experts, moe_grouped_gemm=spec.moe_grouped_gemm) if spec.is_moe else {}
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
@@ -155,18 +161,20 @@ def build_gpt(spec: ModelSpec, topo: Topology, dtype: DType = "fp32", layer_spec
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
+    from harness.compat.attention_env import fresh_attention_env
     from harness.models.parallel import seed_model_parallel
 
     unavailable = unavailable_reason(spec, layer_spec)
     if unavailable:
         raise RuntimeError(f"model {spec.name!r}: {unavailable}")
     seed_model_parallel(spec.seed)
+    fresh_attention_env()  # the NVTE_* an earlier model of this process wrote (harness.compat.attention_env)
     config = transformer_config(spec, topo, dtype, layer_spec, **config_overrides)
     chunks = []
     for vp_stage in range(topo.vpp) if topo.vpp > 1 else (None,):
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec_module(spec, layer_spec),
+            transformer_layer_spec=layer_spec_module(spec, layer_spec, config, vp_stage),
             vocab_size=spec.padded_vocab_size(topo.tp),  # == vocab_size unless the spec asks for padding
             max_sequence_length=spec.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

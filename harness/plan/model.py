@@ -4,7 +4,7 @@ read into the few numbers that decide a GPT's checkpoint layout."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -35,6 +35,18 @@ class PlanModel:
     moe_shared_expert_size: int | None = None
     dtype: str = "bfloat16"
     make_vocab_size_divisible_by: int | None = None  # None: the vocab as HF has it (no padding)
+    # multi-latent attention (DeepSeek-V2/V3: HF kv_lora_rank, q_lora_rank, qk_nope/rope_head_dim,
+    # v_head_dim); None: ordinary attention
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_head_dim: int | None = None
+    qk_pos_emb_head_dim: int | None = None
+    v_head_dim: int | None = None
+    first_k_dense: int = 0  # HF first_k_dense_replace: the first layers have a dense MLP, the rest MoE
+
+    @property
+    def multi_latent_attention(self) -> bool:
+        return self.kv_lora_rank is not None
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron-LM's padding: up to a multiple of make_vocab_size_divisible_by * tp."""
@@ -95,7 +107,16 @@ def load_model(ref: str, vocab_divisible_by: int | None = None) -> PlanModel:
     except (TypeError, ValueError) as e:
         raise PlanInputError(f"{path}: a value is not a number: {e}") from e
     if "kv_lora_rank" in cfg:
-        raise PlanInputError(f"{path}: multi-latent attention (kv_lora_rank) is not planned yet")
+        try:
+            model = replace(model, kv_lora_rank=int(cfg["kv_lora_rank"]),
+                            q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+                            qk_head_dim=int(cfg["qk_nope_head_dim"]), qk_pos_emb_head_dim=int(cfg["qk_rope_head_dim"]),
+                            v_head_dim=int(cfg["v_head_dim"]), first_k_dense=int(cfg.get("first_k_dense_replace") or 0),
+                            num_query_groups=model.num_attention_heads)  # MLA has no kv groups
+        except KeyError as e:
+            raise PlanInputError(f"{path}: multi-latent attention needs key {e.args[0]!r}") from e
+        except (TypeError, ValueError) as e:
+            raise PlanInputError(f"{path}: a multi-latent attention value is not a number: {e}") from e
     if model.dtype not in ("bfloat16", "float16", "float32"):
         raise PlanInputError(f"{path}: torch_dtype {model.dtype!r} is not bfloat16/float16/float32")
     return model

@@ -10,6 +10,8 @@ Per model-parallel coordinate (tp, pp, ep):
 - distributed optimizer (estimate): 12 bytes per local parameter (fp32 main copy + two fp32 Adam
   moments), divided over the data-parallel group (expert parameters over the expert-data-parallel
   group); both formats hold it so in memory, they differ in what the checkpoint can be loaded at.
+- per save/load strategy, the host peaks per rank and per node (harness/plan/memory.py: what each
+  megatron-core path gathers and stages, `host_memory`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections import defaultdict
 from typing import Iterable
 
 from harness.core.topology import Topology
+from harness.plan import memory
 
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 main param + exp_avg + exp_avg_sq
 FORMATS = ("fully_reshardable", "dp_reshardable")
@@ -41,7 +44,9 @@ def per_coordinate(records: Iterable, topo: Topology) -> list[dict]:
              "host": v["read"] + int(v["optimizer"])} for c, v in sorted(rows.items())]
 
 
-def summary(records: list, topo: Topology) -> dict:
+def summary(records: list, topo: Topology, setup: memory.Setup | None = None) -> dict:
+    """The side's totals, per-coordinate rows and per-strategy host-memory peaks (`setup`: how the
+    job runs, default a GPU job with one DDP bucket per buffer and 8 ranks a node)."""
     rows = per_coordinate(records, topo)
     size = sum(r.nbytes for r in records if r.main)
     params = sum(r.numel for r in records if r.main)
@@ -54,6 +59,7 @@ def summary(records: list, topo: Topology) -> dict:
         "max_read_per_rank": max(r["read"] for r in rows),
         "total_read_all_ranks": sum(r["read"] for r in rows) * topo.dp // topo.ep,
         "max_host_bytes_per_rank": max(r["host"] for r in rows),
+        "host_memory": memory.topology_table(records, topo.tp, topo.pp, topo.dp, topo.ep, setup or memory.Setup()),
         "per_coordinate": rows,
     }
 

@@ -29,6 +29,31 @@ def _problems(title: str, items: list[str]) -> list[str]:
             *([f"  - ... {len(items) - 20} more (plan.json)"] if len(items) > 20 else [])]
 
 
+def host_memory_table(save: dict, load: dict) -> list[str]:
+    """Strategy x (save peak, load peak), per rank and per node: the save at the save topology, the
+    load at the load topology (harness/plan/memory.py)."""
+    hs, hl = save.get("host_memory"), load.get("host_memory")
+    if not hs or not hl:
+        return []
+    n = hs["ranks_per_node"]
+    where = ("the state in GPU memory: host bytes are what the save/load stages and gathers" if hs["device"] == "cuda"
+             else "the state on the host: absolute = training state + the phase's peak")
+    bucket = "one per buffer" if hs["bucket_numel"] is None else f"{hs['bucket_numel']:,} params"
+    lines = ["## Host memory per save/load strategy", "",
+             f"Predicted peaks (harness/plan/memory.py; {where}; DDP bucket {bucket}). Save at {save['topology']}, "
+             f"load at {load['topology']}; a node is {n} consecutive ranks (the fullest one shown).", "",
+             f"| strategy | save peak / rank | load peak / rank | save peak / node of {n} | load peak / node of {n} |"
+             + (" save / rank over state | load / rank over state |" if hs["device"] == "cpu" else ""),
+             "|---|---|---|---|---|" + ("---|---|" if hs["device"] == "cpu" else "")]
+    for name, s in hs["strategies"].items():
+        ld = hl["strategies"][name]
+        lines.append(f"| {name} | {gib(s['save_peak_per_rank'])} | {gib(ld['load_peak_per_rank'])} | "
+                     f"{gib(s['save_peak_per_node'])} | {gib(ld['load_peak_per_node'])} |"
+                     + (f" {gib(s['save_peak_delta_per_rank'])} | {gib(ld['load_peak_delta_per_rank'])} |"
+                        if hs["device"] == "cpu" else ""))
+    return lines
+
+
 def markdown(plan: dict) -> str:
     save, load, m = plan["save"], plan["load"], plan["model"]
     lines = [
@@ -55,6 +80,7 @@ def markdown(plan: dict) -> str:
         "param + 2 fp32 Adam moments, the distributed optimizer shards them over data parallel; expert "
         "parameters over expert data parallel). Activations, gradients buffers and the save's staging "
         "copies are not in it.", "",
+        *host_memory_table(save, load), "",
         "## Validation", "",
         *_problems(f"save plan ({save['topology']}) gaps/overlaps/disagreements", plan["save_problems"]),
         *_problems(f"load plan ({load['topology']}) gaps/overlaps/disagreements", plan["load_problems"]),

@@ -112,6 +112,20 @@ def model_targets(model: HFModelSpec, targets: Iterable[str]) -> tuple[str, ...]
     return tuple(out)
 
 
+_VL_PREFIX = re.compile(r"^(?:model\.language_model\.|language_model\.model\.)")
+
+
+def text_name(unit: str) -> str:
+    """A VL model's language-path module (in memory `model.language_model.layers.N...`, in a
+    checkpoint also `language_model.model.layers.N...`, its head `language_model.lm_head`) under the
+    text model's name (`model.layers.N...`, `lm_head`): the layout checks count decoder units the
+    same way for both; any other module of a VL model (its vision tower, its projector) keeps its
+    name and so belongs to no target entry."""
+    if unit == "language_model.lm_head":
+        return "lm_head"
+    return _VL_PREFIX.sub("model.", unit)
+
+
 def mlp_units(model: HFModelSpec) -> dict[int, dict[str, list[str]]]:
     """Per decoder layer, HF MLP module ("mlp.gate_proj" / "mlp.up_proj" / "mlp.down_proj") -> the
     units that hold it: a dense MLP's own, each routed expert's (a fused [E, ...] parameter counts E),
@@ -121,17 +135,18 @@ def mlp_units(model: HFModelSpec) -> dict[int, dict[str, list[str]]]:
     key = repr(model)
     if key not in _MLP_UNITS:
         import torch
-        from transformers import AutoModelForCausalLM
 
         from harness.models.hf import hf_config, quiet_hf
+        from harness.models.vl import model_class
 
         quiet_hf()
+        config = hf_config(model)
         with torch.device("meta"):
-            hf = AutoModelForCausalLM.from_config(hf_config(model))
+            hf = model_class(config).from_config(config)
         out: dict[int, dict[str, list[str]]] = {i: {f"mlp.{m}": [] for m in _MLP_LEAVES} for i in range(model.num_layers)}
         pat = re.compile(r"^model\.layers\.(\d+)\.(mlp\..+)$")
         for name, mod in hf.named_modules():
-            if not (m := pat.match(name)) or int(m[1]) not in out:
+            if not (m := pat.match(name := text_name(name))) or int(m[1]) not in out:
                 continue
             layer, leaf = out[int(m[1])], m[2].rsplit(".", 1)[-1]
             if isinstance(mod, torch.nn.Linear) and leaf in _MLP_LEAVES:
@@ -221,7 +236,7 @@ def megatron_units(derived: dict[str, Any], model: HFModelSpec | None = None) ->
     renames them on load, harness.models.peft_mapping.memory_name)."""
     from harness.models.peft_mapping import memory_name
 
-    return {memory_name(re.sub(r"\.lora_[AB]\.weight$", "", k).removeprefix("base_model.model."), model.arch if model else "")
+    return {text_name(memory_name(re.sub(r"\.lora_[AB]\.weight$", "", k).removeprefix("base_model.model."), model.arch if model else ""))
             for k in derived}
 
 
@@ -234,7 +249,7 @@ def peft_units(peft_model: Any) -> set[str]:
     for name, mod in peft_model.named_modules():
         if not isinstance(mod, LoraLayer):
             continue
-        path = name.replace(".base_layer", "").removeprefix("base_model.model.")
+        path = text_name(name.replace(".base_layer", "").removeprefix("base_model.model."))
         param = getattr(mod, "parameter_name", None)
         if param is None:
             out.add(path)

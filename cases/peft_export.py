@@ -73,6 +73,7 @@ from harness.judge.hf_integrity import ADAPTER_WEIGHTS, Expected, export_integri
 from harness.models import bridge as mb
 from harness.models import peft_mapping
 from harness.models.hf import HF_DTYPES, hf_logits, write_fixture
+from harness.models.vl import is_vl_checkpoint
 from harness.models.mcore import DType
 from harness.run.envelope import RunEnv
 
@@ -128,15 +129,17 @@ class Exported:
     peft: PeftViews  # the adapter loaded once: wrapped modules, logits unmerged and merged, merged weights
     bridge_merged: dict[str, torch.Tensor]
     hf_base_logits: torch.Tensor
+    layout: peft_mapping.Layout = peft_mapping.TEXT  # where the HF base checkpoint keeps its decoder (a VL model's language path)
 
 
 def _dtypes(state: dict[str, torch.Tensor]) -> str:
     return ", ".join(sorted({str(t.dtype).removeprefix("torch.") for t in state.values()}))
 
 
-def derivation(model: HFModelSpec, outs: list[PeftOut]) -> dict[str, torch.Tensor]:
-    """The HF PEFT adapter the harness derives itself from the Megatron adapter pieces of `outs`."""
-    return peft_mapping.to_hf_peft(peft_mapping.gather([p for o in outs for p in o.pieces], model.gated), model)
+def derivation(model: HFModelSpec, outs: list[PeftOut], layout: peft_mapping.Layout = peft_mapping.TEXT) -> dict[str, torch.Tensor]:
+    """The HF PEFT adapter the harness derives itself from the Megatron adapter pieces of `outs`,
+    under the HF base checkpoint's `layout`."""
+    return peft_mapping.to_hf_peft(peft_mapping.gather([p for o in outs for p in o.pieces], model.gated), model, layout)
 
 
 def integrity(derived: dict[str, torch.Tensor], hf_dir: Path, adapters: dict[str, Path], merged: Path) -> Check:
@@ -152,7 +155,7 @@ def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOu
     """The export checks at the source topology (`entries`: the layout's target entries,
     cases._lora_layout; default: the default adapter's)."""
     problems = ex.peft_problems
-    derived = derivation(model, outs)
+    derived = derivation(model, outs, ex.layout)
     peft_merged = ex.peft.merged
     if model.tied:  # the HF model's state dict lists the tied lm_head; safetensors stores it once
         peft_merged = {k: v for k, v in peft_merged.items() if k in ex.bridge_merged or k != "lm_head.weight"}
@@ -254,14 +257,16 @@ class PeftExport(Case):
             again = load_step(env, result, model, hf_dir, dst, adapter, ref_of(spec), ckpt, export_to=d / "adapter@target", dtype=dtype)
         with env.timed("compare"):
             adapters = {"adapter@source": direct} | ({"adapter@target": d / "adapter@target"} if resharded else {})
-            result.checks.append(integrity(derivation(model, first), hf_dir, adapters, merged))
+            layout = peft_mapping.checkpoint_layout(source_infos(hf_dir))
+            result.checks.append(integrity(derivation(model, first, layout), hf_dir, adapters, merged))
             export = get_backend(ref_of(spec))
             ids = truth.fixed_input_ids(model)
             ex = Exported(
                 peft_load_problems(hf_dir, direct, dtype), export.read_full(None, direct),
                 json.loads((direct / "adapter_config.json").read_text()),
-                peft_views(hf_dir, direct, ids, dtype, d / "peft-merged" if model.num_experts else None),
-                get_backend("bridge_hf").read_full(None, merged), hf_logits(hf_dir, ids, dtype=dtype),
+                # what save_pretrained writes (the checkpoint's names) where memory's differ: fused experts, a VL layout
+                peft_views(hf_dir, direct, ids, dtype, d / "peft-merged" if model.num_experts or is_vl_checkpoint(hf_dir) else None),
+                get_backend("bridge_hf").read_full(None, merged), hf_logits(hf_dir, ids, dtype=dtype), layout,
             )
             asked = {"r": opts.dim, "lora_alpha": opts.alpha, "target_modules": hf_target_modules(model, opts),
                      "base_model_name_or_path": str(hf_dir)}

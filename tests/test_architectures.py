@@ -239,6 +239,8 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red():
     results += [rec("hf-mistral", "hf-roundtrip", "tp2", "xfailed", xfail_reason="upstream x.py:1: why"),
                 rec("hf-mistral", "peft-export", "tp2", "passed")]
     results += [rec("hf-olmoe", "peft-export", "tp2", "failed", checks=[{"name": "logits", "status": "failed", "detail": "off by 3"}])]
+    ep2 = rec("hf-olmoe", "hf-roundtrip", "tp1", "passed")
+    results += [{**ep2, "id": ep2["id"].replace("->tp1pp1dp1cp1", "->tp1pp1dp2cp1ep2")}]  # the EP column
     results += [rec("hf-minimax_m2", "hf-roundtrip", "tp2", "passed"), rec("hf-minimax_m2", "peft-export", "tp2", "not-run",
                     not_run_reason="needs cuda")]
     doc = {"results": results}
@@ -246,7 +248,8 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red():
     assert "1 with a red case (olmoe)" in arch_table.summary(doc, fams)
     assert "1 with real results and a not-run case (minimax_m2)" in arch_table.summary(doc, fams)
     rows = {r[0]: r for r in arch_table.rows(doc, fams)}
-    assert rows["OlmoeForCausalLM"][4] == "FAIL 1.0" and "logits: off by 3" in rows["OlmoeForCausalLM"][-1]
+    assert rows["OlmoeForCausalLM"][5] == "FAIL 1.0" and "logits: off by 3" in rows["OlmoeForCausalLM"][-1]  # LoRA tp1->tp2
+    assert rows["OlmoeForCausalLM"][4] == "pass 1.0" and rows["OlmoeForCausalLM"][3] == "-"  # round trip tp1->ep2; no pp2 case
     assert rows["MistralForCausalLM"][2] == "xfail 1.0" and "upstream x.py" in rows["MistralForCausalLM"][-1]
     with pytest.raises(ValueError):
         arch_table.rows({"results": []}, fams)

@@ -24,10 +24,13 @@ SHORT = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "xfailed": "xfail
          "not-run": "not-run", "not-applicable": "n/a"}
 
 
+TARGETS = ("tp2", "pp2", "ep2")
+
+
 def _target(case_id: str) -> str:
     m = _PAIR.search(case_id)
     tgt = m[2] if m else "?"
-    return "pp2" if "pp2" in tgt else "tp2"
+    return "ep2" if "ep2" in tgt else "pp2" if "pp2" in tgt else "tp2"
 
 
 def _why(r: dict[str, Any]) -> str:
@@ -43,7 +46,7 @@ def _why(r: dict[str, Any]) -> str:
 
 
 def cells(doc: dict[str, Any]) -> dict[tuple[str, str, str], dict[str, Any]]:
-    """(zoo model, case kind, target "tp2"/"pp2") -> the case record."""
+    """(zoo model, case kind, target "tp2"/"pp2"/"ep2") -> the case record."""
     out = {}
     for r in doc.get("results") or []:
         if r.get("case") in KINDS:
@@ -52,7 +55,7 @@ def cells(doc: dict[str, Any]) -> dict[tuple[str, str, str], dict[str, Any]]:
 
 
 def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[list[str]]:
-    """One row per family: architecture, zoo name, four cells, reasons. Raises on a results.json
+    """One row per family: architecture, zoo name, a cell per case kind and target, reasons. Raises on a results.json
     with no case of the architecture matrix (an empty table would read as "nothing to say")."""
     got = cells(doc)
     if not got:
@@ -61,7 +64,7 @@ def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[l
     for f in families:
         line, whys = [f.architecture, f.zoo_name], []
         for kind in KINDS:
-            for tgt in ("tp2", "pp2"):
+            for tgt in TARGETS:
                 r = got.get((f.zoo_name, kind, tgt))
                 if r is None:
                     line.append("-" if f.path != "vl" else "deferred")
@@ -75,7 +78,7 @@ def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[l
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    head = ["architecture", "zoo", "round trip tp1->tp2", "round trip tp1->pp2", "LoRA tp1->tp2", "LoRA tp1->pp2", "reason / finding"]
+    head = ["architecture", "zoo", *(f"{k} tp1->{t}" for k in ("round trip", "LoRA") for t in TARGETS), "reason / finding"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows(doc)]
     return summary(doc) + "\n\n" + "\n".join(lines) + "\n"

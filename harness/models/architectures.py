@@ -235,9 +235,11 @@ entries:
 
 def pairs_for(f: Family) -> list[str]:
     """tp1 -> tp2 (expert TP 1 for a family whose experts have biases: megatron-core asserts
-    ETP 1 there, transformer_config.py:2279-2281), and tp1 -> pp2 where the layers split over two stages."""
+    ETP 1 there, transformer_config.py:2279-2281), tp1 -> pp2 where the layers split over two stages,
+    and tp1 -> dp2ep2 for an MoE family (its experts over two expert-parallel ranks)."""
     tp2 = "tp2etp1" if dict(f.overrides).get("attention_bias") and f.num_experts else "tp2"
-    return [f"tp1 -> {tp2}"] + (["tp1 -> pp2"] if f.num_layers % 2 == 0 and f.num_layers >= 2 else [])
+    return ([f"tp1 -> {tp2}"] + (["tp1 -> pp2"] if f.num_layers % 2 == 0 and f.num_layers >= 2 else [])
+            + (["tp1 -> dp2ep2"] if f.num_experts else []))
 
 
 def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[str, dict[str, Any]] | None = None) -> str:
@@ -246,9 +248,9 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
     target the family has, `save_hf_adapter` -> PeftModel, the adapter checkpoint at S loaded at
     D); not-run through `requires` where a module is missing; strict xfails from
     harness.models.xfails_roundtrip / xfails_lora, keyed "family" or "family pair". A "vl-text"
-    family (harness.models.vl) gets its entries as a text one; VL/omni families without a
-    language-path case ("vl") are listed as deferred in a comment."""
-    from harness.models.xfails_lora import LORA, NEEDS_CUDA
+    family (harness.models.vl) gets its entries as a text one, LoRA on its language path included;
+    VL/omni families without a language-path case ("vl") are listed as deferred in a comment."""
+    from harness.models.xfails_lora import LORA, LORA_NOT_GENERATED, NEEDS_CUDA
     from harness.models.xfails_roundtrip import ROUNDTRIP
 
     tables = {"hf-roundtrip": ROUNDTRIP if roundtrip is None else roundtrip, "peft-export": LORA if lora is None else lora}
@@ -257,8 +259,8 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
         if f.path == "vl":
             continue
         for case, xfails in tables.items():
-            if case == "peft-export" and f.path == "vl-text":
-                continue  # the harness's adapter derivation reads GPT names, not the VL model's language_model.* (listed below)
+            if case == "peft-export" and f.name in LORA_NOT_GENERATED:
+                continue  # listed below with what the harness lacks
             for pair in pairs_for(f):
                 lines.append(f"  - case: {case}\n    models: [{f.zoo_name}]\n    pairs: [\"{pair}\"]\n")
                 if case == "peft-export":
@@ -273,9 +275,7 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
     deferred = [f for f in FAMILIES if f.path == "vl"]
     lines.append("# deferred: VL / omni / audio without a language-path case (why: docs/architectures.md): "
                  + ", ".join(f.architecture for f in deferred) + "\n")
-    lines.append("# not generated: LoRA (peft-export) of the VL language paths; the harness's adapter derivation "
-                 "(harness.models.peft_mapping) reads a GPT's names, not language_model.*: "
-                 + ", ".join(f.zoo_name for f in FAMILIES if f.path == "vl-text") + "\n")
+    lines += [f"# not generated: peft-export of hf-{name}: {why}\n" for name, why in LORA_NOT_GENERATED.items()]
     return "".join(lines)
 
 

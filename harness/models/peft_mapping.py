@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -29,7 +31,7 @@ _COLUMN = {"linear_qkv": True, "linear_fc1": True, "linear_proj": False, "linear
 # groups: layer, self_attention|mlp, the MoE part (experts.local_experts.E | experts | shared_experts), E,
 # base, CanonicalLoRA sub-adapter, linear_in|linear_out
 _NAME = re.compile(
-    r"^(?:decoder\.layers\.(\d+)\.(self_attention|mlp)\.(?:(experts\.local_experts\.(\d+)|experts|shared_experts)\.)?)?"
+    r"^(?:language_model\.)?(?:decoder\.layers\.(\d+)\.(self_attention|mlp)\.(?:(experts\.local_experts\.(\d+)|experts|shared_experts)\.)?)?"
     r"(linear_qkv|linear_proj|linear_fc1|linear_fc2|output_layer|linear_q_proj|linear_q_down_proj|linear_q_up_proj|"
     r"linear_kv_down_proj|linear_kv_up_proj)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
 )
@@ -38,6 +40,30 @@ _HF_MODULE = {"linear_proj": "self_attn.o_proj", "linear_fc2": "mlp.down_proj",
               "linear_q_proj": "self_attn.q_proj", "linear_q_down_proj": "self_attn.q_a_proj", "linear_q_up_proj": "self_attn.q_b_proj",
               "linear_kv_down_proj": "self_attn.kv_a_proj_with_mqa", "linear_kv_up_proj": "self_attn.kv_b_proj"}
 _CANONICAL = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the HF checkpoint keeps the decoder layers and the LM head: a text model's `model.layers.`
+    and `lm_head`; a VL model's language path where its checkpoint has it (transformers 5 writes each
+    family's own layout back: Qwen2.5-VL `model.layers.`, Gemma 3 / Mistral 3 `language_model.model.layers.`,
+    GLM-4.5V / Gemma 4 `model.language_model.layers.`). An adapter's keys follow the checkpoint's names,
+    as the Bridge's export writes them (the names transformers loads a checkpoint from)."""
+
+    layers: str = "model.layers."
+    lm_head: str = "lm_head"
+
+
+TEXT = Layout()
+_LAYER0 = re.compile(r"^(.*?layers\.)0\.(?:self_attn|mlp|input_layernorm)\.")
+
+
+def checkpoint_layout(keys: Iterable[str]) -> Layout:
+    """The Layout of an HF checkpoint from its tensor names (headers only)."""
+    keys = list(keys)
+    layers = next((m[1] for k in keys if (m := _LAYER0.match(k)) and "vision" not in k and "visual" not in k), TEXT.layers)
+    head = next((k.removesuffix(".weight") for k in keys if k.endswith("lm_head.weight")), TEXT.lm_head)
+    return Layout(layers, head)
 #: model_type -> the HF module of a layer's shared expert(s) (transformers' modeling code), "mlp.shared_experts" else
 SHARED_MLP = {"hy_v3": "mlp.shared_mlp"}
 #: model_type -> (the HF routed experts' module, their gate / up / down projections), ("mlp.experts", gate/up/down_proj) else
@@ -99,14 +125,15 @@ def gather(pieces: list[dict], gated: bool = True) -> dict[str, torch.Tensor]:
     return full
 
 
-def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec) -> dict[str, torch.Tensor]:
-    """HF PEFT keys (base_model.model.model.layers.N.<module>.lora_{A,B}.weight) -> tensors."""
+def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec, layout: Layout = TEXT) -> dict[str, torch.Tensor]:
+    """HF PEFT keys (base_model.model.<layout.layers>N.<module>.lora_{A,B}.weight) -> tensors; a VL
+    model's adapter (Megatron `language_model.decoder...`) under its checkpoint's `layout`."""
     hd, ng = spec.head_dim, spec.num_key_value_heads
     q_per_group = spec.num_attention_heads // ng
     out: dict[str, torch.Tensor] = {}
 
     def put(layer: str, module: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
-        prefix = f"base_model.model.model.layers.{layer}.{module}"
+        prefix = f"base_model.model.{layout.layers}{layer}.{module}"
         if a is not None:
             out[f"{prefix}.lora_A.weight"] = a
         if b is not None:
@@ -132,7 +159,7 @@ def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec) -> dict[str
         layer, _, moe, expert, base, sub, which = _NAME.match(name).groups()
         is_a = which == "linear_in"
         if base == "output_layer":  # lm_head; a padded vocab's extra rows carry no token
-            out[f"base_model.model.lm_head.lora_{'A' if is_a else 'B'}.weight"] = t if is_a else t[: spec.vocab_size].contiguous()
+            out[f"base_model.model.{layout.lm_head}.lora_{'A' if is_a else 'B'}.weight"] = t if is_a else t[: spec.vocab_size].contiguous()
         elif expert is not None:  # a routed expert (global index): HF's per-expert modules
             mlp(layer, f"{experts_module}.{expert}", proj, base, sub, is_a, t)
         elif moe == "experts":  # a grouped expert linear: one adapter, every expert's

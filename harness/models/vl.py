@@ -101,6 +101,13 @@ def model_class(config: Any):
     return AutoModelForImageTextToText if is_vl(type(config)) else AutoModelForCausalLM
 
 
+def is_vl_checkpoint(directory: Any) -> bool:
+    """The HF checkpoint in `directory` is a VL model's (its config.json nests text and vision configs)."""
+    from transformers import AutoConfig
+
+    return is_vl(type(AutoConfig.from_pretrained(directory)))
+
+
 def auto_class_of(directory: Any):
     """model_class of the checkpoint in `directory` (its config.json)."""
     from transformers import AutoConfig

@@ -16,7 +16,7 @@ _PEFT_MOE = ("peft 0.21.2 rewrites the LoRA config of every model transformers 5
              "gate_up_proj/down_proj, so the plain nn.Linear gate/up/down_proj of the dense first layer and of the shared experts "
              "are no longer targeted: their adapter keys load as unexpected and their LoRA is dropped (peft alone: "
              "get_peft_model(target_modules=[..., 'gate_proj', 'up_proj', 'down_proj']) on the tiny model wraps none of them)")
-_PEFT_MOE_MATCH = r"unexpected: base_model\.model\.model\.layers\.\d+\.mlp\.(?:shared_experts\.|shared_mlp\.)?(?:gate|up|down)_proj\.lora_"
+_PEFT_MOE_MATCH = r"unexpected: base_model\.model\.model\.(?:language_model\.)?layers\.\d+\.mlp\.(?:shared_experts\.|shared_mlp\.)?(?:gate|up|down)_proj\.lora_"
 _PEFT_MOE_CHECKS = ["peft-load", "merge", "logits", "merged-logits", "lora-targets-matched"]
 _PEFT_MOE_XFAIL = {"reason": _PEFT_MOE, "match": _PEFT_MOE_MATCH, "checks": _PEFT_MOE_CHECKS}
 
@@ -59,6 +59,47 @@ _GEMMA4 = {
               "dense Gemma4DenseProvider (Gemma4ForCausalLM) names them global_kv_channels / num_global_query_groups (:167-168), "
               "so a global layer's q/k/v adapter is split with the sliding layers' shape (conversion/param_mapping.py:3294)",
     "match": "shape '\\[16, 8, 4\\]' is invalid for input of size 1024", "raised_in": "megatron.bridge.models.conversion"}
+#: matrices/smoke.yaml `tag: defect-ep-adapter`: the export at EP > 1 holds EP rank 0's local experts only
+_EP_EXPORT = ("Megatron-Bridge 0.6.2 save_hf_adapter at EP>1 exports only EP rank 0's expert adapters: peft_bridge.py:565-618 "
+              "_megatron_global_adapters_info_all_pp_ranks gathers the adapter list over the PP group only, and model_bridge.py:310 "
+              "_megatron_local_name_to_global leaves adapter params out of the local->global expert renumbering ('.adapter.' not "
+              "in param_name), so the SequentialMLP experts of EP rank 1 are missing from the adapter exported at dp2ep2 (a "
+              "grouped-expert family's one adapter per EP rank exports whole: olmoe, minimax_m2, glm4_moe, exaone_moe pass it)")
+_EP_EXPORT_MATCH = r"experts\.\d+\.(?:gate|up|down)_proj\.lora_[AB]\.weight \([^)]*\) is in no file of the export"
+_EP_CHECKS = ["export-integrity", "resharded-export"]
+
+
+def _with_ep(xfail: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The EP export defect at tp1 -> dp2ep2, with the family's own named defect where it has one."""
+    if xfail is None:
+        return {"reason": _EP_EXPORT, "match": _EP_EXPORT_MATCH, "checks": _EP_CHECKS}
+    return {"reason": f"{xfail['reason']}; and {_EP_EXPORT}", "match": xfail["match"], "checks": [*xfail["checks"], *_EP_CHECKS]}
+
+
+#: a VL model's exported adapter_config targets the vision tower too
+_VL_TARGETS = ("Megatron-Bridge 0.6.2 save_hf_adapter writes adapter_config.json's target_modules as bare leaf names "
+               "(conversion/peft_bridge.py:1436-1452 infer_target_modules_from_adapter_weights, called at auto_bridge.py:905): "
+               "on a VL model PEFT's suffix match also wraps the vision tower's linears of the same names (Qwen2.5-VL ViT "
+               "mlp.gate/up/down_proj, SigLIP self_attn.q/k/v_proj, Pixtral attention.*_proj and feed_forward.*_proj), for which "
+               "the adapter has no weights: PeftModel.from_pretrained warns of missing adapter keys and the vision tower gets "
+               "fresh LoRA layers the adapter never trained (zero lora_B: no effect until trained)")
+_VL_TARGETS_MATCH = r"only peft: model\.(?:visual|vision_tower)\."
+_VL_TARGETS_CHECKS = ["peft-load", "lora-targets-matched"]
+#: peft applies transformers 5's checkpoint renaming by model_type only
+_QWEN_VL_NOOP = ("peft 0.21.2 renames an adapter's checkpoint keys for transformers 5 only when "
+                 "get_checkpoint_conversion_mapping(model_type) has an entry (peft/utils/transformers_weight_conversion.py:569-571; "
+                 "else the legacy model._checkpoint_conversion_mapping, peft_model.py:510-511, which transformers 5 models no longer "
+                 "carry); transformers 5.12.1 registers Qwen2.5-VL's `^model` -> `model.language_model` renaming under the class name "
+                 "(conversion_mapping.py:123 -> :646-651) and looks classes up first (:1512-1519), so transformers loads the checkpoint "
+                 "but peft leaves the adapter's checkpoint-named keys (base_model.model.model.layers.N..., as the base checkpoint and "
+                 "the Bridge's export name them) unmapped: nothing loads, every lora_B stays zero, the adapter is a no-op")
+#: Families whose LoRA case the harness does not generate yet, with what the harness lacks (a gap of the harness's
+#: own derivation, not an upstream finding: listed in matrices/architectures.yaml and docs/architectures.md).
+LORA_NOT_GENERATED: dict[str, str] = {
+    "minimax_m3_vl": "the harness's adapter derivation (harness.models.peft_mapping) does not map MiniMax-M3's checkpoint "
+                     "expert names (language_model.model.layers.N.block_sparse_moe.experts.E.w1/w3/w2, shared_experts.*) and "
+                     "its layout checks do not model transformers 5's fused shared expert (mlp.shared_experts.gate_up_proj)",
+}
 #: Pairs whose upstream code path needs CUDA (the matrix entry `requires: [cuda]`: not-run on CPU, run on GPU machines).
 NEEDS_CUDA: dict[str, str] = {
     "minimax_m2 tp1 -> tp2": "Megatron-Bridge 0.6.2 MiniMax-M2's QK-norm import at TP > 1 broadcasts through "
@@ -92,6 +133,23 @@ LORA: dict[str, dict[str, Any]] = {
     "hy_v3 tp1 -> tp2": _xfail(_HY_V3, _HY_V3_MATCH, _PEFT_MOE_CHECKS, etp=True),
     **{f: _POST_NORM_LORA for f in ("gemma2", "gemma3", "exaone4")},
     "gemma4": _GEMMA4,
+    # VL language paths: every family's exported adapter_config also targets its vision tower (_VL_TARGETS)
+    "qwen2_5_vl": {"reason": f"{_QWEN_VL_NOOP}; and {_VL_TARGETS}", "match": "no-op adapter: all \\d+ lora_B of the loaded adapter are zero",
+                   "checks": [*_VL_TARGETS_CHECKS, "merge", "logits", "merged-logits"]},
+    "gemma3_vl": {"reason": f"{_POST_NORM_LORA['reason']}; and {_VL_TARGETS}", "match": _VL_TARGETS_MATCH,
+                  "checks": [*_VL_TARGETS_CHECKS, *_POST_NORM_LORA["checks"]]},
+    "mistral3": {"reason": _VL_TARGETS, "match": _VL_TARGETS_MATCH, "checks": _VL_TARGETS_CHECKS},
+    # the VL model's provider is the dense one's subclass (gemma_vl/gemma4_vl_provider.py:77 Gemma4DenseVLProvider)
+    "gemma4_vl": _GEMMA4,
+    "glm4v_moe tp1 -> pp2": _xfail(_PEFT_MOE, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS),
+    # tp1 -> dp2ep2: the experts over two EP ranks
+    "qwen3_moe tp1 -> dp2ep2": _with_ep(),
+    **{f"{f} tp1 -> dp2ep2": _with_ep(_xfail(_PEFT_MOE, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS))
+       for f in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")},
+    "ernie4_5_moe tp1 -> dp2ep2": _with_ep(_xfail(_PEFT_MOE + _ERNIE_ROUTER, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS)),
+    "hy_v3 tp1 -> dp2ep2": _with_ep(_xfail(_HY_V3, _HY_V3_MATCH, _PEFT_MOE_CHECKS)),
+    **{f"{f} tp1 -> dp2ep2": _xfail(_PEFT_MOE, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS) for f in ("exaone_moe", "exaone_moe_caps", "glm4v_moe")},
+    "glm4v_moe tp1 -> tp2": _xfail(_PEFT_MOE, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS, etp=True),
     "gpt_oss": {"reason": _GPT_OSS, "match": r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\) at non-singleton dimension 1",
                 "raised_in": "megatron.bridge.peft"},
 }

@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from harness.compat import _shim
+from harness.compat import attention_env as _attention_env  # noqa: F401  records the user's NVTE_* before any build
 from harness.compat._shim import ADAPTS, HIDES, INSTALL, REQUIRE, Shim, note
 
 __all__ = ["ADAPTS", "HIDES", "Shim", "all_shims", "begin_case", "install", "installed", "require"]

@@ -21,7 +21,7 @@ from harness.compat._shim import ADAPTS, CALLER, Shim, note
 NAME = "per-model NVTE attention env"
 #: the backend switches, and the FlashAttention generation pins it writes for config.flash_attention_version (:144-152)
 VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "NVTE_FLASH_ATTN_V2", "NVTE_FLASH_ATTN_V3", "NVTE_FLASH_ATTN_V4")
-#: the user's values, recorded by the first build in the process tree (children inherit the record)
+#: the user's values, recorded when harness.compat is first imported in the process tree (children inherit the record)
 USER_RECORD = "CKPT_HARNESS_NVTE_USER"
 
 
@@ -29,6 +29,9 @@ def _user_values() -> dict[str, str | None]:
     if USER_RECORD not in os.environ:
         os.environ[USER_RECORD] = json.dumps({k: os.environ.get(k) for k in VARIABLES})
     return json.loads(os.environ[USER_RECORD])
+
+
+_user_values()  # at import (harness.compat imports this module): before any model of this process is built
 
 
 def needed() -> bool:

@@ -107,7 +107,15 @@ def write_fixture(spec: HFModelSpec, directory: Path, dtype: str = "fp32", shard
     1/`shards` of the weights, so at least that many model-0000i-of-0000n.safetensors files and a
     model.safetensors.index.json), as real checkpoints are. `extra_keys`: tensors the model does not
     hold (a persisted buffer such as `rotary_emb.inv_freq`, or an unknown key), added to the last
-    file as real checkpoints carry them, for what an exporter does with a source key it does not map."""
+    file as real checkpoints carry them, for what an exporter does with a source key it does not map.
+    Kept across runs by harness.models.fixture_cache (keyed by these arguments, transformers, torch
+    and the deriving code): a hit is a copy of the same bytes."""
+    from harness.models.fixture_cache import cached
+
+    return cached(directory, (spec, dtype, shards, tuple(extra_keys)), lambda d: _write_fixture(spec, d, dtype, shards, extra_keys))[0]
+
+
+def _write_fixture(spec: HFModelSpec, directory: Path, dtype: str, shards: int, extra_keys: tuple[str, ...]) -> Path:
     from harness.models.vl import model_class
 
     quiet_hf()

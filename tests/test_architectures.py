@@ -236,6 +236,8 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red():
 
     fams = tuple(BY_NAME[n] for n in ("llama", "mistral", "olmoe", "minimax_m2"))
     results = [rec("hf-llama", k, t, "passed") for k in arch_table.KINDS for t in ("tp2", "pp2")]
+    canon = rec("hf-llama", "peft-export", "pp2", "xfailed", xfail_reason="canonical x.py:2: why")
+    results += [{**canon, "id": canon["id"].replace("]", "-canonical_lora]")}]  # its own column, not LoRA pp2's
     results += [rec("hf-mistral", "hf-roundtrip", "tp2", "xfailed", xfail_reason="upstream x.py:1: why"),
                 rec("hf-mistral", "peft-export", "tp2", "passed")]
     results += [rec("hf-olmoe", "peft-export", "tp2", "failed", checks=[{"name": "logits", "status": "failed", "detail": "off by 3"}])]
@@ -244,11 +246,13 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red():
     results += [rec("hf-minimax_m2", "hf-roundtrip", "tp2", "passed"), rec("hf-minimax_m2", "peft-export", "tp2", "not-run",
                     not_run_reason="needs cuda")]
     doc = {"results": results}
-    assert arch_table.summary(doc, fams).startswith("2 architectures with real results on every case (1 of them")
+    assert arch_table.summary(doc, fams).startswith("2 architectures with real results on every case (0 of them")
     assert "1 with a red case (olmoe)" in arch_table.summary(doc, fams)
     assert "1 with real results and a not-run case (minimax_m2)" in arch_table.summary(doc, fams)
     rows = {r[0]: r for r in arch_table.rows(doc, fams)}
     assert rows["OlmoeForCausalLM"][5] == "FAIL 1.0" and "logits: off by 3" in rows["OlmoeForCausalLM"][-1]  # LoRA tp1->tp2
+    assert rows["LlamaForCausalLM"][6] == "pass 1.0" and rows["LlamaForCausalLM"][8] == "xfail 1.0 (pp2)"
+    assert "canonical x.py" in rows["LlamaForCausalLM"][-1] and rows["OlmoeForCausalLM"][8] == "-"
     assert rows["OlmoeForCausalLM"][4] == "pass 1.0" and rows["OlmoeForCausalLM"][3] == "-"  # round trip tp1->ep2; no pp2 case
     assert rows["MistralForCausalLM"][2] == "xfail 1.0" and "upstream x.py" in rows["MistralForCausalLM"][-1]
     with pytest.raises(ValueError):

@@ -25,6 +25,8 @@ SHORT = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "xfailed": "xfail
 
 
 TARGETS = ("tp2", "pp2", "ep2")
+#: the CanonicalLoRA peft-export cell (one pair per family: its target named in the cell)
+CANONICAL = "peft-export canonical"
 
 
 def _target(case_id: str) -> str:
@@ -45,12 +47,18 @@ def _why(r: dict[str, Any]) -> str:
     return err[-1][:90] if err else ""
 
 
+def _cell(r: dict[str, Any]) -> str:
+    secs = sum((r.get("phases") or {}).values())
+    return f"{SHORT.get(r['status'], r['status'])} {secs:.1f}" if r["status"] != "not-run" else "not-run"
+
+
 def cells(doc: dict[str, Any]) -> dict[tuple[str, str, str], dict[str, Any]]:
     """(zoo model, case kind, target "tp2"/"pp2"/"ep2") -> the case record."""
     out = {}
     for r in doc.get("results") or []:
         if r.get("case") in KINDS:
-            out[(r.get("model"), r["case"], _target(r["id"]))] = r
+            kind = CANONICAL if r["case"] == "peft-export" and "-canonical_lora]" in r["id"] else r["case"]
+            out[(r.get("model"), kind, _target(r["id"]))] = r
     return out
 
 
@@ -69,16 +77,20 @@ def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[l
                 if r is None:
                     line.append("-" if f.path != "vl" else "deferred")
                     continue
-                secs = sum((r.get("phases") or {}).values())
-                line.append(f"{SHORT.get(r['status'], r['status'])} {secs:.1f}" if r["status"] not in ("not-run",) else "not-run")
+                line.append(_cell(r))
                 if r["status"] != "passed" and (w := _why(r)) and w not in whys:
                     whys.append(w)
+        canon = [got[k] for k in got if k[0] == f.zoo_name and k[1] == CANONICAL]
+        line.append(f"{_cell(canon[0])} ({_target(canon[0]['id'])})" if canon else "-" if f.path != "vl" else "deferred")
+        if canon and canon[0]["status"] != "passed" and (w := _why(canon[0])) and w not in whys:
+            whys.append(w)
         out.append(line + ["; ".join(whys)])
     return out
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    head = ["architecture", "zoo", *(f"{k} tp1->{t}" for k in ("round trip", "LoRA") for t in TARGETS), "reason / finding"]
+    head = ["architecture", "zoo", *(f"{k} tp1->{t}" for k in ("round trip", "LoRA") for t in TARGETS), "CanonicalLoRA",
+            "reason / finding"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows(doc)]
     return summary(doc) + "\n\n" + "\n".join(lines) + "\n"

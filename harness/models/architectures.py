@@ -246,11 +246,11 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
     """The matrix: per runnable family and pair, one hf-roundtrip entry (weights and logits through
     the Bridge, the dist checkpoint at S loaded at D) and one peft-export entry (LoRA on every
     target the family has, `save_hf_adapter` -> PeftModel, the adapter checkpoint at S loaded at
-    D); not-run through `requires` where a module is missing; strict xfails from
+    D), and one CanonicalLoRA peft-export at one pair (xfails_lora.CANONICAL); not-run through `requires` where a module is missing; strict xfails from
     harness.models.xfails_roundtrip / xfails_lora, keyed "family" or "family pair". A "vl-text"
     family (harness.models.vl) gets its entries as a text one, LoRA on its language path included;
     VL/omni families without a language-path case ("vl") are listed as deferred in a comment."""
-    from harness.models.xfails_lora import LORA, LORA_NOT_GENERATED, NEEDS_CUDA
+    from harness.models.xfails_lora import CANONICAL, LORA, LORA_NOT_GENERATED, NEEDS_CUDA, canonical_pair
     from harness.models.xfails_roundtrip import ROUNDTRIP
 
     tables = {"hf-roundtrip": ROUNDTRIP if roundtrip is None else roundtrip, "peft-export": LORA if lora is None else lora}
@@ -272,6 +272,13 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
                 x = xfails.get(f"{f.name} {pair}") or xfails.get(f.name)
                 if x:
                     lines.append("    xfail:\n" + "".join(f"      {k}: {_q(v)}\n" for k, v in x.items()))
+        if f.name not in LORA_NOT_GENERATED:  # CanonicalLoRA (q/k/v and fc1 gate/up adapters apart) at one pair
+            lines.append(f"  - case: peft-export\n    models: [{f.zoo_name}]\n    pairs: [\"{canonical_pair(pairs_for(f))}\"]\n"
+                         "    backends: [bridge_peft]\n    markers: [peft, arch]\n    axes: {adapter: [canonical_lora]}\n")
+            if f.needs:
+                lines.append(f"    requires: [\"module:{f.needs}\"]\n")
+            if x := CANONICAL.get(f.name):
+                lines.append("    xfail:\n" + "".join(f"      {k}: {_q(v)}\n" for k, v in x.items()))
     deferred = [f for f in FAMILIES if f.path == "vl"]
     lines.append("# deferred: VL / omni / audio without a language-path case (why: docs/architectures.md): "
                  + ", ".join(f.architecture for f in deferred) + "\n")

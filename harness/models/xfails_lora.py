@@ -153,3 +153,35 @@ LORA: dict[str, dict[str, Any]] = {
     "gpt_oss": {"reason": _GPT_OSS, "match": r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\) at non-singleton dimension 1",
                 "raised_in": "megatron.bridge.peft"},
 }
+
+#: CanonicalLoRA (one adapter per q/k/v and per fc1 gate/up) at one pair per family: tp1 -> pp2 where the layers
+#: split (a TP change meets smoke's CanonicalLoRA fc1 reshard defect in every family), else the family's first pair
+_CANON_NONGATED = ("Megatron-Bridge 0.6.2 CanonicalLoRA assumes a gated fc1: canonical_lora.py:173 LoRALinearSplitFC1UpGate.forward "
+                   "calls adapter_gate unconditionally (None on Nemotron's non-gated squared-ReLU fc1: TypeError), and "
+                   "canonical_lora.py:398-400 build adapter_up/adapter_gate with out_features // 2 without looking at "
+                   "gated_linear_unit (smoke's defect-canonical-nongated)")
+_CANON_GROUPED = ("Megatron-Bridge 0.6.2 merged export of grouped experts with CanonicalLoRA: "
+                  "peft_bridge.py:1292-1300 _merge_grouped_export_adapter_weights accepts exactly one adapter with adapter_key "
+                  "None per expert linear and raises on CanonicalLoRA's adapter_gate/adapter_up pair (GPT-OSS's expert "
+                  "mappings are grouped exports, gpt_oss/gpt_oss_bridge.py:253-265)")
+CANONICAL: dict[str, dict[str, Any]] = {
+    **{f: ROUNDTRIP[f] for f in ("deepseek_v4", "glm_moe_dsa")},  # blocked at build as the family's hf-roundtrip
+    **{f: ROUNDTRIP[f"{f} tp1 -> pp2"] for f in ("gemma4", "gemma4_vl")},  # the provider's PP=1 refusal
+    **{f: _POST_NORM_LORA for f in ("gemma2", "gemma3", "exaone4")},
+    "nemotron": {"reason": _CANON_NONGATED, "match": "'NoneType' object is not callable", "raised_in": "megatron.bridge.peft"},
+    "gpt_oss": {"reason": _CANON_GROUPED, "match": "Unsupported adapter configuration for grouped export weight merging",
+                "raised_in": "megatron.bridge.models.conversion"},
+    **{f: _xfail(_PEFT_MOE, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS)
+       for f in ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "exaone_moe", "exaone_moe_caps", "glm4v_moe")},
+    "ernie4_5_moe": _xfail(_PEFT_MOE + _ERNIE_ROUTER, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS),
+    "hy_v3": _xfail(_HY_V3, _HY_V3_MATCH, _PEFT_MOE_CHECKS),
+}
+
+
+def canonical_pair(pairs: list[str]) -> str:
+    """The one pair a family's CanonicalLoRA case runs at (CANONICAL's comment)."""
+    return "tp1 -> pp2" if "tp1 -> pp2" in pairs else pairs[0]
+
+
+# the VL language paths' CanonicalLoRA meets the LoRA findings (adapter_config targets, Qwen2.5-VL's no-op load)
+CANONICAL.update({f: LORA[f] for f in ("qwen2_5_vl", "gemma3_vl", "mistral3")})

@@ -41,6 +41,7 @@ from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of, resolve
 from harness.core import truth
 from harness.core.context import RankContext
+from harness.core.memory import track
 from harness.core.parity import EXACT, Tolerance
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
@@ -169,6 +170,8 @@ class _Phase:
 class BridgeOut:
     propagation: list[dict[str, Any]]
     logits: torch.Tensor | None
+    #: the bytes of the model's parameters this rank holds: what an `export` memory budget's x-shard limit multiplies
+    shard_bytes: int = 0
 
 
 def _rank(ctx: RankContext, p: _Phase) -> BridgeOut:
@@ -183,8 +186,10 @@ def _rank(ctx: RankContext, p: _Phase) -> BridgeOut:
     out = BridgeOut(mb.ddp_propagation(bm, knobs, p.dtype), mb.megatron_logits(bm, p.spec, ctx.device))
     if p.dist_save:
         dist.save(ctx, mb.unwrapped(bm), Path(p.dist_save))
-    if p.export_to:
-        get_backend(p.export_backend).save(ctx, bm, Path(p.export_to))
+    if p.export_to:  # measured as memory phase `export` (`<world>:export` in the load world)
+        out.shard_bytes = sum(t.numel() * t.element_size() for t in mb.unwrapped(bm).parameters())
+        with track("export"):
+            get_backend(p.export_backend).save(ctx, bm, Path(p.export_to))
     return out
 
 

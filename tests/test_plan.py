@@ -14,7 +14,8 @@ import pytest
 from harness.core.topology import Topology
 from harness.plan import validate
 from harness.plan.cli import EXIT_BAD_INPUT, EXIT_INVALID, EXIT_OK, assemble
-from harness.plan.collect import DTYPE_BYTES, Record, coordinate_ranks
+from harness.plan import collect, predict
+from harness.plan.collect import DTYPE_BYTES, Record, coordinate_ranks, pipeline_split, topology_records
 from harness.plan.model import PlanInputError, load_model
 
 TINY = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -73,12 +74,15 @@ def test_dp_reshardable_optimizer_state_cannot_change_tp_or_pp():
     assert assemble({}, src, Topology.parse("tp2dp4"), "dp_reshardable", recs, recs, 0.0)["exit_code"] == EXIT_OK
 
 
-def test_coordinate_ranks_are_one_per_tp_pp_ep():
+def test_coordinate_ranks_are_one_per_tp_pp_etp_ep():
     assert coordinate_ranks(Topology.parse("tp2pp2dp2")) == [0, 1, 4, 5]
     assert len(coordinate_ranks(Topology.parse("tp8pp8dp16"))) == 64
     assert coordinate_ranks(Topology.parse("tp1pp2dp4ep2")) == [0, 1, 4, 5]
-    with pytest.raises(PlanInputError, match="cp 1"):
-        coordinate_ranks(Topology.parse("tp2cp2"))
+    assert coordinate_ranks(Topology.parse("tp2pp2cp2dp2")) == [0, 1, 8, 9]  # cp ranks are replicas, after tp
+    assert coordinate_ranks(Topology.parse("tp2dp4ep2etp1")) == [0, 1]  # etp1: ep is the low part of the rank
+    assert len(coordinate_ranks(Topology.parse("tp2pp2dp32ep8etp1"))) == 16
+    with pytest.raises(PlanInputError, match="etp=2 does not divide tp=1"):
+        coordinate_ranks(Topology.parse("tp1dp4ep2etp2"))
 
 
 def test_model_input_errors_name_the_file_and_key(tmp_path):
@@ -159,3 +163,120 @@ def test_a_target_that_cannot_hold_the_model_fails_before_anything_is_built(tmp_
     monkeypatch.setattr(collect, "rank_records", lambda *a, **k: built.append(a) or [])
     assert _main(["--model", "qwen3-235b-a22b", "--from", "tp4pp2dp128ep32", "--to", "tp8pp2dp64ep16", "--out", str(tmp_path)]) == EXIT_BAD_INPUT
     assert "tp8pp2dp64cp1ep16" in capsys.readouterr().err and built == []
+
+
+# ---------------------------------------------------------------- cp, vpp, etp, mixed MoE layers, uneven pp, MLA
+def _tiny(**fields):
+    from harness.plan.model import PlanModel
+
+    base = dict(name="tiny", num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                vocab_size=256, seq_length=64)
+    return PlanModel(**{**base, **fields})
+
+
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_size=64)
+
+
+def _layers(recs, key, rank):
+    """The layer-axis offsets of `key` that `rank` holds."""
+    return sorted({r.global_offset[0] for r in recs if r.key == key and r.rank == rank})
+
+
+def test_a_vpp_plan_has_the_vpp1_keys_with_interleaved_global_layers(monkeypatch):
+    model, qkv = _tiny(), "decoder.layers.self_attention.linear_qkv.weight"
+    flat, vpp = (topology_records(model, Topology.parse(t)) for t in ("tp1pp2dp2", "tp1pp2dp2vpp2"))
+    assert validate.coverage_problems(vpp) == [] and validate.key_table(vpp) == validate.key_table(flat)
+    assert validate.load_problems(flat, vpp) == {"missing": [], "unexpected": [], "mismatched": []}
+    assert _layers(flat, qkv, 0) == [0, 1] and _layers(vpp, qkv, 0) == [0, 2]  # chunk i: layers i*2 + pp*1
+    # planted: every chunk built as virtual stage 0 (the mapping get_model's vp_stage=i gives, lost)
+    from megatron.core.models import gpt
+
+    real = gpt.GPTModel
+    monkeypatch.setattr(gpt, "GPTModel", lambda *a, vp_stage=None, **k: real(*a, vp_stage=0, **k))
+    assert any("overlap" in p for p in validate.coverage_problems(topology_records(model, Topology.parse("tp1pp2dp2vpp2"))))
+
+
+def test_a_cp2_plan_validates_and_its_ranks_hold_what_cp1_ranks_hold(monkeypatch):
+    model = _tiny()
+    cp1, cp2 = Topology.parse("tp2pp2dp2"), Topology.parse("tp2pp2cp2dp2")
+    one, two = topology_records(model, cp1), topology_records(model, cp2)
+    assert validate.coverage_problems(two) == [] and validate.key_table(two) == validate.key_table(one)
+    a, b = predict.summary(one, cp1), predict.summary(two, cp2)
+    for k in ("coordinates", "checkpoint_weight_bytes", "parameters", "max_written_per_rank", "max_read_per_rank"):
+        assert a[k] == b[k], k
+    from harness.plan.cli import caveats
+
+    assert caveats(cp1) == [] and "dp*cp=4" in caveats(cp2)[0]  # the estimates that do not model cp say so
+    # planted: the hand arithmetic of cp 1 (stage = tp * dp ranks) picks pp0's cp rank 1 for pp rank 1
+    real = collect.rank_coordinates
+    monkeypatch.setattr(collect, "rank_coordinates", lambda topo: real(replace(topo, cp=1)))
+    assert any("gap" in p for p in validate.coverage_problems(topology_records(model, cp2)))
+
+
+def test_an_etp1_plan_at_tp2_splits_experts_by_etp_and_the_rest_by_tp(monkeypatch):
+    model, topo = _tiny(**MOE), Topology.parse("tp2dp4ep2etp1")
+    recs = topology_records(model, topo)
+    assert validate.coverage_problems(recs) == []
+    assert len({r.rank for r in recs}) == len({r.coord for r in recs}) == 2  # (tp, ep) = (0, 0) and (1, 1)
+    fc1 = [r for r in recs if r.key == "decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    shared = [r for r in recs if r.key == "decoder.layers.mlp.shared_experts.linear_fc1.weight"]
+    assert {r.local_shape[2] for r in fc1} == {32}  # each GLU half whole: etp 1
+    assert {r.local_shape[1] for r in shared} == {64 // 2}  # each GLU half of the shared expert over tp 2
+    assert {r.global_offset[1] for r in fc1 if r.rank == 1} == {2, 3}  # rank 1 is ep rank 1: experts 2, 3
+    at_tp = topology_records(model, Topology.parse("tp2dp4ep2"))
+    assert {r.local_shape[2] for r in at_tp if r.key == fc1[0].key} == {16}
+    # planted: the expert side mapped as if etp were tp: two built ranks share a coordinate (bytes counted twice)
+    real = collect.rank_coordinates
+    monkeypatch.setattr(collect, "rank_coordinates", lambda t: real(replace(t, etp=t.tp)))
+    bad = topology_records(model, topo)
+    assert len({r.rank for r in bad}) != len({r.coord for r in bad})
+
+
+def test_a_mixed_moe_layer_freq_model_plans_its_dense_layers_dense(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**TINY, "num_experts": 4, "moe_intermediate_size": 32, "num_experts_per_tok": 2,
+                               "mlp_only_layers": [3], "first_k_dense_replace": 1}))
+    model = load_model(str(cfg))
+    assert model.moe_layer_freq == (0, 1, 1, 0)
+    recs = topology_records(model, Topology.parse("tp2pp2dp2ep2"))
+    keys = validate.key_table(recs)
+    assert validate.coverage_problems(recs) == []
+    for dense in (0, 3):
+        assert keys[f"decoder.layers.{dense}.mlp.linear_fc1.weight"][0] == (256, 64)
+        assert not any(k.startswith(f"decoder.layers.{dense}.mlp.experts") for k in keys)
+    for moe in (1, 2):
+        assert keys[f"decoder.layers.{moe}.mlp.experts.experts.linear_fc1.weight"][0] == (4, 64, 64)
+    # planted: the pattern ignored (the planner before it read moe_layer_freq): every layer MoE
+    flat = validate.key_table(topology_records(replace(model, moe_layer_freq=None), Topology.parse("tp2pp2dp2ep2")))
+    assert "decoder.layers.0.mlp.linear_fc1.weight" not in flat
+
+
+def test_uneven_pipeline_stages_plan_with_megatron_cores_split():
+    model = _tiny(num_layers=5)
+    auto = dict(first="auto", last="auto")
+    assert pipeline_split(model, Topology.parse("pp2"), **auto) == (3, 2)
+    assert pipeline_split(replace(model, num_layers=61), Topology.parse("pp8dp32"), **auto) == (7, 6)
+    assert pipeline_split(replace(model, num_layers=61), Topology.parse("pp16dp16"), **auto) == (3, 2)
+    assert pipeline_split(_tiny(), Topology.parse("pp2"), **auto) == pipeline_split(model, Topology.parse("pp2")) == (None, None)
+    with pytest.raises(PlanInputError, match="--first-stage-layers"):  # uneven only on request
+        topology_records(model, Topology.parse("tp1pp2dp1"))
+    qkv = "decoder.layers.self_attention.linear_qkv.weight"
+    one, two = topology_records(model, Topology.parse("tp1pp1dp2")), topology_records(model, Topology.parse("tp1pp2dp1"), **auto)
+    assert validate.coverage_problems(two) == [] and validate.key_table(two) == validate.key_table(one)
+    assert _layers(two, qkv, 0) == [0, 1, 2] and _layers(two, qkv, 1) == [3, 4]
+    with pytest.raises(PlanInputError, match="megatron-core refuses"):
+        topology_records(model, Topology.parse("tp1pp2dp1"), first=4, last=2)
+
+
+def test_an_mla_model_builds_for_any_caller(tmp_path):
+    """MLA's CPU adaptations live where the model is built (collect), not in the CLI."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**TINY, "num_key_value_heads": 4, "n_routed_experts": 4, "moe_intermediate_size": 32,
+                               "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                               "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                               "v_head_dim": 16}))
+    model = load_model(str(cfg))
+    recs = topology_records(model, Topology.parse("tp2pp2dp2ep2"))
+    keys = validate.key_table(recs)
+    assert validate.coverage_problems(recs) == [] and "decoder.layers.0.mlp.linear_fc1.weight" in keys
+    assert any("linear_kv_down_proj" in k for k in keys)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,15 +32,33 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="DDP bucket size in parameters (default: one bucket per buffer, megatron-core without "
                         "overlap_grad_reduce); bounds fully_reshardable's gather transient")
     p.add_argument("--ranks-per-node", type=int, default=memory.RANKS_PER_NODE, help="for the per-node host peaks (default 8)")
+    p.add_argument("--first-stage-layers", type=_stage_layers, default=None,
+                   help="layers in the first pipeline stage (megatron-core's num_layers_in_first_pipeline_stage) at both "
+                        "topologies, or 'auto': derived per topology where the layers do not divide over pp*vpp "
+                        "(collect.pipeline_split); default: even stages only")
+    p.add_argument("--last-stage-layers", type=_stage_layers, default=None,
+                   help="layers in the last pipeline stage (num_layers_in_last_pipeline_stage), as --first-stage-layers")
     p.add_argument("--out", required=True, type=Path, help="folder for plan.md and plan.json")
     p.set_defaults(func=run_cli)
     return p
 
 
+def _stage_layers(text: str) -> int | str:
+    """--first/--last-stage-layers: a positive int or "auto"."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive number of layers or 'auto'")
+    return int(text)
+
+
 def plan(model_ref: str, src: str, dst: str, fmt: str = "fully_reshardable", vocab_divisible_by: int | None = None,
-         progress=None, setup: memory.Setup | None = None) -> dict:
-    """The plan as a dict (raises PlanInputError on bad input)."""
-    from harness.plan.collect import topology_records
+         progress=None, setup: memory.Setup | None = None, first: int | str | None = None,
+         last: int | str | None = None) -> dict:
+    """The plan as a dict (raises PlanInputError on bad input). `first`/`last`: layers in the first/last
+    pipeline stage at both topologies, ints or "auto" (collect.pipeline_split); None: even stages only."""
+    from harness.compat.cuda import guard_megatron_import
+    from harness.plan.collect import check_topology, pipeline_split, topology_records
 
     t0 = time.perf_counter()
     model = load_model(model_ref, vocab_divisible_by)
@@ -51,74 +68,14 @@ def plan(model_ref: str, src: str, dst: str, fmt: str = "fully_reshardable", voc
             topos.append(Topology.parse(text))
         except TopologyError as e:
             raise PlanInputError(f"topology {text!r}: {e}") from e
+    guard_megatron_import()
     for topo in topos:  # both before building either: a target that cannot hold the model fails in seconds
-        try:
-            topo.validate(model)
-        except ValueError as e:
-            raise PlanInputError(f"topology {topo.id} cannot hold model {model.name}: {e}") from e
+        check_topology(model, topo, pipeline_split(model, topo, first, last))
     # fp32 models: the distributed optimizer's main params are the DDP buffer's params (memory.Setup)
     setup = replace(setup or memory.Setup(), fp32_model=model.dtype == "float32")
-    with mla_build(model):
-        saved = topology_records(model, topos[0], progress)
-        loading = topology_records(model, topos[1], progress)
+    saved = topology_records(model, topos[0], progress, first, last)
+    loading = topology_records(model, topos[1], progress, first, last)
     return assemble(model.to_json(), topos[0], topos[1], fmt, saved, loading, time.perf_counter() - t0, setup)
-
-
-@contextmanager
-def mla_build(model):
-    """While planning a multi-latent-attention model (DeepSeek-V3), collect builds it as megatron-core
-    does: an MLATransformerConfig (the first `first_k_dense` layers dense, `moe_layer_freq`), the
-    decoder block spec of that config (per-layer specs: dense and MoE layers differ) with the CPU
-    MLA core attention (harness/models/cpu_attention.py: the local DotProductAttention takes no
-    k/v channels), and torch.cuda.current_device answering "cpu" (MLA's RotaryEmbedding asks for it,
-    rotary_pos_embedding.py:78; the harness's `cuda.current_device` shim). Scoped here because
-    harness/plan/collect.py builds ordinary attention only; its owner can fold this into
-    `transformer_config`/`rank_records` (two call sites) and drop the context."""
-    if not getattr(model, "multi_latent_attention", False):
-        yield
-        return
-    import torch
-    from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    from harness.models.cpu_attention import localize_mla
-    from harness.plan import collect
-
-    built: dict = {}
-    own_config, own_spec, own_device = collect.transformer_config, gpt_layer_specs.get_gpt_layer_local_spec, torch.cuda.current_device
-
-    def config(m, topo):
-        base = own_config(m, topo)
-        kw = {k: getattr(base, k) for k in (
-            "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "tensor_model_parallel_size",
-            "pipeline_model_parallel_size", "gated_linear_unit", "normalization", "add_bias_linear", "use_cpu_initialization",
-            "perform_initialization", "bf16", "fp16", "params_dtype", "pipeline_dtype", "num_moe_experts", "moe_router_topk",
-            "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "expert_model_parallel_size", "moe_grouped_gemm",
-            "moe_token_dispatcher_type")}
-        built["config"] = MLATransformerConfig(
-            **kw, multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
-            qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
-            rope_type="rope", qk_layernorm=True,  # DeepSeek's q_a / kv_a layernorms
-            moe_layer_freq=[0] * m.first_k_dense + [1] * (m.num_layers - m.first_k_dense))
-        return built["config"]
-
-    def spec(**_):
-        gpt_layer_specs.get_gpt_layer_local_spec = own_spec  # the block spec builds its layers with it
-        try:
-            block = gpt_layer_specs.get_gpt_decoder_block_spec(built["config"], use_transformer_engine=False,
-                                                               normalization="RMSNorm")
-        finally:
-            gpt_layer_specs.get_gpt_layer_local_spec = spec
-        return localize_mla(block)
-
-    collect.transformer_config, gpt_layer_specs.get_gpt_layer_local_spec = config, spec
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: "cpu"
-    try:
-        yield
-    finally:
-        collect.transformer_config, gpt_layer_specs.get_gpt_layer_local_spec = own_config, own_spec
-        torch.cuda.current_device = own_device
 
 
 def assemble(model: dict, src: Topology, dst: Topology, fmt: str, saved: list, loading: list, seconds: float,
@@ -134,7 +91,23 @@ def assemble(model: dict, src: Topology, dst: Topology, fmt: str, saved: list, l
         "save": predict.summary(saved, src, setup), "load": predict.summary(loading, dst, setup),
         "save_problems": save_problems, "load_problems": load_problems, "keys": keys, "optimizer": optimizer,
         "layout": {"save": validate.layout(saved), "load": validate.layout(loading)},
+        "caveats": caveats(src, dst),
     }
+
+
+def caveats(*topos: Topology) -> list[str]:
+    """What the estimates do not model yet at these topologies: predict.py's optimizer share and
+    memory.py's rank layout assume cp 1 and etp = tp (the records and their validation do not)."""
+    out = []
+    for t in topos:
+        if t.cp > 1:
+            out.append(f"{t.id}: the optimizer, fully-parallel and host-memory estimates spread over dp={t.dp}, not "
+                       f"dp*cp={t.dp * t.cp} (megatron-core's data-parallel group with cp); written/read bytes per rank "
+                       "without fully-parallel spreading are exact")
+        if t.etp != t.tp:
+            out.append(f"{t.id}: the host-memory table maps ranks as if etp were tp (expert-dp {t.dp // t.ep} for "
+                       f"{t.expert_dp}); per-rank written/read bytes are exact")
+    return out
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -149,7 +122,8 @@ def run_cli(args: argparse.Namespace) -> int:
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise PlanInputError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
         setup = memory.Setup(device=args.host_device, bucket_numel=args.bucket_size, ranks_per_node=args.ranks_per_node)
-        result = plan(args.model, args.src, args.dst, args.format, args.vocab_divisible_by, progress, setup)
+        result = plan(args.model, args.src, args.dst, args.format, args.vocab_divisible_by, progress, setup,
+                      args.first_stage_layers, args.last_stage_layers)
     except PlanInputError as e:
         print(f"ckpt-harness plan: bad input: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -158,4 +132,6 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"{result['verdict']}: {s['topology']} -> {result['load']['topology']}: checkpoint weights "
           f"{report.gib(s['checkpoint_weight_bytes'])}, max written/rank {report.gib(s['max_written_per_rank'])}, "
           f"max read/rank {report.gib(result['load']['max_read_per_rank'])}; {md} and {js} ({result['seconds']:.1f} s)")
+    for line in result["caveats"]:
+        print(f"plan: caveat: {line}", file=sys.stderr)
     return result["exit_code"]

@@ -43,6 +43,9 @@ class PlanModel:
     qk_pos_emb_head_dim: int | None = None
     v_head_dim: int | None = None
     first_k_dense: int = 0  # HF first_k_dense_replace: the first layers have a dense MLP, the rest MoE
+    #: megatron-core's moe_layer_freq as a per-layer pattern (1 MoE, 0 a dense MLP of ffn_hidden_size),
+    #: as harness.core.zoo's GPT specs carry it; None: every layer of an MoE model is MoE
+    moe_layer_freq: tuple[int, ...] | None = None
 
     @property
     def multi_latent_attention(self) -> bool:
@@ -117,6 +120,28 @@ def load_model(ref: str, vocab_divisible_by: int | None = None) -> PlanModel:
             raise PlanInputError(f"{path}: multi-latent attention needs key {e.args[0]!r}") from e
         except (TypeError, ValueError) as e:
             raise PlanInputError(f"{path}: a multi-latent attention value is not a number: {e}") from e
+    if model.num_moe_experts:
+        model = replace(model, moe_layer_freq=_moe_layers(cfg, model.num_layers, path))
     if model.dtype not in ("bfloat16", "float16", "float32"):
         raise PlanInputError(f"{path}: torch_dtype {model.dtype!r} is not bfloat16/float16/float32")
     return model
+
+
+def _moe_layers(cfg: dict, layers: int, path: Path) -> tuple[int, ...] | None:
+    """Which layers are MoE, from HF's fields (DeepSeek first_k_dense_replace and moe_layer_freq: layer
+    i >= k with i % freq == 0; Qwen-MoE mlp_only_layers and decoder_sparse_step: (i + 1) % step == 0) or
+    a megatron-style list `moe_layer_freq`; None when every layer is MoE. Why: a mixed model planned
+    as all-MoE asks for expert keys on its dense layers."""
+    freq = cfg.get("moe_layer_freq", 1)
+    try:
+        if isinstance(freq, list):
+            if len(freq) != layers or set(freq) - {0, 1}:
+                raise PlanInputError(f"{path}: moe_layer_freq {freq} is not {layers} zeros and ones")
+            pattern = [int(f) for f in freq]
+        else:
+            k, step = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("decoder_sparse_step") or 1)
+            dense = {int(i) for i in cfg.get("mlp_only_layers") or []}
+            pattern = [int(i >= k and i % int(freq) == 0 and (i + 1) % step == 0 and i not in dense) for i in range(layers)]
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise PlanInputError(f"{path}: a MoE layer field is not a number: {e}") from e
+    return None if all(pattern) else tuple(pattern)

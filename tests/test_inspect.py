@@ -223,6 +223,14 @@ def test_megatron_lm_args_vocab_and_tie():
         from_fields("args", {"hidden_size": 64}, megatron_lm=True)
 
 
+def test_a_zoo_model_keeps_its_moe_layer_pattern():
+    """check-load plans gpt-moe-uneven with layers 0 and 3 dense (the zoo's moe_layer_freq reaches the planner)."""
+    from harness.inspect.model import from_zoo
+
+    assert from_zoo("gpt-moe-uneven").moe_layer_freq == (0, 1, 1, 0)
+    assert from_zoo("gpt-moe").moe_layer_freq is None and from_zoo("gpt-25m").moe_layer_freq is None
+
+
 def test_a_verl_dir_and_its_hf_config(corpus: Path, tmp_path: Path):
     """verl's layout (global_step_<N>/actor/model/dist_ckpt + actor/huggingface/config.json + the tracker):
     the dist checkpoint is found four levels down and the model read from the HF config beside it."""

@@ -14,7 +14,7 @@ import pytest
 from harness.core.topology import Topology
 from harness.plan import validate
 from harness.plan.cli import EXIT_BAD_INPUT, EXIT_INVALID, EXIT_OK, assemble
-from harness.plan import collect, predict
+from harness.plan import collect, memory, predict, report
 from harness.plan.collect import DTYPE_BYTES, Record, coordinate_ranks, pipeline_split, topology_records
 from harness.plan.model import PlanInputError, load_model
 
@@ -204,13 +204,59 @@ def test_a_cp2_plan_validates_and_its_ranks_hold_what_cp1_ranks_hold(monkeypatch
     a, b = predict.summary(one, cp1), predict.summary(two, cp2)
     for k in ("coordinates", "checkpoint_weight_bytes", "parameters", "max_written_per_rank", "max_read_per_rank"):
         assert a[k] == b[k], k
-    from harness.plan.cli import caveats
-
-    assert caveats(cp1) == [] and "dp*cp=4" in caveats(cp2)[0]  # the estimates that do not model cp say so
+    assert 2 * a["total_read_all_ranks"] == b["total_read_all_ranks"]  # twice the ranks read
+    assert b["per_coordinate"][0]["optimizer"] * 2 == a["per_coordinate"][0]["optimizer"]  # over dp*cp
     # planted: the hand arithmetic of cp 1 (stage = tp * dp ranks) picks pp0's cp rank 1 for pp rank 1
     real = collect.rank_coordinates
     monkeypatch.setattr(collect, "rank_coordinates", lambda topo: real(replace(topo, cp=1)))
     assert any("gap" in p for p in validate.coverage_problems(topology_records(model, cp2)))
+
+
+def _f32(key: str, numel: int, coord: tuple[int, int, int]) -> Record:
+    """A main-replica fp32 record of `numel` elements at a (tp, pp, ep) coordinate."""
+    return Record(key=key, global_shape=(numel,), global_offset=(0,), local_shape=(numel,), dtype="float32",
+                  replica_id=(0, 0, 0), rank=0, coord=coord)
+
+
+def test_the_optimizer_shards_over_dp_times_cp_and_experts_over_expert_dp():
+    """megatron-core's distributed optimizer shards over the data-parallel group with context parallel
+    (dp x cp) and expert parameters over the expert-data-parallel group: at equal dp a cp2 rank holds
+    half a cp1 rank's share (dividing by dp alone does not), and etp1 at tp2 has expert-dp
+    world / (etp*ep*pp) = 4 at tp2dp4ep2 (dp / ep = 2 maps ranks as if etp were tp)."""
+    n, fp = 4096, "dp_reshardable+fully_parallel"
+    dense = [_f32("decoder.layers.mlp.linear_fc1.weight", n, (t, 0, 0)) for t in range(2)]
+    cp1, cp2 = Topology.parse("tp2dp2"), Topology.parse("tp2cp2dp2")
+    a, b = predict.summary(dense, cp1), predict.summary(dense, cp2)
+    assert [r["optimizer"] for r in a["per_coordinate"]] == [12 * n // 2] * 2
+    assert [r["optimizer"] for r in b["per_coordinate"]] == [12 * n // 4] * 2
+    assert (a["max_written_per_rank_fully_parallel"], b["max_written_per_rank_fully_parallel"]) == (4 * n // 2, 4 * n // 4)
+    assert (a["total_read_all_ranks"], b["total_read_all_ranks"]) == (4 * n * 4, 4 * n * 8)
+    # host memory: a fully-parallel dp_reshardable save stages weights / dp*cp + 12 B x params / dp*cp
+    save = lambda s: s["host_memory"]["strategies"][fp]["save_peak_per_rank"]  # noqa: E731
+    assert (save(a), save(b)) == (16 * n // 2, 16 * n // 4)
+    assert {d for _, d, _ in memory.topology_layout(cp2)} == {0, 1, 2, 3}  # the rank in the dp x cp group
+
+    topo = Topology.parse("tp2dp4ep2etp1")
+    assert topo.expert_dp == 4
+    experts = [_f32("decoder.layers.mlp.experts.experts.linear_fc1.weight", n, c) for c in ((0, 0, 0), (1, 0, 1))]
+    s = predict.summary(experts, topo)
+    assert [r["optimizer"] for r in s["per_coordinate"]] == [12 * n // 4] * 2
+    assert save(s) == 16 * n // 4 and s["max_written_per_rank_fully_parallel"] == 4 * n // 4
+    assert s["total_read_all_ranks"] == 4 * n * 8  # every rank of the world reads its coordinate's box
+    assert {e for _, _, e in memory.topology_layout(topo)} == {0, 1, 2, 3}
+    # the cp 1 / etp = tp layout of old still answers its own callers (tests/test_plan_memory.py, benchmarks)
+    assert [memory.rank_layout(r, 2, 2, 1) for r in range(8)] == memory.topology_layout(Topology.parse("tp2pp2dp2"))
+
+
+def test_caveats_show_at_the_top_of_plan_md():
+    recs = _split()
+    plan = assemble({"name": "m", "num_layers": 1, "hidden_size": 8, "num_attention_heads": 1, "num_query_groups": 1,
+                     "ffn_hidden_size": 8, "vocab_size": 8, "num_moe_experts": None, "dtype": "bfloat16"},
+                    Topology.parse("tp2cp2dp2"), Topology.parse("tp2dp2ep1"), "fully_reshardable", recs, recs, 0.0)
+    assert plan["caveats"] == []  # cp and etp are modelled now
+    assert "Caveats" not in report.markdown(plan)
+    md = report.markdown({**plan, "caveats": ["tp2cp2dp2: planted"]})
+    assert "- tp2cp2dp2: planted" in md and md.index("Caveats") < md.index("| topology |")
 
 
 def test_an_etp1_plan_at_tp2_splits_experts_by_etp_and_the_rest_by_tp(monkeypatch):

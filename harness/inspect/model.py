@@ -38,7 +38,8 @@ def from_zoo(name: str) -> PlanModel:
                          seq_length=m.seq_length, tied=m.tied_embeddings, num_moe_experts=m.num_moe_experts,
                          moe_router_topk=m.moe_router_topk if m.num_moe_experts else 0, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
                          moe_shared_expert_size=m.moe_shared_expert_size, dtype="float32",
-                         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+                         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+                         moe_layer_freq=tuple(m.moe_layer_freq) if m.num_moe_experts and m.moe_layer_freq else None)
     if m.arch not in ("llama", "qwen3_moe") or m.pad_vocab or m.overrides:
         raise InspectInputError(f"model {name}: HF fixture of arch {m.arch!r}: only plain Llama and Qwen3-MoE fixtures are built by the planner")
     return PlanModel(name=name, num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,

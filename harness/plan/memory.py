@@ -29,6 +29,10 @@ Where the bytes come from (site-packages/megatron/core/, 0.19.2):
   at load with `torch.cat` (a new tensor per state: the model's fc1 weights, and with
   fully_reshardable its 3 optimizer states), held until the restore copies them in.
 
+"dp" below is megatron-core's data-parallel group with context parallel (dp x cp ranks,
+`get_data_parallel_group(with_context_parallel=True)`): the distributed optimizer and the
+fully-parallel save shard over it; expert parameters over the expert-data-parallel group.
+
 Deltas are over the rank's training-state baseline; absolute adds that baseline where it lives on
 the host (device "cpu": this project's CPU worlds; "cuda": the state is in GPU memory, 0 on host).
 """
@@ -172,34 +176,52 @@ def rank_peaks(c: CoordInputs, dp: int, edp: int, dp_rank: int, edp_rank: int, s
             "save_peak": int(save) + base, "load_peak": int(load) + base}
 
 
+def topology_layout(topo) -> list[tuple[tuple[int, int, int], int, int]]:
+    """Per global rank of `topo` (a harness.core.topology.Topology): ((tp, pp, ep) coordinate, its rank
+    in the data-parallel group with context parallel (the distributed optimizer's and the fully-parallel
+    save's group, dp x cp ranks), its expert-data-parallel rank), from megatron-core's RankGenerator
+    (harness.plan.collect.rank_coordinates): any cp, any etp."""
+    from harness.compat.cuda import guard_megatron_import
+    from harness.plan.collect import rank_coordinates
+
+    guard_megatron_import()  # rank_coordinates imports megatron.core
+    return [((c["tp"], c["pp"], c["ep"]), c["dp"] * topo.cp + c["cp"], c["edp"]) for c in rank_coordinates(topo)]
+
+
 def rank_layout(rank: int, tp: int, dp: int, ep: int) -> tuple[tuple[int, int, int], int, int]:
-    """((tp, pp, ep) coordinate, dp rank, expert-dp rank) of a global rank in megatron-core's
-    default order tp-cp-ep-dp-pp with cp 1 and etp = tp (the ep rank is the low part of the dp rank)."""
-    t, d, p = rank % tp, (rank // tp) % dp, rank // (tp * dp)
-    return (t, p, d % ep), d, d // ep
+    """topology_layout of one rank at tp, dp, ep (cp 1, etp = tp; the pipeline stage follows from the
+    rank), for callers that hold no Topology."""
+    from harness.core.topology import Topology
+
+    return topology_layout(Topology(tp=tp, pp=rank // (tp * dp) + 1, dp=dp, ep=ep))[rank]
 
 
-def topology_table(records: Iterable, tp: int, pp: int, dp: int, ep: int, setup: Setup = Setup()) -> dict:
+def topology_table(records: Iterable, topo, setup: Setup = Setup()) -> dict:
     """Per strategy: max over ranks of the save/load peak (delta and absolute) and max over nodes of
     `ranks_per_node` consecutive ranks of the summed absolute peaks."""
-    return inputs_table(coordinate_inputs(records), tp, pp, dp, ep, setup)
+    return inputs_table(coordinate_inputs(records), topo, setup=setup)
 
 
-def inputs_table(coords: dict[tuple[int, int, int], CoordInputs], tp: int, pp: int, dp: int, ep: int,
-                 setup: Setup = Setup()) -> dict:
+def inputs_table(coords: dict[tuple[int, int, int], CoordInputs], topo, pp: int | None = None, dp: int | None = None,
+                 ep: int = 1, setup: Setup = Setup()) -> dict:
     """topology_table from coordinate inputs (the records' model-parallel coordinates do not change
-    with dp: one build answers every dp size)."""
-    edp = dp // ep
-    world = tp * pp * dp
+    with dp: one build answers every dp size). `topo`: a Topology, or its tp with pp, dp, ep given
+    (cp 1, etp = tp). The optimizer shards over dp x cp (expert parameters over the topology's
+    expert-data-parallel group)."""
+    from harness.core.topology import Topology
+
+    if not isinstance(topo, Topology):
+        topo = Topology(tp=topo, pp=pp, dp=dp, ep=ep)
+    dpcp, edp = topo.dp * topo.cp, topo.expert_dp
     out: dict[str, dict] = {}
+    layout = topology_layout(topo)
     for name in STRATEGY_NAMES:
         row = dict.fromkeys(("save_delta", "load_delta", "save_peak", "load_peak"), 0)
         nodes: dict[int, list[int]] = {}
-        for rank in range(world):
-            coord, d, e = rank_layout(rank, tp, dp, ep)
+        for rank, (coord, d, e) in enumerate(layout):
             if coord not in coords:
                 continue
-            p = rank_peaks(coords[coord], dp, edp, d, e, name, setup)
+            p = rank_peaks(coords[coord], dpcp, edp, d, e, name, setup)
             for k in row:
                 row[k] = max(row[k], p[k])
             node = nodes.setdefault(rank // setup.ranks_per_node, [0, 0])

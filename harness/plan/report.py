@@ -59,6 +59,8 @@ def markdown(plan: dict) -> str:
     lines = [
         f"# Checkpoint plan: {m['name']} {save['topology']} -> {load['topology']} ({plan['format']})", "",
         f"**Verdict: {plan['verdict']}** (exit {plan['exit_code']})", "",
+        *(["**Caveats** (what the estimates below do not model at these topologies):", "",
+           *[f"- {c}" for c in plan["caveats"]], ""] if plan.get("caveats") else []),
         f"Model: {m['num_layers']} layers, hidden {m['hidden_size']}, heads {m['num_attention_heads']}/"
         f"{m['num_query_groups']}, ffn {m['ffn_hidden_size']}, vocab {m['vocab_size']}"
         + (f", {m['num_moe_experts']} experts top-{m['moe_router_topk']}" if m["num_moe_experts"] else "")
@@ -76,9 +78,9 @@ def markdown(plan: dict) -> str:
         f"| max host memory per rank: weights + optimizer (estimate) | {gib(save['max_host_bytes_per_rank'])} "
         f"| {gib(load['max_host_bytes_per_rank'])} |",
         "",
-        "Host memory estimate per rank = local weight bytes + 12 B x local parameters / dp (fp32 main "
-        "param + 2 fp32 Adam moments, the distributed optimizer shards them over data parallel; expert "
-        "parameters over expert data parallel). Activations, gradients buffers and the save's staging "
+        "Host memory estimate per rank = local weight bytes + 12 B x local parameters / (dp x cp) (fp32 main "
+        "param + 2 fp32 Adam moments, the distributed optimizer shards them over data parallel with context "
+        "parallel; expert parameters over expert data parallel). Activations, gradients buffers and the save's staging "
         "copies are not in it.", "",
         *host_memory_table(save, load), "",
         "## Validation", "",

@@ -36,7 +36,12 @@ def _cases(tag: str) -> list[CaseSpec]:
 def _record(phase: str, double: Callable[[], object], shard_bytes: int, ranks: set[str]) -> WorldRecord:
     """What every budgeted rank records when `double` runs as memory phase `phase` (`save:distribute`:
     the backend's `distribute` nested in the case's `save`, what it gathered held until the save ends)."""
+    import ctypes
+    import gc
+
     outer, _, inner = phase.partition(":")
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap an earlier test left could hide the double's peak in pages already held
     with track(outer) as m:
         if inner:
             with track(inner) as sub:

@@ -5,6 +5,8 @@ the CPU result differing) on this rank's device; on a CUDA rank every probe says
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -129,6 +131,20 @@ def _moe_split_sizes_stay_tensors(device: torch.device) -> bool:
 
     out = token_dispatcher.maybe_move_tensor_to_cpu(torch.zeros(1, dtype=torch.long, device=device), as_numpy=True)
     return not isinstance(out, np.ndarray)
+
+
+@contextmanager
+def current_device_scope() -> Iterator[None]:
+    """The `cuda.current_device` shim (below) for one block only, where its probe finds the condition:
+    the planner builds models in the user's own CLI process, which gets no process-wide patch."""
+    own = torch.cuda.current_device
+    if fails(own):
+        torch.cuda.current_device = lambda: "cpu"
+        note("cuda.current_device")
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = own
 
 
 SHIMS: tuple[Shim, ...] = (

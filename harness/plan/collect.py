@@ -10,10 +10,10 @@ tp-cp-ep-dp-pp; the expert side tp-ep-dp-pp with tp = etp), not arithmetic of ou
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
+from harness.compat.cuda import current_device_scope
 from harness.core.topology import Topology
 from harness.models.mcore import sharded_tensors
 from harness.plan.model import PlanInputError, PlanModel
@@ -197,22 +197,6 @@ def layer_spec(model: PlanModel, config, vp_stage: int | None):
     return block
 
 
-@contextmanager
-def cpu_current_device() -> Iterator[None]:
-    """torch.cuda.current_device answering "cpu" while a model is built on a CPU-only torch: MLA's
-    RotaryEmbedding asks for it (megatron-core rotary_pos_embedding.py:78) and it raises there (the
-    harness's `cuda.current_device` shim, scoped to the build so no other caller sees it)."""
-    import torch
-
-    own = torch.cuda.current_device
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: "cpu"
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = own
-
-
 def build_chunks(model: PlanModel, topo: Topology, split: Split = (None, None)) -> list:
     """This rank's model chunks on meta, as megatron-core's get_model builds them: one GPTModel per
     virtual stage (vp_stage=i; one without vpp). Needs parallel_state initialised."""
@@ -222,7 +206,7 @@ def build_chunks(model: PlanModel, topo: Topology, split: Split = (None, None)) 
 
     cfg = transformer_config(model, topo, split)
     chunks = []
-    with torch.device("meta"), cpu_current_device():
+    with torch.device("meta"), current_device_scope():  # MLA RotaryEmbedding, rotary_pos_embedding.py:78
         for vp in range(topo.vpp) if topo.vpp > 1 else (None,):
             chunks.append(GPTModel(
                 config=cfg, transformer_layer_spec=layer_spec(model, cfg, vp), vocab_size=model.padded_vocab(topo.tp),

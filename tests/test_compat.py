@@ -287,3 +287,19 @@ def test_the_async_results_manager_holds_none_of_the_ranks_sockets():
         assert q.get(timeout=10) == "written"  # the Manager still serves
     finally:
         control.shutdown(), manager.shutdown(), a.close(), b.close()
+
+
+def test_the_scoped_current_device_patch_leaves_no_trace_in_the_process():
+    """The planner's meta build answers "cpu" inside the block only, and never marks the process-wide
+    shim applied: a world forked from this process afterwards must still install it (a marked one is
+    skipped there, and the rank's first torch.cuda.current_device() raises)."""
+    import torch
+
+    from harness.compat import _shim
+    from harness.compat.cuda import current_device_scope
+
+    own = torch.cuda.current_device
+    was_applied = _shim.applied("cuda.current_device")
+    with current_device_scope():
+        assert torch.cuda.current_device() == "cpu"
+    assert torch.cuda.current_device is own and _shim.applied("cuda.current_device") == was_applied

@@ -135,12 +135,15 @@ def _moe_split_sizes_stay_tensors(device: torch.device) -> bool:
 
 @contextmanager
 def current_device_scope() -> Iterator[None]:
-    """The `cuda.current_device` shim (below) for one block only, where its probe finds the condition:
-    the planner builds models in the user's own CLI process, which gets no process-wide patch."""
+    """The `cuda.current_device` shim (below) for one block only: a model built under
+    torch.device("meta") (the planner's), whose RotaryEmbedding still asks torch.cuda.current_device()
+    for a device (megatron-core rotary_pos_embedding.py:78). A meta build needs no CUDA device
+    whatever the machine has, so the block answers "cpu" without probing: a probe (current_device(),
+    even is_available() on a CUDA build) registers torch's CUDA fork handler, and every process forked
+    from this one afterwards fails its first CUDA query ("Cannot re-initialize CUDA in forked
+    subprocess"): the planner runs in a user's CLI process or a pytest worker that forks rank worlds."""
     own = torch.cuda.current_device
-    if fails(own):
-        torch.cuda.current_device = lambda: "cpu"
-        note("cuda.current_device")
+    torch.cuda.current_device = lambda: "cpu"  # not `note`d: that marks the shim applied for every later fork of this process
     try:
         yield
     finally:

@@ -24,6 +24,7 @@ from harness.backends.mcore_dist import McoreDist
 from harness.judge.adapter_load import peft_load_check
 from harness.judge.expert_lora import SharedPiece, expected, is_shared_expert_adapter, shared_expert_mean_check
 from harness.judge.lora_tensors import is_lora_factor, lora_tensor_problems
+from test_user_reports import _adapter  # the tiny Llama base + peft-saved LoRA of the Relax #262 doubles
 
 FC1_IN = "decoder.layers.0.mlp.experts.linear_fc1.adapter.linear_in.weight"
 FC2_OUT = "decoder.layers.1.mlp.experts.linear_fc2.adapter.linear_out.weight"
@@ -146,21 +147,6 @@ def test_lora_tensor_rule_on_synthetic_files():
     assert is_lora_factor("x.lora_embedding_A.weight") and not is_lora_factor("x.lora_magnitude_vector.weight")
 
 
-def _llama_adapter(tmp: Path) -> tuple[Path, Path]:
-    """A tiny HF Llama base and a LoRA adapter over it, saved by peft itself (nonzero lora_B)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=2)
-    base, adapter = tmp / "base", tmp / "adapter"
-    LlamaForCausalLM(cfg).save_pretrained(base)
-    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    get_peft_model(LlamaForCausalLM.from_pretrained(base), lora).save_pretrained(adapter)
-    return base, adapter
-
-
 def test_a_planted_3d_key_goes_red_on_peft_load(tmp_path):
     """The peft-saved adapter passes; the same with the shared side of a shared-outer fc2 added as
     #6076 writes it ([1, out, r] under the expert-agnostic name) fails on the 3D tensor."""
@@ -168,7 +154,7 @@ def test_a_planted_3d_key_goes_red_on_peft_load(tmp_path):
 
     from cases._peft import peft_load_problems
 
-    base, adapter = _llama_adapter(tmp_path)
+    base, adapter = _adapter(tmp_path)
     assert peft_load_problems(base, adapter) == []
     planted = tmp_path / "planted"
     shutil.copytree(adapter, planted)

@@ -16,6 +16,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,9 +42,17 @@ def fixture_key(*args: Any) -> str:
 
     h = hashlib.sha256(repr(args).encode())
     h.update(f"transformers {transformers.__version__} torch {torch.__version__}".encode())
+    h.update(_code_digest())
+    return h.hexdigest()[:20]
+
+
+@lru_cache(maxsize=1)
+def _code_digest() -> bytes:
+    """The deriving modules' bytes, hashed once per process (they are the code this process runs)."""
+    h = hashlib.sha256()
     for rel in DERIVED_FROM:
         h.update((_ROOT / rel).read_bytes())
-    return h.hexdigest()[:20]
+    return h.digest()
 
 
 def cached(directory: Path, args: tuple[Any, ...], write: Callable[[Path], Any]) -> tuple[Path, str]:

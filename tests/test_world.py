@@ -68,6 +68,16 @@ def _errorfiles():
     return set(Path(tempfile.gettempdir()).glob("pytorch-errorfile-*"))
 
 
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """A system temp of this test's own: torch writes a pytorch-errorfile per rank of every world into
+    it, so a neighbour xdist worker's live world would otherwise be counted as this one's leftovers."""
+    own = tmp_path / "sys"
+    own.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(own))
+    return own
+
+
 def test_results_come_back_in_rank_order(tmp_path):
     out = launch(_sum_ranks, 2.0, 3, tmp_path, timeout_s=60)
     assert [o["rank"] for o in out] == [0, 1, 2]
@@ -76,16 +86,15 @@ def test_results_come_back_in_rank_order(tmp_path):
     assert _no_children_left()
 
 
-def test_a_rank_that_raises_fails_the_world_with_its_traceback(tmp_path):
-    before = _errorfiles()
+def test_a_rank_that_raises_fails_the_world_with_its_traceback(tmp_path, private_tmp):
     start = time.monotonic()
     with pytest.raises(WorldError) as exc:
-        launch(_raise_on_rank1, None, 2, tmp_path, timeout_s=60)
+        launch(_raise_on_rank1, None, 2, tmp_path / "w", timeout_s=60)
     assert exc.value.rank == 1
     assert "boom on rank 1" in str(exc.value) and "_raise_on_rank1" in exc.value.rank_traceback
     assert time.monotonic() - start < 30
     assert _no_children_left()
-    assert _errorfiles() <= before
+    assert _errorfiles() == set() and list(private_tmp.iterdir()) == []
 
 
 class _NotAnException(BaseException):

@@ -4,6 +4,8 @@ A background thread samples RSS (every `interval_s`) and USS (every 10th sample:
 with psutil. The kernel's own high-water mark (VmHWM, reset at phase start through
 /proc/self/clear_refs where Linux allows it) catches spikes between samples; the reported peak is
 the larger of the two, and both are kept so a report can show how well the sampler saw the phase.
+A phase starts from a trimmed heap (glibc malloc_trim): heap a rank freed before the phase but
+still holds would otherwise absorb the phase's allocations and hide them from the delta.
 Each sample also reads the host-wide memory in use (psutil: total - available, every process on
 the machine): what the kernel's OOM killer runs out of, which no single rank's RSS shows when
 several ranks (or other jobs) peak at once.
@@ -32,6 +34,16 @@ def _kernel_hwm() -> int | None:
     except OSError:
         pass
     return None
+
+
+def _trim_heap() -> None:
+    """Give the heap's freed pages back to the kernel (glibc only; a no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _reset_kernel_hwm() -> bool:
@@ -107,6 +119,8 @@ def track(phase: str, interval_s: float = 0.005) -> Iterator[PhaseMemory]:
     m = PhaseMemory(phase)
     if _recording is not None:
         _recording[phase] = m
+    if _depth == 0:
+        _trim_heap()
     hwm_reset = _depth == 0 and _reset_kernel_hwm()
     m.baseline_rss = proc.memory_info().rss
     try:

@@ -182,12 +182,12 @@ def _rank(ctx: RankContext, p: _Phase) -> BridgeOut:
                   dtype=p.dtype)
     dist = get_backend(p.dist_backend)
     if p.dist_load:
-        dist.load(ctx, mb.unwrapped(bm), Path(p.dist_load))
+        dist.load(ctx, mb.chunks(bm), Path(p.dist_load))
     out = BridgeOut(mb.ddp_propagation(bm, knobs, p.dtype), mb.megatron_logits(bm, p.spec, ctx.device))
     if p.dist_save:
-        dist.save(ctx, mb.unwrapped(bm), Path(p.dist_save))
+        dist.save(ctx, mb.chunks(bm), Path(p.dist_save))
     if p.export_to:  # measured as memory phase `export` (`<world>:export` in the load world)
-        out.shard_bytes = sum(t.numel() * t.element_size() for t in mb.unwrapped(bm).parameters())
+        out.shard_bytes = sum(t.numel() * t.element_size() for c in mb.chunks(bm) for t in c.parameters())
         with track("export"):
             get_backend(p.export_backend).save(ctx, bm, Path(p.export_to))
     return out

@@ -238,6 +238,8 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red():
     results = [rec("hf-llama", k, t, "passed") for k in arch_table.KINDS for t in ("tp2", "pp2")]
     canon = rec("hf-llama", "peft-export", "pp2", "xfailed", xfail_reason="canonical x.py:2: why")
     results += [{**canon, "id": canon["id"].replace("]", "-canonical_lora]")}]  # its own column, not LoRA pp2's
+    vpp = rec("hf-llama", "hf-roundtrip", "pp2", "xfailed", xfail_reason="vpp x.py:3: why")
+    results += [{**vpp, "id": vpp["id"].replace("cp1]", "cp1vpp2]")}]  # its own column, not round trip pp2's
     results += [rec("hf-mistral", "hf-roundtrip", "tp2", "xfailed", xfail_reason="upstream x.py:1: why"),
                 rec("hf-mistral", "peft-export", "tp2", "passed")]
     results += [rec("hf-olmoe", "peft-export", "tp2", "failed", checks=[{"name": "logits", "status": "failed", "detail": "off by 3"}])]
@@ -250,10 +252,34 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red():
     assert "1 with a red case (olmoe)" in arch_table.summary(doc, fams)
     assert "1 with real results and a not-run case (minimax_m2)" in arch_table.summary(doc, fams)
     rows = {r[0]: r for r in arch_table.rows(doc, fams)}
-    assert rows["OlmoeForCausalLM"][5] == "FAIL 1.0" and "logits: off by 3" in rows["OlmoeForCausalLM"][-1]  # LoRA tp1->tp2
-    assert rows["LlamaForCausalLM"][6] == "pass 1.0" and rows["LlamaForCausalLM"][8] == "xfail 1.0 (pp2)"
-    assert "canonical x.py" in rows["LlamaForCausalLM"][-1] and rows["OlmoeForCausalLM"][8] == "-"
-    assert rows["OlmoeForCausalLM"][4] == "pass 1.0" and rows["OlmoeForCausalLM"][3] == "-"  # round trip tp1->ep2; no pp2 case
+    assert rows["OlmoeForCausalLM"][6] == "FAIL 1.0" and "logits: off by 3" in rows["OlmoeForCausalLM"][-1]  # LoRA tp1->tp2
+    assert rows["LlamaForCausalLM"][7] == "pass 1.0" and rows["LlamaForCausalLM"][9] == "xfail 1.0 (pp2)"
+    assert "canonical x.py" in rows["LlamaForCausalLM"][-1] and rows["OlmoeForCausalLM"][9] == "-"
+    assert rows["LlamaForCausalLM"][3] == "pass 1.0" and rows["LlamaForCausalLM"][4] == "xfail 1.0"  # round trip pp2, pp2vpp2
+    assert "vpp x.py" in rows["LlamaForCausalLM"][-1] and len(rows["LlamaForCausalLM"]) == 11
+    assert rows["OlmoeForCausalLM"][5] == "pass 1.0" and rows["OlmoeForCausalLM"][3] == "-"  # round trip tp1->ep2; no pp2 case
     assert rows["MistralForCausalLM"][2] == "xfail 1.0" and "upstream x.py" in rows["MistralForCausalLM"][-1]
     with pytest.raises(ValueError):
         arch_table.rows({"results": []}, fams)
+
+
+def test_vpp_round_trips_for_every_text_family_whose_layers_split_into_four_chunks():
+    """tp1 -> pp2vpp2 for each 4-layer text family's round trip, never for LoRA (those paths read one chunk)."""
+    import yaml
+
+    entries = yaml.safe_load((ROOT / "matrices" / "architectures.yaml").read_text())["entries"]
+    vpp = {(e["case"], e["models"][0]) for e in entries if any("vpp" in p for p in e["pairs"])}
+    want = {("hf-roundtrip", f.zoo_name) for f in FAMILIES if f.path == "text" and f.num_layers % 4 == 0}
+    assert want and vpp == want
+
+
+def test_a_one_chunk_path_refuses_a_chunk_list():
+    import torch
+
+    from harness.models.bridge import BridgeModel, chunks, unwrapped
+
+    one, two = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    assert unwrapped(BridgeModel(None, [one])) is one
+    with pytest.raises(NotImplementedError, match="2 \\(vpp\\)"):
+        unwrapped(BridgeModel(None, [one, two]))
+    assert chunks(BridgeModel(None, [one, two])) == [one, two]

@@ -24,7 +24,9 @@ SHORT = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "xfailed": "xfail
          "not-run": "not-run", "not-applicable": "n/a"}
 
 
-TARGETS = ("tp2", "pp2", "ep2")
+TARGETS = ("tp2", "pp2", "vpp", "ep2")
+#: the targets each case kind has a column for (the LoRA paths read one model chunk: no vpp case)
+KIND_TARGETS = {"hf-roundtrip": TARGETS, "peft-export": ("tp2", "pp2", "ep2")}
 #: the CanonicalLoRA peft-export cell (one pair per family: its target named in the cell)
 CANONICAL = "peft-export canonical"
 
@@ -32,7 +34,7 @@ CANONICAL = "peft-export canonical"
 def _target(case_id: str) -> str:
     m = _PAIR.search(case_id)
     tgt = m[2] if m else "?"
-    return "ep2" if "ep2" in tgt else "pp2" if "pp2" in tgt else "tp2"
+    return "ep2" if "ep2" in tgt else "vpp" if "vpp" in tgt else "pp2" if "pp2" in tgt else "tp2"
 
 
 def _why(r: dict[str, Any]) -> str:
@@ -53,7 +55,7 @@ def _cell(r: dict[str, Any]) -> str:
 
 
 def cells(doc: dict[str, Any]) -> dict[tuple[str, str, str], dict[str, Any]]:
-    """(zoo model, case kind, target "tp2"/"pp2"/"ep2") -> the case record."""
+    """(zoo model, case kind, target "tp2"/"pp2"/"vpp"/"ep2") -> the case record."""
     out = {}
     for r in doc.get("results") or []:
         if r.get("case") in KINDS:
@@ -72,7 +74,7 @@ def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[l
     for f in families:
         line, whys = [f.architecture, f.zoo_name], []
         for kind in KINDS:
-            for tgt in TARGETS:
+            for tgt in KIND_TARGETS[kind]:
                 r = got.get((f.zoo_name, kind, tgt))
                 if r is None:
                     line.append("-" if f.path != "vl" else "deferred")
@@ -89,7 +91,9 @@ def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[l
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    head = ["architecture", "zoo", *(f"{k} tp1->{t}" for k in ("round trip", "LoRA") for t in TARGETS), "CanonicalLoRA",
+    names = {"hf-roundtrip": "round trip", "peft-export": "LoRA"}
+    head = ["architecture", "zoo", *(f"{names[k]} tp1->{'pp2vpp2' if t == 'vpp' else t}" for k in KINDS for t in KIND_TARGETS[k]),
+            "CanonicalLoRA",
             "reason / finding"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows(doc)]

@@ -242,6 +242,13 @@ def pairs_for(f: Family) -> list[str]:
             + (["tp1 -> dp2ep2"] if f.num_experts else []))
 
 
+def vpp_pairs(f: Family) -> list[str]:
+    """tp1 -> pp2vpp2 for a text family whose layers split into 2 stages x 2 virtual chunks: the dist
+    checkpoint loaded into a chunk list, the interleaved schedule's logits, the export from every
+    chunk (the source world is tp1 -> tp2's, shared). The round trip only: the LoRA paths read one chunk."""
+    return ["tp1 -> pp2vpp2"] if f.path == "text" and f.num_layers % 4 == 0 else []
+
+
 def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[str, dict[str, Any]] | None = None) -> str:
     """The matrix: per runnable family and pair, one hf-roundtrip entry (weights and logits through
     the Bridge, the dist checkpoint at S loaded at D) and one peft-export entry (LoRA on every
@@ -261,7 +268,7 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
         for case, xfails in tables.items():
             if case == "peft-export" and f.name in LORA_NOT_GENERATED:
                 continue  # listed below with what the harness lacks
-            for pair in pairs_for(f):
+            for pair in pairs_for(f) + (vpp_pairs(f) if case == "hf-roundtrip" else []):
                 lines.append(f"  - case: {case}\n    models: [{f.zoo_name}]\n    pairs: [\"{pair}\"]\n")
                 if case == "peft-export":
                     lines.append("    backends: [bridge_peft]\n    markers: [peft, arch]\n    axes: {adapter: [lora]}\n")

@@ -83,7 +83,7 @@ def zero_centered_local_spec(config, vp_stage: int | None = None):
 @dataclass
 class BridgeModel:
     bridge: Any
-    modules: list  # what the provider returns: one chunk per virtual stage (one here)
+    modules: list  # what the provider returns: one chunk per virtual stage (one without vpp)
     peft: Any = None
     ddp_config: Any = None
     base_path: str = ""
@@ -128,6 +128,10 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
                                           qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm")),
         **{name: False for name in FUSIONS},
     }
+    if topo.vpp > 1:  # one model chunk per virtual stage, wired as Megatron-LM and Bridge's CommOverlapConfig wire it
+        from harness.models.mcore import VPP_P2P
+
+        overrides.update(virtual_pipeline_model_parallel_size=topo.vpp, **VPP_P2P)
     if getattr(spec, "num_experts", None):
         # SequentialMLP (local experts one by one): grouped GEMM and permute fusion need TE/CUDA kernels.
         # The provider's alltoall dispatcher stays: harness.compat's shims run it on CPU/gloo.
@@ -186,21 +190,35 @@ def finalize_provider(provider: Any, dtype: torch.dtype, overrides: dict[str, An
     provider.finalize()
 
 
-def forward_module(bm: BridgeModel):
+def forward_module(bm: BridgeModel, chunk: int = 0):
     """The module a forward pass runs: the DDP wrapper peeled off, Float16Module kept (it casts
     inputs to bf16 on the first stage and logits back to fp32 on the last)."""
     from megatron.core.distributed import DistributedDataParallel
 
-    m = bm.modules[0]
+    m = bm.modules[chunk]
     return m.module if isinstance(m, DistributedDataParallel) else m
 
 
-def unwrapped(bm: BridgeModel):
-    """The bare GPTModel under DDP and Float16Module (whose state dicts delegate without prefix)."""
+def unwrapped(bm: BridgeModel, chunk: int | None = None):
+    """The bare GPTModel under DDP and Float16Module (whose state dicts delegate without prefix).
+    Without `chunk`, the model must be one chunk: a path that reads one would otherwise silently
+    miss the other virtual stages' layers."""
     from megatron.core.transformer.module import Float16Module
 
-    m = forward_module(bm)
+    if chunk is None:
+        if len(bm.modules) > 1:
+            raise NotImplementedError(f"this path reads one model chunk; the model has {len(bm.modules)} (vpp): "
+                                      "it needs harness.models.bridge.chunks")
+        chunk = 0
+    m = forward_module(bm, chunk)
     return m.module if isinstance(m, Float16Module) else m
+
+
+def chunks(bm: BridgeModel) -> list:
+    """Every model chunk of this rank, bare (one per virtual pipeline stage; one without vpp): what
+    a dist checkpoint of the model holds (harness.models.mcore.sharded_state_dict lays several out
+    under `model0`, `model1`, ... as Megatron-LM does)."""
+    return [unwrapped(bm, i) for i in range(len(bm.modules))]
 
 
 def _layer_offset(spec: HFModelSpec) -> int:
@@ -282,16 +300,18 @@ def ddp_propagation(bm: BridgeModel, asked: dict[str, Any], dtype: str = "fp32")
         for k, v in asked.items()
     ]
     want = str(HF_DTYPES[dtype]).removeprefix("torch.")
-    held = sorted({str(p.dtype).removeprefix("torch.") for p in unwrapped(bm).parameters()})
-    wrapped = isinstance(forward_module(bm), Float16Module)
+    held = sorted({str(p.dtype).removeprefix("torch.") for c in chunks(bm) for p in c.parameters()})
+    wrapped = all(isinstance(forward_module(bm, i), Float16Module) for i in range(len(bm.modules)))
     records.append({"knob": "params_dtype", "asked": want, "actual": ",".join(held), "ok": held == [want]})
     records.append({"knob": "Float16Module", "asked": dtype == "bf16", "actual": wrapped, "ok": wrapped == (dtype == "bf16")})
+    vpp = getattr(bm.provider, "virtual_pipeline_model_parallel_size", None) or 1
+    records.append({"knob": "model chunks (vpp)", "asked": vpp, "actual": len(bm.modules), "ok": len(bm.modules) == vpp})
     if bm.local_experts_asked is not None:  # the provider really split the experts over EP
         import re
 
         # SequentialMLP's local_experts.<i>.*, or TEGroupedMLP's names linear_fc1.weight<i> (cpu_experts.GroupedNamesMLP)
         pat = re.compile(r"layers\.\d+\.mlp\.experts\.(?:local_experts\.(\d+)\.|linear_fc1\.weight(\d+)$)")
-        local = {m.group(1) or m.group(2) for n, _ in unwrapped(bm).named_parameters() if (m := pat.search(n))}
+        local = {m.group(1) or m.group(2) for c in chunks(bm) for n, _ in c.named_parameters() if (m := pat.search(n))}
         records.append({"knob": "local experts (num_experts/ep)", "asked": bm.local_experts_asked, "actual": len(local),
                         "ok": len(local) == bm.local_experts_asked})
     return records
@@ -301,9 +321,12 @@ def megatron_logits(bm: BridgeModel, spec: HFModelSpec, device) -> torch.Tensor 
     from harness.models.mcore import forward_logits
     from harness.models.vl import TextOnly, language_model
 
-    module = forward_module(bm)
-    if language_model(unwrapped(bm)) is not None:  # a VL model: keyword forward, text tokens alone (harness.models.vl)
-        module = TextOnly(module)
+    if len(bm.modules) > 1:  # vpp: every chunk through the interleaved schedule
+        module = [forward_module(bm, i) for i in range(len(bm.modules))]
+    else:
+        module = forward_module(bm)
+        if language_model(unwrapped(bm)) is not None:  # a VL model: keyword forward, text tokens alone (harness.models.vl)
+            module = TextOnly(module)
     logits = forward_logits(module, truth.hf_batch(spec), device)
     # a padded vocab (spec.pad_vocab) adds columns no token maps to; transformers has none
     return None if logits is None else logits[..., : spec.vocab_size].contiguous()

@@ -108,7 +108,7 @@ def _rank(ctx: RankContext, p: _Phase) -> PeftOut:
     dist = get_backend(p.dist_backend)
     if p.adapter_load:
         state = dist.load_state(ctx, mb.adapter_state(bm), Path(p.adapter_load))
-        mb.unwrapped(bm).load_state_dict(state["model"], strict=False)
+        mb.load_adapter_state(bm, state)
     out = PeftOut(mb.adapter_pieces(bm, p.spec), mb.megatron_logits(bm, p.spec, ctx.device))
     if p.adapter_save:
         dist.save_state(ctx, mb.adapter_state(bm), Path(p.adapter_save))

@@ -253,10 +253,10 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red():
     assert "1 with real results and a not-run case (minimax_m2)" in arch_table.summary(doc, fams)
     rows = {r[0]: r for r in arch_table.rows(doc, fams)}
     assert rows["OlmoeForCausalLM"][6] == "FAIL 1.0" and "logits: off by 3" in rows["OlmoeForCausalLM"][-1]  # LoRA tp1->tp2
-    assert rows["LlamaForCausalLM"][7] == "pass 1.0" and rows["LlamaForCausalLM"][9] == "xfail 1.0 (pp2)"
-    assert "canonical x.py" in rows["LlamaForCausalLM"][-1] and rows["OlmoeForCausalLM"][9] == "-"
+    assert rows["LlamaForCausalLM"][7] == "pass 1.0" and rows["LlamaForCausalLM"][10] == "xfail 1.0 (pp2)"
+    assert "canonical x.py" in rows["LlamaForCausalLM"][-1] and rows["OlmoeForCausalLM"][10] == "-"
     assert rows["LlamaForCausalLM"][3] == "pass 1.0" and rows["LlamaForCausalLM"][4] == "xfail 1.0"  # round trip pp2, pp2vpp2
-    assert "vpp x.py" in rows["LlamaForCausalLM"][-1] and len(rows["LlamaForCausalLM"]) == 11
+    assert "vpp x.py" in rows["LlamaForCausalLM"][-1] and len(rows["LlamaForCausalLM"]) == 12
     assert rows["OlmoeForCausalLM"][5] == "pass 1.0" and rows["OlmoeForCausalLM"][3] == "-"  # round trip tp1->ep2; no pp2 case
     assert rows["MistralForCausalLM"][2] == "xfail 1.0" and "upstream x.py" in rows["MistralForCausalLM"][-1]
     with pytest.raises(ValueError):
@@ -264,12 +264,13 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red():
 
 
 def test_vpp_round_trips_for_every_text_family_whose_layers_split_into_four_chunks():
-    """tp1 -> pp2vpp2 for each 4-layer text family's round trip, never for LoRA (those paths read one chunk)."""
+    """tp1 -> pp2vpp2 for each 4-layer text family's round trip and LoRA."""
     import yaml
 
     entries = yaml.safe_load((ROOT / "matrices" / "architectures.yaml").read_text())["entries"]
     vpp = {(e["case"], e["models"][0]) for e in entries if any("vpp" in p for p in e["pairs"])}
-    want = {("hf-roundtrip", f.zoo_name) for f in FAMILIES if f.path == "text" and f.num_layers % 4 == 0}
+    want = {(case, f.zoo_name) for f in FAMILIES if f.path == "text" and f.num_layers % 4 == 0
+            for case in ("hf-roundtrip", "peft-export")}
     assert want and vpp == want
 
 

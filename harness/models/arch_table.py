@@ -25,8 +25,7 @@ SHORT = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "xfailed": "xfail
 
 
 TARGETS = ("tp2", "pp2", "vpp", "ep2")
-#: the targets each case kind has a column for (the LoRA paths read one model chunk: no vpp case)
-KIND_TARGETS = {"hf-roundtrip": TARGETS, "peft-export": ("tp2", "pp2", "ep2")}
+KIND_TARGETS = {"hf-roundtrip": TARGETS, "peft-export": TARGETS}
 #: the CanonicalLoRA peft-export cell (one pair per family: its target named in the cell)
 CANONICAL = "peft-export canonical"
 

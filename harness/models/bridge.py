@@ -221,6 +221,20 @@ def chunks(bm: BridgeModel) -> list:
     return [unwrapped(bm, i) for i in range(len(bm.modules))]
 
 
+def _chunk_offsets(bm: BridgeModel, spec: HFModelSpec) -> list[tuple[Any, int]]:
+    """(bare chunk, global number of its first decoder layer) for every chunk of this rank. One chunk:
+    the stage's even share; with vpp, each chunk's own first layer (TransformerLayer.layer_number is
+    global and 1-based, megatron-core's get_transformer_layer_offset with the chunk's vp_stage)."""
+    if len(bm.modules) == 1:
+        return [(unwrapped(bm), _layer_offset(spec))]
+    out = []
+    for c in chunks(bm):
+        lm = getattr(c, "language_model", None) or c
+        layers = lm.decoder.layers
+        out.append((c, layers[0].layer_number - 1 if len(layers) else 0))
+    return out
+
+
 def _layer_offset(spec: HFModelSpec) -> int:
     from megatron.core import parallel_state
 
@@ -267,22 +281,24 @@ def _tp_of(name: str) -> tuple[int, int]:
 def fill_adapters(bm: BridgeModel, spec: HFModelSpec, adapter: AdapterSpec) -> int:
     """Give every adapter parameter its truth.adapter_tensor values (non-zero, per TP rank; an
     expert's per expert-TP rank, under its global expert index)."""
-    offset, eoffset, n = _layer_offset(spec), _expert_offset(spec), 0
-    for name, p in unwrapped(bm).named_parameters():
-        if ".adapter." in name:
-            p.copy_(truth.adapter_tensor(adapter.seed, global_name(name, offset, eoffset), _tp_of(name)[0], tuple(p.shape)))
-            n += 1
+    eoffset, n = _expert_offset(spec), 0
+    for chunk, offset in _chunk_offsets(bm, spec):
+        for name, p in chunk.named_parameters():
+            if ".adapter." in name:
+                p.copy_(truth.adapter_tensor(adapter.seed, global_name(name, offset, eoffset), _tp_of(name)[0], tuple(p.shape)))
+                n += 1
     return n
 
 
 def adapter_pieces(bm: BridgeModel, spec: HFModelSpec) -> list[dict]:
     """This rank's adapter tensors as they are, with where they sit (global name, (expert-)TP rank)."""
-    offset, eoffset = _layer_offset(spec), _expert_offset(spec)
+    eoffset = _expert_offset(spec)
     out = []
-    for n, p in unwrapped(bm).named_parameters():
-        if ".adapter." in n:
-            tp_rank, tp = _tp_of(n)
-            out.append({"name": global_name(n, offset, eoffset), "tp_rank": tp_rank, "tp": tp, "data": p.detach().clone().cpu()})
+    for chunk, offset in _chunk_offsets(bm, spec):
+        for n, p in chunk.named_parameters():
+            if ".adapter." in n:
+                tp_rank, tp = _tp_of(n)
+                out.append({"name": global_name(n, offset, eoffset), "tp_rank": tp_rank, "tp": tp, "data": p.detach().clone().cpu()})
     return out
 
 
@@ -339,4 +355,17 @@ def adapter_state(bm: BridgeModel) -> dict:
         apply_peft_adapter_filter_to_state_dict,
     )
 
-    return apply_peft_adapter_filter_to_state_dict({"model": unwrapped(bm).sharded_state_dict()}, bm.peft)
+    if len(bm.modules) == 1:
+        return apply_peft_adapter_filter_to_state_dict({"model": unwrapped(bm).sharded_state_dict()}, bm.peft)
+    # vpp: one section per chunk, as Bridge's generate_state_dict lays them out (and the filter knows)
+    return apply_peft_adapter_filter_to_state_dict({f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks(bm))},
+                                                   bm.peft)
+
+
+def load_adapter_state(bm: BridgeModel, state: dict) -> None:
+    """Put a loaded `adapter_state(bm)`-shaped state into the model (non-strict: the base is not in it)."""
+    if len(bm.modules) == 1:
+        unwrapped(bm).load_state_dict(state["model"], strict=False)
+        return
+    for i, c in enumerate(chunks(bm)):
+        c.load_state_dict(state[f"model{i}"], strict=False)

@@ -34,10 +34,6 @@ ROUNDTRIP: dict[str, dict[str, Any]] = {
         "reason": "Megatron-Bridge 0.6.2: Gemma4DenseProvider.provide raises for pipeline_model_parallel_size != 1 "
                   "(models/gemma/gemma4_provider.py:199-200)",
         "match": "Gemma4DenseProvider currently supports PP=1 only", "raised_in": "megatron.bridge.models.gemma"},
-    "gemma4 tp1 -> pp2vpp2": {
-        "reason": "Megatron-Bridge 0.6.2: Gemma4DenseProvider.provide raises for pipeline_model_parallel_size != 1 "
-                  "(models/gemma/gemma4_provider.py:199-200)",
-        "match": "Gemma4DenseProvider currently supports PP=1 only", "raised_in": "megatron.bridge.models.gemma"},
     "gemma4_vl tp1 -> pp2": {
         "reason": "Megatron-Bridge 0.6.2: Gemma4DenseVLProvider.provide_language_model calls Gemma4DenseProvider.provide "
                   "(models/gemma_vl/gemma4_vl_provider.py:110-111), which raises for pipeline_model_parallel_size != 1 "

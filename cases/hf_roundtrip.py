@@ -93,6 +93,8 @@ class Options(DdpKnobs):
     shards: int = 1
     unmapped_source_key: str = ""
     refuse_with: tuple[str, ...] = ("RuntimeError",)  # Bridge's strict export: state.py save_generator
+    #: > 0: the first pipeline stage of a side with PP > 1 holds this many layers (uneven stages; harness.models.bridge.build)
+    first_stage_layers: int = 0
 
     def knobs(self) -> DdpKnobs:
         return DdpKnobs(**{k: getattr(self, k) for k in DdpKnobs.__dataclass_fields__})
@@ -164,6 +166,7 @@ class _Phase:
     dist_save: str | None = None
     export_to: str | None = None
     dtype: DType = "fp32"
+    first_stage_layers: int = 0
 
 
 @dataclass
@@ -179,7 +182,7 @@ def _rank(ctx: RankContext, p: _Phase) -> BridgeOut:
 
     knobs = asdict(p.ddp)
     bm = mb.build(p.hf_dir, p.spec, p.topo, load_weights=p.load_weights, ddp_config=DistributedDataParallelConfig(**knobs),
-                  dtype=p.dtype)
+                  dtype=p.dtype, first_stage_layers=p.first_stage_layers)
     dist = get_backend(p.dist_backend)
     if p.dist_load:
         dist.load(ctx, mb.chunks(bm), Path(p.dist_load))
@@ -238,6 +241,7 @@ class HFRoundtrip(Case):
             raise ValueError("option 'refuse_with' only means something with expect: refuse")
         if opts.shards < 1:
             raise ValueError(f"option 'shards' must be >= 1, got {opts.shards}")
+        mb.validate_first_stage_layers(get_model(spec.model, "hf"), (spec.source, spec.target), opts.first_stage_layers)
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         run_roundtrip(get_model(spec.model, "hf"), spec.source, spec.target, ref_of(spec), opts, env, result, expect=spec.expect)
@@ -250,32 +254,35 @@ class HFRoundtrip(Case):
 
 def save_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path, topo: Topology, export_backend: BackendRef, *,
               dist_save: Path | None = None, export_to: Path | None = None, ddp: DdpKnobs = DdpKnobs(), dtype: DType = "fp32",
-              dist_backend: BackendRef | None = None, phase: str = "save") -> list[BridgeOut]:
+              dist_backend: BackendRef | None = None, phase: str = "save", first_stage_layers: int = 0) -> list[BridgeOut]:
     """World `phase` at `topo`: build the Bridge model from the HF checkpoint `hf_dir` (its
     weights, AutoBridge), save its megatron-core dist checkpoint into `dist_save` (through
     `dist_backend`, mcore_dist when None) and export it through `export_backend` into `export_to`,
     each when given. Each rank's BridgeOut (DDP knob propagation, Megatron logits)."""
     return env.launch(phase, _rank, save_phase(model, hf_dir, topo, export_backend, dist_save=dist_save, export_to=export_to,
-                                                       ddp=ddp, dtype=dtype, dist_backend=dist_backend), topo)
+                                                       ddp=ddp, dtype=dtype, dist_backend=dist_backend,
+                                                       first_stage_layers=first_stage_layers), topo)
 
 
 def save_phase(model: HFModelSpec, hf_dir: Path, topo: Topology, export_backend: BackendRef, *, dist_save: Path | None = None,
                export_to: Path | None = None, ddp: DdpKnobs = DdpKnobs(), dtype: DType = "fp32",
-               dist_backend: BackendRef | None = None) -> _Phase:
+               dist_backend: BackendRef | None = None, first_stage_layers: int = 0) -> _Phase:
     """What save_step's world runs (run_roundtrip hands it to RunEnv.launch_source)."""
     return _Phase(model, str(hf_dir), topo, True, ddp, export_backend=export_backend, dist_backend=dist_backend or resolve("mcore_dist"),
-                  dist_save=str(dist_save) if dist_save else None, export_to=str(export_to) if export_to else None, dtype=dtype)
+                  dist_save=str(dist_save) if dist_save else None, export_to=str(export_to) if export_to else None, dtype=dtype,
+                  first_stage_layers=first_stage_layers)
 
 
 def load_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path, topo: Topology, export_backend: BackendRef,
               dist_load: Path, *, export_to: Path | None = None, ddp: DdpKnobs = DdpKnobs(), dtype: DType = "fp32",
-              dist_backend: BackendRef | None = None) -> list[BridgeOut]:
+              dist_backend: BackendRef | None = None, first_stage_layers: int = 0) -> list[BridgeOut]:
     """World "load" at `topo`: build the Bridge model from `hf_dir`'s config without its weights,
     load the dist checkpoint `dist_load` (through `dist_backend`, mcore_dist when None), export it
     through `export_backend` into `export_to` when given. A load that raises fails the world."""
     return env.launch("load", _rank, _Phase(
         model, str(hf_dir), topo, False, ddp, export_backend=export_backend, dist_backend=dist_backend or resolve("mcore_dist"),
-        dist_load=str(dist_load), export_to=str(export_to) if export_to else None, dtype=dtype), topo)
+        dist_load=str(dist_load), export_to=str(export_to) if export_to else None, dtype=dtype,
+        first_stage_layers=first_stage_layers), topo)
 
 
 def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backend: BackendRef, opts: DdpKnobs, env: RunEnv,
@@ -284,7 +291,7 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
     any HFModelSpec: the matrix case and harness.orchestration.explore (which draws shapes outside the zoo) run this.
     `opts`: DdpKnobs (fp32) or Options (knobs, dtype, fixture shards, an unmapped source key)."""
     full = opts if isinstance(opts, Options) else Options(**asdict(opts))
-    dtype, opts = full.dtype, full.knobs()
+    dtype, opts, fsl = full.dtype, full.knobs(), full.first_stage_layers
     extra = (full.unmapped_source_key,) if full.unmapped_source_key else ()
     export = env.case_dir / "hf-export"
     # the fixture and the save at S are the same for every target: once per run (harness.run.reuse)
@@ -293,14 +300,16 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
     worlds = []
     try:
         if src == dst:
-            outs = save_step(env, result, model, hf_dir, src, export_backend, export_to=export, ddp=opts, dtype=dtype, phase="export")
+            outs = save_step(env, result, model, hf_dir, src, export_backend, export_to=export, ddp=opts, dtype=dtype, phase="export",
+                             first_stage_layers=fsl)
             worlds = [(src.id, outs)]
         else:
             root, first = env.launch_source("save", _rank, lambda d: save_phase(
-                model, hf_dir, src, export_backend, dist_save=d / "dist-ckpt", ddp=opts, dtype=dtype), src)
+                model, hf_dir, src, export_backend, dist_save=d / "dist-ckpt", ddp=opts, dtype=dtype, first_stage_layers=fsl), src)
             ckpt = root / "dist-ckpt"
             worlds = [(src.id, first)]
-            outs = load_step(env, result, model, hf_dir, dst, export_backend, ckpt, export_to=export, ddp=opts, dtype=dtype)
+            outs = load_step(env, result, model, hf_dir, dst, export_backend, ckpt, export_to=export, ddp=opts, dtype=dtype,
+                             first_stage_layers=fsl)
             worlds.append((dst.id, outs))
     except WorldError as exc:
         if expect != "refuse" or len(worlds) != (src != dst):  # only the exporting world (the last) may refuse

@@ -93,6 +93,13 @@ class _Phase:
     export_to: str | None = None
     merged_to: str | None = None
     dtype: DType = "fp32"
+    first_stage_layers: int = 0
+
+
+@dataclass(frozen=True)
+class PeftExportOptions(PeftOptions):
+    #: > 0: the first pipeline stage of a side with PP > 1 holds this many layers (uneven stages; harness.models.bridge.build)
+    first_stage_layers: int = 0
 
 
 @dataclass
@@ -102,7 +109,7 @@ class PeftOut:
 
 
 def _rank(ctx: RankContext, p: _Phase) -> PeftOut:
-    bm = mb.build(p.hf_dir, p.spec, p.topo, adapter=p.adapter, dtype=p.dtype)
+    bm = mb.build(p.hf_dir, p.spec, p.topo, adapter=p.adapter, dtype=p.dtype, first_stage_layers=p.first_stage_layers)
     # decoy adapter weights on the load side: the load below must replace every one of them
     mb.fill_adapters(bm, p.spec, p.adapter if p.fill else replace(p.adapter, seed=p.adapter.seed + 1))
     dist = get_backend(p.dist_backend)
@@ -200,61 +207,65 @@ def _opt(path: Path | None) -> str | None:
 
 def save_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path, topo: Topology, adapter: mb.AdapterSpec,
               export_backend: BackendRef, *, adapter_save: Path | None = None, export_to: Path | None = None,
-              merged_to: Path | None = None, dtype: DType = "fp32") -> list[PeftOut]:
+              merged_to: Path | None = None, dtype: DType = "fp32", first_stage_layers: int = 0) -> list[PeftOut]:
     """World "save" at `topo`: build the Bridge model from the HF base `hf_dir` with `adapter`
     (filled with the harness's seeded adapter weights), save the adapter-only dist checkpoint
     (mcore_dist) into `adapter_save`, export the HF PEFT adapter through `export_backend` into
     `export_to` and the merged HF model (bridge_hf) into `merged_to`, each when given. Each rank's
     PeftOut (adapter pieces, Megatron logits)."""
     return env.launch("save", _rank, save_phase(model, hf_dir, topo, adapter, export_backend, adapter_save=adapter_save,
-                                                        export_to=export_to, merged_to=merged_to, dtype=dtype), topo)
+                                                        export_to=export_to, merged_to=merged_to, dtype=dtype,
+                                                        first_stage_layers=first_stage_layers), topo)
 
 
 def save_phase(model: HFModelSpec, hf_dir: Path, topo: Topology, adapter: mb.AdapterSpec, export_backend: BackendRef, *,
                adapter_save: Path | None = None, export_to: Path | None = None, merged_to: Path | None = None,
-               dtype: DType = "fp32") -> _Phase:
+               dtype: DType = "fp32", first_stage_layers: int = 0) -> _Phase:
     """What save_step's world runs (PeftExport.run hands it to RunEnv.launch_source)."""
     return _Phase(model, str(hf_dir), topo, adapter, True, adapter_save=_opt(adapter_save), export_to=_opt(export_to),
-                  merged_to=_opt(merged_to), **_paths(export_backend, dtype))
+                  merged_to=_opt(merged_to), first_stage_layers=first_stage_layers, **_paths(export_backend, dtype))
 
 
 def load_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path, topo: Topology, adapter: mb.AdapterSpec,
-              export_backend: BackendRef, adapter_load: Path, *, export_to: Path | None = None, dtype: DType = "fp32") -> list[PeftOut]:
+              export_backend: BackendRef, adapter_load: Path, *, export_to: Path | None = None, dtype: DType = "fp32",
+              first_stage_layers: int = 0) -> list[PeftOut]:
     """World "load" at `topo`: build the Bridge model with `adapter` holding decoy adapter weights,
     load the adapter-only dist checkpoint `adapter_load`, export the HF PEFT adapter into
     `export_to` when given. A load that raises fails the world."""
     return env.launch("load", _rank, _Phase(
         model, str(hf_dir), topo, adapter, False, adapter_load=str(adapter_load), export_to=_opt(export_to),
-        **_paths(export_backend, dtype)), topo)
+        first_stage_layers=first_stage_layers, **_paths(export_backend, dtype)), topo)
 
 
 class PeftExport(Case):
     name = "peft-export"
     description = "Megatron-Bridge LoRA/CanonicalLoRA -> HF PEFT adapter, checked against peft and an independent derivation"
     model_kind = "hf"
-    Options = PeftOptions
+    Options = PeftExportOptions
     needs = frozenset({"adapter_export", "read_plain"})
     checks = ("peft-load", "adapter-derivation", "adapter-config", "merge", "logits", "merged-logits", "lora-targets-matched",
               "lora-targets-asked", "resharded-export", "adapter-params", "export-integrity")
 
-    def validate_options(self, spec: CaseSpec, opts: PeftOptions) -> None:
+    def validate_options(self, spec: CaseSpec, opts: PeftExportOptions) -> None:
         opts.validate_layout(get_model(spec.model, "hf"), (spec.source, spec.target))
+        mb.validate_first_stage_layers(get_model(spec.model, "hf"), (spec.source, spec.target), opts.first_stage_layers)
 
-    def run(self, spec: CaseSpec, opts: PeftOptions, env: RunEnv, result: CaseResult) -> None:
+    def run(self, spec: CaseSpec, opts: PeftExportOptions, env: RunEnv, result: CaseResult) -> None:
         model = get_model(spec.model, "hf")
         adapter = opts.spec(model)
         src, dst = spec.source, spec.target
         d = env.case_dir
-        dtype = opts.dtype
+        dtype, fsl = opts.dtype, opts.first_stage_layers
         # the base fixture and the world at S are the same for every target: once per run (harness.run.reuse)
         hf_dir = env.source_files("fixture", "write_fixture", (model, dtype, 1, ()), lambda p: write_fixture(model, p, dtype))
         resharded = src != dst
         root, first = env.launch_source("save", _rank, lambda p: save_phase(
             model, hf_dir, src, adapter, ref_of(spec), adapter_save=p / "adapter-dist-ckpt" if resharded else None,
-            export_to=p / "adapter@source", merged_to=p / "merged@source", dtype=dtype), src)
+            export_to=p / "adapter@source", merged_to=p / "merged@source", dtype=dtype, first_stage_layers=fsl), src)
         direct, merged, ckpt = root / "adapter@source", root / "merged@source", root / "adapter-dist-ckpt"
         if resharded:
-            again = load_step(env, result, model, hf_dir, dst, adapter, ref_of(spec), ckpt, export_to=d / "adapter@target", dtype=dtype)
+            again = load_step(env, result, model, hf_dir, dst, adapter, ref_of(spec), ckpt, export_to=d / "adapter@target", dtype=dtype,
+                              first_stage_layers=fsl)
         with env.timed("compare"):
             adapters = {"adapter@source": direct} | ({"adapter@target": d / "adapter@target"} if resharded else {})
             layout = peft_mapping.checkpoint_layout(source_infos(hf_dir))

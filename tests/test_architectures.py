@@ -240,6 +240,8 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red():
     results += [{**canon, "id": canon["id"].replace("]", "-canonical_lora]")}]  # its own column, not LoRA pp2's
     vpp = rec("hf-llama", "hf-roundtrip", "pp2", "xfailed", xfail_reason="vpp x.py:3: why")
     results += [{**vpp, "id": vpp["id"].replace("cp1]", "cp1vpp2]")}]  # its own column, not round trip pp2's
+    uneven = rec("hf-llama", "hf-roundtrip", "pp2", "passed", phases={"run": 2.0})
+    results += [{**uneven, "id": uneven["id"].replace("cp1]", "cp1-first_stage_layers=1]")}]  # its own column too
     results += [rec("hf-mistral", "hf-roundtrip", "tp2", "xfailed", xfail_reason="upstream x.py:1: why"),
                 rec("hf-mistral", "peft-export", "tp2", "passed")]
     results += [rec("hf-olmoe", "peft-export", "tp2", "failed", checks=[{"name": "logits", "status": "failed", "detail": "off by 3"}])]
@@ -252,26 +254,34 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red():
     assert "1 with a red case (olmoe)" in arch_table.summary(doc, fams)
     assert "1 with real results and a not-run case (minimax_m2)" in arch_table.summary(doc, fams)
     rows = {r[0]: r for r in arch_table.rows(doc, fams)}
-    assert rows["OlmoeForCausalLM"][6] == "FAIL 1.0" and "logits: off by 3" in rows["OlmoeForCausalLM"][-1]  # LoRA tp1->tp2
-    assert rows["LlamaForCausalLM"][7] == "pass 1.0" and rows["LlamaForCausalLM"][10] == "xfail 1.0 (pp2)"
-    assert "canonical x.py" in rows["LlamaForCausalLM"][-1] and rows["OlmoeForCausalLM"][10] == "-"
-    assert rows["LlamaForCausalLM"][3] == "pass 1.0" and rows["LlamaForCausalLM"][4] == "xfail 1.0"  # round trip pp2, pp2vpp2
-    assert "vpp x.py" in rows["LlamaForCausalLM"][-1] and len(rows["LlamaForCausalLM"]) == 12
-    assert rows["OlmoeForCausalLM"][5] == "pass 1.0" and rows["OlmoeForCausalLM"][3] == "-"  # round trip tp1->ep2; no pp2 case
-    assert rows["MistralForCausalLM"][2] == "xfail 1.0" and "upstream x.py" in rows["MistralForCausalLM"][-1]
+    col = {name: i for i, name in enumerate(arch_table.header())}
+
+    def cell(arch_name, column):
+        return rows[arch_name][col[column]]
+
+    assert all(len(r) == len(col) for r in rows.values())
+    assert cell("OlmoeForCausalLM", "LoRA tp1->tp2") == "FAIL 1.0" and "logits: off by 3" in rows["OlmoeForCausalLM"][-1]
+    assert cell("LlamaForCausalLM", "LoRA tp1->pp2") == "pass 1.0" and cell("LlamaForCausalLM", "CanonicalLoRA") == "xfail 1.0 (pp2)"
+    assert "canonical x.py" in rows["LlamaForCausalLM"][-1] and cell("OlmoeForCausalLM", "CanonicalLoRA") == "-"
+    assert cell("LlamaForCausalLM", "round trip tp1->pp2") == "pass 1.0"
+    assert cell("LlamaForCausalLM", "round trip tp1->pp2vpp2") == "xfail 1.0" and "vpp x.py" in rows["LlamaForCausalLM"][-1]
+    assert cell("LlamaForCausalLM", "round trip tp1->pp2 1+3") == "pass 2.0"
+    assert cell("OlmoeForCausalLM", "round trip tp1->ep2") == "pass 1.0" and cell("OlmoeForCausalLM", "round trip tp1->pp2") == "-"
+    assert cell("MistralForCausalLM", "round trip tp1->tp2") == "xfail 1.0" and "upstream x.py" in rows["MistralForCausalLM"][-1]
     with pytest.raises(ValueError):
         arch_table.rows({"results": []}, fams)
 
 
-def test_vpp_round_trips_for_every_text_family_whose_layers_split_into_four_chunks():
-    """tp1 -> pp2vpp2 for each 4-layer text family's round trip and LoRA."""
+def test_vpp_and_uneven_stages_for_every_text_family_whose_layers_allow_them():
+    """tp1 -> pp2vpp2 and tp1 -> pp2 with an uneven first stage for each 4-layer text family's round trip and LoRA."""
     import yaml
 
     entries = yaml.safe_load((ROOT / "matrices" / "architectures.yaml").read_text())["entries"]
     vpp = {(e["case"], e["models"][0]) for e in entries if any("vpp" in p for p in e["pairs"])}
+    uneven = {(e["case"], e["models"][0]) for e in entries if (e.get("axes") or {}).get("first_stage_layers") == [1]}
     want = {(case, f.zoo_name) for f in FAMILIES if f.path == "text" and f.num_layers % 4 == 0
             for case in ("hf-roundtrip", "peft-export")}
-    assert want and vpp == want
+    assert want and vpp == want and uneven == want
 
 
 def test_a_one_chunk_path_refuses_a_chunk_list():
@@ -284,3 +294,23 @@ def test_a_one_chunk_path_refuses_a_chunk_list():
     with pytest.raises(NotImplementedError, match="2 \\(vpp\\)"):
         unwrapped(BridgeModel(None, [one, two]))
     assert chunks(BridgeModel(None, [one, two])) == [one, two]
+
+
+def test_first_stage_layers_is_refused_where_it_cannot_lay_out_the_stages():
+    from harness.core.topology import Topology
+    from harness.models.bridge import validate_first_stage_layers
+
+    llama = get_model("hf-llama", "hf")  # 4 layers
+    pp1, pp2, pp4 = Topology.parse("tp1"), Topology.parse("pp2"), Topology.parse("pp4")
+    validate_first_stage_layers(llama, (pp1, pp2), 0)
+    validate_first_stage_layers(llama, (pp1, pp2), 1)  # 1 + 3
+    with pytest.raises(ValueError, match="first_stage_layers must be >= 0"):
+        validate_first_stage_layers(llama, (pp1, pp2), -1)
+    with pytest.raises(ValueError, match="no side .* has PP > 1"):
+        validate_first_stage_layers(llama, (pp1, Topology.parse("tp2")), 1)
+    with pytest.raises(ValueError, match="pp4.*cannot split the other 2"):
+        validate_first_stage_layers(llama, (pp1, pp4), 2)
+    with pytest.raises(ValueError, match="cannot split the other 0"):
+        validate_first_stage_layers(llama, (pp1, pp2), 4)
+    with pytest.raises(ValueError, match="vpp 2"):
+        validate_first_stage_layers(llama, (pp1, Topology.parse("pp2vpp2")), 1)

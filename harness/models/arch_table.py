@@ -24,7 +24,7 @@ SHORT = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "xfailed": "xfail
          "not-run": "not-run", "not-applicable": "n/a"}
 
 
-TARGETS = ("tp2", "pp2", "vpp", "ep2")
+TARGETS = ("tp2", "pp2", "uneven", "vpp", "ep2")
 KIND_TARGETS = {"hf-roundtrip": TARGETS, "peft-export": TARGETS}
 #: the CanonicalLoRA peft-export cell (one pair per family: its target named in the cell)
 CANONICAL = "peft-export canonical"
@@ -33,6 +33,8 @@ CANONICAL = "peft-export canonical"
 def _target(case_id: str) -> str:
     m = _PAIR.search(case_id)
     tgt = m[2] if m else "?"
+    if "first_stage_layers=" in case_id:
+        return "uneven"
     return "ep2" if "ep2" in tgt else "vpp" if "vpp" in tgt else "pp2" if "pp2" in tgt else "tp2"
 
 
@@ -54,7 +56,7 @@ def _cell(r: dict[str, Any]) -> str:
 
 
 def cells(doc: dict[str, Any]) -> dict[tuple[str, str, str], dict[str, Any]]:
-    """(zoo model, case kind, target "tp2"/"pp2"/"vpp"/"ep2") -> the case record."""
+    """(zoo model, case kind, target "tp2"/"pp2"/"uneven"/"vpp"/"ep2") -> the case record."""
     out = {}
     for r in doc.get("results") or []:
         if r.get("case") in KINDS:
@@ -89,11 +91,16 @@ def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[l
     return out
 
 
-def markdown(doc: dict[str, Any]) -> str:
+def header() -> list[str]:
+    """The table's column names, one per cell of a `rows` row."""
     names = {"hf-roundtrip": "round trip", "peft-export": "LoRA"}
-    head = ["architecture", "zoo", *(f"{names[k]} tp1->{'pp2vpp2' if t == 'vpp' else t}" for k in KINDS for t in KIND_TARGETS[k]),
-            "CanonicalLoRA",
-            "reason / finding"]
+    shown = {"vpp": "pp2vpp2", "uneven": "pp2 1+3"}
+    return ["architecture", "zoo", *(f"{names[k]} tp1->{shown.get(t, t)}" for k in KINDS for t in KIND_TARGETS[k]),
+            "CanonicalLoRA", "reason / finding"]
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    head = header()
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows(doc)]
     return summary(doc) + "\n\n" + "\n".join(lines) + "\n"

@@ -242,12 +242,18 @@ def pairs_for(f: Family) -> list[str]:
             + (["tp1 -> dp2ep2"] if f.num_experts else []))
 
 
-def vpp_pairs(f: Family) -> list[str]:
-    """tp1 -> pp2vpp2 for a text family whose layers split into 2 stages x 2 virtual chunks: the dist
-    checkpoint (or the adapter checkpoint) loaded into a chunk list, the interleaved schedule's
-    logits, the export from every chunk (the source world is tp1 -> tp2's, shared). Its xfails are
-    its family's tp1 -> pp2 ones unless it has its own: the same stages, chunked."""
-    return ["tp1 -> pp2vpp2"] if f.path == "text" and f.num_layers % 4 == 0 else []
+def pipeline_layouts(f: Family) -> list[tuple[str, int, str]]:
+    """The pipeline layouts beyond pairs_for's even stages, as (pair, first-stage layers (0: even), the
+    xfail key), for a text family whose 4 layers allow them; each's xfails are its family's tp1 -> pp2
+    ones unless it has its own (the same two stages, laid out otherwise). The source world is
+    tp1 -> tp2's, shared:
+      tp1 -> pp2vpp2: 2 stages x 2 virtual chunks (the checkpoint loaded into a chunk list, logits through
+                      the interleaved schedule, the export from every chunk);
+      tp1 -> pp2, first_stage_layers 1: uneven stages, 1 layer then 3 (megatron-core's
+                      num_layers_in_first_pipeline_stage; Megatron-LM's --decoder-first-pipeline-num-layers)."""
+    if f.path != "text" or f.num_layers % 4:
+        return []
+    return [("tp1 -> pp2vpp2", 0, "tp1 -> pp2vpp2"), ("tp1 -> pp2", 1, "tp1 -> pp2 uneven")]
 
 
 def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[str, dict[str, Any]] | None = None) -> str:
@@ -269,16 +275,19 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
         for case, xfails in tables.items():
             if case == "peft-export" and f.name in LORA_NOT_GENERATED:
                 continue  # listed below with what the harness lacks
-            for pair in pairs_for(f) + vpp_pairs(f):
+            for pair, first, key in [(p, 0, p) for p in pairs_for(f)] + pipeline_layouts(f):
                 lines.append(f"  - case: {case}\n    models: [{f.zoo_name}]\n    pairs: [\"{pair}\"]\n")
+                axes = (["adapter: [lora]"] if case == "peft-export" else []) + ([f"first_stage_layers: [{first}]"] if first else [])
                 if case == "peft-export":
-                    lines.append("    backends: [bridge_peft]\n    markers: [peft, arch]\n    axes: {adapter: [lora]}\n")
+                    lines.append("    backends: [bridge_peft]\n    markers: [peft, arch]\n")
+                if axes:
+                    lines.append("    axes: {" + ", ".join(axes) + "}\n")
                 if f.needs:
                     lines.append(f"    requires: [\"module:{f.needs}\"]\n")
                 elif case == "peft-export" and (why := NEEDS_CUDA.get(f"{f.name} {pair}")):
                     lines.append(f"    requires: [cuda]   # {why}\n")
-                x = (xfails.get(f"{f.name} {pair}") or ("vpp" in pair and xfails.get(f"{f.name} {pair.replace('vpp2', '')}"))
-                     or xfails.get(f.name))
+                x = xfails.get(f"{f.name} {key}") or (key != pair or "vpp" in pair) and xfails.get(f"{f.name} tp1 -> pp2") \
+                    or xfails.get(f.name)
                 if x:
                     lines.append("    xfail:\n" + "".join(f"      {k}: {_q(v)}\n" for k, v in x.items()))
         if f.name not in LORA_NOT_GENERATED:  # CanonicalLoRA (q/k/v and fc1 gate/up adapters apart) at one pair

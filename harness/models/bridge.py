@@ -93,8 +93,12 @@ class BridgeModel:
 
 def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights: bool = True,
           adapter: AdapterSpec | None = None, ddp_config=None, dtype: str = "fp32",
-          peft_hook: Callable[[Any, Any], Callable] | None = None) -> BridgeModel:
+          peft_hook: Callable[[Any, Any], Callable] | None = None, first_stage_layers: int = 0) -> BridgeModel:
     """AutoBridge -> provider (local layer spec, fusions off) -> model at this rank.
+
+    `first_stage_layers` > 0: the first pipeline stage holds that many decoder layers, the other
+    stages share the rest (megatron-core's num_layers_in_first_pipeline_stage; Megatron-LM's
+    --decoder-first-pipeline-num-layers); it means nothing at PP 1.
 
     Megatron-Bridge's default layer spec is Transformer-Engine's and its finalize() asserts on
     apply_rope_fusion: a CPU build needs the local spec and every fusion off.
@@ -128,6 +132,8 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
                                           qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm")),
         **{name: False for name in FUSIONS},
     }
+    if first_stage_layers and topo.pp > 1:
+        overrides["num_layers_in_first_pipeline_stage"] = first_stage_layers
     if topo.vpp > 1:  # one model chunk per virtual stage, wired as Megatron-LM and Bridge's CommOverlapConfig wire it
         from harness.models.mcore import VPP_P2P
 
@@ -163,6 +169,23 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     )
     experts = getattr(spec, "num_experts", None)
     return BridgeModel(bridge, modules, peft, ddp_config, str(hf_dir), experts // topo.ep if experts else None, provider)
+
+
+def validate_first_stage_layers(spec: HFModelSpec, topologies: tuple[Topology, ...], n: int) -> None:
+    """ValueError naming option first_stage_layers unless `n` is 0 (even stages) or leaves every other
+    stage of each side with PP > 1 the same number of `spec`'s layers (no vpp with it)."""
+    if n == 0:
+        return
+    if n < 0:
+        raise ValueError(f"option first_stage_layers must be >= 0 (0: even stages), got {n}")
+    sides = [t for t in topologies if t.pp > 1]
+    if not sides:
+        raise ValueError(f"option first_stage_layers={n} means nothing: no side of {[t.id for t in topologies]} has PP > 1")
+    for t in sides:
+        rest = spec.num_layers - n
+        if t.vpp > 1 or rest < t.pp - 1 or rest % (t.pp - 1):
+            raise ValueError(f"option first_stage_layers={n}: {t.id} cannot split the other {rest} of {spec.name}'s "
+                             f"{spec.num_layers} layers evenly over its other {t.pp - 1} stage(s) (vpp {t.vpp})")
 
 
 def _maps_only_grouped_experts(bridge: Any) -> bool:
@@ -221,16 +244,29 @@ def chunks(bm: BridgeModel) -> list:
     return [unwrapped(bm, i) for i in range(len(bm.modules))]
 
 
+def _decoder_of(chunk: Any) -> Any:
+    return (getattr(chunk, "language_model", None) or chunk).decoder
+
+
+def _stage_layers_asked(provider: Any) -> int:
+    """The decoder layers this pipeline stage should hold: the first stage's `num_layers_in_first_pipeline_stage`
+    where set, the rest shared evenly by the other stages; else an even share."""
+    from megatron.core import parallel_state as ps
+
+    layers, pp = provider.num_layers, ps.get_pipeline_model_parallel_world_size()
+    first = getattr(provider, "num_layers_in_first_pipeline_stage", None)
+    if pp == 1 or not first:
+        return layers // pp
+    return first if ps.get_pipeline_model_parallel_rank() == 0 else (layers - first) // (pp - 1)
+
+
 def _chunk_offsets(bm: BridgeModel, spec: HFModelSpec) -> list[tuple[Any, int]]:
-    """(bare chunk, global number of its first decoder layer) for every chunk of this rank. One chunk:
-    the stage's even share; with vpp, each chunk's own first layer (TransformerLayer.layer_number is
-    global and 1-based, megatron-core's get_transformer_layer_offset with the chunk's vp_stage)."""
-    if len(bm.modules) == 1:
-        return [(unwrapped(bm), _layer_offset(spec))]
+    """(bare chunk, global number of its first decoder layer) for every chunk of this rank, read from
+    the chunk's first TransformerLayer (layer_number is global and 1-based: megatron-core's
+    get_transformer_layer_offset for the stage, its vp_stage and an uneven first stage alike)."""
     out = []
     for c in chunks(bm):
-        lm = getattr(c, "language_model", None) or c
-        layers = lm.decoder.layers
+        layers = _decoder_of(c).layers
         out.append((c, layers[0].layer_number - 1 if len(layers) else 0))
     return out
 
@@ -322,14 +358,20 @@ def ddp_propagation(bm: BridgeModel, asked: dict[str, Any], dtype: str = "fp32")
     records.append({"knob": "Float16Module", "asked": dtype == "bf16", "actual": wrapped, "ok": wrapped == (dtype == "bf16")})
     vpp = getattr(bm.provider, "virtual_pipeline_model_parallel_size", None) or 1
     records.append({"knob": "model chunks (vpp)", "asked": vpp, "actual": len(bm.modules), "ok": len(bm.modules) == vpp})
+    if bm.provider is not None:  # the stage holds the layers asked (an uneven first stage really built)
+        want, held = _stage_layers_asked(bm.provider), sum(len(_decoder_of(c).layers) for c in chunks(bm))
+        records.append({"knob": "decoder layers on this stage", "asked": want, "actual": held, "ok": held == want})
     if bm.local_experts_asked is not None:  # the provider really split the experts over EP
         import re
 
         # SequentialMLP's local_experts.<i>.*, or TEGroupedMLP's names linear_fc1.weight<i> (cpu_experts.GroupedNamesMLP)
         pat = re.compile(r"layers\.\d+\.mlp\.experts\.(?:local_experts\.(\d+)\.|linear_fc1\.weight(\d+)$)")
         local = {m.group(1) or m.group(2) for c in chunks(bm) for n, _ in c.named_parameters() if (m := pat.search(n))}
-        records.append({"knob": "local experts (num_experts/ep)", "asked": bm.local_experts_asked, "actual": len(local),
-                        "ok": len(local) == bm.local_experts_asked})
+        # a stage of dense layers only (the dense first layer of DeepSeek-style families on an uneven first stage) holds none
+        moe_here = any(".mlp.router." in n for c in chunks(bm) for n, _ in c.named_parameters())
+        asked = bm.local_experts_asked if moe_here else 0
+        records.append({"knob": "local experts (num_experts/ep)" if moe_here else "local experts (no MoE layer on this stage)",
+                        "asked": asked, "actual": len(local), "ok": len(local) == asked})
     return records
 
 

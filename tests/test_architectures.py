@@ -314,3 +314,26 @@ def test_first_stage_layers_is_refused_where_it_cannot_lay_out_the_stages():
         validate_first_stage_layers(llama, (pp1, pp2), 4)
     with pytest.raises(ValueError, match="vpp 2"):
         validate_first_stage_layers(llama, (pp1, Topology.parse("pp2vpp2")), 1)
+
+
+def test_a_tiny_config_the_installed_transformers_refuses_fails_its_case_not_the_matrix(tmp_path, monkeypatch):
+    """Bridge 0.4.2's sweep run (transformers 5.3.0) once died at load: NemotronH's config class refused the
+    derived 'mlp' layer type while a LoRA entry validated its targets, and the whole release column was lost."""
+    from harness.cases import _lora_layout as ll
+    from harness.models import hf
+    from harness.orchestration.matrix import MatrixError, load_matrix
+
+    def refuse(model):
+        raise ValueError("layers_block_type contains invalid types: {'mlp'}")
+
+    monkeypatch.setattr(hf, "hf_config", refuse)
+    monkeypatch.setattr(ll, "_MLA", {})
+    with pytest.raises(ll.FixtureUnavailable, match=r"transformers .* refuses hf-deepseek_v3's tiny config: ValueError: layers_block"):
+        ll.mla_targets(get_model("hf-deepseek_v3", "hf"))
+    entry = ("name: t\nentries:\n  - case: peft-export\n    backends: [bridge_peft]\n    models: [hf-deepseek_v3]\n"
+             "    pairs: [\"tp1 -> tp2\"]\n    axes: {{adapter: [lora], dim: [{dim}]}}\n")
+    (tmp_path / "ok.yaml").write_text(entry.format(dim=4))
+    assert len(load_matrix(tmp_path / "ok.yaml").cases) == 1
+    (tmp_path / "bad.yaml").write_text(entry.format(dim=3))  # the model-independent checks still hold
+    with pytest.raises(MatrixError, match="LoRA rank 3 is not divisible by e?tp=2"):
+        load_matrix(tmp_path / "bad.yaml")

@@ -165,6 +165,11 @@ def mlp_units(model: HFModelSpec) -> dict[int, dict[str, list[str]]]:
             layer, leaf = out[int(m[1])], m[2].rsplit(".", 1)[-1]
             if isinstance(mod, torch.nn.Linear) and leaf in _MLP_LEAVES:
                 layer[f"mlp.{leaf}"].append(name)
+            elif isinstance(mod, torch.nn.Linear) and leaf == "gate_up_proj":
+                # transformers 5 fuses a dense / shared expert MLP's gate and up on load (MiniMax-M3's shared
+                # expert); the checkpoint, and the adapter the Bridge exports, keep gate_proj and up_proj apart
+                for hf_name in ("gate_proj", "up_proj"):
+                    layer[f"mlp.{hf_name}"].append(f"{name.rsplit('.', 1)[0]}.{hf_name}")
             for pname, p in mod.named_parameters(recurse=False):
                 if pname in _FUSED and p.dim() == 3:
                     for e in range(p.shape[0]):

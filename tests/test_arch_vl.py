@@ -187,3 +187,14 @@ def test_layout_checks_count_a_vl_models_decoder_units_as_a_text_models_and_its_
                           get_model("hf-qwen2_5_vl"), ents)
     assert owner[lay.NO_ENTRY] == {"model.visual.blocks.0.mlp.gate_proj"}  # the tower's same-named MLP: lora-targets-matched fails
     assert owner["linear_fc1"] == {"model.layers.0.mlp.gate_proj"}
+
+
+def test_a_fused_shared_expert_counts_as_the_gate_and_up_units_its_checkpoint_holds():
+    """transformers 5 fuses MiniMax-M3's shared expert into one gate_up_proj Linear on load; the checkpoint and the
+    Bridge's adapter keep gate_proj and up_proj apart, so the layout checks count those two units."""
+    from harness.cases._lora_layout import mlp_units
+
+    layer = mlp_units(get_model("hf-minimax_m3_vl", "hf"))[0]
+    assert "model.layers.0.mlp.shared_experts.gate_proj" in layer["mlp.gate_proj"]
+    assert "model.layers.0.mlp.shared_experts.up_proj" in layer["mlp.up_proj"]
+    assert not any("gate_up_proj" in u for units in layer.values() for u in units)

@@ -65,14 +65,15 @@ def checkpoint_layout(keys: Iterable[str]) -> Layout:
     head = next((k.removesuffix(".weight") for k in keys if k.endswith("lm_head.weight")), TEXT.lm_head)
     return Layout(layers, head)
 #: model_type -> the HF module of a layer's shared expert(s) (transformers' modeling code), "mlp.shared_experts" else
-SHARED_MLP = {"hy_v3": "mlp.shared_mlp"}
+SHARED_MLP = {"hy_v3": "mlp.shared_mlp", "minimax_m3_vl": "block_sparse_moe.shared_experts"}
 #: model_type -> (the HF routed experts' module, their gate / up / down projections), ("mlp.experts", gate/up/down_proj) else
-EXPERT_NAMES = {"minimax_m2": ("block_sparse_moe.experts", {"gate": "w1", "up": "w3", "down": "w2"})}
+EXPERT_NAMES = {m: ("block_sparse_moe.experts", {"gate": "w1", "up": "w3", "down": "w2"}) for m in ("minimax_m2", "minimax_m3_vl")}
 _EXPERT_DEFAULT = ("mlp.experts", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
 #: model_type -> the checkpoint -> in-memory module renames transformers applies on load
 #: (transformers/conversion_mapping.py: "mixtral" :796-807 for MiniMax-M2, "hy_v3" :1446-1450)
 MEMORY_RENAMES = {
-    "minimax_m2": ((r"\.block_sparse_moe\.", ".mlp."), (r"\.w1$", ".gate_proj"), (r"\.w3$", ".up_proj"), (r"\.w2$", ".down_proj")),
+    **{m: ((r"\.block_sparse_moe\.", ".mlp."), (r"\.w1$", ".gate_proj"), (r"\.w3$", ".up_proj"), (r"\.w2$", ".down_proj"))
+       for m in ("minimax_m2", "minimax_m3_vl")},
     "hy_v3": ((r"\.mlp\.shared_mlp\.", ".mlp.shared_experts."),),
 }
 

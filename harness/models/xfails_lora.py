@@ -76,6 +76,19 @@ def _with_ep(xfail: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"reason": f"{xfail['reason']}; and {_EP_EXPORT}", "match": xfail["match"], "checks": [*xfail["checks"], *_EP_CHECKS]}
 
 
+#: transformers fuses MiniMax-M3's experts and shared expert on load but peft does not know it
+_M3 = ("transformers 5.12.1 fuses MiniMax-M3 VL's checkpoint on load: each layer's routed experts w1/w3 into experts.gate_up_proj and "
+       "w2 into experts.down_proj (3-D parameters), and the shared expert's gate_proj/up_proj into one shared_experts.gate_up_proj "
+       "Linear (conversion_mapping.py:458-566), but does not list minimax_m3_vl in _MODEL_TO_CONVERSION_PATTERN "
+       "(conversion_mapping.py:39-132), which peft 0.21.2's _convert_peft_config_moe reads (peft/utils/"
+       "transformers_weight_conversion.py:413-416 returns for an unlisted model_type): target_modules w1/w2/w3/gate_proj/up_proj "
+       "stay module names, no fused expert parameter and no fused gate_up_proj is targeted, and every routed expert's LoRA and the "
+       "shared expert's gate/up LoRA are dropped (peft alone: get_peft_model(target_modules=[w1, w2, w3, gate_proj, up_proj, "
+       "down_proj]) on the tiny model wraps the 4 shared_experts.down_proj and nothing else)")
+_M3_MATCH = r"linear_fc1(?:_up|_gate)?: megatron \d+, peft 0 \(only megatron: model\.layers\.\d+\.mlp\.experts\."
+_M3_CHECKS = ["peft-load", "lora-targets-matched", "merge", "logits", "merged-logits"]
+
+
 #: a VL model's exported adapter_config targets the vision tower too
 _VL_TARGETS = ("Megatron-Bridge 0.6.2 save_hf_adapter writes adapter_config.json's target_modules as bare leaf names "
                "(conversion/peft_bridge.py:1436-1452 infer_target_modules_from_adapter_weights, called at auto_bridge.py:905): "
@@ -95,11 +108,7 @@ _QWEN_VL_NOOP = ("peft 0.21.2 renames an adapter's checkpoint keys for transform
                  "the Bridge's export name them) unmapped: nothing loads, every lora_B stays zero, the adapter is a no-op")
 #: Families whose LoRA case the harness does not generate yet, with what the harness lacks (a gap of the harness's
 #: own derivation, not an upstream finding: listed in matrices/architectures.yaml and docs/architectures.md).
-LORA_NOT_GENERATED: dict[str, str] = {
-    "minimax_m3_vl": "the harness's adapter derivation (harness.models.peft_mapping) does not map MiniMax-M3's checkpoint "
-                     "expert names (language_model.model.layers.N.block_sparse_moe.experts.E.w1/w3/w2, shared_experts.*) and "
-                     "its layout checks do not model transformers 5's fused shared expert (mlp.shared_experts.gate_up_proj)",
-}
+LORA_NOT_GENERATED: dict[str, str] = {}
 #: Pairs whose upstream code path needs CUDA (the matrix entry `requires: [cuda]`: not-run on CPU, run on GPU machines).
 NEEDS_CUDA: dict[str, str] = {
     "minimax_m2 tp1 -> tp2": "Megatron-Bridge 0.6.2 MiniMax-M2's QK-norm import at TP > 1 broadcasts through "
@@ -150,6 +159,9 @@ LORA: dict[str, dict[str, Any]] = {
     "hy_v3 tp1 -> dp2ep2": _with_ep(_xfail(_HY_V3, _HY_V3_MATCH, _PEFT_MOE_CHECKS)),
     **{f"{f} tp1 -> dp2ep2": _xfail(_PEFT_MOE, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS) for f in ("exaone_moe", "exaone_moe_caps", "glm4v_moe")},
     "glm4v_moe tp1 -> tp2": _xfail(_PEFT_MOE, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS, etp=True),
+    # MiniMax-M3 VL: its fused experts and shared expert unknown to peft, and its vision tower targeted (_VL_TARGETS)
+    **{f"minimax_m3_vl {p}": _xfail(f"{_M3}; and {_VL_TARGETS}", _M3_MATCH, _M3_CHECKS) for p in ("tp1 -> pp2", "tp1 -> dp2ep2")},
+    "minimax_m3_vl tp1 -> tp2": _xfail(f"{_M3}; and {_VL_TARGETS}", _M3_MATCH, _M3_CHECKS, etp=True),
     "gpt_oss": {"reason": _GPT_OSS, "match": r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\) at non-singleton dimension 1",
                 "raised_in": "megatron.bridge.peft"},
 }
@@ -185,3 +197,4 @@ def canonical_pair(pairs: list[str]) -> str:
 
 # the VL language paths' CanonicalLoRA meets the LoRA findings (adapter_config targets, Qwen2.5-VL's no-op load)
 CANONICAL.update({f: LORA[f] for f in ("qwen2_5_vl", "gemma3_vl", "mistral3")})
+CANONICAL["minimax_m3_vl"] = LORA["minimax_m3_vl tp1 -> pp2"]

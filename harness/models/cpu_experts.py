@@ -152,7 +152,12 @@ def grouped_names_mlp() -> type:
         return _CACHE["grouped"]
     from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
+    import inspect
+
     column, row = grouped_linears()
+    # megatron-core 0.19 gives experts a `name` (TEGroupedMLP.__init__'s keyword); 0.17 has none: pass it only where
+    # the installed class takes it (can go when the oldest Core the gate sweeps takes `name`)
+    takes_name = "name" in inspect.signature(TEGroupedMLP.__init__).parameters
 
     class GroupedNamesMLP(TEGroupedMLP):
         """TEGroupedMLP with GroupedColumnLinear / GroupedRowLinear: whatever submodules the spec
@@ -163,7 +168,7 @@ def grouped_names_mlp() -> type:
 
             pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
             super().__init__(num_local_experts, config, GroupedMLPSubmodules(linear_fc1=column, linear_fc2=row),
-                             pg_collection=pg_collection, name=name)
+                             pg_collection=pg_collection, **({"name": name} if takes_name else {}))
 
     _CACHE["grouped"] = GroupedNamesMLP
     return GroupedNamesMLP

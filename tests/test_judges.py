@@ -395,12 +395,16 @@ def test_truth_is_a_pure_function_of_seeds(name):
 
 
 class _FakeModel(torch.nn.Module):
-    """named_parameters of a model holding `experts` local experts in `dtype` (no process group needed)."""
+    """named_parameters of a model holding `experts` local experts (and a router where asked) besides a
+    dense weight, in `dtype` (no process group needed)."""
 
-    def __init__(self, experts: int, dtype=torch.float32):
+    def __init__(self, experts: int, dtype=torch.float32, router: bool = False):
         super().__init__()
         self.p = {f"decoder.layers.0.mlp.experts.local_experts.{i}.linear_fc1.weight": torch.nn.Parameter(torch.zeros(1, dtype=dtype))
                   for i in range(experts)}
+        self.p["decoder.layers.0.self_attention.linear_proj.weight"] = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        if router:
+            self.p["decoder.layers.0.mlp.router.weight"] = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
 
     def named_parameters(self, *a, **k):
         return iter(self.p.items())
@@ -418,5 +422,10 @@ def test_bridge_propagation_names_a_wrong_dtype_and_unsplit_experts():
     assert bad(mb.ddp_propagation(mb.BridgeModel(None, [_FakeModel(2)], local_experts_asked=2), {}, "fp32")) == []
     # ep2 asked, but every rank holds all 4 experts: the provider never got expert_model_parallel_size
     assert bad(mb.ddp_propagation(mb.BridgeModel(None, [_FakeModel(4)], local_experts_asked=2), {}, "fp32")) == ["local experts (num_experts/ep)"]
+    # a stage of dense layers only (an uneven first stage of a DeepSeek-style model) holds no experts, rightly;
+    # a stage with a router but no local expert does not
+    assert bad(mb.ddp_propagation(mb.BridgeModel(None, [_FakeModel(0)], local_experts_asked=2), {}, "fp32")) == []
+    assert bad(mb.ddp_propagation(mb.BridgeModel(None, [_FakeModel(0, router=True)], local_experts_asked=2), {}, "fp32")) == \
+        ["local experts (num_experts/ep)"]
     # bf16 asked, fp32 params and no Float16Module
     assert bad(mb.ddp_propagation(mb.BridgeModel(None, [_FakeModel(2)], local_experts_asked=2), {}, "bf16")) == ["Float16Module", "params_dtype"]

@@ -368,7 +368,7 @@ def ddp_propagation(bm: BridgeModel, asked: dict[str, Any], dtype: str = "fp32")
         pat = re.compile(r"layers\.\d+\.mlp\.experts\.(?:local_experts\.(\d+)\.|linear_fc1\.weight(\d+)$)")
         local = {m.group(1) or m.group(2) for c in chunks(bm) for n, _ in c.named_parameters() if (m := pat.search(n))}
         # a stage of dense layers only (the dense first layer of DeepSeek-style families on an uneven first stage) holds none
-        moe_here = any(".mlp.router." in n for c in chunks(bm) for n, _ in c.named_parameters())
+        moe_here = bool(local) or any(".mlp.router." in n for c in chunks(bm) for n, _ in c.named_parameters())
         asked = bm.local_experts_asked if moe_here else 0
         records.append({"knob": "local experts (num_experts/ep)" if moe_here else "local experts (no MoE layer on this stage)",
                         "asked": asked, "actual": len(local), "ok": len(local) == asked})

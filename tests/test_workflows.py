@@ -317,6 +317,21 @@ def test_a_pin_change_becomes_baseline_and_candidate_arguments(tmp_path):
     assert argv == ["gate", "--baseline", "a==1", "--candidate", "a==2", "--out", "gate", "--", "matrices/smoke.yaml"]
 
 
+def test_a_pull_request_gates_on_the_gates_default_matrix(tmp_path):
+    """A bump PR names no matrix: the gate runs its own default, matrices/gate.yaml (the smoke slice plus
+    every architecture), not the smoke slice alone."""
+    import argparse
+
+    from harness.gate.gate_args import add_parser
+
+    argv = _gate_argv(tmp_path, "", "", "--baseline a==1 --candidate a==2")
+    assert argv == ["gate", "--baseline", "a==1", "--candidate", "a==2", "--out", "gate"]
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(argv).matrix == Path("matrices/gate.yaml")
+    assert "smoke.yaml" not in (WORKFLOWS / "bridge-bump.yml").read_text()
+
+
 def test_the_gate_cli_parses_the_workflow_argv():
     """`--out gate -- MATRIX` parses as the gate's own parser reads it (a matrix name may start with '-')."""
     from unittest import mock
@@ -328,3 +343,92 @@ def test_the_gate_cli_parses_the_workflow_argv():
     args = gate.call_args
     assert args.args[0] == ["a @ b"] and str(args.args[2]) == "-m.yaml" and str(args.args[4]) == "gate"
     assert args.kwargs["trust_pickles"] is False
+
+
+# --------------------------------------------------------------------------- hardening (issue 44 item 8)
+#: `uses: owner/repo[/path]@<commit>  # vX.Y.Z`: a tag can be moved to other code, a commit cannot
+_PINNED = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}\s+#\s*v\d+\.\d+\.\d+\s*$")
+_USES = re.compile(r"^\s*(?:-\s+)?uses:\s*(.+?)\s*$", re.M)
+
+
+def hardening_problems(text: str) -> list[str]:
+    """What zizmor would flag medium or high, checked without it: an action not pinned to a full commit
+    SHA with its release as a comment, a checkout that leaves the token in .git/config, a workflow that
+    declares no `permissions` (the token then gets the repository's default, often write-all)."""
+    doc = yaml.safe_load(text)
+    out = [f"unpinned: uses: {u}" for u in _USES.findall(text) if not u.startswith("./") and not _PINNED.match(u)]
+    if "permissions" not in doc:
+        out.append("no top-level permissions")
+    for name, job in doc["jobs"].items():
+        if "permissions" not in job and doc.get("permissions") not in ({}, {"contents": "read"}):
+            out.append(f"{name}: no permissions, and the workflow's are not least")
+        for i, step in enumerate(job.get("steps", [])):
+            if str(step.get("uses", "")).startswith("actions/checkout@") and \
+                    (step.get("with") or {}).get("persist-credentials") is not False:
+                out.append(f"{name} step {i}: actions/checkout without persist-credentials: false")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in WORKFLOWS.glob("*.yml")))
+def test_every_action_is_pinned_and_every_token_least(name):
+    assert hardening_problems((WORKFLOWS / name).read_text()) == []
+
+
+@pytest.mark.parametrize("plant, words", [
+    (lambda t: re.sub(r"actions/cache@[0-9a-f]{40}  # v[\d.]+", "actions/cache@v4", t, count=1), "unpinned"),
+    (lambda t: re.sub(r"(actions/setup-python@[0-9a-f]{40})  # v[\d.]+", r"\1", t, count=1), "unpinned"),
+    (lambda t: t.replace("{persist-credentials: false}", "{}", 1), "persist-credentials"),
+    (lambda t: t.replace("\npermissions: {}\n", "\n", 1), "permissions"),
+])
+def test_a_planted_unpinned_action_or_broad_token_is_caught(plant, words):
+    text = (WORKFLOWS / "ci.yml").read_text()
+    planted = plant(text)
+    assert planted != text
+    found = hardening_problems(planted)
+    assert found and any(words in p for p in found), found
+
+
+def _zizmor() -> Path:
+    """requirements-tools.txt's zizmor, installed as uv is (pip --target into the cache's tools/), else on PATH."""
+    import os
+    import shutil
+
+    pin = next(ln.strip() for ln in (ROOT / "requirements-tools.txt").read_text().splitlines() if ln.startswith("zizmor=="))
+    home = Path(os.environ.get("CKPT_HARNESS_HOME") or Path.home() / ".cache" / "ckpt-harness")
+    target = home / "tools" / re.sub(r"[^A-Za-z0-9.]+", "-", pin)
+    if (target / "bin" / "zizmor").is_file():
+        return target / "bin" / "zizmor"
+    if found := shutil.which("zizmor"):
+        return Path(found)
+    pytest.skip(f"zizmor is not installed (ci.yml's zizmor job runs it): python3.12 -m pip install --target {target} {pin}")
+
+
+def _zizmor_findings(github: Path) -> list[str]:
+    """zizmor's medium and high findings over a .github directory, offline (no GitHub API)."""
+    import json
+    import subprocess
+
+    r = subprocess.run([str(_zizmor()), "--offline", "--no-config", "--format", "json", str(github)],
+                       capture_output=True, text=True, check=False, cwd=github.parent)
+    assert r.stdout.strip(), r.stderr
+    return [f"{f['ident']} ({f['determinations']['severity']}): {f['locations'][0]['symbolic']['key']}"
+            for f in json.loads(r.stdout) if f["determinations"]["severity"] in ("Medium", "High")]
+
+
+def test_zizmor_finds_nothing_medium_or_high():
+    assert _zizmor_findings(ROOT / ".github") == []
+
+
+def test_zizmor_catches_a_planted_unpinned_action(tmp_path):
+    import shutil
+
+    _zizmor()
+    shutil.copytree(ROOT / ".github", tmp_path / ".github")
+    ci = tmp_path / ".github" / "workflows" / "ci.yml"
+    ci.write_text(re.sub(r"actions/cache@[0-9a-f]{40}  # v[\d.]+", "actions/cache@v4", ci.read_text(), count=1))
+    assert any(f.startswith("unpinned-uses") for f in _zizmor_findings(tmp_path / ".github"))
+
+
+def test_ci_runs_zizmor_at_the_pin():
+    runs = " ".join(_runs(_load("ci.yml")["jobs"]["zizmor"]))
+    assert "requirements-tools.txt" in runs and re.search(r'zizmor"? --offline --min-severity medium \.github/', runs)

@@ -144,6 +144,16 @@ def test_a_dp_reshardable_source_needs_per_parameter_state_the_conversion_lacks(
     assert "flat dp_reshardable buffer" in opt.mismatches[0].detail
 
 
+def test_a_comparison_over_nothing_fails_instead_of_saying_0_equal():
+    """An empty source (or one whose only optimizer state is flat buffers of no weight) compares
+    nothing: `0 model weights equal` must not pass."""
+    checks = _judge({}, jc.Contents({}, {}), steps=())
+    assert checks["fsdp-weights"].status == "failed" and "nothing to judge" in checks["fsdp-weights"].detail
+    flat = {"optimizer.distributed.dp_group_idx_0.gbuf_idx_0.bucket_idx_0.exp_avg": torch.zeros(4)}
+    checks = {c.name: c for c in jc.judge_fsdp(jc.Contents(flat), jc.Contents({}, {}), True, [2.0], "dp_reshardable")}
+    assert checks["fsdp-optimizer"].status == "failed" and "no optimizer tensor" in checks["fsdp-optimizer"].detail
+
+
 def test_a_weights_only_source_has_no_optimizer_checks_to_run():
     weights = _source(optimizer=False)
     checks = _judge(weights, _good(weights, steps=()), steps=())

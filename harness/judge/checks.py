@@ -36,7 +36,7 @@ def _max_diff(expected: Mapping[str, torch.Tensor], actual: Mapping[str, torch.T
     return max(diffs, default=0.0)
 
 
-def _empty(name: str, what: str, empty_ok: str, tolerance: Tolerance = NOT_COMPARED) -> Check:
+def empty_check(name: str, what: str, empty_ok: str, tolerance: Tolerance = NOT_COMPARED) -> Check:
     """A check given nothing to judge: passed only where the caller says why nothing is the right
     answer (`empty_ok`), else failed, naming what was empty (a vacuous pass proves nothing)."""
     if empty_ok:
@@ -60,7 +60,7 @@ def state_check(
     was compared) unless `empty_ok` says why no tensors is right."""
     label = label_of(tolerance)
     if not expected and not actual and not problems:
-        return _empty(name, f"no tensors on either side ({expected_label}, {actual_label})", empty_ok, label)
+        return empty_check(name, f"no tensors on either side ({expected_label}, {actual_label})", empty_ok, label)
     mismatches = list(problems) + compare_state(expected, actual, expected_label, actual_label, tolerance)
     if mismatches:
         worst = max((m.max_abs_diff for m in mismatches if m.max_abs_diff is not None), default=None)
@@ -82,7 +82,7 @@ def tensor_check(
     """`expected` and `actual` equal (bitwise, or within `tolerance`); two empty tensors fail (no
     element was compared) unless `empty_ok` says why that is right."""
     if expected.numel() == 0 and actual.numel() == 0:
-        return _empty(name, f"no elements on either side ({expected_label} {tuple(expected.shape)}, "
+        return empty_check(name, f"no elements on either side ({expected_label} {tuple(expected.shape)}, "
                       f"{actual_label} {tuple(actual.shape)})", empty_ok, label_of(tolerance))
     m = compare_tensors(name, expected, actual, expected_label, actual_label, tolerance)
     diff = max_abs_diff(expected, actual)
@@ -113,10 +113,10 @@ def knob_check(name: str, sides: Sequence[tuple[str, Sequence[Sequence[Mapping[s
     every side: `sides` is [(label, [per-rank list of {knob, asked, actual, ok}])]. No side, or a
     side whose ranks recorded no knob, fails (nothing was compared) unless `empty_ok` says why."""
     if not sides:
-        return _empty(name, "no side recorded knobs", empty_ok, EXACT)
+        return empty_check(name, "no side recorded knobs", empty_ok, EXACT)
     bare = [f"{label} ({len(ranks)} rank(s))" for label, ranks in sides if not any(ranks)]
     if bare:
-        return _empty(name, f"no knob records from {', '.join(bare)}", empty_ok, EXACT)
+        return empty_check(name, f"no knob records from {', '.join(bare)}", empty_ok, EXACT)
     bad = [
         f"{label} rank {rank}: {k['knob']} asked {k['asked']!r}, built {k['actual']!r}"
         for label, ranks in sides
@@ -179,11 +179,11 @@ def weights_match_main_params(
         return Check(name, "not-run", f"dtype {dtype}: the optimizer steps the model params themselves, there is no "
                      "separate fp32 main copy to match", tolerance=NOT_COMPARED)
     if not sides:
-        return _empty(name, "no side to compare (no weights, no optimizer)", empty_ok, BITWISE)
+        return empty_check(name, "no side to compare (no weights, no optimizer)", empty_ok, BITWISE)
     bare = [label for label, weights, optimizer in sides
             if not weights and not any(k.startswith(MAIN_PARAM_PREFIXES) for k in optimizer)]
     if bare:
-        return _empty(name, f"no bf16 weights and no fp32 main params at {', '.join(bare)}", empty_ok, BITWISE)
+        return empty_check(name, f"no bf16 weights and no fp32 main params at {', '.join(bare)}", empty_ok, BITWISE)
     mismatches: list[Mismatch] = []
     total = 0
     for label, weights, optimizer in sides:

@@ -27,8 +27,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from harness.core.parity import EXACT, NOT_COMPARED, Mismatch, compare_state
+from harness.core.parity import BITWISE, EXACT, NOT_COMPARED, Mismatch, compare_state
 from harness.core.result import Check
+from harness.judge.checks import empty_check
 from harness.judge.ckpt_content import poison, uncovered
 
 MODEL_PREFIX = "model.module."
@@ -169,7 +170,11 @@ def expected_fsdp(source: Mapping[str, torch.Tensor], swiglu: bool) -> dict[str,
     return out
 
 
-def _named(name: str, mismatches: Sequence[Mismatch], ok: str, what: str) -> Check:
+def _named(name: str, mismatches: Sequence[Mismatch], ok: str, what: str, compared: int) -> Check:
+    """`name` failed naming its first mismatches, or passed with `ok`. `compared` (how many expected
+    tensors were looked at) of 0 fails: "0 ... equal" over nothing proves nothing."""
+    if not mismatches and not compared:
+        return empty_check(name, f"no {what} tensor expected from the torch_dist source, none compared", "", BITWISE)
     if not mismatches:
         return Check(name, "passed", ok, 0.0)
     worst = max((m.max_abs_diff for m in mismatches if m.max_abs_diff is not None), default=None)
@@ -189,18 +194,20 @@ def judge_fsdp(source: Contents, converted: Contents, swiglu: bool, steps: Seque
         return {k: v for k, v in d.items() if k.startswith(OPTIMIZER_PREFIX) != model}
 
     weights = compare_state(part(expected, True), part(converted.tensors, True), label_s, label_c)
-    checks = [_named("fsdp-weights", weights, f"{len(part(expected, True))} model weights equal, bitwise, after the key mapping", "weight")]
+    n_weights = len(part(expected, True))
+    checks = [_named("fsdp-weights", weights, f"{n_weights} model weights equal, bitwise, after the key mapping", "weight", n_weights)]
     flat = sorted(k for k in source.tensors if k.startswith(FLAT_OPTIMIZER))
     has_opt = flat or any(k.startswith(SOURCE_OPTIMIZER) for k in source.tensors)
     if not has_opt:
         checks.append(Check("fsdp-optimizer", "not-run", "the source checkpoint holds no optimizer state (a weights-only save)",
                             tolerance=NOT_COMPARED))
     else:
-        problems = []
+        problems, flat_expected = [], 0
         if flat:  # per-parameter state the flat buffers hold: every parameter's exp_avg, exp_avg_sq and param
             kinds = sorted({k.rsplit(".", 1)[1] for k in flat})
             for name in part(expected, True):
                 for kind in kinds:
+                    flat_expected += 1
                     key = f"{OPTIMIZER_PREFIX}{name[len(MODEL_PREFIX):]}.{kind}"
                     if key not in converted.tensors:
                         problems.append(Mismatch(key, "missing", label_s, label_c, None,
@@ -208,7 +215,8 @@ def judge_fsdp(source: Contents, converted: Contents, swiglu: bool, steps: Seque
         opt = problems + compare_state(part(expected, False), part(converted.tensors, False), label_s, label_c)
         kinds = Counter(k.rsplit(".", 1)[1] for k in part(expected, False))
         per_kind = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
-        checks.append(_named("fsdp-optimizer", opt, f"{sum(kinds.values())} optimizer tensors equal, bitwise ({per_kind})", "optimizer"))
+        checks.append(_named("fsdp-optimizer", opt, f"{sum(kinds.values())} optimizer tensors equal, bitwise ({per_kind})", "optimizer",
+                             flat_expected + sum(kinds.values())))
     if not has_opt or not steps:
         checks.append(Check("fsdp-step", "not-run", "the source checkpoint records no optimizer step", tolerance=NOT_COMPARED))
     else:

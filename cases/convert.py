@@ -17,9 +17,10 @@ Checks:
                    Megatron-FSDP key (layers split, experts split, SwiGLU fc1 split into _w/_v), bitwise,
                    and nothing else is under `model.module.`
   fsdp-optimizer   likewise exp_avg, exp_avg_sq and the main params (`param`, fp32 in a bf16 run
-                   too) under `optimizer.state.module.module.module.<param>.<state>`; not-run for a
-                   weights-only source
-  fsdp-step        the optimizer step of every param group survives
+                   too) under `optimizer.state.module.module.module.<param>.<state>`; not-run with
+                   `optimizer: false`; a source without optimizer state where the case saved one fails
+  fsdp-step        the optimizer step of every param group survives (a source without one fails
+                   where the case saved an optimizer)
   to-torch-dist    fsdp_dtensor -> torch_dist through a shipped converter: not-run while none
                    ships (the reason names every file and option looked at); failed when the
                    converter gains a command for it, so the harness gets wired to drive it
@@ -172,7 +173,7 @@ class Convert(Case):
         converted = self._convert(spec, opts, env, result, model, tool, source_dir, out)
         if converted:
             with env.timed("compare"):
-                result.checks += self._judge(model, source_dir, out)
+                result.checks += self._judge(model, source_dir, out, opts.optimizer)
         else:
             result.checks += not_run_checks(FSDP_CHECKS, "the conversion to fsdp_dtensor did not complete (to-fsdp-dtensor)")
         result.checks += reverse_not_run(tool.origin, mlm.REVERSE_LOOKED_AT, mlm.reverse_commands(mlm.command_names(tool)))
@@ -198,14 +199,14 @@ class Convert(Case):
         return True
 
     @staticmethod
-    def _judge(model: ModelSpec, source_dir: Path, out: Path) -> list[Check]:
+    def _judge(model: ModelSpec, source_dir: Path, out: Path, optimizer: bool) -> list[Check]:
         from megatron.core.dist_checkpointing.serialization import load_common_state_dict
 
         common = load_common_state_dict(str(source_dir))
         sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
         source = read_checkpoint(source_dir, objects=FLAT_GROUPS)
         return judge_fsdp(source, read_checkpoint(out, objects=STEP_KEY), model.swiglu,
-                          source_steps(common) or flat_steps(source.objects), sharding)
+                          source_steps(common) or flat_steps(source.objects), optimizer, sharding)
 
     def _target_load(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult, model: ModelSpec,
                      source_dir: Path, out: Path, converted: bool) -> Check:

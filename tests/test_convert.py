@@ -53,8 +53,8 @@ def _good(source: dict[str, torch.Tensor], steps=(2.0, 2.0)) -> jc.Contents:
                        {f"optimizer.param_groups.{i}.step": s for i, s in enumerate(steps)})
 
 
-def _judge(source, converted, steps=(2.0, 2.0)):
-    return {c.name: c for c in jc.judge_fsdp(jc.Contents(source), converted, True, list(steps))}
+def _judge(source, converted, steps=(2.0, 2.0), optimizer=True):
+    return {c.name: c for c in jc.judge_fsdp(jc.Contents(source), converted, True, list(steps), optimizer)}
 
 
 # ------------------------------------------------------------------ the documented key mapping
@@ -138,7 +138,7 @@ def test_a_dp_reshardable_source_needs_per_parameter_state_the_conversion_lacks(
     weights = _source(optimizer=False)
     flat = {f"optimizer.distributed.dp_group_idx_0.gbuf_idx_0.bucket_idx_0.{k}": torch.zeros(10) for k in ("param", "exp_avg")}
     converted = _good(weights)  # the weights converted, the optimizer state nowhere
-    checks = {c.name: c for c in jc.judge_fsdp(jc.Contents({**weights, **flat}), converted, True, [2.0], "dp_reshardable")}
+    checks = {c.name: c for c in jc.judge_fsdp(jc.Contents({**weights, **flat}), converted, True, [2.0], True, "dp_reshardable")}
     opt = checks["fsdp-optimizer"]
     assert opt.status == "failed" and len(opt.mismatches) == 2 * len(jc.expected_fsdp(weights, True))
     assert "flat dp_reshardable buffer" in opt.mismatches[0].detail
@@ -147,19 +147,31 @@ def test_a_dp_reshardable_source_needs_per_parameter_state_the_conversion_lacks(
 def test_a_comparison_over_nothing_fails_instead_of_saying_0_equal():
     """An empty source (or one whose only optimizer state is flat buffers of no weight) compares
     nothing: `0 model weights equal` must not pass."""
-    checks = _judge({}, jc.Contents({}, {}), steps=())
+    checks = _judge({}, jc.Contents({}, {}), steps=(), optimizer=False)
     assert checks["fsdp-weights"].status == "failed" and "nothing to judge" in checks["fsdp-weights"].detail
     flat = {"optimizer.distributed.dp_group_idx_0.gbuf_idx_0.bucket_idx_0.exp_avg": torch.zeros(4)}
-    checks = {c.name: c for c in jc.judge_fsdp(jc.Contents(flat), jc.Contents({}, {}), True, [2.0], "dp_reshardable")}
+    checks = {c.name: c for c in jc.judge_fsdp(jc.Contents(flat), jc.Contents({}, {}), True, [2.0], True, "dp_reshardable")}
     assert checks["fsdp-optimizer"].status == "failed" and "no optimizer tensor" in checks["fsdp-optimizer"].detail
 
 
-def test_a_weights_only_source_has_no_optimizer_checks_to_run():
+def test_a_weights_only_save_has_no_optimizer_checks_to_run():
     weights = _source(optimizer=False)
-    checks = _judge(weights, _good(weights, steps=()), steps=())
+    checks = _judge(weights, _good(weights, steps=()), steps=(), optimizer=False)
     assert checks["fsdp-weights"].status == "passed"
-    assert checks["fsdp-optimizer"].status == "not-run" and "weights-only" in checks["fsdp-optimizer"].detail
+    assert checks["fsdp-optimizer"].status == "not-run" and "optimizer: false" in checks["fsdp-optimizer"].detail
     assert checks["fsdp-step"].status == "not-run"
+
+
+def test_a_save_that_dropped_its_optimizer_fails_instead_of_passing_as_weights_only():
+    """Whether the optimizer must be there comes from the case (it trained and saved one), not from
+    the checkpoint under test: a source without optimizer state or step then fails both checks."""
+    weights = _source(optimizer=False)
+    checks = _judge(weights, _good(weights, steps=()), steps=(), optimizer=True)
+    assert checks["fsdp-weights"].status == "passed"
+    assert checks["fsdp-optimizer"].status == "failed" and "holds no optimizer state" in checks["fsdp-optimizer"].detail
+    assert checks["fsdp-step"].status == "failed" and "records no optimizer step" in checks["fsdp-step"].detail
+    source = _source()  # and the other way: optimizer state in what the case saved as weights only
+    assert _judge(source, _good(source), optimizer=False)["fsdp-optimizer"].status == "failed"
 
 
 def test_read_checkpoint_gives_full_tensors_and_the_step_objects(tmp_path):

@@ -182,11 +182,13 @@ def _named(name: str, mismatches: Sequence[Mismatch], ok: str, what: str, compar
     return Check(name, "failed", f"{len(mismatches)} {what} mismatch(es): {shown}", worst, mismatches=list(mismatches))
 
 
-def judge_fsdp(source: Contents, converted: Contents, swiglu: bool, steps: Sequence[Any],
+def judge_fsdp(source: Contents, converted: Contents, swiglu: bool, steps: Sequence[Any], optimizer: bool,
                sharding: str | None = None) -> list[Check]:
     """fsdp-weights, fsdp-optimizer and fsdp-step for a torch_dist `source` and its fsdp_dtensor
     `converted` form. `steps` is the source's optimizer step per param group (`source_steps`);
-    `sharding` the source's distrib_optim_sharding_type, said when the optimizer check fails."""
+    `optimizer` whether the case saved one (its options, never what the source holds: a save that
+    drops the optimizer must fail, not pass as weights-only); `sharding` the source's
+    distrib_optim_sharding_type, said when the optimizer check fails."""
     expected = expected_fsdp(source.tensors, swiglu)
     label_s, label_c = "torch_dist", "fsdp_dtensor"
 
@@ -197,9 +199,13 @@ def judge_fsdp(source: Contents, converted: Contents, swiglu: bool, steps: Seque
     n_weights = len(part(expected, True))
     checks = [_named("fsdp-weights", weights, f"{n_weights} model weights equal, bitwise, after the key mapping", "weight", n_weights)]
     flat = sorted(k for k in source.tensors if k.startswith(FLAT_OPTIMIZER))
-    has_opt = flat or any(k.startswith(SOURCE_OPTIMIZER) for k in source.tensors)
-    if not has_opt:
-        checks.append(Check("fsdp-optimizer", "not-run", "the source checkpoint holds no optimizer state (a weights-only save)",
+    has_opt = bool(flat) or any(k.startswith(SOURCE_OPTIMIZER) for k in source.tensors)
+    if has_opt != optimizer:
+        what = ("the case saved an optimizer, but the source checkpoint holds no optimizer state" if optimizer
+                else "the case saved weights only, but the source checkpoint holds optimizer state")
+        checks.append(Check("fsdp-optimizer", "failed", what, tolerance=NOT_COMPARED))
+    elif not optimizer:
+        checks.append(Check("fsdp-optimizer", "not-run", "the case saved weights only (option optimizer: false)",
                             tolerance=NOT_COMPARED))
     else:
         problems, flat_expected = [], 0
@@ -217,8 +223,11 @@ def judge_fsdp(source: Contents, converted: Contents, swiglu: bool, steps: Seque
         per_kind = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
         checks.append(_named("fsdp-optimizer", opt, f"{sum(kinds.values())} optimizer tensors equal, bitwise ({per_kind})", "optimizer",
                              flat_expected + sum(kinds.values())))
-    if not has_opt or not steps:
-        checks.append(Check("fsdp-step", "not-run", "the source checkpoint records no optimizer step", tolerance=NOT_COMPARED))
+    if not optimizer:
+        checks.append(Check("fsdp-step", "not-run", "the case saved weights only (option optimizer: false)", tolerance=NOT_COMPARED))
+    elif not steps:
+        checks.append(Check("fsdp-step", "failed", "the case saved an optimizer, but the source checkpoint records no optimizer step",
+                            tolerance=EXACT))
     else:
         got = converted_steps(converted.objects)
         ok = list(steps) == got

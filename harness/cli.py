@@ -201,7 +201,7 @@ def _cmd_gate(args: argparse.Namespace) -> int:
     return run_gate(args.candidate, args.baseline, args.matrix, args.k, args.out, cache, _thresholds(args), cross=not args.skip_cross,
                     corpus=args.corpus, exact=args.exact, jobs=args.jobs, reuse=not args.no_reuse, trust_pickles=args.trust_pickles,
                     baseline_results=args.baseline_results, fresh_baseline=args.fresh_baseline, concurrent=args.concurrent,
-                    scale_plans=() if args.no_scale else scale.PLANS)
+                    scale_plans=() if args.no_scale else scale.PLANS, accept=args.accept_unevaluated)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -249,6 +249,13 @@ def _add_thresholds(p: argparse.ArgumentParser) -> None:
     p.add_argument("--diff-factor", type=float, default=10.0, help="toleranced diff growth factor that fails")
 
 
+def _add_accept(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--accept-unevaluated", action="append", default=[], metavar="PATTERN",
+                   help="accept, by name, cases green on the baseline that have no real result on the candidate (an "
+                        "fnmatch glob or a substring of the case id; repeatable): listed in the verdict, no longer "
+                        "keeping it from SAFE. Without it every such case does (exit 2)")
+
+
 def _thresholds(args: argparse.Namespace):
     from harness.gate import compare
 
@@ -263,10 +270,10 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from harness.gate import compare
+    from harness.gate import compare, evidence
 
     try:
-        code, md = compare.run(args.base, args.candidate, args.out, _thresholds(args))
+        code, md = evidence.run_compare(args.base, args.candidate, args.out, _thresholds(args), args.accept_unevaluated)
     except compare.CompareInputError as exc:
         print(f"ckpt-harness compare: {exc}", file=sys.stderr)
         return 2
@@ -351,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gate = gate_args.add_parser(sub)
     _add_thresholds(gate)
+    _add_accept(gate)
     gate.set_defaults(func=_cmd_gate)
     from harness.gate import sweep
 
@@ -372,11 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("results", type=Path)
     show.add_argument("--html", type=Path, default=None, help="write the results as one self-contained HTML report instead")
     show.set_defaults(func=_cmd_show)
-    cmp = sub.add_parser("compare", help="baseline vs candidate results: exit 1 on any regression")
+    cmp = sub.add_parser("compare", help="baseline vs candidate results, judged as the gate judges: exit 1 on a failing "
+                         "finding, 2 when the evidence does not cover the baseline's green cases")
     cmp.add_argument("base", type=Path, help="baseline results.json or report dir")
     cmp.add_argument("candidate", type=Path, help="candidate results.json or report dir")
     cmp.add_argument("--out", type=Path, default=None, help="write DIR/compare.json and DIR/compare.md")
     _add_thresholds(cmp)
+    _add_accept(cmp)
     cmp.set_defaults(func=_cmd_compare)
     from harness.gate import bisect as bisect_cmd
 

@@ -60,14 +60,15 @@ def test_regression_passed_to_failed_names_the_checks():
     assert "step" in f.detail and "logits" not in f.detail.split("now fail:")[1]
 
 
-def test_regression_xfailed_to_error_and_a_new_failing_check_inside_a_failed_case():
+def test_a_defect_that_errors_instead_and_a_new_failing_check_inside_a_failed_case():
     base = doc(case("x", "xfailed", checks=[check("step", "failed")]),
                case("f", "failed", checks=[check("step", "failed"), check("losses")]))
     cand = doc(case("x", "error", checks=[], error="world timed out after 180 s"),
                case("f", "failed", checks=[check("step", "failed"), check("losses", "failed")]))
     findings = cmp.compare(base, cand)
     [x] = [f for f in findings if f.case == "x"]
-    assert x.kind == "regression" and "xfailed -> error: world timed out" in x.detail
+    # a known defect that fails another way: failing, counted apart from green -> red
+    assert x.kind == "defect-changed" and x.failing and "xfailed -> error" in x.detail and "world timed out" in x.detail
     [f] = [f for f in findings if f.case == "f"]
     assert f.kind == "regression" and "losses" in f.detail and cmp.exit_code(findings) == 1
 
@@ -109,15 +110,20 @@ def test_fixed_upstream_says_drop_the_xfail_and_does_not_fail():
     assert "drop the xfail" in findings[0].detail and "not a regression" in findings[0].detail
 
 
-def test_appeared_and_disappeared_cases_and_lost_checks_warn_without_failing():
-    base = doc(case("gone"), case("kept", checks=[check("logits", diff=0.0, tol=TOL), check("resave-plain")]))
-    cand = doc(case("new"), case("kept", checks=[check("logits", "not-run", tol="-")]))
+def test_appeared_and_disappeared_cases_warn_and_a_lost_judging_check_fails():
+    base = doc(case("gone"), case("kept", checks=[check("logits", diff=0.0, tol=TOL), check("resave-plain"),
+                                                  check("memory-budget:save")]))
+    cand = doc(case("new"), case("kept", checks=[check("logits", "not-run", tol="-", detail="no HF class")]))
     findings = cmp.compare(base, cand)
     assert sorted((f.case, f.kind) for f in findings) == [
-        ("gone", "disappeared"), ("kept", "disappeared"), ("kept", "disappeared"), ("new", "appeared")]
-    assert cmp.exit_code(findings) == 0 and "3 warning(s)" in cmp.verdict(findings)
+        ("gone", "disappeared"), ("kept", "check-lost"), ("kept", "check-lost"), ("kept", "disappeared"), ("new", "appeared")]
+    assert cmp.exit_code(findings) == 1  # a green case no longer judged on what the baseline judged it on
     details = " ".join(f.detail for f in findings if f.case == "kept")
-    assert "check logits passed on base, not run" in details and "check resave-plain passed on base, absent" in details
+    assert "check logits passed on base, not run on the candidate (no HF class)" in details
+    assert "check resave-plain passed on base, absent" in details
+    # an auxiliary check (a memory budget) lost only warns
+    [aux] = [f for f in findings if f.case == "kept" and f.kind == "disappeared"]
+    assert "memory-budget:save" in aux.detail and not aux.failing
 
 
 def test_fixed_case_is_reported_not_failing():
@@ -168,16 +174,16 @@ def test_time_growth_is_reported_never_failing():
     assert [(f.case, f.kind) for f in findings] == [("slow", "time-growth")] and cmp.exit_code(findings) == 0
 
 
-def test_markdown_lists_versions_then_regressions_then_fixed_then_the_rest_then_verdict():
+def test_markdown_lists_versions_then_failing_then_fixed_then_the_rest_then_verdict():
     base = doc(case("a"), case("k", "xfailed"), case("gone"), case("slow", total=10.0))
     cand = doc(case("a", "failed", checks=[check("loaded-canonical", "failed")]),
                case("k", "failed", error="XPASS(strict): expected to fail"), case("slow", total=30.0), bridge="0.7.0rc1")
     md = cmp.markdown(base, cand, cmp.compare(base, cand))
-    assert md.index("| megatron-bridge | 0.6.2 | 0.7.0rc1 **(changed)** |") < md.index("### Regressions")
+    assert md.index("| megatron-bridge | 0.6.2 | 0.7.0rc1 **(changed)** |") < md.index("### Failing findings")
     assert "| megatron-core | 0.19.2 | 0.19.2 |" in md
-    assert md.index("### Regressions") < md.index("### Fixed upstream") < md.index("### Other findings")
+    assert md.index("### Failing findings") < md.index("### Fixed upstream") < md.index("### Other findings")
     assert md.index("`a`") < md.index("`k`") < md.index("`gone`")
-    assert md.splitlines()[-1].startswith("**NOT SAFE**: 1 regression finding(s) in 1 case(s), 1 fixed upstream")
+    assert md.splitlines()[-1].startswith("**NOT SAFE**: 1 failing finding(s) in 1 case(s), 1 fixed upstream")
 
 
 def write(path: Path, d: dict[str, Any]) -> Path:
@@ -268,3 +274,59 @@ def test_tolerances_are_structured_and_old_string_documents_still_compare():
         assert "Tolerance" in str(exc)
     else:
         raise AssertionError("a string tolerance must be refused")
+
+
+TB = ('Traceback (most recent call last):\n  File "/x/site-packages/megatron/core/dist_checkpointing/{mod}.py", line 9, in f\n'
+      '    raise {exc}("boom")\n{exc}: boom\n')
+
+
+@pytest.mark.parametrize(("base_checks", "cand_checks", "why"), [
+    ([check("step", "failed", diff=1e-3)], [check("step", "failed", diff=1e3)], "grew 1e+06x"),
+    ([check("step", "failed", diff=1e-3)], [check("step", "failed", diff=float("nan"))], "became nan"),
+    ([check("step", "failed", diff=1e-3)], [check("step", "failed", diff=float("inf"))], "became inf"),
+    ([check("step", "failed"), check("losses", "failed")], [check("step", "failed")], "fails other checks: losses, step on base, step"),
+])
+def test_a_known_defect_cannot_get_worse_or_change_form_unseen(base_checks, cand_checks, why):
+    base = doc(case("x", "xfailed", checks=base_checks, xfail_reason="step reset"))
+    cand = doc(case("x", "xfailed", checks=cand_checks, xfail_reason="step reset"))
+    findings = cmp.compare(base, cand)
+    assert [f.kind for f in findings] == ["defect-changed"] and why in findings[0].detail, findings
+    assert cmp.exit_code(findings) == 1
+    # the same defect, no worse: nothing
+    assert cmp.compare(base, base) == []
+
+
+def test_a_known_defect_that_raises_another_error_or_from_another_module_changed():
+    def errs(mod: str, exc: str) -> dict:
+        return doc(case("x", "xfailed", checks=[], error=TB.format(mod=mod, exc=exc)))
+
+    same = cmp.compare(errs("mapping", "CheckpointingException"), errs("mapping", "CheckpointingException"))
+    assert same == []
+    for cand in (errs("mapping", "KeyError"), errs("exchange_utils", "CheckpointingException")):
+        [f] = cmp.compare(errs("mapping", "CheckpointingException"), cand)
+        assert f.kind == "defect-changed" and "raises differently" in f.detail and f.failing
+    [f] = cmp.compare(errs("mapping", "KeyError"), errs("exchange_utils", "KeyError"))
+    assert "KeyError raised in megatron.core.dist_checkpointing.mapping on base" in f.detail
+    assert "KeyError raised in megatron.core.dist_checkpointing.exchange_utils on the candidate" in f.detail
+
+
+def test_a_named_defect_no_longer_met_is_a_changed_defect_not_a_regression():
+    """xfailed -> failed with another message of the same defect: failing, but counted apart."""
+    base = doc(case("x", "xfailed", checks=[check("step", "failed")], xfail_reason="step reset"))
+    cand = doc(case("x", "failed", checks=[check("step", "failed")], xfail_reason="step reset",
+                    notes=["failed, but not as expected: no match for 'reset to 0' (step reset)"]))
+    [f] = cmp.compare(base, cand)
+    assert f.kind == "defect-changed" and "no match for 'reset to 0'" in f.detail and f.failing
+
+
+def test_an_xpass_counts_as_fixed_only_when_every_judging_check_compared_and_passed():
+    base = doc(case("k", "xfailed", checks=[check("step", "failed"), check("logits")]))
+    fixed = doc(case("k", "failed", checks=[check("step"), check("logits"), check("memory-budget:save", "not-run")],
+                     error="XPASS(strict): expected to fail"))
+    assert kinds(cmp.compare(base, fixed)) == ["fixed-upstream"]
+    for checks, why in (([check("step", "not-run"), check("logits")], "check(s) step not run"),
+                        ([check("logits")], "check(s) step the baseline ran are absent"),
+                        ([], "the candidate recorded no judging check")):
+        cand = doc(case("k", "failed", checks=checks, error="XPASS(strict): expected to fail"))
+        findings = cmp.compare(base, cand)
+        assert kinds(findings)[0] == "defect-changed" and why in findings[0].detail and cmp.exit_code(findings) == 1

@@ -110,3 +110,17 @@ def raised_in_own_code(traceback_text: str) -> bool | None:
     upstream package's, None when the traceback names no frame."""
     frame = raising_frame(traceback_text)
     return None if frame is None else frame.own
+
+
+#: an exception's line in a traceback: `pkg.mod.SomeError: message` (the class name kept)
+_EXC_HEADER = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure)):?\s?(.*)$")
+
+
+def exception_of(rank_traceback: str) -> tuple[str, str]:
+    """(exception class name, message) of the last exception in a formatted traceback."""
+    lines = rank_traceback.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _EXC_HEADER.match(lines[i])
+        if m and not lines[i].startswith(" "):
+            return m.group(1), "\n".join([m.group(2), *lines[i + 1 :]]).strip()
+    return "", lines[-1] if lines else ""

@@ -237,10 +237,11 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
              thresholds: compare.Thresholds = compare.Thresholds(), cross: bool = True, corpus: Path | None = None,
              exact: bool = False, jobs: int = 2, reuse: bool = True, trust_pickles: bool = False,
              baseline_results: Path | None = None, fresh_baseline: bool = False, concurrent: bool | None = None,
-             scale_plans: tuple = ()) -> int:
+             scale_plans: tuple = (), accept: tuple[str, ...] | list[str] = ()) -> int:
     """The gate. The baseline's run comes from the cache (harness.gate.baseline_cache) when one was
     made under the same key, else it runs (beside the candidate when `concurrent`, by default when
-    the machine has 4 cores or more) and is cached; `fresh_baseline` runs it again."""
+    the machine has 4 cores or more) and is cached; `fresh_baseline` runs it again. `accept`: the
+    --accept-unevaluated patterns (evidence.decide)."""
     if out.exists() and any(out.iterdir()):
         print(f"ckpt-harness: {out} is not empty; the gate writes a new directory (it never overwrites or deletes)", file=sys.stderr)
         return 2
@@ -300,8 +301,7 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
             findings += cross_findings(doc, rollback=False, base_versions=sides[0].versions, cand_versions=sides[1].versions)
         findings = sorted([*findings, *import_findings(sides), *evidence.shim_findings(base, cand)],
                           key=lambda f: (compare.ORDER.index(f.kind), f.case))
-        cover = evidence.coverage(base, cand, findings)
-        code = evidence.exit_code(findings, cover)
+        code, cover = evidence.decide(base, cand, findings, accept)
         error = no_evidence(cover) if code == 2 else None
         if archs.exit_code(code, arch_problem) != code:  # "no change" is evidence only when there is a registry
             code, error = 2, f"the Megatron-Bridge architecture registry gives no evidence: {arch_problem}"
@@ -379,6 +379,10 @@ def import_findings(sides: list[Side]) -> list[compare.Finding]:
 
 def no_evidence(cover: evidence.Coverage) -> str:
     """Why exit 2 when nothing failed: what the gate could not evaluate."""
+    if cover.evaluated and (blocking := cover.blocking):
+        return (f"{len(blocking)} case(s) green on the baseline have no real result on the candidate (listed first): the "
+                "gate saw nothing of them on the candidate, so it cannot call it safe; accept named holes with "
+                "--accept-unevaluated PATTERN")
     if not cover.evaluated and cover.baseline_red and len(cover.baseline_red) == cover.selected:
         return (f"the baseline is red on every selected case ({cover.selected} failed or errored on the baseline): "
                 "there is nothing to compare the candidate against; fix the baseline or the selection")

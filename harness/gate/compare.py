@@ -9,16 +9,19 @@ Classes of finding (one case can have several):
 
 | class | when | fails the gate |
 |---|---|---|
-| regression | passed/xfailed -> failed/error; or a check that passed on base fails on the candidate (named) | yes |
+| regression | passed -> failed/error; or a check that passed on base fails on the candidate (named), in any case | yes |
+| defect-changed | a named defect (xfailed on base) shows another form on the candidate: other checks fail, an error of another type or raised in another module, a failing check's difference grew past `diff_factor` x or became NaN/inf, it is no longer met (xfailed -> failed/error), or it "passes" with a judging check not run | yes (counted apart from regressions: nobody has looked at the new form) |
+| check-lost | a judging check (not memory-budget/source-unchanged) that passed on base is absent or not run in the candidate's green case: the candidate is no longer judged on it | yes |
 | does-not-import | a package the candidate moved from the pins does not import in the candidate (it imports on the baseline): every user breaks | yes |
 | new-refusal | base passed, candidate failed/error and its error or failed-check text names an exception (`...Error`, `...Exception`) that is no programming error (`CRASHES`: an AttributeError or KeyError is a crash, a regression): the candidate refused where the baseline loaded (replaces `regression` for that case) | yes |
 | api-break | a candidate case errors or is `not-applicable` because the candidate removed or renamed a public API users call (harness.gate.classify.PUBLIC_APIS) | yes |
-| new-workaround | a harness.compat workaround applied to a case on the candidate and not on the baseline: the candidate shows the condition it patches (an API shape the harness adapts to, or a defect the patch hides; harness.gate.evidence), counted in the verdict's first lines | no (warning) |
+| hides-workaround | a harness.compat workaround of kind `hides` (an upstream defect stepped around) applied to a case on the candidate and not on the baseline: the candidate's green results ran with a defect patched that the baseline did not have; its `shown_by` strict xfail shows it unpatched (harness.gate.evidence) | yes |
+| new-workaround | a harness.compat workaround of kind `adapts` applied on the candidate only: an API shape or environment the harness adapts to (harness.gate.evidence), listed under Workarounds | no (warning) |
 | diff-growth | a toleranced check's max abs diff grew past the tolerance's atol, by more than `diff_factor` x, or from 0 to > 0 | yes |
 | memory-growth | a phase's per-rank peak delta grew by more than `memory_pct` % AND more than `memory_mib` MiB | yes |
-| fixed-upstream | base xfailed -> candidate fails with XPASS(strict): the defect is fixed, drop the xfail | no |
+| fixed-upstream | base xfailed -> candidate fails with XPASS(strict), every judging check present and passed (none not run, none of base's missing): the defect is fixed, drop the xfail | no |
 | not-evaluated | a candidate case errors or is `not-applicable` for the harness's own limits: an API missing in a package unchanged between the sides, an internal API the harness's driver needs, or a Bridge/Core pair that is no release set (harness.gate.classify): a coverage hole, counted per case kind | no (listed) |
-| disappeared | a case on base is absent on the candidate, or a check that passed on base is absent or not run in a candidate case that passed/xfailed: coverage lost | no (warning) |
+| disappeared | a case on base is absent on the candidate (green on base: an unevaluated case, harness.gate.evidence), or an auxiliary check (memory budget, source store) that passed on base is absent or not run: coverage lost | no (warning; the case's absence keeps SAFE off) |
 | workaround-dropped | a workaround applied on the baseline only: the candidate no longer shows what it patches | no (listed) |
 | appeared | a case only on the candidate | no |
 | fixed | base failed/error -> candidate passed | no |
@@ -26,29 +29,31 @@ Classes of finding (one case can have several):
 | time-growth | phases.total grew > 1.5x and > 5 s | no |
 | architecture-removed / -added | an HF architecture the baseline's Megatron-Bridge registers and the candidate's does not / the reverse (harness.gate.archs, the gate only) | removed: yes; added: no (listed) |
 
-A disappeared case only warns: a renamed or re-tagged matrix entry disappears and appears under
-another id, and the gate cannot tell that from lost coverage, so it says so loudly and lets a
-person decide.
+A disappeared case is a warning here, but a case green on base with no real result on the candidate
+(absent, not-run, not-applicable, a hole) keeps the verdict from SAFE (harness.gate.evidence.decide,
+which `compare` and `gate` both call) unless the user accepts it by name (`--accept-unevaluated`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.core.frames import raising_frame
+from harness.core.frames import exception_of, frames, raising_frame
 from harness.core.parity import Tolerance
 from harness.core.result import (
     api_missing_line,
     shows_diff,  # the one predicate for "this check's diff is toleranced"
 )
 from harness.gate import classify
+from harness.judge.status import AUXILIARY
 
-FAILING = ("does-not-import", "architecture-removed", "regression", "new-refusal", "api-break", "diff-growth",
-           "memory-growth")
+FAILING = ("does-not-import", "architecture-removed", "regression", "new-refusal", "api-break", "hides-workaround",
+           "defect-changed", "check-lost", "diff-growth", "memory-growth")
 WARNING = ("disappeared", "new-workaround", "layout-change")
 ORDER = (*FAILING, "fixed-upstream", *WARNING, "not-evaluated", "not-run", "workaround-dropped", "architecture-added",
          "appeared", "fixed", "time-growth")
@@ -149,7 +154,10 @@ def _status_findings(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Fin
     bc, cc = _checks(b), _checks(c)
     newly_failed = [n for n, ch in cc.items() if ch.get("status") == "failed" and bc.get(n, {}).get("status") == "passed"]
     named = f" (checks that passed on base now fail: {', '.join(newly_failed)})" if newly_failed else ""
-    if bs == "xfailed" and cs == "failed" and "XPASS(strict)" in (c.get("error") or ""):
+    if bs == "xfailed" and cs == "failed" and "XPASS(strict)" in (c.get("error") or "") and not newly_failed:
+        if unproven := _unproven_fix(b, c):
+            return [Finding(cid, "defect-changed", f"the known defect no longer fails, but the fix is not shown: {unproven} "
+                            f"(was: {b.get('xfail_reason') or 'xfail'})", bs, cs)]
         return [Finding(cid, "fixed-upstream", "known defect no longer reproduces: drop the xfail from the matrix "
                         f"(was: {b.get('xfail_reason') or 'xfail'}); not a regression", bs, cs)]
     api = api_missing_line(c.get("error"))
@@ -158,6 +166,13 @@ def _status_findings(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Fin
     at = f" (raised at {frame})" if cs == "error" and (frame := raising_frame(c.get("error") or "")) else ""
     if bs == "passed" and cs in BAD and (raised := _raised(c)) and raised[0] not in CRASHES:
         return [Finding(cid, "new-refusal", f"candidate raises {raised[0]} where base passed{named}: {raised[1]}{at}", bs, cs)]
+    if bs == "xfailed" and cs in BAD and not newly_failed:
+        # the named defect is no longer met as named: another form of it, or something else; failing either way
+        why = next((str(n) for n in c.get("notes") or [] if str(n).startswith("failed, but")), "")
+        raised = _raised(c)
+        text = why or (raised[1] if raised else _first_line(_failure_text(c)))
+        return [Finding(cid, "defect-changed", f"xfailed -> {cs}: the named defect fails another way{at}: {text} "
+                        f"(was: {b.get('xfail_reason') or 'xfail'})", bs, cs)]
     if (bs in OK and cs in BAD) or newly_failed:
         raised = _raised(c) if cs in BAD else None
         why = f"{raised[1]}" if raised else _first_line(_failure_text(c)) if cs in BAD else ""
@@ -167,14 +182,82 @@ def _status_findings(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Fin
     return []
 
 
+def _unproven_fix(b: dict[str, Any], c: dict[str, Any]) -> str:
+    """Why an XPASS does not show the defect fixed ("" when it does): every judging check of the
+    candidate passed, and every judging check the baseline ran is there and passed (a check the
+    defect failed on base must now compare something and pass, not vanish or be not-run)."""
+    cc = {n: ch for n, ch in _checks(c).items() if _judging(n)}
+    if not cc:
+        return "the candidate recorded no judging check"
+    not_passed = sorted(n for n, ch in cc.items() if ch.get("status") != "passed")
+    missing = sorted(n for n, ch in _checks(b).items() if _judging(n) and ch.get("status") in ("passed", "failed") and n not in cc)
+    parts = ([f"check(s) {', '.join(not_passed)} not run"] if not_passed else []) + (
+        [f"check(s) {', '.join(missing)} the baseline ran are absent"] if missing else [])
+    return "; ".join(parts)
+
+
+def _judging(name: str) -> bool:
+    return not name.startswith(AUXILIARY)
+
+
+def _error_signature(r: dict[str, Any]) -> tuple[str, str] | None:
+    """(exception type, the module of the innermost upstream frame that raised it) of an errored
+    case: a known defect that raises is the same defect only as the same error from the same place."""
+    if not r.get("error"):
+        return None
+    exc_type, _ = exception_of(r["error"])
+    frames_ = [f for f in frames(r["error"]) if not f.own and not f.path.startswith("<")]
+    return (exc_type or "?", frames_[-1].module if frames_ else "?")
+
+
+def _defect_findings(cid: str, b: dict[str, Any], c: dict[str, Any], t: Thresholds) -> list[Finding]:
+    """A named defect on both sides must be the same defect, no worse: the same failed checks (or
+    the same error type from the same upstream module), and no failing check's difference grown past
+    `diff_factor` x or turned NaN/inf. Anything else is defect-changed (failing)."""
+    if not b["status"] == c["status"] == "xfailed":
+        return []
+    bc, cc = _checks(b), _checks(c)
+    bf = sorted(n for n, ch in bc.items() if ch.get("status") == "failed")
+    # a check that passed on base and fails now is a regression already (_status_findings)
+    cf = sorted(n for n, ch in cc.items() if ch.get("status") == "failed" and bc.get(n, {}).get("status") != "passed")
+    out = []
+    if bf != cf:
+        out.append(Finding(cid, "defect-changed", f"the named defect fails other checks: {', '.join(bf) or 'none'} on base, "
+                           f"{', '.join(cf) or 'none'} on the candidate", bf, cf))
+    be, ce = _error_signature(b), _error_signature(c)
+    if be != ce:
+        show = lambda e: f"{e[0]} raised in {e[1]}" if e else "no error"  # noqa: E731
+        out.append(Finding(cid, "defect-changed", f"the named defect raises differently: {show(be)} on base, "
+                           f"{show(ce)} on the candidate", be, ce))
+    for name in sorted(set(bf) & set(cf)):
+        bd, cd = bc[name].get("max_abs_diff"), cc[name].get("max_abs_diff")
+        if not isinstance(cd, (int, float)):
+            continue
+        bd = bd if isinstance(bd, (int, float)) else None
+        why = ""
+        if not math.isfinite(cd) and (bd is None or math.isfinite(bd)):
+            why = f"became {cd}"
+        elif bd is not None and math.isfinite(bd) and bd > 0 and cd > t.diff_factor * bd:
+            why = f"grew {cd / bd:.3g}x (> {t.diff_factor:g}x)"
+        elif bd == 0 and cd > 0:
+            why = "was 0 on base"
+        if why:
+            out.append(Finding(cid, "defect-changed", f"failing check {name}: max abs diff {'-' if bd is None else f'{bd:.3g}'} "
+                               f"-> {cd:.3g}, {why}: the known defect got worse", bd, cd))
+    return out
+
+
 def _lost_checks(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Finding]:
-    """Checks a green candidate case no longer runs (a failed or errored case is a regression already)."""
+    """Checks a green candidate case no longer runs (a failed or errored case is a regression
+    already): a judging one is failing (the candidate is no longer judged on it), an auxiliary
+    one (memory budget, source store) a warning."""
     if c["status"] not in OK:
         return []
     cc = _checks(c)
     lost = [n for n, ch in _checks(b).items() if ch.get("status") == "passed" and cc.get(n, {}).get("status") in (None, "not-run")]
-    return [Finding(cid, "disappeared", f"check {n} passed on base, "
-                    f"{'absent' if n not in cc else 'not run'} on the candidate: coverage lost", "passed",
+    return [Finding(cid, "check-lost" if _judging(n) else "disappeared", f"check {n} passed on base, "
+                    f"{'absent' if n not in cc else 'not run'} on the candidate"
+                    + (f" ({cc[n].get('detail')})" if n in cc and cc[n].get("detail") else "") + ": coverage lost", "passed",
                     cc.get(n, {}).get("status")) for n in lost]
 
 
@@ -240,17 +323,21 @@ def compare(base: dict[str, Any], cand: dict[str, Any], thresholds: Thresholds =
             out.append(Finding(cid, "appeared", f"new case on the candidate: {c[cid]['status']}", None, c[cid]["status"]))
         else:
             bb, cc = b[cid], c[cid]
-            out += _status_findings(cid, bb, cc) + _lost_checks(cid, bb, cc)
+            out += _status_findings(cid, bb, cc) + _defect_findings(cid, bb, cc, thresholds) + _lost_checks(cid, bb, cc)
             out += _diff_findings(cid, bb, cc, thresholds) + _memory_findings(cid, bb, cc, thresholds)
             out += _time_findings(cid, bb, cc)
     return sorted(classify.reclassify(out, base, cand), key=lambda f: (ORDER.index(f.kind), f.case))
 
 
 def exit_code(findings: list[Finding]) -> int:
+    """1 on a failing finding, else 0: the findings' part of a verdict (harness.gate.evidence.decide
+    adds what could not be evaluated, exit 2)."""
     return 1 if any(f.failing for f in findings) else 0
 
 
-def verdict(findings: list[Finding]) -> str:
+def verdict(findings: list[Finding], code: int | None = None) -> str:
+    """The verdict's last line; `code` the decided exit code (evidence.decide), else the findings'."""
+    code = exit_code(findings) if code is None else code
     failing = [f for f in findings if f.failing]
     fixed = sum(f.kind == "fixed-upstream" for f in findings)
     warn = sum(f.kind in WARNING for f in findings)
@@ -260,7 +347,9 @@ def verdict(findings: list[Finding]) -> str:
                     f", {not_run} case(s) run on one side only (not-run, listed)" if not_run else ""])
     if failing:
         cases = len({f.case for f in failing})
-        return f"**NOT SAFE**: {len(failing)} regression finding(s) in {cases} case(s){tail}."
+        return f"**NOT SAFE**: {len(failing)} failing finding(s) in {cases} case(s){tail}."
+    if code == 2:
+        return f"**NOT EVALUATED**: no failing finding, but the evidence does not cover the selection (see the first lines){tail}."
     return f"**SAFE**: no regression{tail}."
 
 
@@ -278,12 +367,15 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding], names: tuple[str, str] = ("base", "candidate")) -> str:
-    """The verdict for people: versions compared, regressions first, fixed upstream defects, the rest."""
-    lines = [f"## ckpt-harness compare: `{names[0]}` vs `{names[1]}`", "", *_versions_table(base, cand), ""]
+def markdown(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding], names: tuple[str, str] = ("base", "candidate"),
+             head: list[str] | tuple[str, ...] = (), code: int | None = None) -> str:
+    """The verdict for people: `head` (the ranked first lines, evidence.Coverage.lines), versions
+    compared, failing findings first, fixed upstream defects, the rest."""
+    lines = [f"## ckpt-harness compare: `{names[0]}` vs `{names[1]}`", "", *head, *([""] if head else []),
+             *_versions_table(base, cand), ""]
     lines.append(f"{len(base['results'])} base cases, {len(cand['results'])} candidate cases.")
     sections = (
-        ("Regressions", [f for f in findings if f.failing]),
+        ("Failing findings", [f for f in findings if f.failing]),
         ("Fixed upstream defects (drop the xfail; not regressions)", [f for f in findings if f.kind == "fixed-upstream"]),
         ("Other findings (not failing)", [f for f in findings if not f.failing and f.kind != "fixed-upstream"]),
     )
@@ -291,29 +383,18 @@ def markdown(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding]
         if items:
             lines += ["", f"### {title}", "", "| case | class | detail |", "|---|---|---|"]
             lines += [f"| `{f.case}` | {f.kind} | {_cell(f.detail)} |" for f in items]
-    lines += ["", verdict(findings)]
+    lines += ["", verdict(findings, code)]
     return "\n".join(lines)
 
 
-def to_json(base_path: str, cand_path: str, base: dict[str, Any], cand: dict[str, Any], findings: list[Finding], t: Thresholds) -> dict[str, Any]:
+def to_json(base_path: str, cand_path: str, base: dict[str, Any], cand: dict[str, Any], findings: list[Finding],
+            t: Thresholds, code: int, coverage: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "base": {"path": base_path, "versions": base.get("versions"), "matrix": base.get("matrix")},
         "candidate": {"path": cand_path, "versions": cand.get("versions"), "matrix": cand.get("matrix")},
         "thresholds": asdict(t),
-        "exit_code": exit_code(findings),
-        "verdict": verdict(findings),
+        "exit_code": code,
+        "verdict": verdict(findings, code),
+        "coverage": coverage,
         "findings": [f.to_dict() for f in findings],
     }
-
-
-def run(base_path: Path, cand_path: Path, out: Path | None = None, thresholds: Thresholds = Thresholds()) -> tuple[int, str]:
-    """Load, compare, write DIR/compare.{json,md} when asked: (exit code, Markdown). Raises CompareInputError."""
-    base, cand = load(base_path), load(cand_path)
-    findings = compare(base, cand, thresholds)
-    md = markdown(base, cand, findings, (str(base_path), str(cand_path)))
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        doc = to_json(str(base_path), str(cand_path), base, cand, findings, thresholds)
-        (out / "compare.json").write_text(json.dumps(doc, indent=2, default=str))
-        (out / "compare.md").write_text(md + "\n")
-    return exit_code(findings), md

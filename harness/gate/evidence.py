@@ -1,24 +1,39 @@
 """What a gate really saw: the evidence a verdict may count, and what it must say it could not use.
 
-A gate's exit 0 is earned only when (harness.gate.bump.run_gate asks `exit_code` here):
-- both runs finished (`complete: true`) and hold every selected case (`complete_problem`);
+A verdict's exit 0 is earned only when (`decide`, which `gate` and `compare` both call):
+- both runs finished (`complete: true`) and hold every selected case (`complete_problem`, the gate);
 - the candidate's own packages import (else every user breaks: exit 1, bump.py checks it);
-- every selected case kind has at least one evaluated case: the baseline green on it and the
-  candidate with a real result (`evaluated_ids`); a kind with none is named first (exit 2);
-- no failing finding (exit 1).
-Baseline-red cases (failed or errored on the pins: evidence the gate cannot use) and coverage
-holes are counted in the verdict's first lines, never hidden below SAFE. Pure functions over
-results.json documents and compare's findings.
+- no failing finding (exit 1);
+- every case green on the baseline has a real result on the candidate (`evaluated_ids`): one that
+  is absent, not-run, not-applicable or a coverage hole there is *unevaluated* and keeps the verdict
+  from SAFE (exit 2), named first with its cause, unless the user accepts it by pattern
+  (`--accept-unevaluated`, recorded in the verdict);
+- every selected case kind has at least one evaluated case (exit 2).
+Baseline-red cases (failed or errored on the pins: evidence the gate cannot use) are counted in the
+verdict's first lines, never hidden below SAFE. Pure functions over results.json documents and
+compare's findings.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import fnmatch
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
 
 from harness.core.result import GREEN, HOLES
 from harness.gate.classify import case_kind
-from harness.gate.compare import Finding
+from harness.gate import compare
+from harness.gate.compare import FAILING, WARNING, Finding
+
+#: how the first screen names each failing class, in its order (compare.FAILING)
+CLASS_TITLES = {
+    "does-not-import": "packages that do not import", "architecture-removed": "architectures removed",
+    "regression": "regressions (green -> red)", "new-refusal": "new refusals (green -> a named refusal)",
+    "api-break": "API breaks", "hides-workaround": "hides-workarounds needed", "defect-changed": "defects changed",
+    "check-lost": "judging checks lost", "diff-growth": "difference growth", "memory-growth": "memory growth",
+}
 
 REAL = ("passed", "failed", "xfailed", "error")
 
@@ -66,27 +81,56 @@ class Coverage:
     kinds: dict[str, int] = field(default_factory=dict)  # case kind -> evaluated cases
     #: case kinds selected with no evaluated case: the gate says nothing about them
     unevaluated_kinds: list[str] = field(default_factory=list)
-    #: workaround name -> cases it applied to on the candidate only (a green case there ran patched)
-    new_workarounds: dict[str, int] = field(default_factory=dict)
+    #: case green on the baseline -> why the candidate gave no real result (absent, not-run, a hole):
+    #: each keeps the verdict from SAFE unless `accepted`
+    unevaluated: dict[str, str] = field(default_factory=dict)
+    #: unevaluated case -> the --accept-unevaluated pattern that accepted it
+    accepted: dict[str, str] = field(default_factory=dict)
+    #: failing class -> findings of it, in compare.FAILING's order
+    failing: dict[str, int] = field(default_factory=dict)
+    #: warning class -> findings of it
+    warnings: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def blocking(self) -> dict[str, str]:
+        """The unevaluated cases nobody accepted: these keep the verdict from SAFE."""
+        return {c: why for c, why in self.unevaluated.items() if c not in self.accepted}
 
     def lines(self) -> list[str]:
+        """Ranked: failing findings by class, then what could not be evaluated, then warnings."""
         out = [f"- **{len(self.evaluated)} of {self.selected} selected case(s) evaluated on both sides** "
                f"(green on the baseline, a real result on the candidate)."]
+        if self.failing:
+            out.append(f"- **{sum(self.failing.values())} failing finding(s)**: "
+                       + ", ".join(f"{CLASS_TITLES.get(k, k)} {n}" for k, n in self.failing.items()) + ".")
+        if blocking := self.blocking:
+            by_cause: dict[str, list[str]] = {}
+            for c, why in blocking.items():
+                by_cause.setdefault(why, []).append(c)
+            out.append(f"- **{len(blocking)} case(s) green on the baseline with no real result on the candidate** "
+                       "(they keep the verdict from SAFE; accept named holes with `--accept-unevaluated PATTERN`):")
+            out += [f"  - {len(ids)}: {why}: {_ids(ids)}" for why, ids in sorted(by_cause.items(), key=lambda x: -len(x[1]))]
         if self.unevaluated_kinds:
             out.append(f"- **No evidence for {len(self.unevaluated_kinds)} case kind(s)**: "
                        f"{', '.join(self.unevaluated_kinds)}: no case of theirs was evaluated on both sides.")
+        if self.accepted:
+            pats: dict[str, list[str]] = {}
+            for c, pat in self.accepted.items():
+                pats.setdefault(pat, []).append(c)
+            out += [f"- **{len(ids)} unevaluated case(s) accepted** by `--accept-unevaluated {pat!r}` (no evidence, "
+                    f"by the user's choice): {_ids(ids)}." for pat, ids in pats.items()]
         if self.baseline_red:
             out.append(f"- **{len(self.baseline_red)} baseline-red case(s)** (failed or errored on the baseline: "
                        f"evidence the gate could not use): {_ids(self.baseline_red)}.")
         if self.holes:
             out.append(f"- **{len(self.holes)} coverage hole(s)** (the harness cannot drive this release there; "
                        f"see 'Could not evaluate'): {_ids(self.holes)}.")
-        for name, n in sorted(self.new_workarounds.items()):
-            out.append(f"- **Workaround on the candidate only**: {name}, in {n} case(s): those ran patched (see "
-                       "'Workarounds applied'); whether it adapts to an API or hides a defect, read its reason")
         if self.not_run:
             out.append(f"- **{len(self.not_run)} case(s) not run or not applicable on a side** (the reasons are "
                        f"in each side's results): {_ids(self.not_run)}.")
+        if self.warnings:
+            out.append(f"- {sum(self.warnings.values())} warning(s): "
+                       + ", ".join(f"{k} {n}" for k, n in self.warnings.items()) + " (listed below).")
         return out
 
 
@@ -94,20 +138,56 @@ def _ids(ids: list[str], n: int = 5) -> str:
     return ", ".join(f"`{i}`" for i in ids[:n]) + (f" and {len(ids) - n} more" if len(ids) > n else "")
 
 
-def coverage(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding]) -> Coverage:
-    """What the gate could count, per case and per case kind, over the baseline's selection."""
+def _why_unevaluated(cid: str, c: dict[str, Any] | None, holes: dict[str, str]) -> str:
+    """The cause of a baseline-green case's missing result on the candidate, in a few words."""
+    if c is None:
+        return "absent from the candidate's run"
+    if cid in holes:
+        return f"a coverage hole of the harness ({holes[cid].split(': ', 1)[-1][:160]})"
+    reason = c.get("not_run_reason") or c.get("not_applicable_reason") or ""
+    return f"{c['status']} on the candidate" + (f" ({reason.splitlines()[0][:160]})" if reason else "")
+
+
+def accepted_by(ids: Iterable[str], patterns: Iterable[str]) -> dict[str, str]:
+    """case id -> the first pattern (an fnmatch glob over the id, or a substring of it) that accepts it."""
+    pats = list(patterns)
+    out = {}
+    for cid in ids:
+        for pat in pats:
+            if pat and (pat in cid or fnmatch.fnmatchcase(cid, pat)):
+                out[cid] = pat
+                break
+    return out
+
+
+def coverage(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding],
+             accept: Iterable[str] = ()) -> Coverage:
+    """What the verdict could count, per case and per case kind, over the baseline's selection."""
     ids = list(base.get("selected") or [r["id"] for r in base.get("results") or []])
     evaluated = evaluated_ids(base, cand, findings)
     kinds = {case_kind(i): 0 for i in ids}
     for i in evaluated:
         kinds[case_kind(i)] = kinds.get(case_kind(i), 0) + 1
+    hole_detail = {f.case: f.detail for f in findings if f.kind == "not-evaluated"}
+    cand_cases = {r["id"]: r for r in cand.get("results") or []}
+    done = set(evaluated)
+    unevaluated = {r["id"]: _why_unevaluated(r["id"], cand_cases.get(r["id"]), hole_detail)
+                   for r in base.get("results") or [] if r["status"] in GREEN and r["id"] not in done}
+    failing: dict[str, int] = {k: 0 for k in FAILING}
+    warnings: dict[str, int] = {}
+    for f in findings:
+        if f.failing:
+            failing[f.kind] += 1
+        elif f.kind in WARNING:
+            warnings[f.kind] = warnings.get(f.kind, 0) + 1
     return Coverage(
         selected=len(ids), evaluated=evaluated, baseline_red=baseline_red(base),
         holes=sorted({f.case for f in findings if f.kind == "not-evaluated" and not f.case.startswith("golden[")}),
         not_run=sorted({r["id"] for doc in (base, cand) for r in doc.get("results") or [] if r["status"] in HOLES}
-                       - {f.case for f in findings if f.kind == "not-evaluated"}),
+                       - set(hole_detail)),
         kinds=kinds, unevaluated_kinds=sorted(k for k, n in kinds.items() if n == 0),
-        new_workarounds={f.case.removeprefix("workaround "): f.candidate for f in findings if f.kind == "new-workaround"},
+        unevaluated=unevaluated, accepted=accepted_by(unevaluated, accept),
+        failing={k: n for k, n in failing.items() if n}, warnings=warnings,
     )
 
 
@@ -127,13 +207,23 @@ def shim_findings(base: dict[str, Any], cand: dict[str, Any]) -> list[Finding]:
                 new.setdefault(name, []).append(r["id"])
             for name in b[r["id"]] - c:
                 dropped.setdefault(name, []).append(r["id"])
-    out = [Finding(f"workaround {name}", "new-workaround", f"applied on the candidate only, in {len(ids)} case(s) "
-                   f"({_ids(ids, 3)}): the candidate shows the condition it patches, which the baseline did not"
-                   f"{_shim_kind(name)}", None, len(ids)) for name, ids in sorted(new.items())]
+    out = [Finding(f"workaround {name}", "hides-workaround" if _hides(name) else "new-workaround",
+                   f"applied on the candidate only, in {len(ids)} case(s) ({_ids(ids, 3)}): the candidate shows the "
+                   f"condition it patches, which the baseline did not{_shim_kind(name)}", None, len(ids))
+           for name, ids in sorted(new.items())]
     out += [Finding(f"workaround {name}", "workaround-dropped", f"applied on the baseline only, in {len(ids)} case(s) "
                     f"({_ids(ids, 3)}): the candidate no longer shows the condition it patches (fixed or changed upstream)"
                     f"{_shim_kind(name)}", len(ids), None) for name, ids in sorted(dropped.items())]
     return out
+
+
+def _hides(label: str) -> bool:
+    """Whether the record behind a result's shim name steps around an upstream defect: a candidate
+    that needs one has a defect the baseline did not, and its green results ran with it patched."""
+    from harness.compat import registry
+
+    shim = registry.by_label(label)
+    return shim is not None and shim.kind == "hides"
 
 
 def _shim_kind(label: str) -> str:
@@ -151,9 +241,34 @@ def _shim_kind(label: str) -> str:
 
 def exit_code(findings: list[Finding], cover: Coverage | None) -> int:
     """1 on a failing finding; else 2 when the evidence does not cover the selection (no green
-    baseline case, or a case kind with nothing evaluated); else 0."""
+    baseline case, a baseline-green case with no real result on the candidate that nobody
+    accepted, or a case kind with nothing evaluated); else 0."""
     if any(f.failing for f in findings):
         return 1
-    if cover is None or not cover.evaluated or cover.unevaluated_kinds:
+    if cover is None or not cover.evaluated or cover.blocking or cover.unevaluated_kinds:
         return 2
     return 0
+
+
+def decide(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding],
+           accept: Iterable[str] = ()) -> tuple[int, Coverage]:
+    """(exit code, coverage): the one decision `gate` and `compare` both make over their findings."""
+    cover = coverage(base, cand, findings, accept)
+    return exit_code(findings, cover), cover
+
+
+def run_compare(base_path: Path, cand_path: Path, out: Path | None = None,
+                thresholds: compare.Thresholds = compare.Thresholds(), accept: Iterable[str] = ()) -> tuple[int, str]:
+    """`ckpt-harness compare`: load, compare, decide as the gate decides (`decide`), write
+    DIR/compare.{json,md} when asked: (exit code, Markdown). Raises compare.CompareInputError."""
+    base, cand = compare.load(base_path), compare.load(cand_path)
+    findings = sorted(compare.compare(base, cand, thresholds) + shim_findings(base, cand),
+                      key=lambda f: (compare.ORDER.index(f.kind), f.case))
+    code, cover = decide(base, cand, findings, accept)
+    md = compare.markdown(base, cand, findings, (str(base_path), str(cand_path)), cover.lines(), code)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        doc = compare.to_json(str(base_path), str(cand_path), base, cand, findings, thresholds, code, asdict(cover))
+        (out / "compare.json").write_text(json.dumps(doc, indent=2, default=str))
+        (out / "compare.md").write_text(md + "\n")
+    return code, md

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.core.frames import exception_of
 from harness.core.result import API_MISSING
 from harness.gate import classify, compare, evidence
 from harness.gate.golden import NOT_WRITTEN
@@ -18,8 +19,6 @@ from harness.gate.golden import NOT_WRITTEN
 def reason(error: str | None) -> str:
     """The line of an error a reader needs: the 'API not available' line, else the exception a
     rank raised (not the 'rank N of M raised:' header), else the first line."""
-    from harness.run.world import exception_of
-
     lines = (error or "").strip().splitlines()
     if not lines:
         return ""
@@ -129,9 +128,19 @@ def verdict_markdown(sides: list[Any], findings: list[compare.Finding], base: di
             if s.name == "baseline" or module in sides[0].import_problems:
                 lines += [f"**{module} does not import in the {s.name}**: its cases could not be evaluated there.", "",
                           "```", problem.strip(), "```", ""]
-    regressions = [f for f in failing if f.kind not in ("api-break", "does-not-import", "architecture-removed")]
+    apart = ("api-break", "does-not-import", "architecture-removed", "defect-changed", "hides-workaround", "check-lost")
     lines += _findings_section("Regressions", "a check that passed now fails, or the candidate raises where the "
-                               "baseline loaded", regressions)
+                               "baseline loaded", [f for f in failing if f.kind not in apart])
+    lines += _findings_section("Known defects changed", "a named upstream defect shows another form on the candidate "
+                               "(other checks, another error or module, a difference grown or NaN, no longer met, or "
+                               "a pass that did not judge everything): nobody has looked at the new form (counted as "
+                               "failing, apart from regressions)", [f for f in findings if f.kind == "defect-changed"])
+    lines += _findings_section("Workarounds the candidate needs", "a harness.compat workaround that hides an upstream "
+                               "defect applied on the candidate and not on the baseline: its green results ran with "
+                               "that defect patched (counted as failing; its strict xfail shows the defect unpatched)",
+                               [f for f in findings if f.kind == "hides-workaround"])
+    lines += _findings_section("Judging checks lost", "a check that judged the case on the baseline is absent or not "
+                               "run on the candidate (counted as failing)", [f for f in findings if f.kind == "check-lost"])
     lines += _findings_section("Breaking API changes", "the candidate removed or renamed an API users call: whoever "
                                "bumps hits it too (counted as failing)", [f for f in findings if f.kind == "api-break"])
     lines += _findings_section("Architectures removed", "the candidate's Megatron-Bridge no longer registers an HF "
@@ -146,7 +155,8 @@ def verdict_markdown(sides: list[Any], findings: list[compare.Finding], base: di
     lines += _workarounds(sides, base, cand)
     if base is not None and cand is not None:
         matrix_findings = [f for f in findings if not f.case.startswith(("golden[", "import ", "architecture ", "scale "))]
-        lines += [compare.markdown(base, cand, matrix_findings, ("baseline", "candidate")).replace("## ckpt-harness compare", "## Matrix"), ""]
+        lines += [compare.markdown(base, cand, matrix_findings, ("baseline", "candidate"), code=code)
+                  .replace("## ckpt-harness compare", "## Matrix"), ""]
     for title, doc in cross_docs:
         lines += [f"## Cross-version: {title}", "", *_results_rows(doc), ""]
     lines += ["## Wall time", "", "| step | s |", "|---|---:|", *[f"| {k} | {v:.0f} |" for k, v in timings.items()]]
@@ -162,7 +172,14 @@ def _workarounds(sides: list[Any], base: dict | None, cand: dict | None) -> list
                 counts.setdefault(name, [0, 0])[i] += 1
     if not counts:
         return []
+    from harness.compat import registry
+
+    def kind(name: str) -> str:
+        shim = registry.by_label(name)
+        return "?" if shim is None else shim.kind
+
     return ["## Workarounds applied", "", "Each applied because its probe saw the upstream condition it patches "
-            "(harness/compat); one that applied on one side only is listed under Matrix.", "",
-            f"| workaround | {sides[0].name} cases | {sides[1].name} cases |", "|---|---:|---:|",
-            *[f"| {name} | {b} | {c} |" for name, (b, c) in sorted(counts.items())], ""]
+            "(harness/compat): `adapts` to an API or environment (listed), or `hides` an upstream defect (on the "
+            "candidate only: failing, above).", "",
+            f"| workaround | kind | {sides[0].name} cases | {sides[1].name} cases |", "|---|---|---:|---:|",
+            *[f"| {name} | {kind(name)} | {b} | {c} |" for name, (b, c) in sorted(counts.items())], ""]

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from harness.core.context import RankContext, RankFn
+from harness.core.frames import exception_of  # noqa: F401  (the one reader; callers import it from here too)
 from harness.run import world_tmp
 from harness.run.procs import descendants, kill
 from harness.run.ranklog import LogFiles, redirect_rank, tail
@@ -195,19 +196,6 @@ class RankBaseException(Exception):
     as its whole traceback: torch's spawn wrapper catches Exception only, so such a rank died with no
     error file and the cause was left to its log's tail (none under CKPT_HARNESS_VERBOSE). The last
     exception line of the text stays the original's, which is what `exception_of` reads."""
-
-
-_EXC_HEADER = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure)):?\s?(.*)$")
-
-
-def exception_of(rank_traceback: str) -> tuple[str, str]:
-    """(exception class name, message) of the last exception in a formatted traceback."""
-    lines = rank_traceback.rstrip().splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        m = _EXC_HEADER.match(lines[i])
-        if m and not lines[i].startswith(" "):
-            return m.group(1), "\n".join([m.group(2), *lines[i + 1 :]]).strip()
-    return "", lines[-1] if lines else ""
 
 
 def _first_failure(error_files: list[str], world_size: int) -> WorldError:

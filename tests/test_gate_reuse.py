@@ -1,6 +1,7 @@
 """The gate reuses a cached baseline only under the same key (harness/gate/baseline_cache.py): the
-baseline env, the harness's code digest and the selection. run_gate over fake environment and
-matrix steps (no venv, no case): which side ran, and what verdict.md says about the baseline."""
+baseline env, the harness's code digest and the selection; and only when its files are the ones
+stored (sha256.json): a changed, missing or added file ends the gate with exit 2. run_gate over fake
+environment and matrix steps (no venv, no case): which side ran, and what verdict.md says."""
 
 from __future__ import annotations
 
@@ -71,7 +72,9 @@ def test_the_second_gate_reuses_the_first_ones_baseline_and_the_verdict_names_it
     line = _baseline_line(verdict)
     entry = world.cache / baseline_cache.DIR / key.digest
     assert "**reused from the cache**" in line and str(entry) in line and key.digest in line and "stored 20" in line
-    assert (world.tmp / "g2" / "baseline" / "reused-from").read_text().strip() == str(entry / "results.json")
+    staged = world.tmp / "g2" / baseline_cache.STAGE / "results.json"  # the verified copy, read instead of the cache
+    assert (world.tmp / "g2" / "baseline" / "reused-from").read_text().strip() == str(staged)
+    assert staged.read_bytes() == (entry / "results.json").read_bytes()
     assert "- Sides:" not in verdict  # one side ran: nothing to overlap
 
 
@@ -118,7 +121,7 @@ def test_a_partial_run_is_never_cached_and_an_entry_under_another_key_is_refused
     assert baseline_cache.lookup(tmp_path / "c", key)[0] == entry
     other = baseline_cache.key_for("pins1", Path("m.yaml"), None, IDS, "code2", host="h", environ={})
     (tmp_path / "c" / baseline_cache.DIR / other.digest).mkdir()
-    for name in ("results.json", "key.json"):  # an entry copied under the other key's name
+    for name in ("results.json", "key.json", baseline_cache.SHA256):  # an entry copied under the other key's name
         (tmp_path / "c" / baseline_cache.DIR / other.digest / name).write_bytes((entry.path / name).read_bytes())
     found, why = baseline_cache.lookup(tmp_path / "c", other)
     assert found is None and "another key" in why
@@ -141,3 +144,146 @@ def test_concurrent_sides_run_at_once_and_say_so(world, monkeypatch):
     verdict = (out / "verdict.md").read_text()
     assert code == 0 and sorted(world.ran) == ["baseline", "candidate"], verdict
     assert "- Sides: the baseline and candidate matrix runs went at once (--concurrent)." in verdict
+
+
+# --------------------------------------------------------------------------- the entry's sha256.json
+def _corpus(where: Path) -> Path:
+    """A stand-in golden corpus: a manifest and a nested shard (the cache never reads their content)."""
+    (where / "model" / "ckpt").mkdir(parents=True)
+    (where / "manifest.json").write_text(json.dumps({"format": 1, "artefacts": {}}))
+    (where / "model" / "ckpt" / "__0_0.distcp").write_bytes(b"\x80\x04weights" * 1000)
+    (where / "model" / "ckpt" / ".metadata").write_bytes(b"\x80\x04metadata")
+    return where
+
+
+def _entry_with_corpus(world: World) -> Path:
+    assert world.gate("g1")[0] == 0
+    key = baseline_cache.key_for("pins1", Path("matrices/smoke.yaml"), None, IDS, "code1", bump.ROOT)
+    entry, _ = baseline_cache.lookup(world.cache, key)
+    baseline_cache.store_corpus(entry, _corpus(world.tmp / "written"))
+    assert baseline_cache.lookup(world.cache, key)[0].corpus == entry.path / "corpus"
+    return entry.path
+
+
+def _change_results(e: Path) -> str:
+    doc = json.loads((e / "results.json").read_text())
+    doc["results"][0]["status"] = "failed"  # still a whole, well-formed run: only its sha256 tells
+    (e / "results.json").write_text(json.dumps(doc))
+    return "results.json"
+
+
+def _change_corpus_file(e: Path) -> str:
+    p = e / "corpus" / "model" / "ckpt" / "__0_0.distcp"
+    p.write_bytes(p.read_bytes()[:-1] + b"!")
+    return "corpus/model/ckpt/__0_0.distcp"
+
+
+def _delete_file(e: Path) -> str:
+    (e / "corpus" / "model" / "ckpt" / ".metadata").unlink()
+    return "corpus/model/ckpt/.metadata"
+
+
+def _add_file(e: Path) -> str:
+    (e / "corpus" / "model" / "ckpt" / "extra.pt").write_bytes(b"\x80\x04planted")
+    return "corpus/model/ckpt/extra.pt"
+
+
+def _delete_list(e: Path) -> str:
+    (e / baseline_cache.SHA256).unlink()
+    return baseline_cache.SHA256
+
+
+def _change_key(e: Path) -> str:
+    with open(e / "key.json", "a") as f:
+        f.write(" ")  # a byte more: still the same key when parsed, not the file stored
+    return "key.json"
+
+
+@pytest.mark.parametrize("plant, words", [
+    (_change_results, "changed since it was stored"), (_change_corpus_file, "changed since it was stored"),
+    (_delete_file, "is missing"), (_add_file, "was not stored with the entry"), (_delete_list, "is missing"),
+    (_change_key, "changed since it was stored"),
+])
+def test_a_changed_missing_or_added_file_in_the_entry_is_refused_with_exit_2(world, plant, words):
+    entry = _entry_with_corpus(world)
+    name = plant(entry)
+    code, verdict = world.gate("g2")
+    assert code == 2 and world.ran == [], verdict  # neither used nor quietly run again
+    assert f"the cached baseline {entry} is refused: {name} {words}" in verdict, verdict
+    assert "--fresh-baseline" in verdict
+    assert not (world.tmp / "g2" / baseline_cache.STAGE).exists()  # no half-verified copy left to read
+    code, verdict = world.gate("g3", fresh_baseline=True)  # what the message offers: run it and store it again
+    assert code == 0 and world.ran == ["baseline", "candidate"], verdict
+    assert world.gate("g4")[0] == 0 and world.ran == ["candidate"]
+
+
+def test_the_untouched_entry_with_its_corpus_is_reused_from_a_verified_copy(world):
+    entry = _entry_with_corpus(world)
+    code, verdict = world.gate("g2")
+    assert code == 0 and world.ran == ["candidate"], verdict
+    staged = world.tmp / "g2" / baseline_cache.STAGE / "corpus"
+    assert sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file()) == \
+        ["manifest.json", "model/ckpt/.metadata", "model/ckpt/__0_0.distcp"]
+    shard = Path("model") / "ckpt" / "__0_0.distcp"
+    assert (staged / shard).read_bytes() == (entry / "corpus" / shard).read_bytes()
+
+
+def test_the_corpus_the_gate_uses_is_the_copy_it_verified_not_the_cache_later(tmp_path):
+    """lookup copies each file in the read that hashes it; a file changed in the cache afterwards
+    (another gate, a disk) is not what restore_corpus hands to the cross-version step."""
+    key = baseline_cache.key_for("pins1", Path("m.yaml"), None, IDS, "code1", host="h", environ={})
+    res = tmp_path / "results.json"
+    res.write_text(json.dumps({"complete": True, "selected": IDS, "harness": "code1", "results": []}))
+    stored = baseline_cache.store(tmp_path / "c", key, res, tmp_path)
+    baseline_cache.store_corpus(stored, _corpus(tmp_path / "written"))
+    shard = stored.path / "corpus" / "model" / "ckpt" / "__0_0.distcp"
+    good = shard.read_bytes()
+    entry, _ = baseline_cache.lookup(tmp_path / "c", key, tmp_path / "gate" / baseline_cache.STAGE)
+    shard.write_bytes(b"planted after the check")
+    assert baseline_cache.restore_corpus(entry, tmp_path / "gate" / "cross" / "written-by-baseline")
+    assert (tmp_path / "gate" / "cross" / "written-by-baseline" / "model" / "ckpt" / "__0_0.distcp").read_bytes() == good
+    unstaged = baseline_cache.Entry(stored.path, key, "?", "?", entry.files)  # no stage: copied from the cache...
+    with pytest.raises(baseline_cache.Refused, match="corpus/model/ckpt/__0_0.distcp"):  # ...and checks that copy
+        baseline_cache.restore_corpus(unstaged, tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
+def test_the_cross_step_writes_the_baseline_corpus_once_and_then_reads_the_verified_copy(world, monkeypatch):
+    """run_gate end to end with a fake cross-version step: the first gate's baseline corpus is stored
+    (its files listed in sha256.json); the second gate's comes from its verified stage, not a new write
+    and not the cache; a corpus file changed in the cache then ends the third gate with exit 2."""
+    writes: list[str] = []
+
+    def run_cross(writer, reader, out, rollback, corpus=None):
+        corpus = out / f"written-by-{writer.name}"
+        if not (corpus / "manifest.json").exists():
+            writes.append(writer.name)
+            _corpus(corpus)
+        report = out / f"{writer.name}-to-{reader.name}"
+        report.mkdir(parents=True)
+        (report / "results.json").write_text(json.dumps({"results": []}))
+        return report, 0.0
+
+    monkeypatch.setattr(bump, "run_cross", run_cross)
+
+    def gate(name: str) -> tuple[int, str]:
+        world.ran.clear()
+        out = world.tmp / name
+        code = bump.run_gate(["megatron-bridge==9.9.9"], [], Path("matrices/smoke.yaml"), None, out, world.cache,
+                             cross=True, concurrent=False)
+        return code, (out / "verdict.md").read_text()
+
+    assert gate("g1")[0] == 0 and writes == ["baseline", "candidate"]
+    key = baseline_cache.key_for("pins1", Path("matrices/smoke.yaml"), None, IDS, "code1", bump.ROOT)
+    entry = world.cache / baseline_cache.DIR / key.digest
+    listed = json.loads((entry / baseline_cache.SHA256).read_text())["files"]
+    assert sorted(listed) == ["corpus/manifest.json", "corpus/model/ckpt/.metadata", "corpus/model/ckpt/__0_0.distcp",
+                              "key.json", "results.json"]
+    writes.clear()
+    code, verdict = gate("g2")
+    assert code == 0 and world.ran == ["candidate"] and writes == ["candidate"], verdict
+    assert (world.tmp / "g2" / "cross" / "written-by-baseline" / "model" / "ckpt" / "__0_0.distcp").is_file()
+    assert not (world.tmp / "g2" / baseline_cache.STAGE / "corpus").exists()  # moved into place, not copied again
+    _change_corpus_file(entry)
+    code, verdict = gate("g3")
+    assert code == 2 and world.ran == [] and "corpus/model/ckpt/__0_0.distcp changed since it was stored" in verdict

@@ -16,21 +16,37 @@ depend on:
 An entry is used only when its stored key equals the gate's key field by field (never a near
 match), and it holds a whole run (`complete`, every selected case); `--fresh-baseline` skips the
 lookup and replaces the entry.
+
+`sha256.json` lists the sha256 of every other file of the entry, written as each file is stored. A
+gate reuses an entry only through `lookup`, which first compares the entry's files with that list: a
+changed, missing or added file (or one that is not a regular file) is `Refused`, and the gate ends
+with exit 2 naming the entry and the file; it neither uses the entry nor quietly runs the baseline
+again, because a cache that changed under it is something to look at. Each file is read once, in
+blocks, and what the gate then uses is the copy made in that same read (the `stage` under the gate's
+own directory), so a file changed after the check is never what is read: the corpus is loaded with
+its pickles trusted (the gate wrote it), so nothing of an entry is unpickled before it is verified.
+The list guards against a changed or half-written cache, not against someone who can rewrite the
+list too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import shutil
+import stat
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 DIR = "baselines"
+SHA256 = "sha256.json"  # in an entry: {"files": {path: sha256}} of every other file in it
+STAGE = "cached-baseline"  # in the gate's out dir: the verified copy of the entry it uses
+_BLOCK = 1 << 20
 #: CKPT_* variables that change where the harness keeps things or how much it says, not what a run does
 _NEUTRAL = frozenset({"CKPT_HARNESS_HOME", "CKPT_HARNESS_VERBOSE", "CKPT_HARNESS_PIP", "CKPT_HARNESS_UV",
                       "CKPT_HARNESS_INSTALLER", "CKPT_HARNESS_PYTHON", "CKPT_HARNESS_SOURCES",
@@ -65,6 +81,88 @@ class Key:
         return (f"env `{self.env}`, harness `{self.harness}`, matrix `{self.matrix}`"
                 + (f" -k `{self.k}`" if self.k else "") + f", {len(self.cases)} case(s), host `{self.host}`"
                 + (f", {', '.join(f'{k}={v}' for k, v in self.variables)}" if self.variables else ""))
+
+
+class Refused(Exception):
+    """A cached entry whose files are not the ones stored: the gate ends (exit 2), naming it and the file."""
+
+
+def _copy_hashed(src: Path, dst: Path | None) -> str:
+    """sha256 of `src`, read once in blocks; written to `dst` in the same pass when one is given."""
+    h = hashlib.sha256()
+    with open(src, "rb") as f, contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(dst, "xb")) if dst is not None else None
+        for block in iter(lambda: f.read(_BLOCK), b""):
+            h.update(block)
+            if out is not None:
+                out.write(block)
+    return h.hexdigest()
+
+
+def _copy_tree(src: Path, dst: Path) -> dict[str, str]:
+    """Copy a directory of regular files, hashing each in the copy's one read: {relative path: sha256}."""
+    files: dict[str, str] = {}
+    for rel in _listing(src):
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        files[rel] = _copy_hashed(src / rel, dst / rel)
+    return files
+
+
+def _listing(root: Path) -> list[str]:
+    """Every file under `root` (relative, '/'-separated); anything but a regular file or a directory is
+    listed as well, so that the check refuses it."""
+    out = []
+    for d, dirs, names in os.walk(root):
+        for n in [*names, *(x for x in dirs if os.path.islink(os.path.join(d, x)))]:
+            out.append(Path(d, n).relative_to(root).as_posix())
+    return sorted(out)
+
+
+def _write_list(path: Path, files: dict[str, str]) -> None:
+    tmp = path / f".{SHA256}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=1) + "\n")
+    tmp.replace(path / SHA256)
+
+
+def _refuse(path: Path, rel: str, what: str) -> Refused:
+    return Refused(f"the cached baseline {path} is refused: {rel} {what}; its files are not the ones stored (listed "
+                   f"in its {SHA256}), so nothing in it is used: look at it, then delete it or run the gate with "
+                   "--fresh-baseline (which runs the baseline and stores the entry again)")
+
+
+def verify(path: Path, stage: Path | None = None) -> tuple[dict[str, str], dict[str, bytes]]:
+    """Check every file of the entry at `path` against its sha256.json, reading each once: (the list,
+    the bytes of its top-level JSON files); the corpus goes into `stage`/corpus in the same read. Raises
+    Refused, naming the file, on a changed, missing or added one."""
+    try:
+        files = json.loads((path / SHA256).read_text())["files"]
+    except FileNotFoundError:
+        raise _refuse(path, SHA256, "is missing") from None
+    except (OSError, ValueError, KeyError, TypeError):
+        files = None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise _refuse(path, SHA256, "is not a list of sha256 sums")
+    present = [rel for rel in _listing(path) if rel != SHA256]
+    if extra := sorted(set(present) - set(files)):
+        raise _refuse(path, extra[0], "was not stored with the entry (an added file)")
+    if missing := sorted(set(files) - set(present)):
+        raise _refuse(path, missing[0], "is missing")
+    small: dict[str, bytes] = {}
+    for rel, want in sorted(files.items()):
+        src = path / rel
+        if not stat.S_ISREG(os.lstat(src).st_mode):
+            raise _refuse(path, rel, "is not a regular file")
+        if "/" not in rel:  # results.json, key.json: read once, hashed and parsed from the same bytes
+            small[rel] = src.read_bytes()
+            got = hashlib.sha256(small[rel]).hexdigest()
+        else:
+            dst = stage / rel if stage is not None else None
+            if dst is not None:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+            got = _copy_hashed(src, dst)
+        if got != want:
+            raise _refuse(path, rel, f"changed since it was stored (sha256 {got[:12]}, stored {want[:12]})")
+    return files, small
 
 
 def variables(environ: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
@@ -104,41 +202,64 @@ class Entry:
     key: Key
     stored: str  # ISO date it was stored
     source: str  # the gate directory its run was made in
+    #: (path, sha256) of every file stored, as checked by lookup or written by store
+    files: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    #: the verified copy lookup made in the gate's directory: what the gate reads, never the cache again
+    staged: Path | None = field(default=None, compare=False)
 
     @property
     def results(self) -> Path:
-        return self.path / "results.json"
+        return (self.staged or self.path) / "results.json"
 
     @property
     def corpus(self) -> Path | None:
-        return self.path / "corpus" if (self.path / "corpus" / "manifest.json").exists() else None
+        return (self.staged or self.path) / "corpus" if "corpus/manifest.json" in dict(self.files) else None
 
     def describe(self) -> str:
         return f"`{self.path}` (key {self.key.digest}, stored {self.stored}, first run in `{self.source}`)"
 
 
-def lookup(cache: Path, key: Key) -> tuple[Entry | None, str]:
-    """The entry for exactly `key` with a whole run in it, or None and why not (for the verdict)."""
+def lookup(cache: Path, key: Key, stage: Path | None = None) -> tuple[Entry | None, str]:
+    """The entry for exactly `key` with a whole run in it, or None and why not (for the verdict). Its
+    files are checked first (`verify`; Refused when one differs) and, with `stage` (a new directory in
+    the gate's own), copied there in the same read: the entry returned reads from that copy."""
     path = Path(cache) / DIR / key.digest
-    try:
-        meta = json.loads((path / "key.json").read_text())
-        stored = Key.from_dict(meta["key"])
-        doc = json.loads((path / "results.json").read_text())
-    except FileNotFoundError:
+    if not path.is_dir():
         return None, f"no cached baseline for key {key.digest}"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return None, f"the cached baseline {path} is unreadable ({type(exc).__name__}): running it again"
-    if stored != key:  # a digest collision, or an entry written by other code: never a near match
-        return None, f"the cached baseline {path} was stored under another key: running it again"
-    if doc.get("complete") is not True or sorted(doc.get("selected") or []) != list(key.cases) or \
-            doc.get("harness") != key.harness:
-        return None, f"the cached baseline {path} is not a whole run of this selection: running it again"
-    return Entry(path, stored, str(meta.get("stored", "?")), str(meta.get("source", "?"))), f"cached baseline {key.digest}"
+    if stage is not None:
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir(parents=True)
+    try:
+        files, small = verify(path, stage)
+        meta = json.loads(small["key.json"])
+        stored = Key.from_dict(meta["key"])
+        doc = json.loads(small["results.json"])
+        if stage is not None:
+            (stage / "results.json").write_bytes(small["results.json"])
+    except Refused:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # verified, but not what this code stores
+        why = f"the cached baseline {path} is unreadable ({type(exc).__name__}): running it again"
+    else:
+        if stored != key:  # a digest collision, or an entry written by other code: never a near match
+            why = f"the cached baseline {path} was stored under another key: running it again"
+        elif doc.get("complete") is not True or sorted(doc.get("selected") or []) != list(key.cases) or \
+                doc.get("harness") != key.harness:
+            why = f"the cached baseline {path} is not a whole run of this selection: running it again"
+        else:
+            return Entry(path, stored, str(meta.get("stored", "?")), str(meta.get("source", "?")),
+                         tuple(sorted(files.items())), stage), f"cached baseline {key.digest}"
+    if stage is not None:
+        shutil.rmtree(stage, ignore_errors=True)
+    return None, why
 
 
 def store(cache: Path, key: Key, results: Path, source: Path) -> Entry | None:
-    """Keep a whole baseline run (results: its results.json) under `key`, replacing any entry there;
-    None when the run is not whole (a partial run is never cached)."""
+    """Keep a whole baseline run (results: its results.json) under `key`, replacing any entry there,
+    with the sha256 of each file in its sha256.json; None when the run is not whole (a partial run is
+    never cached)."""
     doc = json.loads(Path(results).read_text())
     if doc.get("complete") is not True or sorted(doc.get("selected") or []) != list(key.cases):
         return None
@@ -147,31 +268,50 @@ def store(cache: Path, key: Key, results: Path, source: Path) -> Entry | None:
     tmp = root / f".{key.digest}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    shutil.copy2(results, tmp / "results.json")
     stored = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    (tmp / "key.json").write_text(json.dumps({"key": key.to_dict(), "digest": key.digest, "stored": stored,
-                                              "source": str(source)}, indent=2) + "\n")
+    meta = (json.dumps({"key": key.to_dict(), "digest": key.digest, "stored": stored, "source": str(source)},
+                       indent=2) + "\n").encode()
+    (tmp / "key.json").write_bytes(meta)
+    files = {"results.json": _copy_hashed(Path(results), tmp / "results.json"),
+             "key.json": hashlib.sha256(meta).hexdigest()}
+    _write_list(tmp, files)
     final = root / key.digest
     if final.exists():
         shutil.rmtree(final, ignore_errors=True)
     tmp.replace(final)
-    return Entry(final, key, stored, str(source))
+    return Entry(final, key, stored, str(source), tuple(sorted(files.items())))
 
 
 def store_corpus(entry: Entry, corpus: Path) -> None:
     """Keep the golden corpus the baseline wrote beside its results (a later gate's cross-version step
-    reads it instead of writing it again)."""
+    reads it instead of writing it again), its files' sha256 added to the entry's sha256.json."""
     if entry.corpus is not None or not (Path(corpus) / "manifest.json").exists():
         return
-    tmp = entry.path / f".corpus.{os.getpid()}.tmp"
+    tmp = entry.path.parent / f".{entry.path.name}.corpus.{os.getpid()}.tmp"  # never inside the entry
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(corpus, tmp)
-    tmp.replace(entry.path / "corpus")
+    added = _copy_tree(Path(corpus), tmp)
+    try:
+        tmp.replace(entry.path / "corpus")
+    except OSError:  # another gate stored one first (or the entry is gone): keep what is there
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    _write_list(entry.path, {**dict(entry.files), **{f"corpus/{rel}": sha for rel, sha in added.items()}})
 
 
 def restore_corpus(entry: Entry, dest: Path) -> bool:
-    """Copy the entry's corpus to `dest` (the gate's cross/written-by-baseline); False when it has none."""
+    """Put the entry's corpus at `dest` (the gate's cross/written-by-baseline); False when it has none.
+    A staged entry's corpus was verified in the copy lookup made, and moves; an unstaged one is copied
+    from the cache and checked in that copy (Refused when a file differs)."""
     if entry.corpus is None or Path(dest).exists():
         return False
-    shutil.copytree(entry.corpus, dest)
+    Path(dest).parent.mkdir(parents=True, exist_ok=True)
+    if entry.staged is not None:
+        entry.corpus.replace(dest)
+        return True
+    want = {rel.removeprefix("corpus/"): sha for rel, sha in entry.files if rel.startswith("corpus/")}
+    got = _copy_tree(entry.corpus, Path(dest))
+    if got != want:
+        shutil.rmtree(dest, ignore_errors=True)
+        rel = next(iter(sorted(set(got) ^ set(want)) or [r for r in sorted(want) if got[r] != want[r]]))
+        raise _refuse(entry.path, f"corpus/{rel}", "differs from the list it was stored with")
     return True

@@ -334,7 +334,10 @@ def cached_baseline(side: Side, matrix: Path, k: str | None, out: Path, cache: P
     if fresh:
         notes.append(f"- Baseline: run by this gate (--fresh-baseline), cached under key `{key.digest}` ({key.describe()}).")
         return None, key
-    entry, why = baseline_cache.lookup(cache, key)
+    try:  # the entry's files are checked against its sha256.json and copied into the gate's directory
+        entry, why = baseline_cache.lookup(cache, key, out / baseline_cache.STAGE)
+    except baseline_cache.Refused as exc:  # a changed cache is exit 2, neither used nor silently run again
+        raise GateError(str(exc)) from None
     if entry is not None:
         try:
             reuse_baseline(side, entry.results, out / "baseline")

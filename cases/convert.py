@@ -30,8 +30,10 @@ Checks:
   hf-export        option `export_hf` (an HF fixture of the model's architecture, e.g. hf-llama for
                    gpt-gqa; weights-only sources): Megatron-Bridge exports the fsdp_dtensor
                    checkpoint (AutoBridge.load_megatron_model + save_hf_pretrained) and the HF
-                   tensors equal the Bridge's export of the source weights, or it refuses with a
-                   message that names the format. A crash or a refusal that does not say so fails.
+                   tensors equal the Bridge's export of the source weights, or it refuses as the
+                   Bridge documents it (REFUSAL_TYPE, REFUSAL: config.py:606's ValueError "... is not
+                   supported together with ckpt_format='fsdp_dtensor'"). Any other raise fails, even
+                   one that mentions fsdp_dtensor.
 """
 
 from __future__ import annotations
@@ -87,9 +89,17 @@ class Options(TrainOptions):
     export_hf: str = ""
 
 
-def refused_clearly(message: str) -> bool:
-    """A refusal a user can act on names the format it cannot take."""
-    return bool(re.search(r"fsdp[_ -]?dtensor", message, re.IGNORECASE))
+#: The refusal Megatron-Bridge documents for HF weights from an fsdp_dtensor checkpoint (0.6.2
+#: training/config.py:606, `also_save_hf_checkpoint` in training): this exception type with this
+#: message. Only an export refusing the same way passes hf-export; any other raise fails, whatever
+#: it mentions (a crash in fsdp_dtensor code, or "Supported formats are: 'torch_dist', 'fsdp_dtensor'").
+REFUSAL_TYPE = "ValueError"
+REFUSAL = re.compile(r"is not supported together with ckpt_format='fsdp_dtensor'")
+
+
+def refused_clearly(exc_type: str, message: str) -> bool:
+    """The export refused as upstream documents it (REFUSAL_TYPE and REFUSAL), naming the format."""
+    return exc_type == REFUSAL_TYPE and bool(REFUSAL.search(message))
 
 
 def export_check(error: WorldError | None, exported: dict, reference: dict, checkpoint: str = "") -> Check:
@@ -101,10 +111,10 @@ def export_check(error: WorldError | None, exported: dict, reference: dict, chec
         message = message.replace(checkpoint, "<checkpoint>") if checkpoint else message
         first = (message.splitlines() or [""])[0][:300]
         where = f" (raised at {raise_site(tb)})"
-        if refused_clearly(message):
+        if refused_clearly(exc_type, message):
             return Check("hf-export", "passed", f"refused, naming the format: {exc_type}: {first}{where}", tolerance=NOT_COMPARED)
         return Check("hf-export", "failed", f"the export of an fsdp_dtensor checkpoint failed with {exc_type}: {first}{where}; "
-                     "the message does not say that the fsdp_dtensor format cannot be exported", tolerance=NOT_COMPARED)
+                     f"not upstream's documented refusal ({REFUSAL_TYPE} '... {REFUSAL.pattern}')", tolerance=NOT_COMPARED)
     return state_check("hf-export", reference, exported, "HF export of the torch_dist source", "HF export of the fsdp_dtensor checkpoint",
                        f"{len(exported)} HF tensors exported from the fsdp_dtensor checkpoint equal the source's export, bitwise")
 

@@ -250,9 +250,20 @@ def test_hf_export_passes_a_refusal_naming_the_format_and_fails_an_unclear_one()
                            {}, {}, out)
     assert unclear.status == "failed" and "<checkpoint> is not a distributed checkpoint" in unclear.detail
     assert "validation.py:213" in unclear.detail
-    clear = export_check(_world_error("ValueError: fsdp_dtensor checkpoints cannot be exported; convert to torch_dist"), {}, {}, out)
+    clear = export_check(_world_error("ValueError: also_save_hf_checkpoint=True is not supported together with "
+                                      "ckpt_format='fsdp_dtensor'. Use ckpt_format='torch_dist'"), {}, {}, out)
     assert clear.status == "passed"
-    assert refused_clearly("format FSDP-DTensor unsupported") and not refused_clearly("not a distributed checkpoint")
+    assert not refused_clearly("CheckpointingException", "not a distributed checkpoint")
+
+
+@pytest.mark.parametrize("raised", [
+    "KeyError: 'model.module.decoder.layers.0.fsdp_dtensor_shard'",  # a crash in fsdp_dtensor code
+    "ValueError: Checkpoint format 'x' is not supported. Supported formats are: 'torch_dist', 'fsdp_dtensor'",
+    "RuntimeError: is not supported together with ckpt_format='fsdp_dtensor'",  # the message, another type
+])
+def test_hf_export_fails_a_raise_that_merely_mentions_fsdp_dtensor(raised):
+    check = export_check(_world_error(raised), {}, {}, "/tmp/case/fsdp_dtensor")
+    assert check.status == "failed" and "not upstream's documented refusal" in check.detail
 
 
 def test_hf_export_compares_the_export_with_the_source_s_export_bitwise():

@@ -104,6 +104,21 @@ def test_the_same_lookup_failing_inside_upstream_code_is_the_candidate_error(exc
     assert api_unavailable(exc_type, message, tb) is None
 
 
+def test_an_attribute_missing_on_a_class_megatron_re_exports_is_not_blamed_on_torch():
+    """megatron modules re-export torch.Tensor: a harness frame failing on a tensor the candidate
+    returned is the candidate's result, never torch's missing API (torch did not move)."""
+    import megatron.core.packed_seq_params as holder
+
+    assert vars(holder).get("Tensor") is __import__("torch").Tensor  # the re-export the old lookup followed
+    tb = _tb("own:harness/backends/mcore_dist.py", last="AttributeError: 'Tensor' object has no attribute 'local_shape'")
+    assert api_unavailable("AttributeError", "'Tensor' object has no attribute 'local_shape'", tb) is None
+    # a class the module's own project defines is still found
+    import megatron.core.optimizer.distrib_optimizer  # noqa: F401
+    msg = "'DistributedOptimizer' object has no attribute 'optimizer_state_keys'"
+    assert api_unavailable("AttributeError", msg, _tb("own:harness/x.py", last=f"AttributeError: {msg}")).startswith(
+        "API not available in megatron-core ")
+
+
 def test_other_errors_and_bad_data_are_not_called_api_changes():
     own = _tb("own:harness/run/envelope.py", last="x")
     assert api_unavailable("KeyError", "'step'", own) is None

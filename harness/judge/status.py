@@ -116,14 +116,22 @@ _DATA_OBJECT = re.compile(r"^'(NoneType|dict|list|tuple|str|bytes|int|float|bool
 _OBJECT = re.compile(r"^(?:type object )?'(\w+)' (?:object )?has no attribute")
 
 
+def _project(module: str) -> str | None:
+    """The upstream project (a `_UPSTREAM` prefix) a dotted module belongs to, if any."""
+    return next((p for p, _ in _UPSTREAM if module == p or module.startswith(p + ".")), None)
+
+
 def _class_module(class_name: str) -> str | None:
     """The module of the upstream class named `class_name` among the modules imported here: an
-    "'AutoBridge' object has no attribute" names no module."""
+    "'AutoBridge' object has no attribute" names no module. Only a class the holding module's own
+    project defines counts: megatron modules re-export `torch.Tensor`, and an attribute missing on a
+    tensor the candidate returned is never torch's missing API (torch did not move)."""
     for name, mod in list(sys.modules.items()):
-        if mod is None or not any(name == p or name.startswith(p + ".") for p, _ in _UPSTREAM) or name.startswith("torch"):
+        project = _project(name) if mod is not None else None
+        if project is None or project == "torch":
             continue
         cls = vars(mod).get(class_name)  # never getattr: a lazy module (transformers) would import on it
-        if isinstance(cls, type) and cls.__name__ == class_name:
+        if isinstance(cls, type) and cls.__name__ == class_name and _project(cls.__module__) == project:
             return cls.__module__
     return None
 
@@ -144,7 +152,7 @@ def api_unavailable(exc_type: str, message: str, traceback_text: str) -> str | N
     named = _NAMED_MODULE.search(message)
     obj = _OBJECT.match(message)
     module = next((g for g in named.groups() if g), "") if named else (obj and _class_module(obj[1])) or ""
-    dist = next((d for prefix, d in _UPSTREAM if module == prefix or module.startswith(prefix + ".")), None)
+    dist = dict(_UPSTREAM).get(_project(module) or "")
     top = module.split(".")[0]
     if dist is None and top and top not in OWN_PACKAGES:  # never an upstream's (verl ships a top-level `tests`)  # any other installed package (pyarrow under an old datasets)
         dist = next(iter(metadata.packages_distributions().get(top, [])), None)

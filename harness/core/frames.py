@@ -105,6 +105,31 @@ def raising_frame(traceback_text: str) -> Frame | None:
     return found[-1] if found else None
 
 
+def in_module(module: str, prefix: str) -> bool:
+    """Whether dotted `module` is `prefix` or inside it (`megatron.core.x` is in `megatron.core`,
+    `megatron.corex` is not)."""
+    return module == prefix or module.startswith(prefix + ".")
+
+
+#: namespace packages that several distributions share: there the project is the first two components
+_SHARED_NAMESPACES = ("megatron",)
+
+
+def project_of(module: str) -> str:
+    """The upstream project (the distribution) a dotted module belongs to: `megatron.core`,
+    `megatron.bridge`, `megatron.training` under the `megatron` namespace that several share; the
+    first component otherwise (`transformers`, `peft`, `verl`, `mbridge`, `torch`)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] in _SHARED_NAMESPACES and len(parts) > 1 else parts[0]
+
+
+def innermost_in(traceback_text: str, prefix: str) -> Frame | None:
+    """The innermost frame of the traceback whose module is `prefix` or inside it (None when no
+    frame is): where the code of that project last ran before the exception, whatever generic
+    library (torch) it called into raised."""
+    return next((f for f in reversed(frames(traceback_text)) if in_module(f.module, prefix)), None)
+
+
 def raised_in_own_code(traceback_text: str) -> bool | None:
     """True when the raising frame is the harness's own (harness/, cases/), False when it is an
     upstream package's, None when the traceback names no frame."""

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harness.core.frames import raising_frame
+from harness.core.frames import in_module, innermost_in, project_of, raising_frame
 from harness.core.memory import Budget
 from harness.core.topology import Topology
 
@@ -59,9 +59,12 @@ class XFail:
     `match` (a regex over the failure text) and `checks` (the checks that must fail, and the only
     ones that may) say which failure is the known one. The short form (a reason alone) accepts only
     failed checks, never an error: a harness bug, a crash or a timeout must not pass as the defect.
-    An xfail that accepts an error (`match` without `checks`) names where the defect raises:
-    `raised_in`, the dotted upstream module prefix its traceback's raising frame must be in (the
-    matrix loader requires it). An error raised in the harness's own code never meets an xfail: a
+    An xfail that accepts an error (`match` without `checks`) names where the defect lies:
+    `raised_in`, a dotted upstream module prefix (the matrix loader requires it). The traceback's
+    innermost frame inside the project `raised_in` belongs to (`megatron.core`, `megatron.bridge`,
+    `transformers`, ...: frames.project_of) must be in it, so an error that surfaces in generic code
+    (torch) is the defect only when the named module called it, and a traceback with no frame of
+    that project never meets it. An error raised in the harness's own code never meets an xfail: a
     message that happens to match is not the upstream defect.
     """
 
@@ -99,19 +102,19 @@ class XFail:
         if errored and self.raised_in:
             if frame is None:
                 return f"the error names no raising frame, so it cannot show the defect raised in {self.raised_in}"
-            if not in_module(frame.module, self.raised_in):
-                return f"raised at {frame} (module {frame.module}), not in {self.raised_in} where the named defect raises"
+            home = project_of(self.raised_in)
+            inner = innermost_in(result.error or "", home)
+            if inner is None:
+                return (f"raised at {frame} (module {frame.module}) with no frame of {home} in the traceback: "
+                        f"not in {self.raised_in} where the named defect lies")
+            if not in_module(inner.module, self.raised_in):
+                return (f"raised at {frame}; the innermost {home} frame is {inner} (module {inner.module}), "
+                        f"not in {self.raised_in} where the named defect lies")
         return ""
 
     def names(self, check_name: str) -> bool:
         """Whether `check_name` is one of the expected checks (a `@topology` suffix is ignored)."""
         return check_name in self.checks or check_base(check_name) in self.checks
-
-
-def in_module(module: str, prefix: str) -> bool:
-    """Whether dotted `module` is `prefix` or inside it (`megatron.core.x` is in `megatron.core`,
-    `megatron.corex` is not)."""
-    return module == prefix or module.startswith(prefix + ".")
 
 
 def check_base(name: str) -> str:

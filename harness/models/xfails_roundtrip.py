@@ -22,7 +22,7 @@ ROUNDTRIP: dict[str, dict[str, Any]] = {
                   "full width (olmoe/olmoe_provider.py:120-135), and applies them to the tensor-parallel-local q/k "
                   "(width / TP) with no gather (olmoe_provider.py:177-180): any TP > 1 fails in the norm",
         "match": "Given normalized_shape=\\[64\\], expected input with shape \\[\\*64\\], but got input of size\\[16, 2, 32\\]",
-        "raised_in": "torch.nn"},
+        "raised_in": "megatron.bridge.models.olmoe"},
     "ernie4_5_moe": {
         "reason": "Megatron-Bridge 0.6.2 maps ERNIE-4.5-MoE's router as sigmoid + expert bias (ernie/ernie_45_bridge.py:225-226); "
                   "transformers 5.12.1's Ernie4_5_MoeTopKRouter is softmax, top-k by softmax + e_score_correction_bias, "
@@ -42,5 +42,5 @@ ROUNDTRIP: dict[str, dict[str, Any]] = {
     "glm_moe_dsa": {
         "reason": "Megatron-Bridge 0.6.2 glm_moe_dsa/glm5_bridge.py:135 reads hf_config.indexer_rope_interleave, a field "
                   "transformers 5.12.1's GlmMoeDsaConfig does not define (the model's own config has no such field)",
-        "match": "'GlmMoeDsaConfig' object has no attribute 'indexer_rope_interleave'", "raised_in": "transformers.configuration_utils"},
+        "match": "'GlmMoeDsaConfig' object has no attribute 'indexer_rope_interleave'", "raised_in": "megatron.bridge.models.glm_moe_dsa"},
 }

@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from harness.core.frames import OWN_PACKAGES
+from harness.core.frames import OWN_PACKAGES, project_of
 from harness.core.memory import Budget
 from harness.core.requires import RequirementError, closure
 from harness.core.requires import parse as parse_requirement
@@ -114,6 +114,9 @@ def _parse_pair(item: Any, where: str) -> tuple[Topology, Topology]:
     raise MatrixError(f"{where}: a pair is 'SRC -> DST' or {{source: SRC, target: DST}}, got {item!r}")
 
 
+#: projects `raised_in` may not name: generic code every upstream project and the harness call into, so an
+#: error raised there says nothing of whose defect it is (the gate bumps Megatron-Core/Bridge, transformers, ...)
+GENERIC_PROJECTS = ("torch",)
 #: a dotted module prefix (`megatron.core.dist_checkpointing`), as `raised_in` names one
 _MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
@@ -150,6 +153,11 @@ def _parse_xfail(raw: Any, where: str, entry: str = "") -> XFail | None:
         if raised_in.split(".", 1)[0] in OWN_PACKAGES:
             raise MatrixError(f"{where}.raised_in: {raised_in!r} is the harness's own code; an error raised there is a "
                               "harness error, never an upstream defect: name the upstream module, or record a failed check")
+        if project_of(raised_in) in GENERIC_PROJECTS:
+            raise MatrixError(f"{where}.raised_in: {raised_in!r} is {project_of(raised_in)}, generic code where harness "
+                              "errors surface too; name the module of the bumped project (megatron.core, "
+                              "megatron.bridge, transformers, peft, verl, ...) whose frame called into it, where "
+                              "the defect lies (its innermost frame in that project must be inside it)")
         if not match or checks:
             raise MatrixError(f"{where}.raised_in: only an xfail that accepts an error (`match` and no `checks`) has a "
                               "raising frame to name; a checks-based xfail never accepts an error")

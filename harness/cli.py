@@ -86,7 +86,7 @@ def _run(args: argparse.Namespace) -> int:
     console = _console()
     matrix = load_matrix(args.matrix, args.max_world)
     try:  # the scheduler by name (--scheduler, else what --shard, --gpus-per-node, --jobs imply)
-        scheduler, selected = scheduler_of(args), matrix.select(args.k)
+        scheduler, selected = scheduler_of(args), matrix.select(args.k, args.id)
         specs = scheduler.select(selected)
     except ValueError as exc:
         console.print(f"[red]{escape(str(exc))}[/]")
@@ -201,7 +201,8 @@ def _cmd_gate(args: argparse.Namespace) -> int:
     return run_gate(args.candidate, args.baseline, args.matrix, args.k, args.out, cache, _thresholds(args), cross=not args.skip_cross,
                     corpus=args.corpus, exact=args.exact, jobs=args.jobs, reuse=not args.no_reuse, trust_pickles=args.trust_pickles,
                     baseline_results=args.baseline_results, fresh_baseline=args.fresh_baseline, concurrent=args.concurrent,
-                    scale_plans=() if args.no_scale else scale.PLANS, accept=args.accept_unevaluated)
+                    scale_plans=() if args.no_scale else scale.PLANS, accept=args.accept_unevaluated,
+                    rerun=not args.no_rerun)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -312,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a matrix and print a summary")
     run.add_argument("matrix", type=Path)
     run.add_argument("-k", default=None, help="only cases whose id contains every word of this")
+    run.add_argument("--id", action="append", default=[], metavar="CASE_ID",
+                     help="only this exact case id (repeatable; an id the matrix lacks is an error)")
     run.add_argument("--report", type=Path, default=None, help="write DIR/results.json")
     run.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default="auto")
     run.add_argument("--workdir", type=Path, default=None, help="parent of per-case scratch dirs (default: system temp)")

@@ -12,6 +12,8 @@ unplanted copy ignores it):
   harness's canonical-LoRA driver imports, is gone (only canonical-LoRA cases reach for it).
 - `alpha`: the exported adapter_config.json says lora_alpha 32 whatever alpha was asked (the
   verl #1821 class of defect).
+- `flaky`: the first HF export raises (the file CKPT_TEST_PLANT_ONCE is created then), every later
+  one works: a failure that does not reproduce.
 
 The tree lives at a fixed place in the harness's own cache, so the same content keys the same
 candidate venv run after run (a tmp path would key, and keep, a new venv each time).
@@ -42,7 +44,11 @@ EDITS: dict[str, list[tuple[str, str]]] = {
 BODY_TOP: list[tuple[str, str, str]] = [
     ("models/conversion/model_bridge.py", "    def stream_weights_megatron_to_hf(\n        self,",
      f'        if {_ON} == "export-attr":\n            self._planted_attribute_no_bridge_defines\n'
-     f'        if {_ON} == "kill":\n            import os, signal\n            os.kill(os.getppid(), signal.SIGKILL)\n'),
+     f'        if {_ON} == "kill":\n            import os, signal\n            os.kill(os.getppid(), signal.SIGKILL)\n'
+     f'        if {_ON} == "flaky":\n            import os\n            try:\n'
+     f'                os.close(os.open(os.environ["{PLANT}_ONCE"], os.O_CREAT | os.O_EXCL))\n'
+     f'            except FileExistsError:\n                pass\n'
+     f'            else:\n                raise RuntimeError("planted: the first export fails, no later one")\n'),
 ]
 #: code appended to a module
 APPEND: dict[str, str] = {

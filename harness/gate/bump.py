@@ -237,11 +237,12 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
              thresholds: compare.Thresholds = compare.Thresholds(), cross: bool = True, corpus: Path | None = None,
              exact: bool = False, jobs: int = 2, reuse: bool = True, trust_pickles: bool = False,
              baseline_results: Path | None = None, fresh_baseline: bool = False, concurrent: bool | None = None,
-             scale_plans: tuple = (), accept: tuple[str, ...] | list[str] = ()) -> int:
+             scale_plans: tuple = (), accept: tuple[str, ...] | list[str] = (), rerun: bool = True) -> int:
     """The gate. The baseline's run comes from the cache (harness.gate.baseline_cache) when one was
     made under the same key, else it runs (beside the candidate when `concurrent`, by default when
     the machine has 4 cores or more) and is cached; `fresh_baseline` runs it again. `accept`: the
-    --accept-unevaluated patterns (evidence.decide)."""
+    --accept-unevaluated patterns (evidence.decide); `rerun`: run each regressed case again on both
+    sides before reporting it (`recheck`)."""
     if out.exists() and any(out.iterdir()):
         print(f"ckpt-harness: {out} is not empty; the gate writes a new directory (it never overwrites or deletes)", file=sys.stderr)
         return 2
@@ -280,6 +281,8 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
         base, cand = compare.load(out / "baseline"), compare.load(out / "candidate")
         same_selection(base, cand)
         findings = compare.compare(base, cand, thresholds) + archs.diff(base, cand)
+        if rerun:
+            findings = recheck(sides, matrix, findings, thresholds, out / "rerun", jobs, timings)
         arch_problem = archs.problem(base, cand)
         if cross:
             if entry is not None and baseline_cache.restore_corpus(entry, out / "cross" / "written-by-baseline"):
@@ -370,6 +373,46 @@ def run_sides(sides: list[Side], matrix: Path, k: str | None, out: Path, jobs: i
     with ThreadPoolExecutor(len(sides)) as pool:
         futures = {s.name: pool.submit(run_matrix, s, matrix, k, out / s.name, jobs, reuse) for s in sides}
         return {f"{name} matrix": f.result() for name, f in futures.items()}  # the baseline's error first
+
+
+#: the classes a first run may owe to chance (a race, a slow rank, the allocator): confirmed by a rerun
+RERUN = ("regression", "new-refusal", "defect-changed", "check-lost", "diff-growth", "memory-growth")
+
+
+def recheck(sides: list[Side], matrix: Path, findings: list[compare.Finding], thresholds: compare.Thresholds,
+            out: Path, jobs: int, timings: dict[str, float]) -> list[compare.Finding]:
+    """Each matrix case with a finding of RERUN's classes runs again on both sides (`run --id`), and the
+    two reruns are compared: a case whose rerun shows no failing finding did not reproduce, so its
+    findings become one `flaky` finding (never failing, never evidence: evidence.coverage keeps it
+    from SAFE). The baseline reruns too, as its green may have been a first run's luck."""
+    ids = sorted({f.case for f in findings if f.kind in RERUN and "[" in f.case and not f.case.startswith("golden[")})
+    if not ids:
+        return findings
+    docs = []
+    for s in sides:
+        where = out / s.name
+        say(f"rerun: {s.name} runs the {len(ids)} regressed case(s) again (log: {where / 'run.log'})")
+        start = time.perf_counter()
+        rc = _harness(s, ["run", str(matrix), "--report", str(where), "--jobs", str(jobs),
+                          *(a for i in ids for a in ("--id", i))], where / "run.log")
+        timings[f"rerun {s.name}"] = time.perf_counter() - start
+        if not (where / "results.json").exists():
+            raise GateError(f"the {s.name}'s rerun of the regressed cases wrote no results (exit {rc}):\n"
+                            f"{_tail((where / 'run.log').read_text(errors='replace'))}")
+        docs.append(compare.load(where))
+    again = compare.compare(docs[0], docs[1], thresholds)
+    reproduced = {f.case for f in again if f.failing}
+    status = [{r["id"]: r["status"] for r in d["results"]} for d in docs]
+    kept, flaky = [], {}
+    for f in findings:
+        if f.case in ids and f.case not in reproduced and f.kind in RERUN:
+            flaky.setdefault(f.case, f)
+        else:
+            kept.append(f)
+    return kept + [compare.Finding(cid, "flaky", f"{f.kind} on the first run ({f.detail[:300]}), not reproduced on a rerun "
+                                   f"(baseline {status[0].get(cid, 'absent')}, candidate {status[1].get(cid, 'absent')}): "
+                                   "neither a regression nor evidence", f.base, status[1].get(cid))
+                   for cid, f in sorted(flaky.items())]
 
 
 def import_findings(sides: list[Side]) -> list[compare.Finding]:

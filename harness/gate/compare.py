@@ -19,6 +19,7 @@ Classes of finding (one case can have several):
 | new-workaround | a harness.compat workaround of kind `adapts` applied on the candidate only: an API shape or environment the harness adapts to (harness.gate.evidence), listed under Workarounds | no (warning) |
 | diff-growth | a toleranced check's max abs diff grew past the tolerance's atol, by more than `diff_factor` x, or from 0 to > 0 | yes |
 | memory-growth | a phase's per-rank peak delta grew by more than `memory_pct` % AND more than `memory_mib` MiB | yes |
+| flaky | (the gate) a failing finding of a case that did not reproduce when the case ran again on both sides (harness.gate.bump.recheck) | no, but the case is unevaluated: it keeps the verdict from SAFE |
 | fixed-upstream | base xfailed -> candidate fails with XPASS(strict), every judging check present and passed (none not run, none of base's missing): the defect is fixed, drop the xfail | no |
 | not-evaluated | a candidate case errors or is `not-applicable` for the harness's own limits: an API missing in a package unchanged between the sides, an internal API the harness's driver needs, or a Bridge/Core pair that is no release set (harness.gate.classify): a coverage hole, counted per case kind | no (listed) |
 | disappeared | a case on base is absent on the candidate (green on base: an unevaluated case, harness.gate.evidence), or an auxiliary check (memory budget, source store) that passed on base is absent or not run: coverage lost | no (warning; the case's absence keeps SAFE off) |
@@ -55,7 +56,7 @@ from harness.judge.status import AUXILIARY
 FAILING = ("does-not-import", "architecture-removed", "regression", "new-refusal", "api-break", "hides-workaround",
            "defect-changed", "check-lost", "diff-growth", "memory-growth")
 WARNING = ("disappeared", "new-workaround", "layout-change")
-ORDER = (*FAILING, "fixed-upstream", *WARNING, "not-evaluated", "not-run", "workaround-dropped", "architecture-added",
+ORDER = (*FAILING, "flaky", "fixed-upstream", *WARNING, "not-evaluated", "not-run", "workaround-dropped", "architecture-added",
          "appeared", "fixed", "time-growth")
 OK = ("passed", "xfailed")
 BAD = ("failed", "error")

@@ -61,9 +61,10 @@ def baseline_red(base: dict[str, Any]) -> list[str]:
 
 def evaluated_ids(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding]) -> list[str]:
     """Cases both sides really evaluated: green on the baseline, and on the candidate passed, failed,
-    xfailed or an error it is to blame for (not a coverage hole), or a public API it removed."""
+    xfailed or an error it is to blame for (not a coverage hole, not a result its rerun did not
+    reproduce), or a public API it removed."""
     base_green = {r["id"] for r in base.get("results") or [] if r["status"] in GREEN}
-    holes = {f.case for f in findings if f.kind == "not-evaluated"}
+    holes = {f.case for f in findings if f.kind in ("not-evaluated", "flaky")}
     breaks = {f.case for f in findings if f.kind == "api-break"}
     return [r["id"] for r in cand.get("results") or [] if r["id"] in base_green and r["id"] not in holes
             and (r["status"] in REAL or r["id"] in breaks)]
@@ -143,7 +144,7 @@ def _why_unevaluated(cid: str, c: dict[str, Any] | None, holes: dict[str, str]) 
     if c is None:
         return "absent from the candidate's run"
     if cid in holes:
-        return f"a coverage hole of the harness ({holes[cid].split(': ', 1)[-1][:160]})"
+        return holes[cid]
     reason = c.get("not_run_reason") or c.get("not_applicable_reason") or ""
     return f"{c['status']} on the candidate" + (f" ({reason.splitlines()[0][:160]})" if reason else "")
 
@@ -168,11 +169,16 @@ def coverage(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding]
     kinds = {case_kind(i): 0 for i in ids}
     for i in evaluated:
         kinds[case_kind(i)] = kinds.get(case_kind(i), 0) + 1
-    hole_detail = {f.case: f.detail for f in findings if f.kind == "not-evaluated"}
+    hole_detail = {f.case: f"a coverage hole of the harness ({f.detail.split(': ', 1)[-1][:160]})"
+                   for f in findings if f.kind == "not-evaluated"}
+    hole_detail.update({f.case: "flaky: its failing finding did not reproduce on a rerun" for f in findings if f.kind == "flaky"})
     cand_cases = {r["id"]: r for r in cand.get("results") or []}
     done = set(evaluated)
     unevaluated = {r["id"]: _why_unevaluated(r["id"], cand_cases.get(r["id"]), hole_detail)
                    for r in base.get("results") or [] if r["status"] in GREEN and r["id"] not in done}
+    accepted = accepted_by(unevaluated, accept)
+    # a kind with nothing evaluated says nothing, unless every case of it was accepted by name
+    silent = sorted(k for k, n in kinds.items() if n == 0 and not all(i in accepted for i in ids if case_kind(i) == k))
     failing: dict[str, int] = {k: 0 for k in FAILING}
     warnings: dict[str, int] = {}
     for f in findings:
@@ -184,9 +190,8 @@ def coverage(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding]
         selected=len(ids), evaluated=evaluated, baseline_red=baseline_red(base),
         holes=sorted({f.case for f in findings if f.kind == "not-evaluated" and not f.case.startswith("golden[")}),
         not_run=sorted({r["id"] for doc in (base, cand) for r in doc.get("results") or [] if r["status"] in HOLES}
-                       - set(hole_detail)),
-        kinds=kinds, unevaluated_kinds=sorted(k for k, n in kinds.items() if n == 0),
-        unevaluated=unevaluated, accepted=accepted_by(unevaluated, accept),
+                       - {f.case for f in findings if f.kind == "not-evaluated"}),
+        kinds=kinds, unevaluated_kinds=silent, unevaluated=unevaluated, accepted=accepted,
         failing={k: n for k, n in failing.items() if n}, warnings=warnings,
     )
 

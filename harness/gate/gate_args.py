@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gate.add_argument("--fresh-baseline", action="store_true",
                       help="run the baseline even when a cached run of it exists (the cache, under --cache's baselines/, is keyed "
                            "by the baseline env, the harness code digest and the selection; a matching entry is reused by default)")
+    gate.add_argument("--no-rerun", action="store_true",
+                      help="report a regressed case from its first run alone (default: each runs again on both sides, "
+                           "and one that does not reproduce is `flaky`, never a regression, never evidence)")
     gate.add_argument("--concurrent", action=argparse.BooleanOptionalAction, default=None,
                       help="run the baseline and candidate matrix runs at once (default: only on a machine with 4 or more cores)")
     return gate

@@ -143,6 +143,9 @@ def verdict_markdown(sides: list[Any], findings: list[compare.Finding], base: di
                                "run on the candidate (counted as failing)", [f for f in findings if f.kind == "check-lost"])
     lines += _findings_section("Breaking API changes", "the candidate removed or renamed an API users call: whoever "
                                "bumps hits it too (counted as failing)", [f for f in findings if f.kind == "api-break"])
+    lines += _findings_section("Not reproduced (flaky)", "a case that failed on the first run and not when run again "
+                               "on both sides: neither a regression nor evidence (it keeps the verdict from SAFE)",
+                               [f for f in findings if f.kind == "flaky"])
     lines += _findings_section("Architectures removed", "the candidate's Megatron-Bridge no longer registers an HF "
                                "architecture the baseline's does (counted as failing)",
                                [f for f in findings if f.kind == "architecture-removed"])

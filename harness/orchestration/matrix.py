@@ -68,12 +68,19 @@ class Matrix:
         """The cases this file's own entries define (pytest collects an included file on its own)."""
         return [s for s in self.cases if s.origin.startswith(f"{self.path}: ")]
 
-    def select(self, pattern: str | None) -> list[CaseSpec]:
-        """`-k`-like selection: every whitespace-separated word must appear in the id."""
-        if not pattern:
-            return list(self.cases)
-        words = pattern.split()
-        return [c for c in self.cases if all(w in c.id for w in words)]
+    def select(self, pattern: str | None, ids: list[str] | tuple[str, ...] = ()) -> list[CaseSpec]:
+        """`-k`-like selection: every whitespace-separated word must appear in the id; `ids`, when
+        given, keeps exactly those case ids (the gate's rerun of a regressed case), each of which
+        must be a case of this matrix (a ValueError names the first that is not)."""
+        words = (pattern or "").split()
+        chosen = [c for c in self.cases if all(w in c.id for w in words)]
+        if not ids:
+            return chosen
+        known = {c.id for c in chosen}
+        if missing := [i for i in ids if i not in known]:
+            raise ValueError(f"{self.path}: no case {missing[0]!r}{' matching -k ' + repr(pattern) if pattern else ''}"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        return [c for c in chosen if c.id in set(ids)]
 
 
 def _as_list(value: Any, where: str) -> list:

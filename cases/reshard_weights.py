@@ -1,7 +1,9 @@
 """reshard-weights: save model weights at topology S, load at D, prove nothing changed.
 
 Checks (each can fail on its own; tests/test_judges.py and tests/test_reshard_case.py show it):
-  source-canonical      the model built at S holds the canonical weights (guards the harness)
+  source-canonical      the model built at S holds the canonical weights (guards the harness): keys
+                        and shapes from the model's config (truth.gpt_checkpoint_shapes), so a
+                        missing, extra or reshaped tensor fails
   checkpoint-canonical  the checkpoint's plain tensors equal the canonical ones, bitwise
   loaded-canonical      every tensor loaded at D, assembled to full shape, equals canonical
                         bitwise; nothing missing, extra, uncovered, or disagreeing between replicas
@@ -213,7 +215,10 @@ def judge(
     hold: a bf16 case whose model (or checkpoint) came back fp32 fails on dtype."""
     src_full, src_problems = assembled(saved, "shards", src.id)
     dst_full, dst_problems = assembled(loaded, "shards", dst.id)
-    canonical = {k: truth.canonical_tensor(model, k, tuple(v.shape), TORCH_DTYPES[dtype]) for k, v in src_full.items()}
+    # keys and shapes from the model's config, never from what was built or saved: a tensor every
+    # side drops (or reshapes) alike then fails all three canonical checks
+    canonical = {k: truth.canonical_tensor(model, k, shape, TORCH_DTYPES[dtype])
+                 for k, shape in truth.gpt_checkpoint_shapes(model, src.tp).items()}
     padded = model.make_vocab_size_divisible_by is not None
     if padded:  # compare the real vocab rows only (see `real_rows`); zoo models skip this
         full_ckpt = checkpoint

@@ -22,10 +22,12 @@ from harness.judge.checks import knob_check, refusal_check, weights_match_main_p
 
 GQA = get_model("gpt-gqa")
 KEYS = {"embedding.word_embeddings.weight": (128, 64), "decoder.layers.self_attention.linear_qkv.weight": (4, 128, 64)}
+#: every weight gpt-gqa checkpoints: reshard-weights judges against the model's full layout
+LAYOUT = truth.gpt_checkpoint_shapes(GQA, 1)
 
 
-def _canonical(model=GQA):
-    return {k: truth.canonical_tensor(model, k, s) for k, s in KEYS.items()}
+def _canonical(model=GQA, keys=KEYS):
+    return {k: truth.canonical_tensor(model, k, s) for k, s in keys.items()}
 
 
 def _split(full: dict, parts: int, dim: int = 0, replica: int = 0) -> list[list[Shard]]:
@@ -55,7 +57,7 @@ def _weights_outs(full, parts, logits):
 
 
 def _weights_judge(saved=None, loaded=None, checkpoint=None, resaved=None, src="tp2", dst="tp1pp2"):
-    full = _canonical()
+    full = _canonical(keys=LAYOUT)
     logits = torch.randn(2, 16, 128)
     saved = saved or _weights_outs(full, 2, logits)
     loaded = loaded or _weights_outs(full, 2, logits.clone())
@@ -68,7 +70,7 @@ def test_weights_judge_passes_on_good_outputs():
 
 
 def test_weights_judge_one_bit_after_load_names_key_and_side():
-    full = _canonical()
+    full = _canonical(keys=LAYOUT)
     loaded = _weights_outs(full, 2, torch.zeros(1))
     _flip(loaded[1].shards[0].data)
     checks = _weights_judge(loaded=loaded)
@@ -79,7 +81,7 @@ def test_weights_judge_one_bit_after_load_names_key_and_side():
 
 
 def test_weights_judge_uncovered_elements_and_extra_keys():
-    full = _canonical()
+    full = _canonical(keys=LAYOUT)
     loaded = _weights_outs(full, 2, torch.zeros(1))
     loaded[0].shards.pop(0)  # a rank lost its half of one tensor
     checkpoint = {**full, "stray": torch.zeros(1)}
@@ -87,8 +89,41 @@ def test_weights_judge_uncovered_elements_and_extra_keys():
     assert s["loaded-canonical"] == "failed" and s["checkpoint-canonical"] == "failed" and s["resave-plain"] == "failed"
 
 
+@pytest.mark.parametrize("fault", ["dropped", "extra", "reshaped"])
+def test_weights_judge_expects_the_model_s_layout_not_the_built_one(fault):
+    """A tensor the build at S drops, adds or reshapes, and every later side with it: the canonical
+    expectation comes from the model's config (truth.gpt_checkpoint_shapes), so all three canonical
+    checks fail instead of agreeing with the state under test."""
+    full = _canonical(keys=LAYOUT)
+    if fault == "dropped":
+        del full["output_layer.weight"]
+    elif fault == "extra":
+        full["decoder.layers.self_attention.q_layernorm.weight"] = torch.ones(4, 8)
+    else:
+        full["embedding.word_embeddings.weight"] = full["embedding.word_embeddings.weight"][:64].clone()
+    logits = torch.randn(2, 16, 128)
+    checks = reshard_weights.judge(GQA, Topology.parse("tp2"), Topology.parse("tp1pp2"), _weights_outs(full, 2, logits),
+                                   _weights_outs(full, 2, logits.clone()), dict(full), {k: v.clone() for k, v in full.items()})
+    s = _statuses(checks)
+    assert s["source-canonical"] == s["checkpoint-canonical"] == s["loaded-canonical"] == "failed"
+    assert s["resave-plain"] == "passed"  # the two checkpoints agree with each other: only the truth catches it
+    kinds = {m.kind for m in next(c for c in checks if c.name == "source-canonical").mismatches}
+    assert kinds == {"dropped": {"missing"}, "extra": {"extra"}, "reshaped": {"shape"}}[fault], kinds
+
+
+def test_the_canonical_layout_follows_the_model_config():
+    tied, moe = truth.gpt_checkpoint_shapes(get_model("gpt-tied"), 1), truth.gpt_checkpoint_shapes(get_model("gpt-moe-shared"), 2)
+    assert "output_layer.weight" not in tied and tied["embedding.position_embeddings.weight"] == (16, 64)
+    assert tied["decoder.layers.self_attention.linear_qkv.bias"] == (4, 192) and "decoder.final_layernorm.bias" in tied
+    assert moe["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (4, 4, 64, 64)
+    assert moe["decoder.layers.mlp.shared_experts.linear_fc2.weight"] == (4, 64, 64) and moe["decoder.layers.mlp.router.weight"] == (4, 4, 64)
+    uneven = truth.gpt_checkpoint_shapes(get_model("gpt-moe-uneven"), 1)  # mixed layers: one key per layer
+    assert uneven["decoder.layers.0.mlp.linear_fc1.weight"] == (1024, 64) and "decoder.layers.1.mlp.router.weight" in uneven
+    assert len(uneven) == 33  # what megatron-core 0.19.2 checkpoints for it (a dp2ep2 save, read back)
+
+
 def test_weights_judge_resave_and_logits():
-    full = _canonical()
+    full = _canonical(keys=LAYOUT)
     resaved = {k: v.clone() for k, v in full.items()}
     _flip(resaved["embedding.word_embeddings.weight"])
     assert _statuses(_weights_judge(resaved=resaved))["resave-plain"] == "failed"
@@ -263,7 +298,7 @@ def test_resume_bf16_tolerances_are_measured_bounds():
 
 
 def test_reshard_weights_bf16_judge():
-    full = {k: v.to(torch.bfloat16) for k, v in _canonical().items()}
+    full = {k: v.to(torch.bfloat16) for k, v in _canonical(keys=LAYOUT).items()}
     logits = torch.randn(2, 16, 128)
 
     def run(loaded_full=None, loaded_logits=None, dst="tp1pp2", checkpoint=None):

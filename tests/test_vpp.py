@@ -80,12 +80,19 @@ def test_the_vpp_p2p_workaround_is_noted_only_where_a_topology_has_vpp():
     assert any("vpp_overlap_p2p" in n for n in workaround_notes(opts, Topology.parse("pp2"), Topology.parse("pp2vpp2")))
 
 
+#: gpt-gqa's other weights, whole: the judge expects the model's full layout (truth.gpt_checkpoint_shapes)
+REST = {k: truth.canonical_tensor(GQA, k, shape) for k, shape in truth.gpt_checkpoint_shapes(GQA, 1).items() if k != QKV}
+
+
 def _chunked(full: torch.Tensor, layers_of_rank: list[list[int]]) -> list[reshard_weights.WeightsOut]:
-    """Per-rank outputs of a layer-stacked tensor held one layer per chunk, as local_shards gives them."""
+    """Per-rank outputs of a layer-stacked tensor held one layer per chunk, as local_shards gives them
+    (the first rank also holds every other weight whole)."""
     outs = []
-    for layers in layers_of_rank:
+    for r, layers in enumerate(layers_of_rank):
         shards = [Shard(QKV, tuple(full.shape), (layer, (0, full.shape[1]), (0, full.shape[2])), 0, full[layer].clone())
                   for layer in layers]
+        if not r:
+            shards += [Shard(k, tuple(t.shape), tuple((0, n) for n in t.shape), 0, t.clone()) for k, t in REST.items()]
         outs.append(reshard_weights.WeightsOut(shards, None, 0))
     return outs
 
@@ -98,7 +105,7 @@ def test_a_chunk_at_the_wrong_layer_offset_turns_loaded_canonical_red():
     saved = _chunked(full, [[0], [1], [2], [3]])
     good = _chunked(full, [[0, 2], [1, 3]])
     bad = _chunked(full, [[0, 0], [1, 3]])
-    plain = {QKV: full.clone()}
+    plain = {QKV: full.clone(), **REST}
     ok = {c.name: c for c in reshard_weights.judge(GQA, src, dst, saved, good, plain, dict(plain))}
     assert ok["loaded-canonical"].status == "passed"
     red = {c.name: c for c in reshard_weights.judge(GQA, src, dst, saved, bad, plain, dict(plain))}

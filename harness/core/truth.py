@@ -69,6 +69,67 @@ def canonical_tensor(model: Any, key: str, shape: tuple[int, ...], dtype: torch.
     return t.to(dtype)
 
 
+def _layer_shapes(model: Any, moe: bool) -> dict[str, tuple[int, ...]]:
+    """One transformer layer's checkpoint keys (local spec names; TE's fused layers write the same)
+    and their full shapes."""
+    h, head_dim = model.hidden_size, model.hidden_size // model.num_attention_heads
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * head_dim
+    gated = 2 if model.swiglu else 1
+    out: dict[str, tuple[int, ...]] = {}
+
+    def norm(prefix: str) -> None:
+        out[f"{prefix}.layer_norm_weight"] = (h,)
+        if model.normalization == "LayerNorm":
+            out[f"{prefix}.layer_norm_bias"] = (h,)
+
+    def mlp(prefix: str, ffn: int, lead: tuple[int, ...] = ()) -> None:
+        out[f"{prefix}.linear_fc1.weight"] = (*lead, gated * ffn, h)
+        out[f"{prefix}.linear_fc2.weight"] = (*lead, h, ffn)
+        if model.add_bias_linear:
+            out[f"{prefix}.linear_fc1.bias"] = (*lead, gated * ffn)
+            out[f"{prefix}.linear_fc2.bias"] = (*lead, h)
+
+    norm("self_attention.linear_qkv")
+    out["self_attention.linear_qkv.weight"] = (qkv, h)
+    if model.add_bias_linear or model.add_qkv_bias:
+        out["self_attention.linear_qkv.bias"] = (qkv,)
+    out["self_attention.linear_proj.weight"] = (h, model.num_attention_heads * head_dim)
+    if model.add_bias_linear:
+        out["self_attention.linear_proj.bias"] = (h,)
+    norm("mlp.linear_fc1")  # the pre-MLP norm, under megatron's fused name (MoE layers too)
+    if moe:
+        out["mlp.router.weight"] = (model.num_moe_experts, h)
+        mlp("mlp.experts.experts", model.moe_ffn_hidden_size, (model.num_moe_experts,))
+        if model.moe_shared_expert_size:
+            mlp("mlp.shared_experts", model.moe_shared_expert_size)
+    else:
+        mlp("mlp", model.ffn_hidden_size)
+    return out
+
+
+def gpt_checkpoint_shapes(model: Any, tp: int) -> dict[str, tuple[int, ...]]:
+    """Every weight key a megatron-core GPT zoo model built at TP `tp` checkpoints, with its full
+    shape, from the model's config alone: what a build or a save that drops, adds or reshapes a
+    tensor is judged against (`_extra_state` not included). Uniform layers are stacked on a
+    leading layer axis (`decoder.layers.X`); a model mixing dense and MoE layers (`moe_layer_freq`)
+    checkpoints each layer under `decoder.layers.<i>.X`."""
+    h, vocab = model.hidden_size, model.padded_vocab_size(tp)
+    out: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (vocab, h), "decoder.final_layernorm.weight": (h,)}
+    if model.normalization == "LayerNorm":
+        out["decoder.final_layernorm.bias"] = (h,)
+    if model.position_embedding == "learned_absolute":
+        out["embedding.position_embeddings.weight"] = (model.seq_length, h)
+    if not model.tied_embeddings:
+        out["output_layer.weight"] = (vocab, h)
+    pattern = getattr(model, "moe_layer_freq", None)
+    if pattern:
+        for i, moe in enumerate(pattern):
+            out.update({f"decoder.layers.{i}.{k}": v for k, v in _layer_shapes(model, bool(moe)).items()})
+    else:
+        out.update({f"decoder.layers.{k}": (model.num_layers, *v) for k, v in _layer_shapes(model, bool(model.num_moe_experts)).items()})
+    return out
+
+
 def canonical_hf_state(model: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """An HF fixture's weights by HF parameter name: norms 1 + noise, everything else (biases
     included, so a dropped bias shows) small noise."""

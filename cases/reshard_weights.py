@@ -11,7 +11,9 @@ Checks (each can fail on its own; tests/test_judges.py and tests/test_reshard_ca
                         checkpoints, exact equality
   vocab-padding         only for a model with make_vocab_size_divisible_by (harness.orchestration.explore): the
                         other checks compare the first vocab_size rows of the vocab tensors; this
-                        one reports the padded shapes at S and D and what the padding rows hold
+                        one fails where the checkpoint's or D's row count is not the padded size at
+                        that TP, or the checkpoint's padding rows are not the canonical ones built
+                        at S; it reports what D's padding rows hold
   logits                logits of a fixed batch at D equal those at S; bitwise when TP is
                         unchanged (and expert TP), else within LOGITS_TP_TOLERANCE (fp32) or
                         LOGITS_TP_TOLERANCE_BF16 (bf16); with the local layer spec not run
@@ -180,29 +182,41 @@ def real_rows(model: ModelSpec, state: dict[str, torch.Tensor]) -> dict[str, tor
 
 def padding_check(model: ModelSpec, src: Topology, dst: Topology, checkpoint: dict[str, torch.Tensor],
                   dst_full: dict[str, torch.Tensor], dtype: DType) -> Check:
-    """What happened to the vocab padding rows: reported, never failed (they carry no token)."""
-    parts = []
-    for key in sorted(k for k in checkpoint if k.endswith(truth.VOCAB_KEYS)):
-        at_d = dst_full.get(key)
-        text = (f"{key}: vocab {model.vocab_size}, padded {model.padded_vocab_size(src.tp)} at {src.id}"
-                f" (checkpoint global shape {tuple(checkpoint[key].shape)}), {model.padded_vocab_size(dst.tp)} at {dst.id}")
-        if at_d is not None and at_d.shape[0] > model.vocab_size:
-            canon = truth.canonical_tensor(model, key, tuple(at_d.shape), TORCH_DTYPES[dtype])[model.vocab_size:]
+    """The vocab tensors' padding, against the truth: the other checks compare real rows only, so this
+    one fails where a vocab tensor is missing, the checkpoint's or D's row count is not Megatron-LM's
+    padded size at that TP, or the checkpoint's padding rows are not the ones the model at S was built
+    with (a save writes them as they are). What D's padding rows hold is reported, not judged: they
+    carry no token, and a load at another padded size has nothing to fill them from."""
+    parts, wrong = [], []
+    for key in sorted(k for k in truth.gpt_checkpoint_shapes(model, src.tp) if k.endswith(truth.VOCAB_KEYS)):
+        rows_s, rows_d = model.padded_vocab_size(src.tp), model.padded_vocab_size(dst.tp)
+        saved, at_d = checkpoint.get(key), dst_full.get(key)
+        if saved is None or at_d is None:
+            wrong.append(f"{key}: missing {'from the checkpoint' if saved is None else f'at {dst.id}'}")
+            continue
+        text = f"{key}: vocab {model.vocab_size}, padded {rows_s} at {src.id}, {rows_d} at {dst.id}"
+        if saved.shape[0] != rows_s:
+            wrong.append(f"{key}: the checkpoint holds {saved.shape[0]} rows, {src.id} pads to {rows_s}")
+        elif not torch.equal(saved[model.vocab_size:], truth.canonical_tensor(model, key, tuple(saved.shape), TORCH_DTYPES[dtype])[model.vocab_size:]):
+            wrong.append(f"{key}: the checkpoint's padding rows are not the ones built at {src.id}")
+        if at_d.shape[0] != rows_d:
+            wrong.append(f"{key}: {at_d.shape[0]} rows loaded at {dst.id}, which pads to {rows_d}")
+        elif rows_d > model.vocab_size:
             pad = at_d[model.vocab_size:]
             decoy = truth.canonical_tensor(model.with_seed(model.seed + truth.DECOY_SEED_OFFSET), key, tuple(at_d.shape),
                                            TORCH_DTYPES[dtype])[model.vocab_size:]
-            if torch.equal(canon, pad):
+            if torch.equal(truth.canonical_tensor(model, key, tuple(at_d.shape), TORCH_DTYPES[dtype])[model.vocab_size:], pad):
                 text += "; padding rows at D equal the canonical ones"
             elif torch.equal(decoy, pad):
-                text += "; padding rows at D kept their pre-load values (the load did not touch them; not a failure)"
+                text += "; padding rows at D kept their pre-load values (the load did not touch them)"
             elif not pad.any():
-                text += "; padding rows at D are zero (not a failure)"
+                text += "; padding rows at D are zero"
             else:
-                text += "; padding rows at D hold other values (not a failure)"
-        elif at_d is not None:
-            text += f"; loaded at D with shape {tuple(at_d.shape)}"
+                text += "; padding rows at D hold other values"
         parts.append(text)
-    return Check("vocab-padding", "passed", "; ".join(parts) or "no vocab tensor", tolerance=NOT_COMPARED)
+    if wrong:
+        return Check("vocab-padding", "failed", "; ".join(wrong))
+    return Check("vocab-padding", "passed", "; ".join(parts))
 
 
 def judge(

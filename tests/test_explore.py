@@ -118,7 +118,7 @@ def test_long_profile(tmp_path):
 
 
 def test_judge_side_compares_real_rows_and_reports_padding():
-    """real_rows cuts only the padded vocab tensors; padding_check reports, never fails."""
+    """real_rows cuts only the padded vocab tensors; padding_check reports what D's padding rows hold."""
     from harness.cases.reshard_weights import padding_check, real_rows
 
     m = ModelSpec("m", "", hidden_size=48, num_attention_heads=6, num_query_groups=3, ffn_hidden_size=96,
@@ -127,11 +127,36 @@ def test_judge_side_compares_real_rows_and_reports_padding():
     state = {emb: truth.canonical_tensor(m, emb, (104, 48)), norm: torch.ones(48)}
     cut = real_rows(m, state)
     assert cut[emb].shape == (97, 48) and cut[norm] is state[norm]
-    at_d = {emb: torch.zeros(112, 48)}
+    out = "output_layer.weight"
+    state[out] = truth.canonical_tensor(m, out, (104, 48))
+    at_d = {emb: torch.zeros(112, 48), out: torch.zeros(112, 48)}
     c = padding_check(m, Topology(tp=1), Topology(tp=2), state, at_d, "fp32")
     assert c.status == "passed" and "104 at tp1pp1dp1cp1" in c.detail and "112 at tp2pp1dp1cp1" in c.detail and "zero" in c.detail
     plain = ModelSpec("z", "")
     assert real_rows(plain, {emb: torch.ones(128, 64)})[emb].shape == (128, 64)
+
+
+def test_padding_check_fails_a_wrong_padded_size_or_padding_rows_against_the_truth():
+    """vocab-padding judges: the checkpoint's rows are Megatron-LM's padded size at S and its padding
+    rows the canonical ones built there; D's row count is the padded size at D; a vocab tensor must exist."""
+    from harness.cases.reshard_weights import padding_check
+
+    m = ModelSpec("m", "", hidden_size=48, num_attention_heads=6, num_query_groups=3, ffn_hidden_size=96,
+                  vocab_size=97, make_vocab_size_divisible_by=8)
+    emb, out = "embedding.word_embeddings.weight", "output_layer.weight"
+    good = {k: truth.canonical_tensor(m, k, (104, 48)) for k in (emb, out)}
+    at_d = {k: torch.zeros(112, 48) for k in (emb, out)}
+    src, dst = Topology(tp=1), Topology(tp=2)
+    assert padding_check(m, src, dst, good, at_d, "fp32").status == "passed"
+    zeroed = {**good, emb: torch.cat([good[emb][:97], torch.zeros(7, 48)])}  # a save that zeroed the padding rows
+    c = padding_check(m, src, dst, zeroed, at_d, "fp32")
+    assert c.status == "failed" and "padding rows are not the ones built at tp1pp1dp1cp1" in c.detail
+    grown = {**good, out: truth.canonical_tensor(m, out, (112, 48))}  # padded as if at tp2
+    assert "holds 112 rows, tp1pp1dp1cp1 pads to 104" in padding_check(m, src, dst, grown, at_d, "fp32").detail
+    short = {**at_d, emb: torch.zeros(104, 48)}
+    assert "104 rows loaded at tp2pp1dp1cp1, which pads to 112" in padding_check(m, src, dst, good, short, "fp32").detail
+    c = padding_check(m, src, dst, {emb: good[emb]}, at_d, "fp32")
+    assert c.status == "failed" and "output_layer.weight: missing from the checkpoint" in c.detail
 
 
 @pytest.mark.slow

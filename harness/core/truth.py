@@ -57,7 +57,8 @@ def canonical_tensor(model: Any, key: str, shape: tuple[int, ...], dtype: torch.
     """The full tensor a megatron checkpoint key holds in a GPT zoo model (scaled so logits stay sane).
 
     With vocab padding the real rows are the same at every padded size (see `_vocab_noise`); the
-    padding rows are a function of the padded size too and nothing checks them bitwise."""
+    padding rows are a function of the padded size too (reshard-weights' vocab-padding check holds a
+    checkpoint's padding rows to them, at the padded size of the TP it was saved at)."""
     noise = _vocab_noise(model, key, shape)
     leaf = key.rsplit(".", 1)[-1]
     if "norm" in key and leaf in ("weight", "layer_norm_weight"):

@@ -117,3 +117,32 @@ def test_run_selects_exact_ids_and_names_one_it_lacks():
         m.select(None, [PASSED, "resume[nope]"])
     with pytest.raises(ValueError, match="matching -k 'tp4'"):
         m.select("tp4", [PASSED])
+
+
+def test_the_default_gate_selection_shows_every_hidden_defect_unpatched():
+    """A workaround that hides a defect is failing on the candidate only; the gate must also see the
+    defect itself on both sides: every `shown_by` matrix entry is in matrices/gate.yaml."""
+    from harness.compat._shim import HIDES
+    from harness.orchestration.matrix import load_matrix
+
+    gate = load_matrix(ROOT / "matrices" / "gate.yaml")
+    shown = [s.shown_by for s in registry.by_kind(HIDES) if not s.shown_by.startswith("tests/")]
+    assert shown
+    for where in shown:
+        file, _, tag = where.partition(":")
+        cases = [c for c in gate.cases if c.tag == tag and c.origin.startswith(f"{ROOT / file}: ")]
+        assert cases and all(c.xfail for c in cases), f"{where}: not in the gate's default selection"
+
+
+def test_an_include_by_tag_takes_only_those_entries_and_names_a_tag_it_lacks(tmp_path):
+    from harness.orchestration.matrix import MatrixError, load_matrix
+
+    (tmp_path / "m.yaml").write_text(f"include:\n  - {{file: {ROOT / 'matrices' / 'verl.yaml'}, tags: [verl-F2]}}\n")
+    m = load_matrix(tmp_path / "m.yaml")
+    assert m.cases and {c.tag for c in m.cases} == {"verl-F2"}
+    (tmp_path / "bad.yaml").write_text(f"include:\n  - {{file: {ROOT / 'matrices' / 'verl.yaml'}, tags: [verl-F99]}}\n")
+    with pytest.raises(MatrixError, match="has no entry tagged 'verl-F99'"):
+        load_matrix(tmp_path / "bad.yaml")
+    (tmp_path / "odd.yaml").write_text("include:\n  - {path: x.yaml}\n")
+    with pytest.raises(MatrixError, match=r"include\[0\]: expected a file name or"):
+        load_matrix(tmp_path / "odd.yaml")

@@ -101,6 +101,20 @@ def _strings(value: Any, where: str) -> list[str]:
     return items
 
 
+def _includes(value: Any, where: str) -> list[tuple[str, list[str] | None]]:
+    """`include:` items: a file name (every case of it), or `{file: NAME, tags: [TAG, ...]}` (only
+    the entries with those tags: the gate takes each workaround's `shown_by` entry this way)."""
+    out: list[tuple[str, list[str] | None]] = []
+    for i, item in enumerate(_as_list(value, where)):
+        if isinstance(item, str) and item:
+            out.append((item, None))
+        elif isinstance(item, dict) and set(item) == {"file", "tags"} and isinstance(item["file"], str) and item["file"]:
+            out.append((item["file"], _strings(item["tags"], f"{where}[{i}].tags")))
+        else:
+            raise MatrixError(f"{where}[{i}]: expected a file name or {{file: NAME, tags: [TAG, ...]}}, got {item!r}")
+    return out
+
+
 def _number(value: Any, where: str, kind: type = float) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)) or value <= 0:
         raise MatrixError(f"{where}: expected a positive {'integer' if kind is int else 'number'}, got {value!r}")
@@ -178,7 +192,8 @@ def _parse_xfail(raw: Any, where: str, entry: str = "") -> XFail | None:
 def load_matrix(path: str | Path, max_world: int | None = None, _within: tuple[Path, ...] = ()) -> Matrix:
     """Read and validate a whole matrix file; every problem is a MatrixError naming file, entry and key.
 
-    `include: [other.yaml, ...]` (paths relative to this file) adds every case of those matrices,
+    `include: [other.yaml, ...]` (paths relative to this file) adds every case of those matrices
+    (`{file: other.yaml, tags: [...]}`: only its entries with those tags),
     each with its own defaults, before this file's own `entries` (optional then): one selection
     that `run`, `gate` and `sweep` take as one matrix (matrices/gate.yaml). A case id defined twice
     across the files, or an include cycle, is a MatrixError naming both places.
@@ -208,11 +223,16 @@ def load_matrix(path: str | Path, max_world: int | None = None, _within: tuple[P
         raise MatrixError(f"{path}: defaults: unknown key(s) {sorted(unknown)}; allowed: {sorted(_DEFAULT_KEYS)}")
     matrix = Matrix(name=str(raw.get("name", path.stem)), path=path, description=str(raw.get("description", "")))
     seen: dict[str, str] = {}
-    for name in _strings(raw.get("include"), f"{path}: include"):
+    for name, tags in _includes(raw.get("include"), f"{path}: include"):
         other = path.parent / name
         if other.resolve() in _within + (path.resolve(),):
             raise MatrixError(f"{path}: include: {name} includes itself (a cycle through {[str(p) for p in _within]})")
-        for spec in load_matrix(other, None, _within + (path.resolve(),)).cases:
+        cases = load_matrix(other, None, _within + (path.resolve(),)).cases
+        if tags is not None:
+            if unknown := [t for t in tags if not any(c.tag == t for c in cases)]:
+                raise MatrixError(f"{path}: include: {name} has no entry tagged {unknown[0]!r}")
+            cases = [c for c in cases if c.tag in tags]
+        for spec in cases:
             if spec.id in seen:  # the same case in two files (the smoke's per-family slice): once, if it is the same
                 first = next(c for c in matrix.cases if c.id == spec.id)
                 if _same_case(first, spec):

@@ -185,6 +185,31 @@ def test_exception_of_reads_multiline_messages():
 
 
 @pytest.mark.slow  # torchrun starts fresh interpreters: ~60 s per world on 2 cores
+def test_the_cause_is_the_rank_that_raised_not_a_peer_whose_transport_it_reset(tmp_path):
+    """Bridge 0.5.1's pp2vpp2 LoRA: rank 1 raised in get_model's pre_wrap_hook, rank 0's gloo
+    transport was reset by it and reached disk first; the world quotes rank 1."""
+    import os
+    import pickle
+
+    from harness.run.world import _first_failure
+
+    peer = ('Traceback (most recent call last):\n  File "/x/torch/distributed/distributed_c10d.py", line 1, in broadcast\n'
+            "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer\n")
+    cause = ('Traceback (most recent call last):\n  File "/x/megatron/bridge/models/model_provider.py", line 9, in get_model\n'
+             "ValueError: pre_wrap_hook failed\n")
+    files = [tmp_path / "e0", tmp_path / "e1"]
+    for f, tb, t in ((files[0], peer, 1_000), (files[1], cause, 2_000)):  # the peer's follow-on is older on disk
+        f.write_bytes(pickle.dumps(tb))
+        os.utime(f, ns=(t, t))
+    err = _first_failure([str(f) for f in files], 2)
+    assert err.rank == 1 and "pre_wrap_hook failed" in err.rank_traceback
+    assert "(then rank 0 failed: RuntimeError: [../third_party/gloo" in str(err)
+    # every failure a follow-on (a rank killed outright): the earliest one still stands
+    files[1].write_bytes(pickle.dumps(peer.replace("reset", "closed")))
+    os.utime(files[1], ns=(2_000, 2_000))
+    assert _first_failure([str(f) for f in files], 2).rank == 0
+
+
 def test_the_same_rank_body_runs_under_torchrun(tmp_path):
     from harness.run.probes import allreduce_ranks
     from harness.run.world import launch_torchrun

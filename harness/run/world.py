@@ -198,17 +198,32 @@ class RankBaseException(Exception):
     exception line of the text stays the original's, which is what `exception_of` reads."""
 
 
+#: what a rank raises when a PEER died under it (a collective's transport torn down, an aborted
+#: communicator): never the cause while a rank raised something else
+_FOLLOW_ON = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|gloo/transport|"
+                        r"NCCL communicator was aborted|DistNetworkError|DistBackendError|Socket Timeout")
+
+
+def follow_on(rank_traceback: str) -> bool:
+    """Whether a rank's traceback is a peer's failure reaching it through a collective."""
+    exc_type, message = exception_of(rank_traceback)
+    return bool(_FOLLOW_ON.search(f"{exc_type}: {message}"))
+
+
 def _first_failure(error_files: list[str], world_size: int) -> WorldError:
-    """The rank that failed first is the cause; peers then fail in their collectives."""
+    """The rank that failed first is the cause; peers then fail in their collectives. A peer's
+    follow-on (its transport reset by the rank that died) can reach disk first, as the dying rank
+    still formats its traceback: it is the cause only when every failure is one."""
     failed = []
     for rank, f in enumerate(error_files):
         path = Path(f)
         if path.exists():
             with open(path, "rb") as fh:
-                failed.append((path.stat().st_mtime_ns, rank, pickle.load(fh)))
+                tb = pickle.load(fh)
+            failed.append((follow_on(tb), path.stat().st_mtime_ns, rank, tb))
     failed.sort()
-    _, rank, tb = failed[0]
-    others = "".join(f"\n(then rank {r} failed: {t.strip().splitlines()[-1]})" for _, r, t in failed[1:])
+    _, _, rank, tb = failed[0]
+    others = "".join(f"\n(then rank {r} failed: {t.strip().splitlines()[-1]})" for _, _, r, t in failed[1:])
     return WorldError(f"rank {rank} of {world_size} raised:\n{tb}{others}", rank=rank, rank_traceback=tb)
 
 

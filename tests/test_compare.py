@@ -330,3 +330,15 @@ def test_an_xpass_counts_as_fixed_only_when_every_judging_check_compared_and_pas
         cand = doc(case("k", "failed", checks=checks, error="XPASS(strict): expected to fail"))
         findings = cmp.compare(base, cand)
         assert kinds(findings)[0] == "defect-changed" and why in findings[0].detail and cmp.exit_code(findings) == 1
+
+
+def test_a_defect_in_the_form_declared_for_the_candidates_release_is_no_change_but_may_not_grow():
+    from harness.judge.status import KNOWN_FORM
+
+    base = doc(case("x", "xfailed", checks=[check("step", "failed", diff=1.0)]))
+    note = [f"{KNOWN_FORM}megatron-bridge<0.6 (matrix known_on)"]
+    cand = doc(case("x", "xfailed", checks=[check("optimizer-state", "failed")], notes=note))
+    assert cmp.compare(base, cand) == []  # someone looked at this form: it is declared
+    assert kinds(cmp.compare(base, doc(case("x", "xfailed", checks=[check("optimizer-state", "failed")])))) == ["defect-changed"]
+    worse = doc(case("x", "xfailed", checks=[check("step", "failed", diff=1e3)], notes=note))
+    assert kinds(cmp.compare(base, worse)) == ["defect-changed"]

@@ -183,3 +183,33 @@ def test_failed_checks_are_judged_without_a_frame():
     """A checks-based xfail judges failed checks, which have no traceback: the frame rule is for errors."""
     assert XFail("known", checks=("step",)).explains(_result({"step"})) == ""
     assert XFail("known", checks=("step",)).accepts_errors is False and DEFECT.accepts_errors is True
+
+
+def test_a_defect_declared_known_on_a_release_is_met_there_only_and_says_so():
+    """`known_on`: the same defect in the form another release shows it; met only where that release
+    is installed (here megatron-core 0.19.x), so a sweep reads "same defect" rather than "failed"."""
+    from harness.judge.status import KNOWN_FORM
+
+    here = XFail("step reset", checks=("step",), known_on=(("megatron-core>=0.19", XFail("step reset", checks=("optimizer-state",))),))
+    elsewhere = XFail("step reset", checks=("step",), known_on=(("megatron-core<0.1", XFail("step reset", checks=("optimizer-state",))),))
+    other_form = _result({"optimizer-state"})
+    assert here.explains(_result({"step"})) == "" and here.met_as(_result({"step"})) is None  # its own form
+    assert here.explains(other_form) == "" and here.met_as(other_form) == "megatron-core>=0.19"
+    assert "beyond the expected ['step']" in elsewhere.explains(other_form) and elsewhere.met_as(other_form) is None
+    r = _result({"optimizer-state"})
+    apply_expected_failure(here, r)
+    assert r.status == "xfailed" and any(n.startswith(KNOWN_FORM + "megatron-core>=0.19") for n in r.notes)
+    r = _result({"optimizer-state"})
+    apply_expected_failure(elsewhere, r)
+    assert r.status == "failed"
+
+
+def test_the_loader_reads_known_on_and_refuses_a_bad_release(tmp_path):
+    from harness.orchestration.matrix import MatrixError, _parse_xfail
+
+    x = _parse_xfail({"reason": "r", "checks": ["step"], "known_on": [{"release": "megatron-bridge<0.6", "checks": ["losses"]}]}, "m.yaml")
+    assert x.known_on == (("megatron-bridge<0.6", XFail("r", checks=("losses",))),)
+    with pytest.raises(MatrixError, match=r"known_on\[0\].release: not a requirement"):
+        _parse_xfail({"reason": "r", "checks": ["step"], "known_on": [{"release": "<<0.6", "checks": ["x"]}]}, "m.yaml")
+    with pytest.raises(MatrixError, match=r"known_on\[0\]: expected"):
+        _parse_xfail({"reason": "r", "checks": ["step"], "known_on": [{"checks": ["x"]}]}, "m.yaml")

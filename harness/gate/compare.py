@@ -51,7 +51,7 @@ from harness.core.result import (
     shows_diff,  # the one predicate for "this check's diff is toleranced"
 )
 from harness.gate import classify
-from harness.judge.status import AUXILIARY
+from harness.judge.status import AUXILIARY, KNOWN_FORM
 
 FAILING = ("does-not-import", "architecture-removed", "regression", "new-refusal", "api-break", "hides-workaround",
            "defect-changed", "check-lost", "diff-growth", "memory-growth")
@@ -217,16 +217,18 @@ def _defect_findings(cid: str, b: dict[str, Any], c: dict[str, Any], t: Threshol
     `diff_factor` x or turned NaN/inf. Anything else is defect-changed (failing)."""
     if not b["status"] == c["status"] == "xfailed":
         return []
+    # a form declared for the candidate's release (known_on) has been looked at: only getting worse counts
+    declared = any(str(n).startswith(KNOWN_FORM) for n in c.get("notes") or [])
     bc, cc = _checks(b), _checks(c)
     bf = sorted(n for n, ch in bc.items() if ch.get("status") == "failed")
     # a check that passed on base and fails now is a regression already (_status_findings)
     cf = sorted(n for n, ch in cc.items() if ch.get("status") == "failed" and bc.get(n, {}).get("status") != "passed")
     out = []
-    if bf != cf:
+    if bf != cf and not declared:
         out.append(Finding(cid, "defect-changed", f"the named defect fails other checks: {', '.join(bf) or 'none'} on base, "
                            f"{', '.join(cf) or 'none'} on the candidate", bf, cf))
     be, ce = _error_signature(b), _error_signature(c)
-    if be != ce:
+    if be != ce and not declared:
         show = lambda e: f"{e[0]} raised in {e[1]}" if e else "no error"  # noqa: E731
         out.append(Finding(cid, "defect-changed", f"the named defect raises differently: {show(be)} on base, "
                            f"{show(ce)} on the candidate", be, ce))

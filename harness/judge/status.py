@@ -27,6 +27,8 @@ from harness.core.frames import OWN_PACKAGES, raising_frame
 from harness.core.result import API_MISSING, CaseResult, Check, api_missing_line, api_missing_parts
 from harness.core.spec import XFail
 
+#: the note an xfailed case carries when it met its defect in the form declared for an installed release
+KNOWN_FORM = "the named defect, in the form it is known on "
 #: Checks that say something about the run, not about the format under test: never enough to pass.
 AUXILIARY = ("memory-budget:", "source-unchanged")
 
@@ -97,6 +99,8 @@ def apply_expected_failure(xfail: XFail | None, result: CaseResult) -> None:
             result.notes.append(f"failed, but not as expected: {unexpected} ({xfail.reason})")
             result.status = "failed"
         else:
+            if release := xfail.met_as(result):  # judged on the failure itself, before it is xfailed
+                result.notes.append(f"{KNOWN_FORM}{release} (matrix known_on)")
             result.status = "xfailed"
         return
     result.status = "failed"

@@ -149,9 +149,10 @@ def _parse_xfail(raw: Any, where: str, entry: str = "") -> XFail | None:
         if not raw.strip():
             raise MatrixError(f"{where}: give the reason (the upstream defect) as a string")
         return XFail(raw)
-    if not isinstance(raw, dict) or set(raw) - {"reason", "match", "checks", "raised_in"} or "reason" not in raw:
+    if not isinstance(raw, dict) or set(raw) - {"reason", "match", "checks", "raised_in", "known_on"} or "reason" not in raw:
         raise MatrixError(f"{where}: expected a reason string or {{reason: ..., match: REGEX, checks: [NAME, ...]}} "
-                          "or {reason: ..., match: REGEX, raised_in: MODULE}")
+                          "or {reason: ..., match: REGEX, raised_in: MODULE}, each with an optional "
+                          "known_on: [{release: 'megatron-bridge<0.6', match/checks/raised_in: ...}]")
     if not isinstance(raw["reason"], str) or not raw["reason"].strip():
         raise MatrixError(f"{where}.reason: give the reason (the upstream defect) as a string")
     match = raw.get("match")
@@ -186,7 +187,29 @@ def _parse_xfail(raw: Any, where: str, entry: str = "") -> XFail | None:
         raise MatrixError(f"{where}: an xfail with `match` and no `checks` accepts an error, so it must say where the "
                           "defect raises: add `raised_in: <upstream module prefix>` (the raising frame's module, e.g. "
                           "megatron.core.dist_checkpointing), never an exception class alone")
-    return XFail(raw["reason"], match, tuple(checks), raised_in)
+    return XFail(raw["reason"], match, tuple(checks), raised_in, _known_on(raw, where, entry))
+
+
+def _known_on(raw: dict, where: str, entry: str) -> tuple[tuple[str, XFail], ...]:
+    """`known_on:` the defect's signature on other releases: each a PEP 508 requirement (`release`)
+    with its own match/checks/raised_in, validated as an xfail of its own."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    items = raw.get("known_on") or []
+    if not isinstance(items, list):
+        raise MatrixError(f"{where}.known_on: expected a list of {{release: REQUIREMENT, match/checks/raised_in}}")
+    out = []
+    for i, item in enumerate(items):
+        at = f"{where}.known_on[{i}]"
+        if not isinstance(item, dict) or "release" not in item or set(item) - {"release", "match", "checks", "raised_in"}:
+            raise MatrixError(f"{at}: expected {{release: 'megatron-bridge<0.6', match/checks/raised_in: ...}}, got {item!r}")
+        try:
+            Requirement(str(item["release"]))
+        except InvalidRequirement as exc:
+            raise MatrixError(f"{at}.release: not a requirement ({exc})") from None
+        sig = {k: v for k, v in item.items() if k != "release"}
+        out.append((str(item["release"]), _parse_xfail({"reason": raw["reason"], **sig}, at, entry)))
+    return tuple(out)
 
 
 def load_matrix(path: str | Path, max_world: int | None = None, _within: tuple[Path, ...] = ()) -> Matrix:

@@ -15,6 +15,7 @@ from harness.core import requires
 from harness.core.parity import EXACT
 from harness.core.result import CaseResult, Check
 from harness.gate import golden, rollback
+from harness.models.training import PRIMED_STEP
 from harness.orchestration.runner import (
     RunOptions,
     apply_expected_failure,
@@ -61,12 +62,14 @@ def test_a_crash_inside_the_older_stack_is_not_a_refusal_and_names_its_frame(exc
     c = rollback.refusal_of(exc_type, message, _tb(full, line, fn, code, f"{exc_type}: {message}"), ("CheckpointingException",),
                           "tp2 -> pp2")
     assert c.status == "failed"
-    assert f"but with {exc_type}" in c.detail and f"raised at {full}:{line} in {fn}: {code}" in c.detail
+    # the frame as every verdict names it (core.frames): the path from its package root on
+    assert f"but with {exc_type}" in c.detail and f"raised at megatron/core/{path}:{line} in {fn}: {code}" in c.detail
 
 
 def test_no_python_exception_is_no_refusal():
     assert rollback.refusal_of(None, "", "", ("CheckpointingException",), "a -> b") is None
-    assert rollback.last_frame("no traceback here") == ""
+    c = rollback.refusal_of("KeyError", "'x'", "no traceback here", ("CheckpointingException",), "a -> b")
+    assert c.status == "failed" and "raised at" not in c.detail  # no frame named, none invented
 
 
 def refuse_mcore_loads() -> None:
@@ -112,30 +115,39 @@ def test_a_rollback_passes_a_named_refusal_and_fails_a_crash_end_to_end(tmp_path
 
 
 def _step(status: str) -> Check:
-    return Check("step", status, "step at writer: [2.0], at tp1pp1dp1cp1: [0.0]" if status == "failed" else "step 2.0", tolerance=EXACT)
+    return Check("step", status, "step at writer: [2.0], at tp1pp1dp1cp1: [-1.0]" if status == "failed" else "step 2.0", tolerance=EXACT)
 
 
-@pytest.mark.parametrize("loaded", [[0.0], [0.0, 2.0]])  # every param reset, or some (megatron-core 0.19.2 on gpt-gqa dp2 -> dp1)
-def test_a_reset_step_the_checkpoint_holds_is_the_named_known_defect(loaded):
-    step, known = golden.step_reset_check(_step("failed"), [2.0], loaded, [2.0])
-    assert known is golden.STEP_RESET and step.failed and "known defect" in step.detail and "holds step [2.0]" in step.detail
+# every param never loaded, or some (megatron-core 0.19.2 on gpt-gqa dp2 -> dp1: one param per rank keeps the primed step)
+@pytest.mark.parametrize("loaded", [[PRIMED_STEP], [PRIMED_STEP, 2.0]])
+def test_a_step_the_load_never_wrote_is_the_named_known_defect(loaded):
+    step, known = golden.step_not_loaded_check(_step("failed"), [2.0], loaded, [2.0])
+    assert known is golden.STEP_NOT_LOADED and step.failed and "known defect" in step.detail and "holds step [2.0]" in step.detail
     r = CaseResult("golden[optim]", "golden", "m", "optim", "a", "b", status="failed", checks=[Check("optimizer-state", "passed"), step])
     apply_expected_failure(known, r)
     assert r.status == "xfailed"
 
 
 def test_a_restored_step_passes_and_says_the_defect_is_gone():
-    step, known = golden.step_reset_check(_step("passed"), [2.0], [2.0], [2.0])
+    step, known = golden.step_not_loaded_check(_step("passed"), [2.0], [2.0], [2.0])
     assert known is None and step.status == "passed" and "does not show" in step.detail
 
 
 def test_another_step_failure_is_not_excused():
-    step, known = golden.step_reset_check(_step("failed"), [2.0], [0.0], [])  # the checkpoint holds no step: not the known defect
+    step, known = golden.step_not_loaded_check(_step("failed"), [2.0], [PRIMED_STEP], [])  # the checkpoint holds no step
     assert known is None and step.failed and "holds step(s) none" in step.detail
-    step, known = golden.step_reset_check(_step("failed"), [2.0], [1.0], [2.0])  # a wrong step, not a reset
+    step, known = golden.step_not_loaded_check(_step("failed"), [2.0], [1.0], [2.0])  # a wrong step
     assert known is None and step.failed
-    step, known = golden.step_reset_check(_step("failed"), [2.0], [0.0, 3.0], [2.0])  # a reset and a wrong step
+    step, known = golden.step_not_loaded_check(_step("failed"), [2.0], [PRIMED_STEP, 3.0], [2.0])  # unloaded and a wrong step
     assert known is None and step.failed
+
+
+@pytest.mark.parametrize("loaded", [[0.0], [0.0, 2.0]])
+def test_a_step_reset_to_0_is_a_plain_failure_not_the_unloaded_step(loaded):
+    """Primed state is a sentinel no load writes, so a 0 after the load was written by the load: a
+    reset, another defect than the known one, and not excused as it."""
+    step, known = golden.step_not_loaded_check(_step("failed"), [2.0], loaded, [2.0])
+    assert known is None and step.failed and "known defect" not in step.detail
 
 
 # --------------------------------------------------------------------------- the case envelope

@@ -4,37 +4,23 @@ refusal, and the verdict names the frame that raised it."""
 
 from __future__ import annotations
 
-import re
 import traceback
 
+from harness.core.frames import raising_frame
 from harness.core.result import Check
 from harness.judge.checks import refusal_check
 from harness.run.world import WorldError, WorldTimeout, exception_of
 
-_FRAME_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)\s*$')
-
-
-def last_frame(traceback_text: str) -> str:
-    """`file:line in function: source line` of the innermost frame of a Python traceback ("" when
-    it names none): where a crash was raised."""
-    lines = traceback_text.splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        m = _FRAME_LINE.match(lines[i])
-        if m:
-            path, line, fn = m.groups()
-            code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME_LINE.match(lines[i + 1]) else ""
-            return f"{path}:{line} in {fn}" + (f": {code}" if code and not code.startswith(("^", "~")) else "")
-    return ""
-
-
 def refusal_of(exc_type: str | None, message: str, traceback_text: str, refusals: tuple[str, ...], change: str) -> Check | None:
     """A rollback's verdict on a load that raised `exc_type`: one of `refusals` passes as a clean
-    refusal; anything else fails, naming the traceback's last frame. None when no Python exception
-    was raised (a rank that died, or hung): not a refusal, an error."""
+    refusal; anything else fails, naming the frame that raised it (core.frames.raising_frame, the
+    one traceback reader). None when no Python exception was raised (a rank that died, or hung): not
+    a refusal, an error."""
     if not exc_type:
         return None
+    frame = raising_frame(traceback_text)
     return refusal_check(exc_type, message, refusals, change, "an older stack refuses files a newer one wrote",
-                         frame=last_frame(traceback_text))
+                         frame=str(frame) if frame else "")
 
 
 def rollback_refusal(exc: Exception, refusals: tuple[str, ...], change: str) -> Check | None:

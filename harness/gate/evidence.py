@@ -78,7 +78,7 @@ class Coverage:
     evaluated: list[str]
     baseline_red: list[str]
     holes: list[str]  # the candidate's case is a harness limit (not-evaluated)
-    not_run: list[str]  # not-run (the machine lacks what it needs) or not-applicable on a side, holes apart
+    not_run: list[str]  # not-run (the machine lacks what it needs) or not-applicable on a side, holes and unevaluated apart
     kinds: dict[str, int] = field(default_factory=dict)  # case kind -> evaluated cases
     #: case kinds selected with no evaluated case: the gate says nothing about them
     unevaluated_kinds: list[str] = field(default_factory=list)
@@ -190,7 +190,7 @@ def coverage(base: dict[str, Any], cand: dict[str, Any], findings: list[Finding]
         selected=len(ids), evaluated=evaluated, baseline_red=baseline_red(base),
         holes=sorted({f.case for f in findings if f.kind == "not-evaluated" and not f.case.startswith("golden[")}),
         not_run=sorted({r["id"] for doc in (base, cand) for r in doc.get("results") or [] if r["status"] in HOLES}
-                       - {f.case for f in findings if f.kind == "not-evaluated"}),
+                       - {f.case for f in findings if f.kind == "not-evaluated"} - set(unevaluated)),
         kinds=kinds, unevaluated_kinds=silent, unevaluated=unevaluated, accepted=accepted,
         failing={k: n for k, n in failing.items() if n}, warnings=warnings,
     )

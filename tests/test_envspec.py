@@ -133,12 +133,143 @@ def test_wheel_spec(tmp_path):
         ("/nowhere/megatron_bridge-0.6.2-py3-none-any.whl", "no such wheel file"),
         ("git+https://github.com/NVIDIA-NeMo/Megatron-Bridge@" + SHA, "name the package"),
         ("", "not a SPEC"),
+        ("megatron-bridge @ file:///nowhere/Megatron-Bridge", "no such directory /nowhere/Megatron-Bridge"),
+        ("megatron-bridge @ file:///nowhere/megatron%5Fbridge-0.6.2-py3-none-any.whl",
+         "no such wheel file /nowhere/megatron_bridge-0.6.2-py3-none-any.whl"),
+        ("megatron-bridge @ file://elsewhere/Megatron-Bridge", "not host 'elsewhere'"),
+        ("megatron-bridge @ https://example.invalid/megatron_bridge-0.6.2.tar.gz", "must name a wheel"),
+        ("megatron-bridge @ file:///my trees/Megatron-Bridge", "percent-encode them"),
     ],
 )
 def test_bad_spec_is_a_clear_value_error_naming_it(spec, message, tmp_path):
     with pytest.raises(ValueError, match=message) as e:
         parse_spec(spec, cwd=tmp_path)
     assert repr(spec) in str(e.value)
+
+
+def make_wheel(d: Path, name: str = "megatron_bridge", version: str = "0.6.2") -> Path:
+    """A small real wheel (METADATA and WHEEL only), as pip or the release set reads one."""
+    import zipfile
+
+    d.mkdir(parents=True, exist_ok=True)
+    whl = d / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\n")
+        z.writestr(f"{name}-{version}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n\n")
+    return whl
+
+
+def test_a_direct_reference_to_a_local_tree_or_wheel_is_that_override(tmp_path):
+    """`NAME @ file:...` as a requirements file has it: the same override as the bare path (same
+    requirement line, digest, key), percent-decoded, with localhost, and pip's relative forms."""
+    tree = make_tree(tmp_path / "my trees" / "Megatron-Bridge")
+    whl = make_wheel(tmp_path / "my wheels")
+    assert "%20" in tree.as_uri()
+    for bare, forms in (
+        (tree, [f"megatron-bridge @ {tree.as_uri()}", f"Megatron_Bridge@{tree.as_uri()}", f"megatron-bridge @ file://localhost{tree.as_uri()[len('file://'):]}",
+                "megatron-bridge @ file:my%20trees/Megatron-Bridge", "megatron-bridge @ file:./my%20trees/Megatron-Bridge"]),
+        (whl, [f"megatron-bridge @ {whl.as_uri()}", f"megatron-bridge @ file:{whl.as_uri()[len('file://'):]}", f"megatron-bridge @ {whl.as_uri()}#egg=megatron-bridge"]),
+    ):
+        want = parse_spec(str(bare))
+        for spec in forms:
+            o = parse_spec(spec, cwd=tmp_path)
+            assert (o.spec, o.kind, o.name, o.path, o.requirement, o.digest, o.version) == (
+                spec, want.kind, "megatron-bridge", str(bare), want.requirement, want.digest, want.version), spec
+            assert resolve(ROOT, [o]).key == resolve(ROOT, [want]).key
+    # The release set reads the same tree / wheel (not a URL whose metadata cannot be read).
+    from harness.gate import releases
+
+    asked = releases.parse_asked(f"megatron-bridge @ {tree.as_uri()}", tmp_path)
+    assert (asked.kind, asked.path, releases.read_tree(Path(asked.path)).name) == ("tree", str(tree), "megatron-bridge")
+    asked = releases.parse_asked(f"megatron-bridge @ {whl.as_uri()}", tmp_path)
+    assert (asked.kind, asked.path, releases.read_wheel(Path(asked.path)).name) == ("wheel", str(whl), "megatron-bridge")
+
+
+def test_a_direct_reference_naming_another_package_is_refused_naming_both(tmp_path):
+    tree = make_tree(tmp_path / "Megatron-Bridge")
+    whl = make_wheel(tmp_path / "w")
+    for spec, what in ((f"megatron-core @ {tree.as_uri()}", f"the source tree {tree}"), (f"Megatron_Core @ {whl.as_uri()}", f"the wheel {whl.name}")):
+        with pytest.raises(ValueError) as e:
+            parse_spec(spec)
+        assert str(e.value) == f"{spec!r}: the spec names 'megatron-core' but {what}{' (its pyproject.toml [project].name)' if 'tree' in what else ''} is 'megatron-bridge'"
+
+
+@pytest.fixture
+def wheel_server(tmp_path, monkeypatch):
+    """A local http server on 127.0.0.1 serving tmp_path/served (this machine reaches no other host):
+    yields (base URL, the paths it was asked for); stopped at teardown."""
+    import http.server
+    import threading
+
+    from harness.gate import directref
+
+    served, asked = tmp_path / "served", []
+    served.mkdir()
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, directory=str(served), **kw)
+
+        def do_GET(self):
+            asked.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *a):
+            pass
+
+    for var in ("no_proxy", "NO_PROXY"):  # a configured proxy must not be asked for 127.0.0.1
+        monkeypatch.setenv(var, "*")
+    monkeypatch.setattr(directref, "TIMEOUT_S", 10.0)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", asked, served
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_a_wheel_url_is_downloaded_once_into_the_cache_and_keyed_by_its_content(tmp_path, wheel_server):
+    base, asked, served = wheel_server
+    whl = make_wheel(served)
+    sha = hashlib.sha256(whl.read_bytes()).hexdigest()
+    cache = tmp_path / "cache"
+    spec = f"megatron-bridge @ {base}/{whl.name}#sha256={sha}"
+    o = parse_spec(spec, cache=cache)
+    assert (o.spec, o.kind, o.name, o.version, o.url, o.digest) == (spec, "wheel", "megatron-bridge", "0.6.2", f"{base}/{whl.name}#sha256={sha}", sha)
+    got = Path(o.path)
+    assert got.is_relative_to(cache / "wheels") and got.name == whl.name and got.read_bytes() == whl.read_bytes()
+    assert o.requirement == f"megatron-bridge @ {got.as_uri()}"  # pip installs the cached copy, offline
+    assert json.loads((got.parent / "source.json").read_text()) == {"url": f"{base}/{whl.name}", "file": whl.name, "sha256": sha}
+    assert asked == [f"/{whl.name}"]
+    # Again (with or without the hash): the cached file, no second request; the same key.
+    assert parse_spec(spec, cache=cache) == o
+    assert parse_spec(f"megatron-bridge @ {base}/{whl.name}", cache=cache).path == o.path
+    assert asked == [f"/{whl.name}"]
+    assert resolve(ROOT, [parse_spec(spec, cache=cache)]).key == resolve(ROOT, [o]).key
+    # The same content at another path is another wheel file: the digest (in the key) is the same.
+    assert parse_spec(str(whl)).digest == o.digest
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and not p.is_relative_to(cache) and not p.is_relative_to(served)]
+
+
+def test_a_wheel_url_with_a_wrong_hash_or_none_there_is_refused(tmp_path, wheel_server):
+    base, asked, served = wheel_server
+    whl = make_wheel(served)
+    cache, wrong = tmp_path / "cache", "0" * 64
+    spec = f"megatron-bridge @ {base}/{whl.name}#sha256={wrong}"
+    with pytest.raises(ValueError, match=f"the URL's #sha256= says {wrong}") as e:
+        parse_spec(spec, cache=cache)
+    assert repr(spec) in str(e.value) and hashlib.sha256(whl.read_bytes()).hexdigest() in str(e.value)
+    assert not [p for p in (cache / "wheels").rglob("*") if p.is_file()]  # nothing kept of a refused download
+    parse_spec(f"megatron-bridge @ {base}/{whl.name}", cache=cache)  # cached now: a wrong hash is still refused
+    with pytest.raises(ValueError, match=f"the cached copy .* says {wrong}"):
+        parse_spec(spec, cache=cache)
+    with pytest.raises(ValueError, match=r"could not download .*/megatron_bridge-9\.9\.9-py3-none-any\.whl: HTTP Error 404"):
+        parse_spec(f"megatron-bridge @ {base}/megatron_bridge-9.9.9-py3-none-any.whl", cache=cache)
+    with pytest.raises(ValueError, match="the spec names 'megatron-core' but the wheel megatron_bridge-0.6.2-py3-none-any.whl"):
+        parse_spec(f"megatron-core @ {base}/{whl.name}", cache=cache)
 
 
 def test_bad_wheel_name_and_tree_without_project_name(tmp_path):

@@ -11,6 +11,14 @@ A SPEC overrides one package (names are PEP 503-normalised):
     megatron-bridge @ git+https://github.com/NVIDIA-NeMo/Megatron-Bridge@<sha>   a VCS URL at a commit
     ./Megatron-Bridge  or  /abs/path/Megatron-Bridge                  a local source tree (pyproject.toml)
     /path/megatron_bridge-0.6.2-py3-none-any.whl                      a wheel file
+    megatron-bridge @ file:///abs/path/Megatron-Bridge                a source tree, as a requirements file has it
+    megatron-bridge @ file:///abs/path/megatron_bridge-0.6.2-py3-none-any.whl   a wheel file, likewise
+    megatron-bridge @ https://host/.../megatron_bridge-0.6.2-py3-none-any.whl[#sha256=HEX]   a wheel,
+                                                                      downloaded once into <cache>/wheels
+
+A direct reference (NAME @ file:... / http(s)://..., harness/gate/directref.py) is the tree or
+wheel form: the NAME must be the tree's [project].name / the wheel's (normalised), and a
+downloaded wheel is keyed by its content like a local one.
 
 The resolved request is requirements.txt, requirements-nodeps.txt, constraints.txt,
 requirements-verl.txt (the verl_manager backend's deps) and requirements-cluster.txt (the `cluster`
@@ -42,6 +50,7 @@ from typing import Any
 if not __package__:  # run as a file (scripts/ensure-env: python3.12 -I): the checkout's harness is importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from harness.gate import directref  # noqa: E402
 from harness.gate.installers import (  # noqa: E402
     UV_JSON,
     EnvBuildError,
@@ -64,6 +73,8 @@ _VERSION = re.compile(rf"^({_NAME})\s*==\s*([A-Za-z0-9][A-Za-z0-9.+!_-]*)$")
 _VCS = re.compile(rf"^({_NAME})\s*@\s*(git\+(?:https?|ssh|file)://\S+)$")
 _LINE_NAME = re.compile(rf"^\s*({_NAME})")
 _COMMIT = re.compile(r"^[0-9a-fA-F]{7,40}$")
+FORMS = ("NAME==VERSION, NAME @ git+URL@COMMIT, a source directory (./path or /path), a .whl file, "
+         "NAME @ file:///path (a source directory or .whl) or NAME @ https://.../NAME-VERSION-....whl")
 # Build products pip/setuptools write into a source tree when installing it: not part of its identity.
 _BUILD_ARTEFACTS = {".git", "__pycache__", "build", "dist", ".eggs", ".tox", ".venv", ".pytest_cache"}
 
@@ -144,33 +155,54 @@ def _vcs_commit(url: str, spec: str) -> str:
     return ref
 
 
-def _wheel(spec: str, p: Path) -> Override:
+def _same_name(spec: str, named: str | None, name: str, what: str) -> None:
+    """A direct reference's NAME must be the package it points at (pip refuses the install otherwise)."""
+    if named is not None and normalize(named) != name:
+        raise ValueError(f"{spec!r}: the spec names {normalize(named)!r} but {what} is {name!r}")
+
+
+def _wheel(spec: str, p: Path, named: str | None = None, url: str | None = None) -> Override:
     if not p.is_file():
         raise ValueError(f"{spec!r}: no such wheel file {p}")
     parts = p.name[: -len(".whl")].split("-")
     if len(parts) not in (5, 6) or not all(parts):
         raise ValueError(f"{spec!r}: not a wheel filename (NAME-VERSION[-BUILD]-PY-ABI-PLATFORM.whl)")
     name = normalize(parts[0])
-    return Override(spec, "wheel", name, f"{name} @ {p.as_uri()}", version=parts[1], path=str(p), digest=_file_sha256(p))
+    _same_name(spec, named, name, f"the wheel {p.name}")
+    return Override(spec, "wheel", name, f"{name} @ {p.as_uri()}", version=parts[1], url=url, path=str(p), digest=_file_sha256(p))
 
 
-def _tree(spec: str, d: Path) -> Override:
+def _tree(spec: str, d: Path, named: str | None = None) -> Override:
     if not d.is_dir():
-        raise ValueError(f"{spec!r}: no such directory {d} (a SPEC is NAME==VERSION, NAME @ git+URL@COMMIT, a source directory or a .whl file)")
+        raise ValueError(f"{spec!r}: no such directory {d} (a SPEC is {FORMS})")
     try:
         name = tomllib.loads((d / "pyproject.toml").read_text())["project"]["name"]
     except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"{spec!r}: {d} has no readable pyproject.toml with [project].name ({exc!r})") from exc
+    name = normalize(name)
+    _same_name(spec, named, name, f"the source tree {d} (its pyproject.toml [project].name)")
     top = _git(d, "rev-parse", "--show-toplevel")
     git = top is not None and Path(top.strip()).resolve() == d
     commit = ((_git(d, "rev-parse", "HEAD") or "").strip() or None) if git else None
-    name = normalize(name)
     return Override(spec, "tree", name, f"{name} @ {d.as_uri()}", commit=commit, path=str(d), digest=tree_digest(d, git))
 
 
-def parse_spec(spec: str, cwd: Path | None = None) -> Override:
-    """One SPEC -> Override; ValueError naming the spec when it is none of the four forms."""
+def _direct(spec: str, named: str, url: str, cwd: Path | None, cache: Path | None) -> Override:
+    """NAME @ file:... (a tree or a wheel file) or NAME @ http(s)://....whl (downloaded once into the cache)."""
+    if directref.is_file_url(url):
+        p = directref.file_path(spec, url, cwd or Path.cwd())
+        return _wheel(spec, p, named) if p.name.endswith(".whl") else _tree(spec, p, named)
+    return _wheel(spec, directref.fetch_wheel(spec, url, cache or _default_cache()), named, url=url)
+
+
+def parse_spec(spec: str, cwd: Path | None = None, cache: Path | None = None) -> Override:
+    """One SPEC -> Override; ValueError naming the spec when it is none of the forms. A wheel URL
+    is downloaded (once) into `cache` (default: _default_cache())."""
     s = spec.strip()
+    if direct := directref.match(s):
+        return _direct(spec, *direct, cwd, cache)
+    if directref.STARTS.match(s):
+        raise ValueError(f"{spec!r}: a URL holds no spaces: percent-encode them (%20)")
     if m := _VCS.match(s):
         name, url = normalize(m[1]), m[2]
         return Override(spec, "vcs", name, f"{name} @ {url}", url=url, commit=_vcs_commit(url, spec))
@@ -183,8 +215,7 @@ def parse_spec(spec: str, cwd: Path | None = None) -> Override:
         p = Path(s).expanduser()
         p = (p if p.is_absolute() else (cwd or Path.cwd()) / p).resolve()
         return _wheel(spec, p) if s.endswith(".whl") else _tree(spec, p)
-    raise ValueError(f"{spec!r}: not a SPEC: expected NAME==VERSION, NAME @ git+URL@COMMIT, "
-                     "a source directory (./path or /path) or a .whl file")
+    raise ValueError(f"{spec!r}: not a SPEC: expected {FORMS}")
 
 
 def _names(text: str) -> set[str]:
@@ -262,7 +293,7 @@ def release_set(specs: list[str], root: Path, cache: Path) -> Any:
     from harness.gate import releases
 
     baseline = cache / f"venv-{resolve(root, []).key}"
-    rs = releases.resolve_release_set(specs, root, baseline if (baseline / ".complete").exists() else None)
+    rs = releases.resolve_release_set(specs, root, baseline if (baseline / ".complete").exists() else None, cache=cache)
     print(rs.text(), file=sys.stderr)
     return rs
 
@@ -364,7 +395,7 @@ def _ensure_editable(venv: Path, root: Path, cache: Path, key: str) -> None:
 def ensure(specs: list[str], cache: Path, root: Path, python: str | None = None, companions: bool = True) -> Path:
     """Build (once) or reuse the venv of baseline + `specs`; returns its path. Raises ValueError for a
     bad spec, EnvBuildError when pip fails (with the log tail and the log's path)."""
-    overrides = [parse_spec(s) for s in specs]
+    overrides = [parse_spec(s, cache=cache) for s in specs]
     rs = release_set(specs, root, cache) if overrides and companions else None
     req = resolve(root, overrides, rs)
     cache.mkdir(parents=True, exist_ok=True)
@@ -416,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "key":
-            overrides = [parse_spec(s) for s in args.specs]
+            overrides = [parse_spec(s, cache=args.cache) for s in args.specs]
             rs = release_set(args.specs, args.root, args.cache) if overrides and not args.exact else None
             print(resolve(args.root, overrides, rs).key)
             return 0

@@ -42,6 +42,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from harness.gate import directref
 from harness.gate.metadata import (
     BRIDGE,
     CORE,
@@ -223,9 +224,18 @@ def pairing_problem(bridge_version: str, core_version: str) -> str | None:
 # ---------------------------------------------------------------- resolution
 
 
-def parse_asked(spec: str, cwd: Path | None = None) -> Asked:
-    """A user SPEC in envspec's four forms (parsed here too: this module must not import envspec)."""
+def parse_asked(spec: str, cwd: Path | None = None, cache: Path | None = None) -> Asked:
+    """A user SPEC in envspec's forms (parsed here too: this module must not import envspec). A
+    direct reference (NAME @ file:... / NAME @ https://....whl, harness/gate/directref.py) is the
+    tree or wheel it names; a wheel URL is downloaded once into `cache` (default: default_cache())."""
     s = spec.strip()
+    if direct := directref.match(s):
+        name, url = direct
+        if directref.is_file_url(url):
+            p = directref.file_path(spec, url, cwd or Path.cwd())
+        else:
+            p = directref.fetch_wheel(spec, url, cache or default_cache())
+        return Asked(spec, "wheel" if p.name.endswith(".whl") else "tree", normalize(name), path=str(p), url=url)
     if m := _VERSION_SPEC.match(s):
         return Asked(spec, "version", normalize(m[1]), version=m[2])
     if (m := _VCS_SPEC.match(s)) and "://" in m[2]:
@@ -234,7 +244,8 @@ def parse_asked(spec: str, cwd: Path | None = None) -> Asked:
         p = Path(s).expanduser()
         p = (p if p.is_absolute() else (cwd or Path.cwd()) / p).resolve()
         return Asked(spec, "wheel" if s.endswith(".whl") else "tree", None, path=str(p))
-    raise ValueError(f"{spec!r}: not a SPEC: expected NAME==VERSION, NAME @ git+URL@COMMIT, a source directory or a .whl file")
+    raise ValueError(f"{spec!r}: not a SPEC: expected NAME==VERSION, NAME @ git+URL@COMMIT, a source directory, a .whl file, "
+                     "NAME @ file:///path or NAME @ https://....whl")
 
 
 def _read(asked: Asked, source: MetadataSource) -> Metadata:
@@ -262,7 +273,7 @@ class _Need:
 
 
 def resolve_release_set(specs: list[str], root: Path, baseline_venv: Path | None,
-                        metadata: MetadataSource | None = None, strict: bool = False) -> ReleaseSet:
+                        metadata: MetadataSource | None = None, strict: bool = False, cache: Path | None = None) -> ReleaseSet:
     """Resolve the candidate `specs` into a release set against the project's pins at `root`.
 
     Raises UnsolvableReleaseSet (one line per conflict) when pip would have to satisfy contradicting
@@ -272,7 +283,7 @@ def resolve_release_set(specs: list[str], root: Path, baseline_venv: Path | None
     pins, pin_files = read_pins(root)
     nodeps = {n for n, fs in pin_files.items() if NODEPS in fs}
     rdeps = baseline_requires(baseline_venv)
-    asked = [parse_asked(s, root) for s in specs]
+    asked = [parse_asked(s, root, cache) for s in specs]
     notes: list[str] = []
     metas: list[Metadata] = []
     for a in asked:

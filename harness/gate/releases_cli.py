@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if venv is None:
         print("ckpt-harness: no baseline venv: dependents of moved pins are not computed", file=sys.stderr)
     try:
-        rs = releases.resolve_release_set(args.specs, args.root, venv, releases.PipIndex(args.cache), strict=args.strict)
+        rs = releases.resolve_release_set(args.specs, args.root, venv, releases.PipIndex(args.cache), strict=args.strict,
+                                          cache=args.cache)
     except releases.UnsolvableReleaseSet as exc:
         print("ckpt-harness: the release set cannot be solved:", file=sys.stderr)
         for line in exc.lines:

@@ -25,10 +25,12 @@ def _is_path(item: str) -> bool:
 
 def _check_item(item: str, token: str) -> str:
     """One SPEC of a set, checked for syntax only (a version or VCS SPEC through envspec.parse_spec,
-    which is pure for those kinds; a path is checked when the driver builds it)."""
-    if _is_path(item):
+    which is pure for those kinds; a path or a `NAME @ file:/http(s):` direct reference is checked,
+    and a wheel URL downloaded into the sweep's cache, when the driver builds it)."""
+    from harness.gate import directref, envspec
+
+    if _is_path(item) or directref.match(item):
         return item
-    from harness.gate import envspec
 
     try:
         envspec.parse_spec(item)
@@ -46,7 +48,8 @@ def parse_releases(arg: str) -> list[list[str]]:
         SET      := ITEM ("+" ITEM)*        one release set may pin several packages at once
                   | VERSION                 continues the previous set's package
         ITEM     := a SPEC of `gate --candidate` (harness/gate/envspec.py): NAME==VERSION,
-                    NAME @ git+URL@COMMIT, a source tree (/..., ./..., ../..., ~...) or a .whl file
+                    NAME @ git+URL@COMMIT, a source tree (/..., ./..., ../..., ~...), a .whl file,
+                    NAME @ file:///PATH or NAME @ https://....whl
 
     `megatron-bridge==0.4.2,0.5.0,0.5.1` is three sets; `megatron-bridge==0.5.1+megatron-core==0.18.2`
     is one set of two packages. A bare VERSION (it starts with a digit) continues the previous set

@@ -12,7 +12,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gate.add_argument("matrix", type=Path, nargs="?", default=Path("matrices/gate.yaml"),
                       help="default matrices/gate.yaml: the smoke slice plus every architecture (hf-roundtrip and LoRA per family)")
     gate.add_argument("--candidate", action="append", default=[], metavar="SPEC",
-                      help="an override of the pins: 'megatron-core==0.19.0', 'megatron-bridge @ git+URL@SHA', a source tree, a wheel")
+                      help="an override of the pins: 'megatron-core==0.19.0', 'megatron-bridge @ git+URL@SHA', a source tree, "
+                      "a wheel, 'megatron-bridge @ file:///path/to/tree-or.whl', 'megatron-bridge @ https://.../x.whl[#sha256=HEX]'")
     gate.add_argument("--baseline", action="append", default=[], metavar="SPEC", help="overrides for the baseline (default: the pins)")
     gate.add_argument("-k", default=None, help="only matrix cases whose id contains every word of this")
     gate.add_argument("--out", type=Path, required=True, help="a new directory: baseline/, candidate/, cross/, verdict.md, gate.json")

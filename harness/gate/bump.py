@@ -261,7 +261,7 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
         for s in sides:  # every spec parsed before anything is built: a typo costs nothing
             for spec in s.specs:
                 try:
-                    envspec.parse_spec(spec)
+                    envspec.parse_spec(spec, cache=cache)
                 except ValueError as exc:
                     raise GateError(f"--{s.name} {spec!r}: {exc}") from None
         for s in sides:

@@ -342,3 +342,11 @@ def test_a_defect_in_the_form_declared_for_the_candidates_release_is_no_change_b
     assert kinds(cmp.compare(base, doc(case("x", "xfailed", checks=[check("optimizer-state", "failed")])))) == ["defect-changed"]
     worse = doc(case("x", "xfailed", checks=[check("step", "failed", diff=1e3)], notes=note))
     assert kinds(cmp.compare(base, worse)) == ["defect-changed"]
+
+
+def test_a_finding_quotes_the_rank_that_raised_not_the_peers_that_followed():
+    err = ("rank 0 of 2 raised:\nTraceback (most recent call last):\n  File \"/x/megatron/bridge/a.py\", line 1, in f\n"
+           "RuntimeError: planted: the export fails\n(then rank 1 failed: RuntimeError: [gloo/transport/tcp/pair.cc:534] "
+           "Connection reset by peer)")
+    [f] = cmp.compare(doc(case("a")), doc(case("a", "error", checks=[], error=err)))
+    assert f.kind == "new-refusal" and "RuntimeError: planted: the export fails" in f.detail and "gloo" not in f.detail

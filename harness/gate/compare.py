@@ -129,8 +129,11 @@ def _failure_text(r: dict[str, Any]) -> str:
 
 
 def _raised(r: dict[str, Any]) -> tuple[str, str] | None:
-    """(exception, its line) a failed case reports, if any: the last one named, as a traceback ends."""
+    """(exception, its line) a failed case reports, if any: the last one named, as a traceback ends
+    (a world's "(then rank N failed: ...)" lines are its peers' follow-ons, never the cause)."""
     for line in reversed(_failure_text(r).splitlines()):
+        if line.startswith("(then rank "):
+            continue
         if names := _EXCEPTION.findall(line):
             return names[-1], _first_line(line)
     return None

@@ -170,7 +170,8 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
 
 def step_check(saved: list[TrainOut], loaded: list[TrainOut], src: str, dst: str) -> Check:
     """The Adam step at D equals S and no two params share one step tensor, both read as the load left
-    them (`steps_as_loaded`: before a workaround rewrote the state). Sharing as loaded passes only where
+    them (`steps_as_loaded`: before a workaround rewrote the state). A step no load writes
+    (training.never_loaded: the primed sentinel) is named as never loaded, apart from a reset to 0. Sharing as loaded passes only where
     the record says a workaround (unshare_adam_step) undid it and none is left for training: the
     matrix's defect-shared-step entries run without it and show the defect as a named xfail."""
     as_loaded = [o.steps_as_loaded or o.steps for o in loaded]
@@ -180,6 +181,10 @@ def step_check(saved: list[TrainOut], loaded: list[TrainOut], src: str, dst: str
     left = sum(o.steps["shared_step_tensors"] for o in loaded)  # what the job trains on from here
     undone_by = sorted({w for s in as_loaded for w in s.get("rewritten_by", ())})
     detail = f"step at {src}: {steps_s}, at {dst}: {steps_d} (as the load left it)"
+    if any(training.never_loaded(x) for x in steps_d):
+        never = sum(s.get("never_loaded", 0) for s in as_loaded)
+        detail += (f"; {never or 'some'} param(s) still hold a step no load writes (primed {training.PRIMED_STEP}): the load "
+                   "never wrote their step (not a reset to 0; set to 0 to train on)")
     if shared:
         detail += f"; as loaded, {shared} param(s) share another param's Adam step tensor (each step then advances it once per param)"
         if undone_by and not left:

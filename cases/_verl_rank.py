@@ -156,7 +156,7 @@ def verl_rank(ctx: RankContext, p: VerlPhase) -> VerlOut:
     from harness.core.memory import track
     from harness.models.training import (
         load_training,
-        prime_optimizer_state,
+        stepped_once_state,
         train_steps,
     )
     from harness.run.preload import warm
@@ -184,7 +184,7 @@ def verl_rank(ctx: RankContext, p: VerlPhase) -> VerlOut:
         out.losses_before_save = train_steps(ddp, job.optimizer, p.model, 0, opts.steps, job.scheduler)
         step = opts.steps
     elif "prime_adam" in opts.workarounds:  # megatron-core: a never-stepped torch Adam cannot be saved either
-        prime_optimizer_state(job.optimizer)
+        stepped_once_state(job.optimizer)
     if opts.adapter != "none":
         from harness.models import bridge as mb
 

@@ -144,8 +144,9 @@ def absent_check(error: WorldError | None, loaded: list[TrainOut] | None, change
 
 
 def step_values(outs: Sequence[TrainOut]) -> list[float]:
-    """The distinct Adam step values the ranks of a world hold."""
-    return sorted({x for o in outs for x in o.steps["values"]})
+    """The distinct Adam step values the ranks of a world hold: as the load left them where the world
+    loaded (what `step_check` judges, before the harness settled a never-loaded step)."""
+    return sorted({x for o in outs for x in (o.steps_as_loaded or o.steps)["values"]})
 
 
 def written_steps(values: Sequence[float]) -> list[TrainOut]:

@@ -2,6 +2,7 @@
 a load that should have refused, an expected failure that fails for another reason."""
 
 import dataclasses
+import types
 
 from doubles import use_doubles
 
@@ -99,3 +100,48 @@ def test_step_check_reads_the_adam_step_as_megatron_core_loaded_it():
     off = run_case(_spec(workarounds=["prime_adam", "load_no_grad", "fully_reshardable_step", "vpp_overlap_p2p"]))
     assert off.status == "failed" and [n for n, st in _checks(off).items() if st == "failed"] == ["step"]
     assert "as loaded, 26 param(s) share another param's Adam step tensor" in off.check("step").detail
+
+
+# --------------------------------------------------------------------------- primed state: never a plausible value
+
+
+def test_primed_adam_state_is_a_sentinel_and_a_step_left_at_it_reads_never_loaded():
+    """prime_adam writes values no load writes (step -0.5, NaN moments), so the step check tells a step
+    the load never wrote from one it reset to 0; the harness then sets it to 0 to train on."""
+    import torch
+
+    from harness.cases._train_phase import TrainOut, step_check
+    from harness.models import training
+
+    p = torch.nn.Parameter(torch.ones(3))
+    adam = torch.optim.Adam([p])
+    wrapped = types.SimpleNamespace(optimizer=adam)  # what megatron's optimizer wrapper offers
+    training.prime_optimizer_state(wrapped)
+    state = adam.state[p]
+    assert float(state["step"]) == training.PRIMED_STEP and training.never_loaded(training.PRIMED_STEP) and state["exp_avg"].isnan().all()
+    assert not any(training.never_loaded(x) for x in (0.0, 1.0, 2.0))  # what a load writes
+    assert training.loop.settle_unloaded_steps(wrapped) == 1 and float(state["step"]) == 0.0
+
+    def judged(loaded_values, never=0):
+        saved = [TrainOut([], [], [], steps={"values": [2.0], "shared_step_tensors": 0})]
+        view = {"values": loaded_values, "shared_step_tensors": 0, "rewritten_by": [], "never_loaded": never}
+        return step_check(saved, [TrainOut([], [], [], steps=view, steps_as_loaded=view)], "dp2", "dp1")
+
+    never = judged([training.PRIMED_STEP, 2.0], never=1)
+    assert never.failed and "1 param(s) still hold a step no load writes (primed -0.5): the load never wrote their step" in never.detail
+    reset = judged([0.0, 2.0])  # a load that wrote 0: a reset, not named as never loaded
+    assert reset.failed and "never wrote" not in reset.detail
+    assert judged([2.0]).status == "passed"
+
+
+def test_a_never_stepped_optimizer_is_saved_at_step_1_not_0():
+    """verl's steps: 0 jobs save what one zero-gradient Adam step leaves: a load that resets the step
+    to 0 then differs from the saved step."""
+    import torch
+
+    from harness.models import training
+
+    p = torch.nn.Parameter(torch.ones(3))
+    adam = torch.optim.Adam([p])
+    training.stepped_once_state(types.SimpleNamespace(optimizer=adam))
+    assert float(adam.state[p]["step"]) == 1.0 and not adam.state[p]["exp_avg"].any()

@@ -150,7 +150,8 @@ SHIMS += (
         name="prime_adam",
         upstream=_DISTRIB_OPTIMIZER,
         why="megatron-core 0.19.2 DistributedOptimizer + plain torch Adam: loading into a never-stepped "
-        "optimizer fails `assert len(steps) == 1`; the harness primes Adam state (step 0, zero moments)",
+        "optimizer fails `assert len(steps) == 1`; the harness primes Adam state with values no load writes (step -0.5, NaN "
+        "moments: what the load leaves alone shows as never loaded) and sets a step the load left unwritten to 0 to train on",
         probe="the load's AssertionError `assert len(steps) == 1` (shown by the strict xfail)",
         retire_when="when DistributedOptimizer loads into a torch Adam that holds no state yet",
         kind=HIDES, trigger=CALLER, switch="training", applied_in=_TRAINING,

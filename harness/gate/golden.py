@@ -47,11 +47,13 @@ REFERENCE = "reference.safetensors"
 NOT_WRITTEN = "not written: the writer could not make this artefact"
 FORMAT = 1
 #: The known defect the dp_reshardable artefact may show, decided from what the load and the files
-#: show (`step_reset_check`), never from a version string: the checkpoint holds the writer's Adam
-#: step, the load restores 0. Seen with megatron-core 0.19.2 + torch Adam (the smoke matrix's strict xfail).
-STEP_RESET = XFail("dp_reshardable + torch Adam: the load resets per-param Adam steps to 0 although the checkpoint holds "
-                   "the writer's step (megatron-core DistributedOptimizer, seen in 0.19.2)", checks=("step",))
-_KNOWN = {STEP_RESET.reason: STEP_RESET}
+#: show (`step_not_loaded_check`), never from a version string: the checkpoint holds the writer's Adam
+#: step, the load leaves per-param steps unwritten (they keep the primed sentinel, training.never_loaded).
+#: Seen with megatron-core 0.19.2 + torch Adam (the smoke matrix's strict xfail).
+STEP_NOT_LOADED = XFail("dp_reshardable + torch Adam: the load leaves per-param Adam steps unwritten (they keep their pre-load "
+                        "value) although the checkpoint holds the writer's step (megatron-core DistributedOptimizer, seen in "
+                        "0.19.2)", checks=("step",))
+_KNOWN = {STEP_NOT_LOADED.reason: STEP_NOT_LOADED}
 
 
 class CorpusError(ValueError):
@@ -186,17 +188,21 @@ def checkpoint_steps(directory: Path, trust_pickles: bool = False) -> list[float
     return sorted(steps)
 
 
-def step_reset_check(step: Check, written: list[float], loaded: list[float], held: list[float]) -> tuple[Check, XFail | None]:
-    """The step check of a corpus load, read against what the files hold: a load that restores 0
-    (for some or all params) where the checkpoint holds the writer's step is the known defect (STEP_RESET: the check stays
-    failed, named, and the artefact is an expected failure); a restored step passes and says the
-    defect does not show; any other failure stays a plain failure."""
+def step_not_loaded_check(step: Check, written: list[float], loaded: list[float], held: list[float]) -> tuple[Check, XFail | None]:
+    """The step check of a corpus load, read against what the files hold: per-param steps (some or
+    all) still at the primed sentinel where the checkpoint holds the writer's step is the known
+    defect (STEP_NOT_LOADED: the check stays failed, named, and the artefact is an expected failure);
+    a restored step passes and says the defect does not show; any other failure (a step reset to 0
+    included: the load wrote a wrong step) stays a plain failure."""
+    from harness.models.training import never_loaded
+
     if not step.failed:
-        return Check(step.name, step.status, f"{step.detail}; the step is restored (the known dp_reshardable step reset "
+        return Check(step.name, step.status, f"{step.detail}; the step is restored (the known dp_reshardable unloaded step "
                      "does not show here)", tolerance=step.tolerance), None
-    if written and 0 in loaded and set(loaded) <= {0.0, *written} and held == written:  # some or all params back at 0
-        return Check(step.name, "failed", f"{step.detail}; the checkpoint holds step {held}: known defect: {STEP_RESET.reason}",
-                     tolerance=step.tolerance), STEP_RESET
+    unwritten = {x for x in loaded if never_loaded(x)}
+    if written and unwritten and set(loaded) <= unwritten | set(written) and held == written:
+        return Check(step.name, "failed", f"{step.detail}; the checkpoint holds step {held}: known defect: {STEP_NOT_LOADED.reason}",
+                     tolerance=step.tolerance), STEP_NOT_LOADED
     return Check(step.name, "failed", f"{step.detail}; the checkpoint holds step(s) {held or 'none'}", tolerance=step.tolerance), None
 
 
@@ -223,7 +229,7 @@ def _optim_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: d
     step = step_check(written_steps(entry["steps"]), loaded, "writer", a.target.id)
     if opts.sharding == "dp_reshardable":
         held = checkpoint_steps(d / "ckpt", entry.get("trust_pickles", False)) if step.failed else list(entry["steps"])
-        step, known = step_reset_check(step, list(entry["steps"]), step_values(loaded), held)
+        step, known = step_not_loaded_check(step, list(entry["steps"]), step_values(loaded), held)
         if known is not None:
             result.xfail_reason = known.reason
     result.checks.append(step)

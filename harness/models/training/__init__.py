@@ -28,10 +28,13 @@ from harness.models.training.config import (
     workaround_notes,
 )
 from harness.models.training.loop import (
+    PRIMED_STEP,
     load_pretrained,
     load_training,
+    never_loaded,
     prime_optimizer_state,
     restart,
+    stepped_once_state,
     sync_params,
     train_steps,
     unshare_adam_step,
@@ -49,6 +52,7 @@ from harness.models.training.views import (
 
 __all__ = [
     "GLOBAL_BATCH",
+    "PRIMED_STEP",
     "SHARDING_TYPES",
     "TrainConfig",
     "TrainOptions",
@@ -63,6 +67,7 @@ __all__ = [
     "leaf_optimizers",
     "load_pretrained",
     "load_training",
+    "never_loaded",
     "optimizer_config",
     "optimizer_view",
     "prime_optimizer_state",
@@ -71,6 +76,7 @@ __all__ = [
     "restart",
     "scheduler_view",
     "sharded_state",
+    "stepped_once_state",
     "sync_params",
     "train_steps",
     "unshare_adam_step",

@@ -83,22 +83,62 @@ def train_steps(ddp, optimizer, spec: ModelSpec, first_step: int, steps: int, sc
     return losses
 
 
-def prime_optimizer_state(optimizer) -> None:
-    """Give a fresh torch Adam its state (step 0, zero moments), as a first step would.
+#: The per-param Adam step `prime_optimizer_state` writes before a load. No load writes it (a saved
+#: step is a whole number >= 0), so a step still at it after the load was never loaded, which a step
+#: check tells apart from a load that restores 0. Not -1: megatron-core's fsdp_dtensor load first
+#: steps the optimizer itself (`_init_optimizer_states_with_dummy_values`), and torch Adam cannot
+#: step from -1 (bias correction 1 - beta**0 divides by zero); from -0.5 it reaches 0.5, no load's either.
+PRIMED_STEP = -0.5
 
-    megatron-core 0.19.2 with plain torch.optim.Adam (no Apex/TE): loading into a never-stepped
-    optimizer hits `assert len(steps) == 1` in DistributedOptimizer; primed state avoids it.
-    """
+
+def never_loaded(step: float) -> bool:
+    """A per-param step no load writes: the primed one, or it stepped by upstream before the load."""
+    return step < 0 or step != int(step)
+
+
+def _fill_adam_state(optimizer, step: float, moments: float) -> None:
+    """Give every param of a torch Adam that has no state yet `step` and moments filled with `moments`."""
     for opt in leaf_optimizers(optimizer):
         inner = opt.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state.get(p):
                     inner.state[p] = {
-                        "step": torch.tensor(0.0),
-                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "step": torch.tensor(step),
+                        "exp_avg": torch.full_like(p, moments, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.full_like(p, moments, memory_format=torch.preserve_format),
                     }
+
+
+def prime_optimizer_state(optimizer) -> None:
+    """Give a fresh torch Adam state for a load to overwrite: step PRIMED_STEP and NaN moments, values
+    no load writes, so whatever the load leaves alone shows as never loaded (never as a plausible 0).
+
+    megatron-core 0.19.2 with plain torch.optim.Adam (no Apex/TE): loading into a never-stepped
+    optimizer hits `assert len(steps) == 1` in DistributedOptimizer; primed state avoids it.
+    """
+    _fill_adam_state(optimizer, PRIMED_STEP, float("nan"))
+
+
+def stepped_once_state(optimizer) -> None:
+    """What one Adam step with zero gradients leaves (step 1, zero moments), for a never-stepped
+    optimizer that must be saved (megatron-core cannot save one either): a saved step of 1, not 0,
+    so a load that resets the step to 0 cannot pass for one that restored it."""
+    _fill_adam_state(optimizer, 1.0, 0.0)
+
+
+def settle_unloaded_steps(optimizer) -> int:
+    """Set each per-param step a load left unwritten (`never_loaded`) to 0, a fresh Adam's count, and
+    return how many, so training goes on as from a reset step rather than from a fraction. Run after
+    the step check's view was taken: it judges what the load did."""
+    settled = 0
+    for opt in leaf_optimizers(optimizer):
+        for st in opt.optimizer.state.values():
+            step = st.get("step")
+            if isinstance(step, torch.Tensor) and never_loaded(float(step)):
+                step.fill_(0.0)  # in place: a step tensor the load shared between params stays shared
+                settled += 1
+    return settled
 
 
 def unshare_adam_step(optimizer) -> int:
@@ -122,7 +162,9 @@ def load_training(ctx: RankContext, backend, job: TrainingJob, directory: Path, 
 
     Returns the Adam step view as the load left it (`adam_steps`, read before any workaround rewrites
     the state: the step check judges upstream's load, not the harness's repair) with `rewritten_by`,
-    the workarounds that then changed it (unshare_adam_step, where upstream shared step tensors)."""
+    the workarounds that then changed it (unshare_adam_step, where upstream shared step tensors), and
+    with prime_adam `never_loaded`: how many per-param steps the load left at PRIMED_STEP (then set
+    to 0 so training can go on)."""
     if "fully_reshardable_step" in workarounds:
         compat.apply_workaround("fully_reshardable_step")
     if "prime_adam" in workarounds:
@@ -132,6 +174,8 @@ def load_training(ctx: RankContext, backend, job: TrainingJob, directory: Path, 
         backend.load_training(ctx, job, directory)
     as_loaded = adam_steps(job.optimizer)
     as_loaded["rewritten_by"] = []
+    if "prime_adam" in workarounds:
+        as_loaded["never_loaded"] = settle_unloaded_steps(job.optimizer)
     if "unshare_adam_step" in workarounds and unshare_adam_step(job.optimizer):
         as_loaded["rewritten_by"].append("unshare_adam_step")
     return as_loaded

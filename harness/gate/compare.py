@@ -240,17 +240,22 @@ def _defect_findings(cid: str, b: dict[str, Any], c: dict[str, Any], t: Threshol
         if not isinstance(cd, (int, float)):
             continue
         bd = bd if isinstance(bd, (int, float)) else None
-        why = ""
-        if not math.isfinite(cd) and (bd is None or math.isfinite(bd)):
-            why = f"became {cd}"
-        elif bd is not None and math.isfinite(bd) and bd > 0 and cd > t.diff_factor * bd:
-            why = f"grew {cd / bd:.3g}x (> {t.diff_factor:g}x)"
-        elif bd == 0 and cd > 0:
-            why = "was 0 on base"
-        if why:
+        if why := _growth(bd, cd, t.diff_factor):
             out.append(Finding(cid, "defect-changed", f"failing check {name}: max abs diff {'-' if bd is None else f'{bd:.3g}'} "
                                f"-> {cd:.3g}, {why}: the known defect got worse", bd, cd))
     return out
+
+
+def _growth(before: float | None, after: float, factor: float) -> str:
+    """Why a difference got worse ("" when it did not): it became NaN/inf, grew past `factor` x, or
+    was 0 on base. One rule for toleranced checks and for a known defect's failing ones."""
+    if not math.isfinite(after) and (before is None or math.isfinite(before)):
+        return f"became {after}"
+    if before is not None and math.isfinite(before) and before > 0 and after > factor * before:
+        return f"grew {after / before:.1f}x (> {factor:g}x)"
+    if before == 0 and after > 0:
+        return "was 0 on base"
+    return ""
 
 
 def _lost_checks(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Finding]:
@@ -279,14 +284,8 @@ def _diff_findings(cid: str, b: dict[str, Any], c: dict[str, Any], t: Thresholds
         bd = bd if isinstance(bd, (int, float)) else None
         if bd is not None and d <= bd:
             continue  # not growth, whatever its size (an over-atol diff on base is base's problem)
-        atol, why = (tol.atol if tol.toleranced else None), ""
-        if atol is not None and d > atol:
-            why = f"exceeds atol={atol:g}"
-        elif bd is not None and bd > 0 and d > t.diff_factor * bd:
-            why = f"grew {d / bd:.1f}x (> {t.diff_factor:g}x)"
-        elif bd == 0 and d > 0:
-            why = "was 0 on base"
-        if why:
+        atol = tol.atol if tol.toleranced else None
+        if why := f"exceeds atol={atol:g}" if atol is not None and d > atol else _growth(bd, d, t.diff_factor):
             out.append(Finding(cid, "diff-growth", f"check {name} ({tol.label.split(' (')[0]}): max abs diff "
                                f"{'-' if bd is None else f'{bd:.1e}'} -> {d:.1e}, {why}", bd, d))
     return out

@@ -3,11 +3,16 @@
 `ckpt-harness golden make --out DIR` writes, from the current environment, every kind of artefact a
 training stack leaves behind: a model-only dist checkpoint, model + distributed optimizer in
 dp_reshardable and fully_reshardable form, an adapter-only dist checkpoint with its HF PEFT
-adapter, and a Bridge model's dist checkpoint with its HF export; plus DIR/manifest.json (versions,
-environment, topology, model, sha256 of every file). `ckpt-harness golden check DIR` loads them in
-the current environment, at another topology, and checks them against the canonical truth (model
-weights, HF fixture) or against the writer's own references (trained optimizer state, adapter
-parameters, export bytes), which the writer stores beside the artefact.
+adapter, a Bridge model's dist checkpoint with its HF export, and the training checkpoints of each
+client (Megatron-FSDP fsdp_dtensor, a Bridge pretrain checkpoint, verl's manager layout where verl
+is installed, an async-saved dist checkpoint, and a Bridge save with the release's default
+checkpoint options); plus DIR/manifest.json (versions, environment, topology, model, sha256 of
+every file, what each writer recorded). `ckpt-harness golden check DIR` loads them in the current
+environment, at another topology, and checks them against the canonical truth (model weights, HF
+fixture) or against the writer's own references (trained optimizer state, adapter parameters,
+export bytes, a Bridge save's train state and RNG), which the writer stores beside the artefact.
+An artefact this machine cannot write or read (its backend's package is missing) is `not-run`
+with the reason, on both sides, never dropped.
 
 The bump gate (harness/gate/bump.py) runs `make` in one environment and `check` in the other, both ways:
 baseline-written files read by the candidate (must load bit-exact), and candidate-written files read
@@ -40,11 +45,13 @@ from harness.judge.ckpt_content import UntrustedPickle, read_objects, refuse_pic
 from harness.judge.status import apply_expected_failure
 from harness.orchestration.runner import RunOptions, case_envelope
 from harness.run.envelope import RunEnv
+from harness.gate import golden_parts as parts
+from harness.gate.golden_parts import REFERENCE, hf_check, hf_make, load_reference, peft_check, peft_make, save_reference, split
 from harness.gate.rollback import rollback_refusal
 
 MANIFEST = "manifest.json"
-REFERENCE = "reference.safetensors"
 NOT_WRITTEN = "not written: the writer could not make this artefact"
+NOT_RUN = "not_run"  # a manifest entry's key: why the writer's machine could not make it (its reason)
 FORMAT = 1
 #: The known defect the dp_reshardable artefact may show, decided from what the load and the files
 #: show (`step_not_loaded_check`), never from a version string: the checkpoint holds the writer's Adam
@@ -77,6 +84,12 @@ class Artefact:
     options: dict = field(default_factory=dict)  # the case options the artefact is written with
     #: the backends that read it back (their `refusals` are the clean refusals of a rollback)
     readers: tuple[str, ...] = ("mcore_dist",)
+    #: a training artefact's backend and the writer's options; the reader's (None: the writer's)
+    backend: str = "mcore_dist"
+    backend_options: dict = field(default_factory=dict)
+    read_options: dict | None = None
+    #: what the machine must have (harness.core.requires); unmet, or a backend unavailable: not-run
+    requires: tuple[str, ...] = ()
 
     def case_id(self, direction: str = "") -> str:
         return f"golden[{self.name}@{self.source.id}->{self.target.id}{'-' + direction if direction else ''}]"
@@ -84,22 +97,6 @@ class Artefact:
     def refusals(self) -> tuple[str, ...]:
         """The exception names with which a reader of this artefact may cleanly refuse it."""
         return tuple(dict.fromkeys(n for b in self.readers for n in get_backend(b).refusals))
-
-
-def _save_reference(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
-
-
-def _load_reference(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
-
-def _split(ref: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix):]: v for k, v in ref.items() if k.startswith(prefix)}
 
 
 # --------------------------------------------------------------------------- model-only dist checkpoint
@@ -134,24 +131,27 @@ def _model_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: d
 # --------------------------------------------------------------------------- model + distributed optimizer
 
 
-def _optim_opts(a: Artefact):
+def _optim_opts(a: Artefact, entry: dict | None = None):
+    """The training options: the artefact's, or those the writer chose when it ran (the manifest's)."""
     from harness.models.training import TrainOptions
 
-    return TrainOptions(**a.options)
+    return TrainOptions(**(entry or {}).get("options", a.options))
 
 
-def _optim_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
+def _optim_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path, chosen: dict | None = None) -> dict:
+    """Train and save through the artefact's backend (cases/reshard_optimizer.py save_step); keep the
+    writer's optimizer and weights as its references. `chosen`: options the writer chose as it ran."""
     from harness.cases.reshard_optimizer import save_step, step_values
     from harness.core.zoo import get_model
 
-    opts = _optim_opts(a)
-    outs = save_step(env, result, get_model(a.model, "gpt"), opts, resolve("mcore_dist"), a.source, d / "ckpt", opts.steps)
+    opts, ref = _optim_opts(a, chosen), parts.writer_ref(a, chosen)
+    outs = save_step(env, result, get_model(a.model, "gpt"), opts, ref, a.source, d / "ckpt", opts.steps)
     optimizer, p1 = assembled(outs, "optimizer_shards", a.source.id)
     weights, p2 = assembled(outs, "model_shards", a.source.id)
     if p1 or p2:
         raise RuntimeError(f"the writer's own state does not assemble: {(p1 + p2)[:3]}")
-    _save_reference(d / REFERENCE, {**{f"optimizer/{k}": v for k, v in optimizer.items()}, **{f"model/{k}": v for k, v in weights.items()}})
-    return {"steps": step_values(outs)}
+    save_reference(d / REFERENCE, {**{f"optimizer/{k}": v for k, v in optimizer.items()}, **{f"model/{k}": v for k, v in weights.items()}})
+    return {"steps": step_values(outs), **parts.written_records(a, env, result, d, outs, ref), **(chosen or {})}
 
 
 def checkpoint_steps(directory: Path, trust_pickles: bool = False) -> list[float]:
@@ -160,7 +160,8 @@ def checkpoint_steps(directory: Path, trust_pickles: bool = False) -> list[float
     keeps torch Adam's per-param step in its param groups). [] when it holds none. The directory is a
     corpus (a user's): read with weights_only unless `trust_pickles` (then in full, as torch DCP does)."""
     if not trust_pickles:
-        objects = read_objects(directory)
+        with parts.numpy_rng_arrays():
+            objects = read_objects(directory)
         objects = {k: v for k, v in objects.items() if k.startswith("optimizer")}
     else:
         import torch.distributed.checkpoint as dcp
@@ -215,95 +216,46 @@ def _optim_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: d
     )
     from harness.core.zoo import get_model
 
-    opts = _optim_opts(a)
+    from harness.backends._megatron_lm import iteration_dir
+
+    opts, reader = _optim_opts(a, entry), parts.reader_ref(a, entry)
     result.notes += [f"workarounds applied: {', '.join(opts.workarounds)}"]
-    loaded = load_step(env, result, get_model(a.model, "gpt"), opts, resolve("mcore_dist"), a.target, d / "ckpt", opts.steps)
-    ref = _load_reference(d / REFERENCE)
+    complete = parts.complete_check(reader, d / "ckpt")
+    if complete is not None:
+        result.checks.append(complete)
+        if complete.failed:  # never load what is not a finished checkpoint
+            return
+    loaded = load_step(env, result, get_model(a.model, "gpt"), opts, reader, a.target, d / "ckpt", opts.steps)
+    ref = load_reference(d / REFERENCE)
     optimizer, p1 = assembled(loaded, "optimizer_shards", a.target.id)
     weights, p2 = assembled(loaded, "model_shards", a.target.id)
     result.checks += [
-        state_check("optimizer-state", _split(ref, "optimizer/"), optimizer, "writer", a.target.id,
+        state_check("optimizer-state", split(ref, "optimizer/"), optimizer, "writer", a.target.id,
                     f"{len(optimizer)} optimizer tensors equal what the writer held", problems=p1),
-        state_check("model-weights", _split(ref, "model/"), weights, "writer", a.target.id, f"{len(weights)} weights equal", problems=p2),
+        state_check("model-weights", split(ref, "model/"), weights, "writer", a.target.id, f"{len(weights)} weights equal", problems=p2),
     ]
     step = step_check(written_steps(entry["steps"]), loaded, "writer", a.target.id)
     if opts.sharding == "dp_reshardable":
-        held = checkpoint_steps(d / "ckpt", entry.get("trust_pickles", False)) if step.failed else list(entry["steps"])
+        held = checkpoint_steps(iteration_dir(d / "ckpt"), entry.get("trust_pickles", False)) if step.failed else list(entry["steps"])
         step, known = step_not_loaded_check(step, list(entry["steps"]), step_values(loaded), held)
         if known is not None:
             result.xfail_reason = known.reason
     result.checks.append(step)
+    result.checks += parts.backend_checks(a, env, entry, reader)
 
 
-# --------------------------------------------------------------------------- Bridge: HF export and PEFT adapter
+def _defaults_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
+    """A Bridge training save with no checkpoint option set: the installed release's CheckpointConfig
+    defaults choose the optimizer format (parts.release_defaults); the manifest records them and the
+    content metadata the checkpoint then carries (its distrib_optim_sharding_type)."""
+    options, backend_options, read = parts.release_defaults()
+    extra = _optim_make(a, env, result, d, {"options": options, "backend_options": backend_options})
+    return {**extra, "defaults": read, "content_metadata": parts.content_metadata(d / "ckpt")}
 
 
-def _hf_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
-    from harness.cases.hf_roundtrip import save_step
-    from harness.core.zoo import get_model
-    from harness.models.hf import write_fixture
-
-    model = get_model(a.model, "hf")
-    write_fixture(model, d / "hf-source")
-    save_step(env, result, model, d / "hf-source", a.source, resolve("bridge_hf"), dist_save=d / "ckpt", export_to=d / "hf-export")
-    return {}
-
-
-def _hf_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: dict) -> None:
-    """The reader builds without weights (from the writer's HF config) and loads the dist checkpoint."""
-    from harness.cases.hf_roundtrip import load_step
-    from harness.core.zoo import get_model
-
-    mine = env.case_dir / "hf-export"
-    load_step(env, result, get_model(a.model, "hf"), d / "hf-source", a.target, resolve("bridge_hf"), d / "ckpt", export_to=mine)
-    hf = get_backend("bridge_hf")
-    exported = hf.read_full(None, mine)
-    result.checks += [
-        state_check("export-equals-writer", hf.read_full(None, d / "hf-export"), exported, "writer's export", f"export@{a.target.id}",
-                    f"{len(exported)} tensors exported from the writer's checkpoint equal the writer's own export"),
-        state_check("export-bitwise", hf.read_full(None, d / "hf-source"), exported, "hf-source", f"export@{a.target.id}",
-                    "the export equals the HF fixture"),
-    ]
-
-
-def _adapter():
-    from harness.cases.peft_export import PeftOptions
-
-    return PeftOptions().spec()
-
-
-def _peft_make(a: Artefact, env: RunEnv, result: CaseResult, d: Path) -> dict:
-    from harness.cases.peft_export import save_step
-    from harness.core.zoo import get_model
-    from harness.models import peft_mapping
-    from harness.models.hf import write_fixture
-
-    model = get_model(a.model, "hf")
-    write_fixture(model, d / "hf-source")
-    outs = save_step(env, result, model, d / "hf-source", a.source, _adapter(), resolve("bridge_peft"),
-                     adapter_save=d / "ckpt", export_to=d / "adapter")
-    _save_reference(d / REFERENCE, peft_mapping.gather([p for o in outs for p in o.pieces]))
-    return {}
-
-
-def _peft_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: dict) -> None:
-    from harness.cases.peft_export import load_step, peft_load_problems
-    from harness.core.zoo import get_model
-    from harness.models import peft_mapping
-
-    mine = env.case_dir / "adapter"
-    outs = load_step(env, result, get_model(a.model, "hf"), d / "hf-source", a.target, _adapter(), resolve("bridge_peft"),
-                     d / "ckpt", export_to=mine)
-    peft = get_backend("bridge_peft")
-    problems = peft_load_problems(d / "hf-source", d / "adapter")
-    result.checks += [
-        state_check("adapter-params", _load_reference(d / REFERENCE), peft_mapping.gather([p for o in outs for p in o.pieces]),
-                    "writer", a.target.id, "Megatron adapter parameters loaded from the writer's checkpoint equal the writer's"),
-        state_check("adapter-export-equals-writer", peft.read_full(None, d / "adapter"), peft.read_full(None, mine),
-                    "writer's adapter", f"adapter@{a.target.id}", "the adapter exported here equals the writer's, bitwise"),
-        Check("peft-load", "failed" if problems else "passed", "; ".join(problems[:8]) or "the writer's adapter loads into this peft",
-              tolerance=EXACT),
-    ]
+def _defaults_check(a: Artefact, env: RunEnv, result: CaseResult, d: Path, entry: dict) -> None:
+    result.checks.append(parts.content_metadata_check(entry.get("content_metadata"), parts.content_metadata(d / "ckpt")))
+    _optim_check(a, env, result, d, entry)
 
 
 ARTEFACTS: tuple[Artefact, ...] = (
@@ -312,10 +264,25 @@ ARTEFACTS: tuple[Artefact, ...] = (
              _optim_make, _optim_check, {"sharding": "dp_reshardable"}),
     Artefact("optim-fully_reshardable", "gpt-gqa", Topology(dp=2), Topology(tp=2), "model + distributed optimizer, fully_reshardable",
              _optim_make, _optim_check, {"sharding": "fully_reshardable"}),
-    Artefact("hf-export", "hf-llama", Topology(tp=2), Topology(pp=2), "Bridge model dist checkpoint + its HF export", _hf_make, _hf_check,
+    Artefact("hf-export", "hf-llama", Topology(tp=2), Topology(pp=2), "Bridge model dist checkpoint + its HF export", hf_make, hf_check,
              readers=("mcore_dist", "bridge_hf")),
     Artefact("peft-adapter", "hf-llama", Topology(tp=2), Topology(pp=2), "adapter-only dist checkpoint + its HF PEFT adapter (LoRA)",
-             _peft_make, _peft_check, readers=("mcore_dist", "bridge_peft", "bridge_hf")),
+             peft_make, peft_check, readers=("mcore_dist", "bridge_peft", "bridge_hf")),
+    # the training checkpoints users keep, each through its backend as the matrices run it (cases/reshard_optimizer.py steps)
+    Artefact("fsdp-dtensor", "gpt-gqa", Topology(dp=2), Topology(), "Megatron-FSDP fsdp_dtensor training checkpoint (model + optimizer)",
+             _optim_make, _optim_check, {"sharding": "dp_reshardable"}, readers=("mcore_fsdp",), backend="mcore_fsdp"),
+    Artefact("bridge-pretrain", "gpt-gqa", Topology(dp=2), Topology(), "Megatron-Bridge training checkpoint as pretrain leaves it "
+             "(iter_N/, train_state.pt, tracker: model, optimizer, scheduler, RNG, train state)", _optim_make, _optim_check,
+             {"sharding": "fully_reshardable"}, readers=("bridge_training",), backend="bridge_training"),
+    Artefact("verl-manager", "gpt-gqa", Topology(dp=2), Topology(), "verl MegatronCheckpointManager layout (global_step_N/actor, "
+             "tracker, ckpt_contents.json)", _optim_make, _optim_check, {"sharding": "fully_reshardable"},
+             readers=("verl_manager",), backend="verl_manager", requires=("module:verl",)),
+    Artefact("optim-async", "gpt-gqa", Topology(dp=2), Topology(tp=2), "model + distributed optimizer saved async (mcore writer), "
+             "finalized", _optim_make, _optim_check, {"sharding": "fully_reshardable"}, backend_options={"async_save": "mcore"},
+             read_options={}),
+    Artefact("release-defaults", "gpt-gqa", Topology(dp=2), Topology(), "Bridge training checkpoint with no checkpoint option set "
+             "(the release's default optimizer format)", _defaults_make, _defaults_check, readers=("bridge_training",),
+             backend="bridge_training"),
 )
 
 
@@ -354,13 +321,19 @@ def make(out: Path, options: RunOptions | None = None, k: str | None = None) -> 
         result = CaseResult(a.case_id("make"), "golden-make", a.model, a.name, a.source.id, a.target.id)
         d = out / a.name
         d.mkdir()
+        entry = {"model": a.model, "source": a.source.id, "target": a.target.id, "description": a.description}
+        why = parts.unavailable(a, options.dist_backend)
+        if why is not None:  # recorded with its reason, never dropped: the reader says not-run too
+            result.status, result.not_run_reason = "not-run", why
+            manifest["artefacts"][a.name] = {**entry, "files": {}, NOT_RUN: why}
+            results.append(result)
+            continue
         written: dict = {}
         with case_envelope(result, options) as env:  # one artefact failing to write must not lose the others
-            warm(bridge=a.model.startswith("hf-"))
+            warm(bridge=a.model.startswith("hf-"), modules=parts.preload(a))
             extra = a.make(a, env, result, d)
             written = {"files": _files(d), **extra}
             result.checks.append(Check("written", "passed", f"{len(written['files'])} files", tolerance=NOT_COMPARED))
-        entry = {"model": a.model, "source": a.source.id, "target": a.target.id, "description": a.description}
         manifest["artefacts"][a.name] = {**entry, **written} if result.status == "passed" else {**entry, "files": {}, "error": result.error}
         results.append(result)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -384,7 +357,8 @@ def screen(corpus: Path, names: list[str]) -> int:
     n = 0
     for name in names:
         try:
-            n += refuse_pickles(corpus / name) if (corpus / name).is_dir() else 0
+            with parts.numpy_rng_arrays():  # a training checkpoint's RNG state (np.random.get_state)
+                n += refuse_pickles(corpus / name) if (corpus / name).is_dir() else 0
         except UntrustedPickle as exc:
             raise UntrustedCorpus(f"golden check: {exc}") from None
     return n
@@ -409,7 +383,7 @@ def check(corpus: Path, options: RunOptions | None = None, k: str | None = None,
     manifest = read_manifest(corpus)
     changed = {a.name: sorted(f for f, sha in entry["files"].items()
                               if not (corpus / a.name / f).is_file() or _sha256(corpus / a.name / f) != sha)
-               for a in _selected(k) if (entry := manifest["artefacts"].get(a.name)) is not None and "error" not in entry}
+               for a in _selected(k) if (entry := manifest["artefacts"].get(a.name)) is not None and not {"error", NOT_RUN} & set(entry)}
     if not trust_pickles:  # only what will load: a file that differs from the manifest fails its artefact unread
         screen(corpus, [name for name, files in changed.items() if not files])
     results = []
@@ -426,6 +400,11 @@ def check(corpus: Path, options: RunOptions | None = None, k: str | None = None,
             result.error = f"{NOT_WRITTEN}: {entry['error'].strip().splitlines()[0]}"
             results.append(result)
             continue
+        why = f"{NOT_WRITTEN}: {entry[NOT_RUN]}" if NOT_RUN in entry else parts.unavailable(a, options.dist_backend)
+        if why is not None:
+            result.status, result.not_run_reason = "not-run", why
+            results.append(result)
+            continue
         if changed[a.name]:
             result.checks.append(Check("corpus-integrity", "failed",
                                        f"{len(changed[a.name])} file(s) differ from the manifest: {changed[a.name][:5]}"))
@@ -433,7 +412,7 @@ def check(corpus: Path, options: RunOptions | None = None, k: str | None = None,
             results.append(result)
             continue
         with case_envelope(result, options) as env:
-            warm(bridge=a.model.startswith("hf-"))
+            warm(bridge=a.model.startswith("hf-"), modules=parts.preload(a))
             try:
                 a.check(a, env, result, corpus / a.name, {**entry, "trust_pickles": trust_pickles})
             except Exception as exc:

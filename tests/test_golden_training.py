@@ -182,3 +182,19 @@ def test_the_screen_reads_a_numpy_rng_state_and_still_refuses_other_numpy(tmp_pa
     assert golden.screen(_dcp_with(tmp_path, "rng", {"np": np.random.get_state()}), ["rng"]) >= 1
     with pytest.raises(golden.UntrustedCorpus, match="rng_state"):
         golden.screen(_dcp_with(tmp_path, "other", {"np": np.zeros(3)}), ["other"])
+
+
+def test_a_corpus_made_before_an_artefact_existed_says_not_run_not_error(tmp_path):
+    """A cached corpus (CI keys it by the pins alone) written by a harness without the training
+    artefacts: each is not-run with the reason; one the writer knew but did not make stays an error."""
+    corpus = tmp_path / "old"
+    corpus.mkdir()
+    manifest = {"format": golden.FORMAT, "versions": {}, "artefacts": {}}  # no `known`: the first five only
+    (corpus / golden.MANIFEST).write_text(json.dumps(manifest))
+    (new,) = golden.check(corpus, k="fsdp-dtensor")
+    assert new.status == "not-run" and "did not know" in new.not_run_reason
+    (old,) = golden.check(corpus, k="model-dist")
+    assert old.status == "error" and "made with -k" in old.error
+    (corpus / golden.MANIFEST).write_text(json.dumps({**manifest, "known": [a.name for a in golden.ARTEFACTS]}))
+    (known,) = golden.check(corpus, k="fsdp-dtensor")
+    assert known.status == "error" and "made with -k" in known.error

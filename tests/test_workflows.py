@@ -432,3 +432,12 @@ def test_zizmor_catches_a_planted_unpinned_action(tmp_path):
 def test_ci_runs_zizmor_at_the_pin():
     runs = " ".join(_runs(_load("ci.yml")["jobs"]["zizmor"]))
     assert "requirements-tools.txt" in runs and re.search(r'zizmor"? --offline --min-severity medium \.github/', runs)
+
+
+def test_the_cached_corpus_is_keyed_alike_where_written_and_where_read():
+    """The corpus job writes under one key and the gate job looks it up from the base branch: both
+    hash the same files (the pins and the corpus's own code), or a bump reads a stale corpus (or none)."""
+    text = (WORKFLOWS / "bridge-bump.yml").read_text()
+    lists = re.findall(r"for f in ([\w./ -]+?); do (?:cat|git show)", text)
+    assert len(lists) == 2 and lists[0] == lists[1], lists
+    assert "harness/gate/golden.py" in lists[0].split() and "requirements.txt" in lists[0].split()

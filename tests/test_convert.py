@@ -338,3 +338,13 @@ def test_a_target_backend_that_loads_nothing_fails_target_load():
     assert r.check("fsdp-weights").status == "passed"
     load = r.check("target-load")
     assert load.status == "failed" and load.mismatches and {m.kind for m in load.mismatches} == {"value"}
+
+
+def test_a_conversion_names_where_it_broke_as_every_verdict_does():
+    """One traceback reader (core.frames): the frame from its package root on, interpreter frames skipped."""
+    from harness.judge.convert import raise_site
+
+    tb = ('Traceback (most recent call last):\n  File "/v/lib/python3.12/site-packages/megatron/core/x.py", line 7, in f\n'
+          '    raise ValueError("no")\n  File "<frozen importlib._bootstrap>", line 1, in _call\nValueError: no\n')
+    assert raise_site(tb) == 'megatron/core/x.py:7 in f: raise ValueError("no")'
+    assert raise_site("no traceback") == "no frame in the traceback"

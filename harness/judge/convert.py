@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from harness.core.frames import raising_frame
 from harness.core.parity import BITWISE, EXACT, NOT_COMPARED, Mismatch, compare_state
 from harness.core.result import Check
 from harness.judge.checks import empty_check
@@ -251,19 +252,8 @@ def reverse_not_run(origin: str, looked_at: Sequence[str], found: Sequence[str])
                   "conversion ran (see to-torch-dist)", tolerance=NOT_COMPARED)]
 
 
-_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)\s*$')
-
-
 def raise_site(traceback_text: str) -> str:
-    """`path:line in function` of the innermost frame of a traceback, the path from its package
-    root (site-packages/ or the checkout) on: where a conversion or an export broke."""
-    for line in reversed(traceback_text.splitlines()):
-        m = _FRAME.match(line)
-        if m:
-            path, lineno, fn = m.groups()
-            for root in ("site-packages/", "third_party/"):
-                if root in path:
-                    path = path.split(root, 1)[1]
-                    break
-            return f"{path}:{lineno} in {fn}"
-    return "no frame in the traceback"
+    """Where a conversion or an export broke: the raising frame as every verdict names it
+    (core.frames.raising_frame: the path from its package root on, with its source line)."""
+    frame = raising_frame(traceback_text)
+    return str(frame) if frame else "no frame in the traceback"

@@ -287,3 +287,41 @@ def test_the_cross_step_writes_the_baseline_corpus_once_and_then_reads_the_verif
     _change_corpus_file(entry)
     code, verdict = gate("g3")
     assert code == 2 and world.ran == [] and "corpus/model/ckpt/__0_0.distcp changed since it was stored" in verdict
+
+
+def test_the_baselines_scale_plans_are_cached_with_it_and_reused_verified(world, monkeypatch):
+    """The second gate on unchanged pins plans no production shape on the baseline side: the plan the
+    first one made comes from the entry (listed in its sha256.json); a changed plan file is refused."""
+    from harness.gate import scale
+
+    planned: list[str] = []
+
+    def harness(side, args, log, on_line=None):
+        planned.append(side.name)
+        out = Path(args[args.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(json.dumps({"keys": {}, "side": side.name}))
+        return 0
+
+    monkeypatch.setattr(bump, "_harness", harness)
+    monkeypatch.setattr(scale, "diff", lambda plan, b, c, bl, cl: [])
+    plan = scale.PLANS[0]
+
+    def gate(name: str) -> int:
+        world.ran.clear()
+        return bump.run_gate(["megatron-bridge==9.9.9"], [], Path("matrices/smoke.yaml"), None, world.tmp / name,
+                             world.cache, cross=False, concurrent=False, scale_plans=(plan,))
+
+    assert gate("g1") == 0 and planned == ["baseline", "candidate"]
+    key = baseline_cache.key_for("pins1", Path("matrices/smoke.yaml"), None, IDS, "code1", bump.ROOT)
+    entry = world.cache / baseline_cache.DIR / key.digest
+    listed = json.loads((entry / baseline_cache.SHA256).read_text())["files"]
+    stored = [rel for rel in listed if rel.startswith("scale/")]
+    assert len(stored) == 1 and stored[0].endswith("/plan.json"), listed
+    planned.clear()
+    assert gate("g2") == 0 and planned == ["candidate"] and world.ran == ["candidate"]
+    reused = world.tmp / "g2" / "scale" / "baseline" / stored[0].split("/")[1] / "plan.json"
+    assert json.loads(reused.read_text())["side"] == "baseline"
+    (entry / stored[0]).write_text("{}")
+    planned.clear()
+    assert gate("g3") == 2 and planned == [] and world.ran == []  # refused before anything ran

@@ -4,7 +4,8 @@ baseline it needs was already run.
 An entry lives in the harness's cache dir (the gate's --cache: $CKPT_HARNESS_HOME or
 ~/.cache/ckpt-harness) as `baselines/<digest>/` holding `results.json` (a whole baseline run),
 `key.json` (the key, when and from where it was stored) and, once a gate's cross-version step wrote
-it, `corpus/` (the golden corpus the baseline wrote). The key is everything the baseline's results
+it, `corpus/` (the golden corpus the baseline wrote), and `scale/<shape>/` (the baseline's plan of
+each production shape, harness.gate.scale), so a second gate on unchanged pins runs neither again. The key is everything the baseline's results
 depend on:
 
 - `env`: the baseline venv's key (harness.gate.envspec: the pins plus --baseline overrides);
@@ -282,36 +283,57 @@ def store(cache: Path, key: Key, results: Path, source: Path) -> Entry | None:
     return Entry(final, key, stored, str(source), tuple(sorted(files.items())))
 
 
-def store_corpus(entry: Entry, corpus: Path) -> None:
-    """Keep the golden corpus the baseline wrote beside its results (a later gate's cross-version step
-    reads it instead of writing it again), its files' sha256 added to the entry's sha256.json."""
-    if entry.corpus is not None or not (Path(corpus) / "manifest.json").exists():
+def part(entry: Entry, name: str) -> Path | None:
+    """Where the entry's stored part `name` (the corpus, a scale plan) is read from: its verified stage,
+    or the cache; None when the entry holds none."""
+    return (entry.staged or entry.path) / name if any(rel.startswith(f"{name}/") for rel, _ in entry.files) else None
+
+
+def store_part(entry: Entry, name: str, src: Path, marker: str) -> None:
+    """Keep a directory the baseline wrote (`src`, whole once `marker` is in it) beside its results as
+    part `name`, its files' sha256 added to the entry's sha256.json (as it is on disk now, so parts
+    stored one after the other are all listed). A part already there is kept."""
+    if part(entry, name) is not None or (entry.path / name).exists() or not (Path(src) / marker).exists():
         return
-    tmp = entry.path.parent / f".{entry.path.name}.corpus.{os.getpid()}.tmp"  # never inside the entry
+    tmp = entry.path.parent / f".{entry.path.name}.{name.replace('/', '_')}.{os.getpid()}.tmp"  # never inside the entry
     shutil.rmtree(tmp, ignore_errors=True)
-    added = _copy_tree(Path(corpus), tmp)
+    added = _copy_tree(Path(src), tmp)
     try:
-        tmp.replace(entry.path / "corpus")
+        (entry.path / name).parent.mkdir(parents=True, exist_ok=True)
+        tmp.replace(entry.path / name)
     except OSError:  # another gate stored one first (or the entry is gone): keep what is there
         shutil.rmtree(tmp, ignore_errors=True)
         return
-    _write_list(entry.path, {**dict(entry.files), **{f"corpus/{rel}": sha for rel, sha in added.items()}})
+    listed = json.loads((entry.path / SHA256).read_text())["files"]
+    _write_list(entry.path, {**listed, **{f"{name}/{rel}": sha for rel, sha in added.items()}})
 
 
-def restore_corpus(entry: Entry, dest: Path) -> bool:
-    """Put the entry's corpus at `dest` (the gate's cross/written-by-baseline); False when it has none.
-    A staged entry's corpus was verified in the copy lookup made, and moves; an unstaged one is copied
-    from the cache and checked in that copy (Refused when a file differs)."""
-    if entry.corpus is None or Path(dest).exists():
+def restore_part(entry: Entry, name: str, dest: Path) -> bool:
+    """Put the entry's part `name` at `dest`; False when it has none. A staged entry's part was verified
+    in the copy lookup made, and moves; an unstaged one is copied from the cache and checked in that
+    copy (Refused when a file differs)."""
+    where = part(entry, name)
+    if where is None or Path(dest).exists():
         return False
     Path(dest).parent.mkdir(parents=True, exist_ok=True)
     if entry.staged is not None:
-        entry.corpus.replace(dest)
+        where.replace(dest)
         return True
-    want = {rel.removeprefix("corpus/"): sha for rel, sha in entry.files if rel.startswith("corpus/")}
-    got = _copy_tree(entry.corpus, Path(dest))
+    want = {rel.removeprefix(f"{name}/"): sha for rel, sha in entry.files if rel.startswith(f"{name}/")}
+    got = _copy_tree(where, Path(dest))
     if got != want:
         shutil.rmtree(dest, ignore_errors=True)
         rel = next(iter(sorted(set(got) ^ set(want)) or [r for r in sorted(want) if got[r] != want[r]]))
-        raise _refuse(entry.path, f"corpus/{rel}", "differs from the list it was stored with")
+        raise _refuse(entry.path, f"{name}/{rel}", "differs from the list it was stored with")
     return True
+
+
+def store_corpus(entry: Entry, corpus: Path) -> None:
+    """Keep the golden corpus the baseline wrote (a later gate's cross-version step reads it instead of
+    writing it again)."""
+    store_part(entry, "corpus", corpus, "manifest.json")
+
+
+def restore_corpus(entry: Entry, dest: Path) -> bool:
+    """Put the entry's corpus at `dest` (the gate's cross/written-by-baseline); False when it has none."""
+    return restore_part(entry, "corpus", dest)

@@ -219,17 +219,26 @@ def stored_corpus(reader: Side, corpus: Path, out: Path, trust_pickles: bool = F
     return report, time.perf_counter() - start
 
 
-def run_scale(sides: list[Side], plan: "scale.ScalePlan", out: Path, timings: dict[str, float]) -> list[compare.Finding]:
-    """One production shape planned in each side's environment (harness.gate.scale), diffed."""
+def run_scale(sides: list[Side], plan: "scale.ScalePlan", out: Path, timings: dict[str, float],
+              entry: baseline_cache.Entry | None = None) -> list[compare.Finding]:
+    """One production shape planned in each side's environment (harness.gate.scale), diffed; the
+    baseline's plan comes from (or goes into) its verified cache `entry`."""
     docs, logs = [], []
     for s in sides:
         where = out / s.name / plan.name.replace(" ", "_").replace(">", "")
-        say(f"scale: {s.name} plans {plan.name}")
-        start = time.perf_counter()
-        _harness(s, plan.args(where), where.parent / f"{where.name}.log")
-        timings[f"scale {plan.name} {s.name}"] = time.perf_counter() - start
+        log = where.parent / f"{where.name}.log"
+        cached = f"scale/{where.name}"
+        if s.name == "baseline" and entry is not None and baseline_cache.restore_part(entry, cached, where):
+            say(f"scale: the baseline's plan of {plan.name} comes from the cache ({entry.path / cached})")
+        else:
+            say(f"scale: {s.name} plans {plan.name}")
+            start = time.perf_counter()
+            _harness(s, plan.args(where), log)
+            timings[f"scale {plan.name} {s.name}"] = time.perf_counter() - start
+            if s.name == "baseline" and entry is not None:
+                baseline_cache.store_part(entry, cached, where, "plan.json")
         docs.append(scale.load(where / "plan.json"))
-        logs.append((where.parent / f"{where.name}.log").read_text(errors="replace") if (where.parent / f"{where.name}.log").exists() else "")
+        logs.append(log.read_text(errors="replace") if log.exists() else "")
     return scale.diff(plan, docs[0], docs[1], logs[0], logs[1])
 
 
@@ -296,7 +305,7 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
             if entry is not None:
                 baseline_cache.store_corpus(entry, out / "cross" / "written-by-baseline")
         for plan in scale_plans:
-            findings += run_scale(sides, plan, out / "scale", timings)
+            findings += run_scale(sides, plan, out / "scale", timings, entry)
         if corpus is not None:
             report, timings["stored corpus -> candidate"] = stored_corpus(sides[1], corpus, out / "cross", trust_pickles)
             doc = compare.load(report)

@@ -222,21 +222,24 @@ def shim_findings(base: dict[str, Any], cand: dict[str, Any]) -> list[Finding]:
     return out
 
 
+def shim_record(label: str) -> Any:
+    """The harness.compat record behind a result's shim name (None where none has that label)."""
+    from harness.compat import registry
+
+    return registry.by_label(label)
+
+
 def _hides(label: str) -> bool:
     """Whether the record behind a result's shim name steps around an upstream defect: a candidate
     that needs one has a defect the baseline did not, and its green results ran with it patched."""
-    from harness.compat import registry
-
-    shim = registry.by_label(label)
+    shim = shim_record(label)
     return shim is not None and shim.kind == "hides"
 
 
 def _shim_kind(label: str) -> str:
     """What the record behind a result's shim name says it is (harness.compat.registry): it adapts an
     API or environment, or it hides an upstream defect (and which strict xfail shows it)."""
-    from harness.compat import registry
-
-    shim = registry.by_label(label)
+    shim = shim_record(label)
     if shim is None:
         return ""
     if shim.kind == "hides":

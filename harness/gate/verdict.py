@@ -175,10 +175,8 @@ def _workarounds(sides: list[Any], base: dict | None, cand: dict | None) -> list
                 counts.setdefault(name, [0, 0])[i] += 1
     if not counts:
         return []
-    from harness.compat import registry
-
     def kind(name: str) -> str:
-        shim = registry.by_label(name)
+        shim = evidence.shim_record(name)
         return "?" if shim is None else shim.kind
 
     return ["## Workarounds applied", "", "Each applied because its probe saw the upstream condition it patches "

@@ -51,7 +51,7 @@ from harness.core.result import (
     shows_diff,  # the one predicate for "this check's diff is toleranced"
 )
 from harness.gate import classify
-from harness.judge.status import AUXILIARY, KNOWN_FORM
+from harness.judge.status import KNOWN_FORM, judges
 
 FAILING = ("does-not-import", "architecture-removed", "regression", "new-refusal", "api-break", "hides-workaround",
            "defect-changed", "check-lost", "diff-growth", "memory-growth")
@@ -190,18 +190,14 @@ def _unproven_fix(b: dict[str, Any], c: dict[str, Any]) -> str:
     """Why an XPASS does not show the defect fixed ("" when it does): every judging check of the
     candidate passed, and every judging check the baseline ran is there and passed (a check the
     defect failed on base must now compare something and pass, not vanish or be not-run)."""
-    cc = {n: ch for n, ch in _checks(c).items() if _judging(n)}
+    cc = {n: ch for n, ch in _checks(c).items() if judges(n)}
     if not cc:
         return "the candidate recorded no judging check"
     not_passed = sorted(n for n, ch in cc.items() if ch.get("status") != "passed")
-    missing = sorted(n for n, ch in _checks(b).items() if _judging(n) and ch.get("status") in ("passed", "failed") and n not in cc)
+    missing = sorted(n for n, ch in _checks(b).items() if judges(n) and ch.get("status") in ("passed", "failed") and n not in cc)
     parts = ([f"check(s) {', '.join(not_passed)} not run"] if not_passed else []) + (
         [f"check(s) {', '.join(missing)} the baseline ran are absent"] if missing else [])
     return "; ".join(parts)
-
-
-def _judging(name: str) -> bool:
-    return not name.startswith(AUXILIARY)
 
 
 def _error_signature(r: dict[str, Any]) -> tuple[str, str] | None:
@@ -266,7 +262,7 @@ def _lost_checks(cid: str, b: dict[str, Any], c: dict[str, Any]) -> list[Finding
         return []
     cc = _checks(c)
     lost = [n for n, ch in _checks(b).items() if ch.get("status") == "passed" and cc.get(n, {}).get("status") in (None, "not-run")]
-    return [Finding(cid, "check-lost" if _judging(n) else "disappeared", f"check {n} passed on base, "
+    return [Finding(cid, "check-lost" if judges(n) else "disappeared", f"check {n} passed on base, "
                     f"{'absent' if n not in cc else 'not run'} on the candidate"
                     + (f" ({cc[n].get('detail')})" if n in cc and cc[n].get("detail") else "") + ": coverage lost", "passed",
                     cc.get(n, {}).get("status")) for n in lost]

@@ -33,9 +33,14 @@ KNOWN_FORM = "the named defect, in the form it is known on "
 AUXILIARY = ("memory-budget:", "source-unchanged")
 
 
+def judges(name: str) -> bool:
+    """Whether a check of this name judges the case itself (not an AUXILIARY one)."""
+    return not name.startswith(AUXILIARY)
+
+
 def judging(checks: Iterable[Check]) -> list[Check]:
     """The checks that judge the case itself (AUXILIARY ones left out)."""
-    return [c for c in checks if not c.name.startswith(AUXILIARY)]
+    return [c for c in checks if judges(c.name)]
 
 
 def settle(result: CaseResult) -> None:

@@ -214,7 +214,7 @@ class Entry:
 
     @property
     def corpus(self) -> Path | None:
-        return (self.staged or self.path) / "corpus" if "corpus/manifest.json" in dict(self.files) else None
+        return part(self, "corpus")  # stored only once its manifest.json was written (store_corpus)
 
     def describe(self) -> str:
         return f"`{self.path}` (key {self.key.digest}, stored {self.stored}, first run in `{self.source}`)"

@@ -110,3 +110,29 @@ def test_a_source_tree_is_built_afresh_for_every_env(tmp_path, monkeypatch):
         site = next(venv.glob("lib/python*/site-packages/tinytree/__init__.py"))
         seen[n] = site.read_text().strip().splitlines()[-1]
     assert seen == {1: "X = 1", 2: "X = 2"}, seen
+
+
+def test_an_orphaned_install_child_keeps_the_build_lock(tmp_path, monkeypatch):
+    """A gate killed mid-build leaves its uv child running; the next build must wait for it, not clear
+    the venv under it. The lock's fd goes to every install child, so the child holds the flock."""
+    import fcntl
+    import time
+
+    lock_path = tmp_path / ".lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        monkeypatch.setattr(installers, "HELD_LOCKS", [lock.fileno()])
+        # the "install" forks a writer that outlives it (as uv does when its parent is killed)
+        installers.run_logged(["sh", "-c", "sleep 3 >/dev/null 2>&1 &"], tmp_path / "log")
+    # this process let go of the lock; the orphan still holds it
+    with open(lock_path, "w") as again:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        deadline = time.monotonic() + 30
+        while True:  # and once the orphan is gone, the next build gets it
+            try:
+                fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the lock was never released"
+                time.sleep(0.2)

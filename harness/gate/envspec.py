@@ -52,6 +52,7 @@ if not __package__:  # run as a file (scripts/ensure-env: python3.12 -I): the ch
 
 from harness.gate import directref  # noqa: E402
 from harness.gate.installers import (  # noqa: E402
+    HELD_LOCKS,
     UV_JSON,
     EnvBuildError,
     Uv,
@@ -353,11 +354,15 @@ def ensure(specs: list[str], cache: Path, root: Path, python: str | None = None,
     venv = cache / f"venv-{req.key}"
     with open(cache / f".lock-{req.key}", "w") as lock:  # same lock file and flock(2) as the old bash
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (venv / ".complete").exists():
-            _build(venv, req, specs, cache, _python(python), root, rs)
-        elif not (venv / ENV_JSON).exists():  # built before this file existed
-            _write_env_json(venv, specs, req, rs)
-        _ensure_editable(venv, root, cache, req.key)
+        HELD_LOCKS.append(lock.fileno())
+        try:
+            if not (venv / ".complete").exists():
+                _build(venv, req, specs, cache, _python(python), root, rs)
+            elif not (venv / ENV_JSON).exists():  # built before this file existed
+                _write_env_json(venv, specs, req, rs)
+            _ensure_editable(venv, root, cache, req.key)
+        finally:
+            HELD_LOCKS.remove(lock.fileno())
     return venv
 
 

@@ -23,6 +23,13 @@ UV_JSON = ".ckpt-uv.json"  # inside a uv-built venv: which uv binary, store and 
 _LINE_NAME = re.compile(r"^\s*([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)")
 
 
+#: File descriptors of the env-build locks this process holds (envspec.ensure). Every install child
+#: inherits them: flock(2) belongs to the open file, so a gate killed mid-build leaves its uv child
+#: holding the lock until that child exits too, and the next build waits for it instead of clearing
+#: the venv under a writer (seen: "directory already exists" from the next `uv venv`).
+HELD_LOCKS: list[int] = []
+
+
 class EnvBuildError(Exception):
     """A candidate environment could not be installed or imported; the message is for the user."""
 
@@ -132,7 +139,7 @@ def run_logged(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> 
         f.flush()
         try:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False,
-                                env=env).returncode
+                                env=env, pass_fds=tuple(HELD_LOCKS)).returncode
         except OSError as exc:
             f.write(f"{exc}\n")
             rc = -1

@@ -38,8 +38,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import _damaged_load as cl
-from ._async_rank import (
+from .shared import damaged_load as cl
+from .ranks.async_save import (
     LoadPhase,
     Options,
     SavePhase,
@@ -49,7 +49,7 @@ from ._async_rank import (
     tracker_text,
     views_path,
 )
-from ._trajectory import losses_of, resume_tolerances, schedule_checks, segment_losses
+from .shared.trajectory import losses_of, resume_tolerances, schedule_checks, segment_losses
 from .contract import Case
 from harness.backends import get_backend, ref_of
 from harness.core.parity import NOT_COMPARED, Shard

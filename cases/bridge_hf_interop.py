@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._bridge_job import BridgeJobOptions as Options
-from ._bridge_job import bridge_job
+from .ranks.bridge_job import BridgeJobOptions as Options
+from .ranks.bridge_job import bridge_job
 from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of, resolve
 from harness.core.context import RankContext

@@ -42,8 +42,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._convert_rank import Conversion, HFExport, TargetLoad, WeightsSave, convert, hf_export, target_load, weights_save
-from ._train_phase import phase_of, train_phase
+from .ranks.convert import Conversion, HFExport, TargetLoad, WeightsSave, convert, hf_export, target_load, weights_save
+from .ranks.train_phase import phase_of, train_phase
 from .contract import Case
 from harness.backends import BackendRef, get_backend, parse_ref, ref_of, resolve
 from harness.backends._megatron_lm import iteration_dir

@@ -40,7 +40,7 @@ from typing import Literal, get_args
 
 import torch
 
-from ._damaged_load import (
+from .shared.damaged_load import (
     DistPhase,
     Outcome,
     judge,

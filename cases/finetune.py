@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ._train_phase import TrainOut, phase_of, train_phase
+from .ranks.train_phase import TrainOut, phase_of, train_phase
 from .contract import Case
-from ._trajectory import grad_norm_tolerance, losses_of, resume_tolerances, schedule_checks, segment_losses
+from .shared.trajectory import grad_norm_tolerance, losses_of, resume_tolerances, schedule_checks, segment_losses
 from harness.backends import get_backend, parse_ref, ref_of
 from harness.core.parity import EXACT
 from harness.core.result import CaseResult, Check

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Sequence
 
-from . import _damaged_load as cl
+from .shared import damaged_load as cl
 from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of
 from harness.core import truth

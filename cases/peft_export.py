@@ -18,7 +18,7 @@ Checks:
   merged-logits      transformers+PEFT logits after merge_and_unload() equal the unmerged adapter's
                      (MERGE_TOLERANCE) and Megatron+LoRA's (PEFT_TOLERANCE)
   lora-targets-matched  per target entry, the HF modules the PEFT model wraps equal (count and names)
-                     the ones the Megatron LoRA wrapped (cases._lora_layout)
+                     the ones the Megatron LoRA wrapped (cases.shared.lora_layout)
   lora-targets-asked per target entry, the Megatron LoRA wrapped what the entry selects in the
                      model's global layer numbering
   resharded-export   (S != D) the adapter exported at D equals the direct export at S, bitwise
@@ -28,7 +28,7 @@ Checks:
                      keys with its shapes and dtypes; the merged export's index, shards and keys
                      against the HF base fixture, lm_head as its config's tie_word_embeddings says
 
-Layout options (cases._peft.PeftOptions, docs/explore-lora.md): `adapter`, `dim` (any rank its
+Layout options (cases.shared.peft.PeftOptions, docs/explore-lora.md): `adapter`, `dim` (any rank its
 column-parallel targets' TP divides), `alpha`, `targets` (a subset of the kind's base linears) and
 `layers` (global layer indices: the Bridge's wildcard entries `*.layers.N.*.<target>`).
 
@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from ._lora_layout import megatron_units, targets_checks
-from ._peft import (
+from .shared.lora_layout import megatron_units, targets_checks
+from .shared.peft import (
     PeftOptions,
     PeftViews,
     config_check,
@@ -160,7 +160,7 @@ def integrity(derived: dict[str, torch.Tensor], hf_dir: Path, adapters: dict[str
 def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOut], ex: Exported, dtype: str = "fp32",
           entries: list | None = None) -> list[Check]:
     """The export checks at the source topology (`entries`: the layout's target entries,
-    cases._lora_layout; default: the default adapter's)."""
+    cases.shared.lora_layout; default: the default adapter's)."""
     problems = ex.peft_problems
     derived = derivation(model, outs, ex.layout)
     peft_merged = ex.peft.merged

@@ -21,7 +21,7 @@ Checks:
   peft-load          peft loads the resumed job's final export over the HF fixture, as users do
   lora-targets-matched, lora-targets-asked  per target entry of the layout, the HF modules peft wraps
                      over the resumed job's final export equal those the saved job's Megatron LoRA
-                     wrapped, and those the entry selects (cases._lora_layout; peft-export's checks)
+                     wrapped, and those the entry selects (cases.shared.lora_layout; peft-export's checks)
   export-integrity   every adapter export is one adapter_model.safetensors with the save-time export's keys, shapes, dtypes
 """
 
@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._bridge_job import BridgeJobOptions, base_shards, bridge_job
-from ._lora_layout import megatron_units, targets_checks
-from ._peft import PeftOptions, peft_load_problems, peft_wrapped
-from ._train_phase import TrainOut
-from ._trajectory import grad_norm_tolerance, losses_of, resume_tolerances, schedule_checks, segment_losses
+from .ranks.bridge_job import BridgeJobOptions, base_shards, bridge_job
+from .shared.lora_layout import megatron_units, targets_checks
+from .shared.peft import PeftOptions, peft_load_problems, peft_wrapped
+from .ranks.train_phase import TrainOut
+from .shared.trajectory import grad_norm_tolerance, losses_of, resume_tolerances, schedule_checks, segment_losses
 from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of, resolve
 from harness.core.context import RankContext

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ._train_phase import TrainOut, phase_of, step_check, train_phase
+from .ranks.train_phase import TrainOut, phase_of, step_check, train_phase
 from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of
 from harness.core.result import CaseResult, Check

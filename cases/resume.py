@@ -9,7 +9,7 @@ optimizer state does (a reset Adam moves weights by ~lr per step = 1e-3).
 
 Checks: propagation (as reshard-optimizer), losses (steps k+1..2k), lr (each step's LR, exactly:
 a scheduler saved but not restored replays its warmup), grad-norm (each step's global grad norm,
-bitwise at S == D, else _trajectory.grad_norm_tolerance), final-weights, and
+bitwise at S == D, else shared.trajectory.grad_norm_tolerance), final-weights, and
 weights-match-main-params (dtype bf16: the resumed job's bf16 weights right after the load equal
 its fp32 main params cast to bf16, bitwise, as do the uninterrupted job's at the save; not-run for
 fp32, which has no main/model split).
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._train_phase import TrainOut, phase_of, train_phase
-from ._trajectory import (  # noqa: F401  (the tolerances, where the docs name them)
+from .ranks.train_phase import TrainOut, phase_of, train_phase
+from .shared.trajectory import (  # noqa: F401  (the tolerances, where the docs name them)
     RESUME_LOSS_TOLERANCE_BF16,
     RESUME_TOLERANCE,
     RESUME_WEIGHT_TOLERANCE_BF16,

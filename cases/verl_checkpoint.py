@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
-from ._train_phase import step_check
-from ._verl_rank import Options, VerlOut, VerlPhase, verl_rank
-from ._verl_state import rng_check, scheduler_check
+from .ranks.train_phase import step_check
+from .ranks.verl_checkpoint import Options, VerlOut, VerlPhase, verl_rank
+from .shared.verl_state import rng_check, scheduler_check
 from .contract import Case
 from harness.backends import ref_of
 from harness.core.parity import EXACT, NOT_COMPARED
@@ -364,7 +364,7 @@ class VerlCheckpoint(Case):
 def adapter_checks(model: Any, opts: Options, hf_dir: Path, adapter_dir: Path, saved: list[VerlOut], src: str) -> list[Check]:
     """The HF PEFT adapter verl exported, as a user loads it (case peft-export's checks): peft-load,
     adapter-config (r, lora_alpha, targets, base model), logits (transformers+PEFT vs Megatron+LoRA at S)."""
-    from ._peft import (
+    from .shared.peft import (
         PeftOptions,
         config_check,
         hf_target_modules,

@@ -160,8 +160,8 @@ def test_asked_targets_follow_the_hf_layer_layout():
     """GLM-4.5's layer 0 is dense (first_k_dense_replace), the others hold 4 experts and a shared
     expert: linear_fc1 asks the dense gate/up there, experts + shared expert elsewhere; MiniMax-M2's
     adapter_config names its experts' projections w1/w2/w3."""
-    from cases import _lora_layout as ll
-    from cases._peft import PeftOptions, hf_target_modules
+    from cases.shared import lora_layout as ll
+    from cases.shared.peft import PeftOptions, hf_target_modules
 
     glm = get_model("hf-glm4_moe", "hf")
     asked = ll.asked(glm, PeftOptions(targets=("linear_fc1",)).entries(glm))["linear_fc1"]
@@ -194,8 +194,8 @@ def test_mla_default_targets_are_the_mla_linears_and_name_transformers_modules(n
     module that transformers' model of the fixture config holds (q_lora_rank None: linear_q_proj -> q_proj)."""
     from transformers import AutoModelForCausalLM
 
-    from cases import _lora_layout as ll
-    from cases._peft import PeftOptions, hf_target_modules
+    from cases.shared import lora_layout as ll
+    from cases.shared.peft import PeftOptions, hf_target_modules
     from harness.models.hf import hf_config
 
     for spec, q in ((get_model(name, "hf"), ("linear_q_down_proj", "linear_q_up_proj")), (_no_q_lora(get_model(name, "hf")), ("linear_q_proj",))):
@@ -249,7 +249,8 @@ def test_peft_reference_loads_with_the_attention_hf_roundtrip_references(tmp_pat
     import peft
     import transformers
 
-    from cases import _peft, hf_roundtrip
+    from cases import hf_roundtrip
+    from cases.shared import peft as _peft
     from harness.models import hf
 
     assert hf_roundtrip.reference_attention is hf.reference_attention

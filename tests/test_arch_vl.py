@@ -176,7 +176,7 @@ def test_a_vl_adapter_is_derived_under_the_checkpoints_layout_with_global_layers
 
 
 def test_layout_checks_count_a_vl_models_decoder_units_as_a_text_models_and_its_tower_as_no_target():
-    import cases._lora_layout as lay
+    import cases.shared.lora_layout as lay
 
     assert lay.text_name("model.language_model.layers.3.mlp.up_proj") == "model.layers.3.mlp.up_proj"
     assert lay.text_name("language_model.model.layers.3.self_attn.q_proj") == "model.layers.3.self_attn.q_proj"
@@ -192,7 +192,7 @@ def test_layout_checks_count_a_vl_models_decoder_units_as_a_text_models_and_its_
 def test_a_fused_shared_expert_counts_as_the_gate_and_up_units_its_checkpoint_holds():
     """transformers 5 fuses MiniMax-M3's shared expert into one gate_up_proj Linear on load; the checkpoint and the
     Bridge's adapter keep gate_proj and up_proj apart, so the layout checks count those two units."""
-    from harness.cases._lora_layout import mlp_units
+    from harness.cases.shared.lora_layout import mlp_units
 
     layer = mlp_units(get_model("hf-minimax_m3_vl", "hf"))[0]
     assert "model.layers.0.mlp.shared_experts.gate_proj" in layer["mlp.gate_proj"]

@@ -319,7 +319,7 @@ def test_first_stage_layers_is_refused_where_it_cannot_lay_out_the_stages():
 def test_a_tiny_config_the_installed_transformers_refuses_fails_its_case_not_the_matrix(tmp_path, monkeypatch):
     """Bridge 0.4.2's sweep run (transformers 5.3.0) once died at load: NemotronH's config class refused the
     derived 'mlp' layer type while a LoRA entry validated its targets, and the whole release column was lost."""
-    from harness.cases import _lora_layout as ll
+    from harness.cases.shared import lora_layout as ll
     from harness.models import hf
     from harness.orchestration.matrix import MatrixError, load_matrix
 

@@ -10,8 +10,8 @@ import torch
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis.errors import NoSuchExample
 
-from harness.cases import _lora_layout as ll
-from harness.cases._peft import PeftOptions, merged_logits_check
+from harness.cases.shared import lora_layout as ll
+from harness.cases.shared.peft import PeftOptions, merged_logits_check
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
@@ -221,7 +221,7 @@ def test_merge_takes_fp32_blocking_differences_and_no_more():
     """The explorer's first find: the Bridge's merge (B@A over the fused lora_B) and peft's (per
     module) differ in the last fp32 bits at ranks 6 and 10 (max 2.98e-8); a merged delta lost or
     moved stays a failure; bf16 weights stay bitwise."""
-    from harness.cases._peft import merge_weights_tolerance
+    from harness.cases.shared.peft import merge_weights_tolerance
     from harness.judge.checks import state_check
 
     w = {"model.layers.0.mlp.up_proj.weight": torch.linspace(-1, 1, 64).reshape(8, 8)}
@@ -248,7 +248,7 @@ def test_canonical_lora_on_an_expert_maps_to_its_own_gate_and_up():
 def test_the_fp32_logits_bounds_grow_with_the_lora_scale():
     """The explorer's find: at alpha/r 18 Megatron and peft differ by 1.99e-5 in fp32 (1e-5 holds at
     the measured 2); the bound grows with alpha/r, a lost adapter's O(1) stays out; bf16 unchanged."""
-    from harness.cases._peft import PEFT_TOLERANCE_BF16, logits_check, logits_tolerance
+    from harness.cases.shared.peft import PEFT_TOLERANCE_BF16, logits_check, logits_tolerance
 
     torch.manual_seed(0)
     base = torch.randn(1, 4, 16)

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from harness.cases import (
-    _peft,
     hf_roundtrip,
     peft_export,
     reshard_optimizer,
     reshard_weights,
     resume,
 )
-from harness.cases._train_phase import TrainOut
+from harness.cases.ranks.train_phase import TrainOut
+from harness.cases.shared import peft as _peft
 from harness.core import truth
 from harness.core.parity import Shard, compare_tensors
 from harness.core.topology import Topology

@@ -4,7 +4,7 @@ intact passes naming the file never read, a crash or a hang fails."""
 
 import torch
 
-from harness.cases import _damaged_load as cl
+from harness.cases.shared import damaged_load as cl
 from harness.core.frames import _ROOT, Frame
 from harness.faults.damage import Damage
 from harness.run.world import WorldError, WorldTimeout
@@ -60,7 +60,7 @@ def test_crash_and_hang_fail():
 def test_outcome_of_tells_a_refusal_from_a_harness_error():
     tb = ("Traceback (most recent call last):\n  ...\nFileNotFoundError: x\n\nThe above exception was the direct cause of "
           "the following exception:\n\nTraceback (most recent call last):\n  ...\n"
-          "cases._damaged_load.RefusedLoadError: CheckpointException: ranks\nFileNotFoundError: /c/__1_0.distcp\n")
+          "cases.shared.damaged_load.RefusedLoadError: CheckpointException: ranks\nFileNotFoundError: /c/__1_0.distcp\n")
     refused = cl.outcome_of(WorldError("rank 0 raised", rank=0, rank_traceback=tb))
     assert refused.kind == "refused" and refused.text.endswith("FileNotFoundError: /c/__1_0.distcp")
     # a rank that failed outside the load (building the model, say) is not a refusal: the case errors
@@ -118,7 +118,7 @@ def test_the_rank_names_the_loads_raising_frame_to_the_parent():
         raise KeyError("step")
     except KeyError as exc:
         message = cl.refusal_message(exc)
-    tb = f"Traceback (most recent call last):\n  ...\ncases._damaged_load.RefusedLoadError: {message}\n"
+    tb = f"Traceback (most recent call last):\n  ...\ncases.shared.damaged_load.RefusedLoadError: {message}\n"
     out = cl.outcome_of(WorldError("rank 0 raised", rank=0, rank_traceback=tb))
     assert out.kind == "refused" and out.text.startswith("KeyError: 'step'") and out.exc_type == "KeyError"
     assert out.frame.function == "test_the_rank_names_the_loads_raising_frame_to_the_parent" and out.frame.own

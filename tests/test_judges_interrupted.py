@@ -6,7 +6,7 @@ that moved to the interrupted step, a write outside the case dir); and the contr
 
 import pytest
 
-from harness.cases import _damaged_load as cl
+from harness.cases.shared import damaged_load as cl
 from harness.cases import interrupted_save as ints
 
 DIR = "/scratch/case/checkpoints/global_step_2"

@@ -5,7 +5,7 @@ One import direction, bottom first: core <- compat <- judge | report | faults <-
 <- backends <- cases <- orchestration <- gate <- faces (cli, pytest_plugin). A module may import
 its own wing and any wing below; wings on one floor know nothing of each other; a backend knows
 nothing of another backend, a case nothing of another case (shared pieces live in the contract,
-in `_`-prefixed modules of cases/, or below).
+in cases/ranks/ (what runs in a rank), cases/shared/ (what several cases judge with), or below).
 """
 
 from __future__ import annotations
@@ -96,8 +96,37 @@ def test_a_backend_knows_nothing_of_another():
     assert _peer_arrows(graph(), "harness.backends", set()) == []
 
 
+HELPERS = ("cases.ranks", "cases.shared")  # what cases share, named by what it is: no `_` convention
+
+
+def _case_arrows(g: dict[str, set[str]]) -> list[str]:
+    """A case importing another case, or a rank side / shared helper importing a case."""
+    top = {m for m in g if m.startswith("cases.") and m.count(".") == 1} - {"cases.contract", *HELPERS}
+    helpers = [s for s in g if s.startswith(tuple(h + "." for h in HELPERS))]
+    return _peer_arrows(g, "cases", {"cases.contract", *HELPERS}) + [
+        f"{s} -> {d}" for s in sorted(helpers) for d in sorted(g[s]) if d in top]
+
+
 def test_a_case_knows_nothing_of_another():
-    assert _peer_arrows(graph(), "cases", {"cases.contract"}) == []
+    assert _case_arrows(graph()) == []
+
+
+def test_every_module_of_cases_is_a_case_or_named_by_what_it_is():
+    """cases/*.py are cases (a CASE each) and the contract; what they share lives in ranks/ or shared/."""
+    import importlib
+
+    from harness.cases.contract import Case
+
+    stray = sorted(p.name for p in (ROOT / "cases").glob("*.py") if p.stem not in ("__init__", "contract")
+                   and not isinstance(getattr(importlib.import_module(f"harness.cases.{p.stem}"), "CASE", None), Case))
+    assert stray == []
+    assert sorted(p.name for p in (ROOT / "cases").iterdir() if p.is_dir() and p.name != "__pycache__") == ["ranks", "shared"]
+
+
+def test_the_case_rule_can_fail():
+    g = {"cases.one": {"cases.two", "cases.shared.peft", "cases.ranks"}, "cases.two": set(), "cases.contract": set(),
+         "cases.ranks": set(), "cases.ranks.job": {"cases.one", "cases.shared.peft"}, "cases.shared.peft": {"cases.contract"}}
+    assert _case_arrows(g) == ["cases.one -> cases.two", "cases.ranks.job -> cases.one"]
 
 
 def test_no_module_is_over_the_line_limit_without_a_reason():

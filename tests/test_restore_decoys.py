@@ -36,7 +36,7 @@ def test_a_load_that_restores_no_tracker_state_fails_rng_state_and_the_real_one_
 
 
 def _verl(rng=None, before=None, sched=None, sched_before=None):
-    from harness.cases._verl_rank import VerlOut
+    from harness.cases.ranks.verl_checkpoint import VerlOut
 
     return VerlOut([], [], [], rng=rng or {"torch": "a", "tracker": "t0"}, rng_before=before, scheduler=sched, scheduler_before=sched_before)
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from harness.cases._train_phase import TrainOut, step_check
+from harness.cases.ranks.train_phase import TrainOut, step_check
 from harness.models.training import TrainingJob, adam_steps, load_training, unshare_adam_step
 
 

@@ -110,7 +110,7 @@ def test_primed_adam_state_is_a_sentinel_and_a_step_left_at_it_reads_never_loade
     the load never wrote from one it reset to 0; the harness then sets it to 0 to train on."""
     import torch
 
-    from harness.cases._train_phase import TrainOut, step_check
+    from harness.cases.ranks.train_phase import TrainOut, step_check
     from harness.models import training
 
     p = torch.nn.Parameter(torch.ones(3))

@@ -59,14 +59,14 @@ def adapters(tmp_path_factory):
 
 
 def test_a_clean_adapter_passes_peft_load(adapters):
-    from cases._peft import peft_load_problems
+    from cases.shared.peft import peft_load_problems
 
     base, dirs = adapters
     assert peft_load_problems(base, dirs["clean"]) == []
 
 
 def test_relax_262_prefix_less_adapter_goes_red_on_keys_and_no_op(adapters):
-    from cases._peft import peft_load_problems
+    from cases.shared.peft import peft_load_problems
 
     base, dirs = adapters
     problems = peft_load_problems(base, dirs["relax-262"])
@@ -81,7 +81,7 @@ def test_prefix_stripped_goes_red_even_with_peft_warnings_silenced(adapters):
     """The load result, not the warning, decides: a stripped adapter whose lora_B init is random."""
     import warnings
 
-    from cases._peft import peft_load_problems
+    from cases.shared.peft import peft_load_problems
 
     base, dirs = adapters
     with warnings.catch_warnings():
@@ -92,7 +92,7 @@ def test_prefix_stripped_goes_red_even_with_peft_warnings_silenced(adapters):
 
 
 def test_lora_b_zeroed_goes_red(adapters):
-    from cases._peft import peft_load_problems
+    from cases.shared.peft import peft_load_problems
 
     base, dirs = adapters
     problems = peft_load_problems(base, dirs["lora-b-zeroed"])
@@ -171,7 +171,7 @@ def test_no_save_optim_refusal_passes_and_a_silent_fresh_start_goes_red():
 
 # ------------------------------------------------ resume, one step past the load (betas 0): next-step
 def _out(losses, model, optimizer):
-    from cases._train_phase import TrainOut
+    from cases.ranks.train_phase import TrainOut
     from harness.core.parity import Shard
 
     shards = lambda d: [Shard(k, tuple(v.shape), tuple((0, n) for n in v.shape), 0, v.clone()) for k, v in d.items()]  # noqa: E731

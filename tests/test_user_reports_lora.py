@@ -152,7 +152,7 @@ def test_a_planted_3d_key_goes_red_on_peft_load(tmp_path):
     #6076 writes it ([1, out, r] under the expert-agnostic name) fails on the 3D tensor."""
     from safetensors.torch import load_file, save_file
 
-    from cases._peft import peft_load_problems
+    from cases.shared.peft import peft_load_problems
 
     base, adapter = _adapter(tmp_path)
     assert peft_load_problems(base, adapter) == []
@@ -195,7 +195,7 @@ def _olmoe_6076(tmp: Path) -> tuple[Path, Path]:
 def test_the_6076_layout_over_fused_experts_goes_red(tmp_path):
     """Stock PEFT over transformers 5's fused OLMoE experts: the fused ParamWrapper's keys load as
     missing, the exported ones as unexpected, and every shared-side factor is a 3D tensor."""
-    from cases._peft import peft_load_problems
+    from cases.shared.peft import peft_load_problems
 
     base, adapter = _olmoe_6076(tmp_path)
     problems = peft_load_problems(base, adapter)
@@ -206,7 +206,7 @@ def test_the_6076_layout_over_fused_experts_goes_red(tmp_path):
 
 
 def test_shared_outer_option_builds_the_bridge_layout():
-    from cases._peft import PeftOptions
+    from cases.shared.peft import PeftOptions
     from harness.core.zoo import get_model
 
     spec = PeftOptions(experts="shared-outer", targets=("linear_fc1", "linear_fc2")).spec(get_model("hf-olmoe", "hf"))

@@ -6,7 +6,7 @@ prefix with one UserWarning ("Found missing adapter keys") and leaves the adapte
 with init_lora_weights true, every lora_B zero, so the model computes the base model's logits.
 A warning can be filtered or logged away; the load result (missing_keys, unexpected_keys) cannot,
 and neither can the loaded weights and logits. Pure functions of what the loader read; the loading
-itself is cases/_peft.py's (peft_load_problems)."""
+itself is cases/shared/peft.py's (peft_load_problems)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from harness.core.result import Check
 
 #: logits of the adapted model within this of the base model's: the adapter did nothing. A LoRA branch
 #: whose lora_B is zero adds exact zeros (the logits are bitwise the base's); the harness's seeded
-#: adapters move the logits by 1.3..3.4 (cases/_peft.py), a trained one by its training.
+#: adapters move the logits by 1.3..3.4 (cases/shared/peft.py), a trained one by its training.
 NOOP_LOGITS_TOLERANCE = Tolerance(atol=1e-6, rtol=0.0, why="adapted vs base logits: a no-op LoRA branch adds exact zeros")
 
 

@@ -19,7 +19,7 @@ HF_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat
 #: attention options transformers' default sdpa path takes through **kwargs and drops
 #: (transformers/integrations/sdpa_attention.py:40-49): a config that sets one is referenced through
 #: eager attention, which applies it (Gemma2's attn_logit_softcapping: modeling_gemma2.py:214-217, :293).
-#: hf-roundtrip's reference logits and the PEFT cases' transformers+PEFT model (cases._peft.load_peft) use it.
+#: hf-roundtrip's reference logits and the PEFT cases' transformers+PEFT model (cases.shared.peft.load_peft) use it.
 SDPA_DROPS = ("attn_logit_softcapping",)
 
 

@@ -1,7 +1,7 @@
 """LoRA layouts for the explorer (`ckpt-harness explore --kind lora`, issue 21 item 5): hypothesis
 draws (HF model, S, D, layout) and runs case peft-export on it, as a matrix entry would.
 
-A layout is the PEFT cases' own options (cases._peft.PeftOptions): adapter kind, a rank `dim` that
+A layout is the PEFT cases' own options (cases.shared.peft.PeftOptions): adapter kind, a rank `dim` that
 need not divide hidden or ffn, `alpha`, `targets` (a subset of the kind's base linears, the output
 layer included) and `layers` (a layer filter: the Bridge's wildcard entries `*.layers.N.*.<target>`).
 Models: Llama, Qwen2, Nemotron (non-gated MLP) and Qwen3-MoE (experts a multiple of EP, 1..3 local
@@ -34,7 +34,7 @@ from harness.core.spec import CaseSpec, XFail
 from harness.core.topology import Topology, TopologyError
 from harness.core.zoo import HFModelSpec
 
-#: (model, S, D, layout): the layout is cases._peft.PeftOptions
+#: (model, S, D, layout): the layout is cases.shared.peft.PeftOptions
 Draw = tuple[HFModelSpec, Topology, Topology, Any]
 CASE, BACKEND = "peft-export", "bridge_peft"
 
@@ -94,8 +94,8 @@ def layouts(draw: st.DrawFn, model: HFModelSpec, src: Topology, dst: Topology) -
     """A layout for `model`: kind, rank a multiple of every TP/ETP size of S and D times 1..6 (so
     often not dividing hidden or ffn), alpha the default or 1..32, all targets or a subset (output layer included),
     every layer or a filter of 1..3 layers."""
-    from harness.cases._lora_layout import EXTRA_TARGETS
-    from harness.cases._peft import ADAPTERS, PeftOptions
+    from harness.cases.shared.lora_layout import EXTRA_TARGETS
+    from harness.cases.shared.peft import ADAPTERS, PeftOptions
 
     adapter = draw(st.sampled_from(["lora", "canonical_lora"]))
     kind = [t for t in ADAPTERS[adapter] if model.gated or t != "linear_fc1_gate"] + list(EXTRA_TARGETS)
@@ -240,7 +240,7 @@ def in_zoo(model: HFModelSpec) -> Iterator[None]:
 
 def layout_options(layout: Any) -> dict[str, Any]:
     """The layout as matrix `options` (the adapter always, other fields when not their default)."""
-    from harness.cases._peft import PeftOptions
+    from harness.cases.shared.peft import PeftOptions
 
     base = PeftOptions()
     out = {"adapter": layout.adapter}

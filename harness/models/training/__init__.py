@@ -1,6 +1,6 @@
 """Training jobs for the optimizer and resume cases: megatron DDP + megatron optimizer (Adam),
 split along its seams: config, build, loop, views (the phase that drives a backend is
-cases/_train_phase.py, above the backends).
+cases/ranks/train_phase.py, above the backends).
 
 Data is synthetic and topology-independent: step s uses a global batch of GLOBAL_BATCH sequences
 (harness.core.truth.train_batch); each DP rank takes its contiguous slice, one sequence per

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from ._train_phase import TrainOut
+from .train_phase import TrainOut
 from harness.core.context import RankContext
 from harness.core.topology import Topology
 from harness.models.training import TrainOptions
@@ -99,7 +99,7 @@ def adapter_spec(model: Any, kind: str):
     """The Bridge adapter of option `adapter` (None for `none`), as case peft-export builds it."""
     if kind == "none":
         return None
-    from ._peft import PeftOptions
+    from ..shared.peft import PeftOptions
 
     return PeftOptions(adapter=kind).spec(model)
 

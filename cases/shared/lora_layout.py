@@ -2,7 +2,7 @@
 layout asks for, what each entry should select, and whether the Megatron LoRA and the HF PEFT model
 loaded from its export wrap the same modules per entry.
 
-A layout is the PEFT cases' options (cases._peft.PeftOptions): `targets` (a subset of the adapter
+A layout is the PEFT cases' options (cases.shared.peft.PeftOptions): `targets` (a subset of the adapter
 kind's base linears), `layers` (global decoder layers: each target becomes the Bridge's documented
 wildcard entry `*.layers.N.*.<target>`, megatron/bridge/peft/lora.py's LoRA docstring) and any `dim`.
 Everything is counted in HF module units (`model.layers.L.self_attn.q_proj`, an expert's

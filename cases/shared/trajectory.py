@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ._train_phase import TrainOut
+from ..ranks.train_phase import TrainOut
 from harness.core.parity import Tolerance
 from harness.core.result import Check
 from harness.judge.checks import tensor_check

@@ -3,7 +3,7 @@ state before the load differed from the saved one."""
 
 from __future__ import annotations
 
-from ._verl_rank import VerlOut
+from ..ranks.verl_checkpoint import VerlOut
 from harness.core.parity import EXACT, NOT_COMPARED
 from harness.core.result import Check
 

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 import torch
 
-from ._damaged_load import RefusedLoadError, chain_text
-from ._train_phase import TrainOut, _finalize
+from ..shared.damaged_load import RefusedLoadError, chain_text
+from .train_phase import TrainOut, _finalize
 from harness.backends import Backend, BackendRef, get_backend
 from harness.core import truth
 from harness.core.context import RankContext

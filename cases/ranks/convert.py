@@ -1,6 +1,6 @@
 """The worlds of case `convert` (cases/convert.py): a weights-only source save, upstream's converter
 run in a rank, the Bridge's export of the converted checkpoint, and a load through a target backend.
-The training save with optimizer state is cases/_train_phase.py's, shared with reshard-optimizer."""
+The training save with optimizer state is cases/ranks/train_phase.py's, shared with reshard-optimizer."""
 
 from __future__ import annotations
 

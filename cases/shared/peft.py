@@ -1,5 +1,5 @@
 """What the PEFT cases share (peft-export, peft-resume, and verl-checkpoint's adapter checks): the
-adapter options (a LoRA layout: kind, rank, alpha, target subset, layer filter; cases._lora_layout),
+adapter options (a LoRA layout: kind, rank, alpha, target subset, layer filter; cases.shared.lora_layout),
 the HF target modules, loading an exported adapter as users do, and the adapter-config, logits and
 merged-logits checks with their tolerances."""
 
@@ -50,8 +50,8 @@ ADAPTERS = {"lora": mb.LORA_TARGETS, "canonical_lora": mb.CANONICAL_TARGETS}  # 
 
 def hf_target_modules(model: HFModelSpec, opts: "PeftOptions | None" = None) -> list[str]:
     """The HF module names (adapter_config.json target_modules) the layout's targets adapt, as the
-    HF checkpoint spells them (MiniMax-M2's routed experts: w1/w3/w2, cases._lora_layout.checkpoint_leaves)."""
-    from ._lora_layout import checkpoint_leaves, hf_modules
+    HF checkpoint spells them (MiniMax-M2's routed experts: w1/w3/w2, cases.shared.lora_layout.checkpoint_leaves)."""
+    from .lora_layout import checkpoint_leaves, hf_modules
 
     targets = (opts or PeftOptions()).base_targets(model)
     return sorted({leaf for t in targets for m in hf_modules(model, t) for leaf in checkpoint_leaves(model, m)})
@@ -73,20 +73,20 @@ class PeftOptions:
     experts: Literal["shared", "per-expert", "shared-outer"] = "shared"
 
     def base_targets(self, model: HFModelSpec | None = None) -> tuple[str, ...]:
-        """The asked targets; the defaults as the model has them (cases._lora_layout.model_targets): CanonicalLoRA's
+        """The asked targets; the defaults as the model has them (cases.shared.lora_layout.model_targets): CanonicalLoRA's
         on a non-gated MLP target fc1's up side only (there is no gate), multi-latent attention's the MLA linears."""
         if self.targets:
             return self.targets
         targets = ADAPTERS[self.adapter]
         if model is not None:
-            from ._lora_layout import model_targets
+            from .lora_layout import model_targets
 
             targets = model_targets(model, targets)
         return targets
 
     def entries(self, model: HFModelSpec | None = None) -> list:
-        """The Megatron target_modules entries (cases._lora_layout.Entry) the Bridge adapter gets."""
-        from ._lora_layout import entries
+        """The Megatron target_modules entries (cases.shared.lora_layout.Entry) the Bridge adapter gets."""
+        from .lora_layout import entries
 
         return entries(self.base_targets(model), self.layers)
 
@@ -95,7 +95,7 @@ class PeftOptions:
 
     def validate_layout(self, model: HFModelSpec, topologies: Iterable[Topology]) -> None:
         """ValueError naming the option when the layout cannot be built on `model` at `topologies`."""
-        from ._lora_layout import validate
+        from .lora_layout import validate
 
         if self.experts == "shared-outer" and self.adapter != "lora":
             raise ValueError(f"option experts: shared-outer is LoRA's layout only (Megatron-Bridge experts_shared_outer_loras), not {self.adapter}'s")
@@ -196,8 +196,8 @@ def logits_check(hf_lora: torch.Tensor, hf_base: torch.Tensor, megatron: torch.T
 
 
 def peft_wrapped(base_dir: Path, adapter_dir: Path) -> set[str]:
-    """The HF modules PeftModel.from_pretrained wraps with the adapter (cases._lora_layout.peft_units)."""
-    from ._lora_layout import peft_units
+    """The HF modules PeftModel.from_pretrained wraps with the adapter (cases.shared.lora_layout.peft_units)."""
+    from .lora_layout import peft_units
 
     quiet_hf()
     return peft_units(load_peft(base_dir, adapter_dir))
@@ -207,7 +207,7 @@ def peft_wrapped(base_dir: Path, adapter_dir: Path) -> set[str]:
 class PeftViews:
     """One PeftModel.from_pretrained load of an exported adapter over its HF base, as users do."""
 
-    units: set[str]  # the HF modules it wraps (cases._lora_layout.peft_units)
+    units: set[str]  # the HF modules it wraps (cases.shared.lora_layout.peft_units)
     lora_logits: torch.Tensor  # the unmerged adapter's
     merged_logits: torch.Tensor  # after merge_and_unload()
     merged: dict[str, torch.Tensor]  # merge_and_unload()'s weights
@@ -219,7 +219,7 @@ def peft_views(base_dir: Path, adapter_dir: Path, input_ids: torch.Tensor, dtype
     logits and weights (`save_merged_to`: what save_pretrained writes of them; an MoE model needs it:
     transformers 5 holds Qwen3-MoE's experts fused in memory and writes them per expert, the layout
     the Bridge's merged export has)."""
-    from ._lora_layout import peft_units
+    from .lora_layout import peft_units
     from harness.backends._safetensors import read_safetensors
 
     quiet_hf()

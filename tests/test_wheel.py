@@ -43,7 +43,7 @@ def wheel_problems(wheel: Path, root: Path = ROOT) -> list[str]:
     bad += [f"test code in the wheel: {n}" for n in sorted(names) if n.startswith(("harness/tests/", "harness/benchmarks/"))]
     bad += [f"a test probe in harness/run/probes.py: {p}" for p in TEST_PROBES if p in probes]
     want = [f"harness/{p.relative_to(root / 'harness').as_posix()}" for p in (root / "harness").rglob("__init__.py")]
-    want += [f"harness/cases/{p.name}" for p in (root / "cases").glob("*.py")]
+    want += [f"harness/cases/{p.relative_to(root / 'cases').as_posix()}" for p in (root / "cases").rglob("*.py")]
     want += [f"harness/matrices/{p.name}" for p in (root / "matrices").glob("*.yaml")]
     bad += [f"missing from the wheel: {w}" for w in sorted(want) if w not in names]
     return bad

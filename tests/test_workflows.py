@@ -3,7 +3,11 @@ over `shard: [1..N]` runs `--shard ${{ matrix.shard }}/N` and uploads one artifa
 merge job needs it, runs `if: always()`, downloads every shard's artifact and merges them with
 `--matrix` naming the matrix the shards ran (and `-k` where they took one). The pytest groups
 likewise: `group: [1..N]` with `--splits N --group ${{ matrix.group }}`. Edit one side only and a
-test here goes red."""
+test here goes red.
+
+Then the gate's workflows: bridge-bump.yml and the reusable gate.yml it calls take caller inputs as
+data (their `run:` scripts run in bash here with stubs), gate.yml keeps what docs/gate.md promises
+its callers, and every action is pinned and every token least (by hand and by zizmor)."""
 
 from __future__ import annotations
 
@@ -251,9 +255,10 @@ def injection_problems(doc: dict, strict: bool = False) -> list[str]:
     return out
 
 
-def test_the_bump_gate_passes_inputs_as_environment_not_shell_code():
-    """bridge-bump.yml runs user inputs (the candidate spec, the matrix) and step outputs only through env."""
-    assert injection_problems(_load("bridge-bump.yml"), strict=True) == []
+@pytest.mark.parametrize("name", ["bridge-bump.yml", "gate.yml"])
+def test_the_bump_gate_passes_inputs_as_environment_not_shell_code(name):
+    """The gate's workflows run caller inputs (specs, matrix, -k, corpus) and step outputs only through env."""
+    assert injection_problems(_load(name), strict=True) == []
 
 
 @pytest.mark.parametrize("name", ["ci.yml", "nightly-gpu.yml"])
@@ -262,20 +267,22 @@ def test_no_workflow_splices_caller_inputs_into_a_script(name):
 
 
 @pytest.mark.parametrize("plant", [
-    lambda run: run.replace('"$(scripts/ensure-env)/bin/ckpt-harness" gate', 'eval "$(scripts/ensure-env)/bin/ckpt-harness" gate'),
-    lambda run: run.replace('"$MATRIX"', "${{ github.event.inputs.matrix }}"),
+    lambda run: run.replace('"$VENV/bin/ckpt-harness" gate', 'eval "$VENV/bin/ckpt-harness" gate'),
+    lambda run: run.replace('"$MATRIX"', "${{ inputs.matrix }}"),
     lambda run: run.replace('"${args[@]}"', "${{ steps.args.outputs.args }}"),
 ])
 def test_an_eval_or_a_spliced_input_is_caught(plant):
-    doc = copy.deepcopy(_load("bridge-bump.yml"))
-    step = _step(doc["jobs"]["gate"], "ckpt-harness\" gate")
-    step["run"] = plant(step["run"])
+    doc = copy.deepcopy(_load("gate.yml"))
+    step = _step(doc["jobs"]["gate"], "/bin/ckpt-harness\" gate")
+    planted = plant(step["run"])
+    assert planted != step["run"]
+    step["run"] = planted
     assert injection_problems(doc, strict=True)
 
 
-def _gate_argv(tmp_path: Path, candidate: str, matrix: str, pin_diff: str = "") -> list[str]:
-    """Run the gate job's `gate arguments` and `gate` scripts in bash, as the runner would, with stub
-    scripts/ensure-env, scripts/pin-diff and ckpt-harness: the argv the harness receives."""
+def _bash_step(tmp_path: Path, run: str, env: dict[str, str], stubs: dict[Path, str] | None = None) -> dict[str, str]:
+    """Run one `run:` script as the runner would (`bash -eo pipefail`, in tmp_path/work), with stub executables;
+    returns what it wrote to $GITHUB_OUTPUT."""
     import os
     import shutil
     import subprocess
@@ -283,52 +290,122 @@ def _gate_argv(tmp_path: Path, candidate: str, matrix: str, pin_diff: str = "") 
     bash = shutil.which("bash")
     if bash is None:
         pytest.skip("no bash")
-    job = _load("bridge-bump.yml")["jobs"]["gate"]
-    args_step, gate_step = _step(job, "pin-diff"), _step(job, "ckpt-harness\" gate")
-    work = tmp_path / "work"
-    (work / "scripts").mkdir(parents=True)
-    (tmp_path / "venv" / "bin").mkdir(parents=True)
-    dump = tmp_path / "argv"
-    stubs = {work / "scripts" / "ensure-env": f"#!{bash}\necho {tmp_path / 'venv'}\n",
-             work / "scripts" / "pin-diff": f"#!{bash}\necho '{pin_diff}'\n",
-             tmp_path / "venv" / "bin" / "ckpt-harness": f"#!{bash}\nprintf '%s\\0' \"$@\" > {dump}\n"}
-    for path, text in stubs.items():
-        path.write_text(text)
+    work, out = tmp_path / "work", tmp_path / f"output-{len(list(tmp_path.glob('output-*')))}"
+    (work / "scripts").mkdir(parents=True, exist_ok=True)
+    for path, text in (stubs or {}).items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"#!{bash}\n{text}")
         path.chmod(0o755)
-    env = {"PATH": os.environ["PATH"], "RUNNER_TEMP": str(tmp_path), "GITHUB_OUTPUT": str(tmp_path / "out"),
-           "CANDIDATE": candidate, "BASE_REF": "main", "MATRIX": matrix}
-    for step in (args_step, gate_step):
-        subprocess.run([bash, "-e", "-c", step["run"]], cwd=work, env=env, check=True, capture_output=True, text=True)
-    return dump.read_bytes().decode().split("\0")[:-1]
+    full = {"PATH": os.environ["PATH"], "RUNNER_TEMP": str(tmp_path), "GITHUB_OUTPUT": str(out),
+            "GITHUB_STEP_SUMMARY": str(tmp_path / "summary"), **env}
+    subprocess.run([bash, "--noprofile", "--norc", "-eo", "pipefail", "-c", run], cwd=work, env=full, check=True,
+                   capture_output=True, text=True)
+    lines = out.read_text().splitlines() if out.exists() else []
+    return dict(line.split("=", 1) for line in lines)
+
+
+def _gate_run(tmp_path: Path, candidates: str, matrix: str = "matrices/gate.yaml", rc: int = 0, **inputs: str):
+    """gate.yml's `gate` step with a stub ckpt-harness that records its argv and exits `rc`, writing a
+    verdict.md head as the gate does: (argv, the step's outputs)."""
+    dump = tmp_path / "argv"
+    head = {0: "SAFE TO BUMP", 1: "NOT SAFE, 2 failing finding(s)", 2: "NOT EVALUATED"}[rc]
+    stub = (f"printf '%s\\0' \"$@\" > {dump}\nmkdir -p gate\n"
+            f"printf '# Bump gate: {head} (exit {rc})\\n\\nrest\\n' > gate/verdict.md\nexit {rc}\n")
+    env = {"VENV": str(tmp_path / "venv"), "CANDIDATES": candidates, "BASELINE": inputs.get("baseline", ""),
+           "MATRIX": matrix, "K": inputs.get("k", ""), "CORPUS": inputs.get("corpus", ""), "JOBS": inputs.get("jobs", "2")}
+    step = _step(_load("gate.yml")["jobs"]["gate"], "/bin/ckpt-harness\" gate")
+    outputs = _bash_step(tmp_path, step["run"], env, {tmp_path / "venv" / "bin" / "ckpt-harness": stub})
+    return (dump.read_bytes().decode().split("\0")[:-1] if dump.exists() else None), outputs
 
 
 def test_hostile_inputs_reach_the_gate_as_words_and_run_nothing(tmp_path):
-    """A spec or matrix name full of shell syntax arrives verbatim and runs nothing (the old `eval` ran it)."""
+    """Specs, a matrix name and -k words full of shell syntax arrive as data and run nothing (an `eval`
+    or a `${{ }}` in the script would run them)."""
     marker = tmp_path / "pwned"
-    spec = f"megatron-bridge @ git+https://x/y@abc $(touch {marker}) `touch {marker}`"
-    matrix = f"m.yaml; touch {marker} #"
-    argv = _gate_argv(tmp_path, f" {spec} ; megatron-core==0.19.0 ", matrix)
-    assert argv == ["gate", "--candidate", spec, "--candidate", "megatron-core==0.19.0", "--out", "gate", "--", matrix]
+    spec = "megatron-bridge @ git+https://x/y@abc"
+    hostile = f"$(touch {marker}) `touch {marker}`"
+    matrix, k = f"m.yaml; touch {marker} #", f"tp2 $(touch {marker})"
+    argv, _ = _gate_run(tmp_path, f" {spec} {hostile};megatron-core==0.19.0\n", matrix, k=k)
+    assert argv == ["gate", "--candidate", spec, "--candidate", "$(touch", "--candidate", f"{marker})",
+                    "--candidate", "`touch", "--candidate", f"{marker}`", "--candidate", "megatron-core==0.19.0",
+                    "-k", k, "--jobs", "2", "--out", "gate", "--", matrix]
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("candidates, specs", [
+    ("megatron-bridge==0.6.0", ["megatron-bridge==0.6.0"]),
+    ("megatron-bridge==0.6.0 megatron-core==0.19.0", ["megatron-bridge==0.6.0", "megatron-core==0.19.0"]),
+    ("megatron-bridge @ git+https://g/M-B@abc\nmegatron-core==0.19.0\n", ["megatron-bridge @ git+https://g/M-B@abc", "megatron-core==0.19.0"]),
+    ("megatron-bridge@git+https://g/M-B@abc; ./Megatron-LM", ["megatron-bridge@git+https://g/M-B@abc", "./Megatron-LM"]),
+    ("megatron-bridge @https://h/x.whl  megatron-core @\tfile:///c", ["megatron-bridge @https://h/x.whl", "megatron-core @ file:///c"]),
+])
+def test_candidates_split_on_blanks_newlines_and_semicolons(tmp_path, candidates, specs):
+    """A `NAME @ URL` direct reference stays one spec; anything else splits on blanks, newlines or ';'."""
+    argv, outputs = _gate_run(tmp_path, candidates, "", baseline="megatron-bridge==0.6.2", corpus="", jobs="3")
+    words = [w for s in specs for w in ("--candidate", s)]
+    assert argv == ["gate", *words, "--baseline", "megatron-bridge==0.6.2", "--jobs", "3", "--out", "gate"]
+    assert outputs == {"exit-code": "0", "verdict": "SAFE TO BUMP"}
+
+
+@pytest.mark.parametrize("rc, verdict", [(1, "NOT SAFE, 2 failing finding(s)"), (2, "NOT EVALUATED")])
+def test_the_gate_step_hands_on_its_verdict_and_the_last_step_fails_with_it(tmp_path, rc, verdict):
+    """The gate step never fails itself (the summary and the upload still see a verdict); its exit
+    code and verdict.md's head are outputs, and the last step exits with that code."""
+    import subprocess
+
+    argv, outputs = _gate_run(tmp_path, "megatron-bridge==0.5.1", rc=rc)
+    assert argv[:3] == ["gate", "--candidate", "megatron-bridge==0.5.1"] and outputs == {"exit-code": str(rc), "verdict": verdict}
+    job = _load("gate.yml")["jobs"]["gate"]
+    _bash_step(tmp_path, _step(job, "GITHUB_STEP_SUMMARY")["run"], {})
+    assert (tmp_path / "summary").read_text().startswith(f"# Bump gate: {verdict} (exit {rc})")
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        _bash_step(tmp_path, job["steps"][-1]["run"], {"RC": outputs["exit-code"], "VERDICT": verdict})
+    assert failed.value.returncode == rc
+
+
+def test_a_corpus_artifact_without_a_manifest_is_no_verdict_not_skipped(tmp_path):
+    argv, outputs = _gate_run(tmp_path, "megatron-bridge==0.6.0", corpus="my-corpus")
+    assert argv is None and outputs == {"exit-code": "2", "verdict": "COULD NOT RUN"}
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "manifest.json").write_text("{}")
+    argv, _ = _gate_run(tmp_path, "megatron-bridge==0.6.0", corpus="my-corpus")
+    assert argv[3:5] == ["--corpus", str(tmp_path / "corpus")]
+
+
 def test_a_pin_change_becomes_baseline_and_candidate_arguments(tmp_path):
-    argv = _gate_argv(tmp_path, "", "matrices/smoke.yaml", "--baseline a==1 --candidate a==2")
-    assert argv == ["gate", "--baseline", "a==1", "--candidate", "a==2", "--out", "gate", "--", "matrices/smoke.yaml"]
+    """bridge-bump.yml on a PR: scripts/pin-diff's words become the gate-args job's outputs, which its
+    gate job passes to gate.yml as candidates and baseline; gate.yml's step makes them arguments again."""
+    job = _load("bridge-bump.yml")["jobs"]["gate-args"]
+    pin_diff = "echo '--baseline a==1 --candidate a==2 --baseline b==3 --candidate b==4'\n"
+    outputs = _bash_step(tmp_path, _step(job, "pin-diff")["run"], {"BASE_REF": "main"},
+                         {tmp_path / "work" / "scripts" / "pin-diff": pin_diff})
+    assert outputs["candidates"] == "a==2 b==4" and outputs["baseline"] == "a==1 b==3"
+    assert re.fullmatch(r"[0-9a-f]{12}", outputs["corpus_key"])
+    assert job["outputs"]["candidates"] == "${{ steps.args.outputs.candidates }}"
+    assert job["outputs"]["baseline"] == "${{ steps.args.outputs.baseline }}"
+    given = _load("bridge-bump.yml")["jobs"]["gate"]["with"]
+    assert given["candidates"].endswith("|| needs.gate-args.outputs.candidates }}")
+    assert given["baseline"] == "${{ needs.gate-args.outputs.baseline }}"
+    argv, _ = _gate_run(tmp_path, outputs["candidates"], "", baseline=outputs["baseline"])
+    assert argv == ["gate", "--candidate", "a==2", "--candidate", "b==4", "--baseline", "a==1", "--baseline", "b==3",
+                    "--jobs", "2", "--out", "gate"]
 
 
 def test_a_pull_request_gates_on_the_gates_default_matrix(tmp_path):
     """A bump PR names no matrix: the gate runs its own default, matrices/gate.yaml (the smoke slice plus
-    every architecture), not the smoke slice alone."""
+    every architecture), not the smoke slice alone; gate.yml's default input is that same file."""
     import argparse
 
     from harness.gate.gate_args import add_parser
 
-    argv = _gate_argv(tmp_path, "", "", "--baseline a==1 --candidate a==2")
-    assert argv == ["gate", "--baseline", "a==1", "--candidate", "a==2", "--out", "gate"]
+    assert _load("bridge-bump.yml")["jobs"]["gate"]["with"]["matrix"] == "${{ github.event.inputs.matrix }}"
+    argv, _ = _gate_run(tmp_path, "a==2", "", baseline="a==1")  # a PR: no dispatch inputs, the matrix is empty
+    assert argv == ["gate", "--candidate", "a==2", "--baseline", "a==1", "--jobs", "2", "--out", "gate"]
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     assert parser.parse_args(argv).matrix == Path("matrices/gate.yaml")
+    assert Path(_call(_load("gate.yml"))["inputs"]["matrix"]["default"]) == parser.parse_args(argv).matrix
+    assert parser.parse_args(argv).jobs == _call(_load("gate.yml"))["inputs"]["jobs"]["default"]
     assert "smoke.yaml" not in (WORKFLOWS / "bridge-bump.yml").read_text()
 
 
@@ -388,14 +465,19 @@ def test_a_planted_unpinned_action_or_broad_token_is_caught(plant, words):
     assert found and any(words in p for p in found), found
 
 
+def _tools_home() -> Path:
+    """Where the pinned tools live (harness/gate/installers.py puts uv there): the cache's tools/."""
+    import os
+
+    return Path(os.environ.get("CKPT_HARNESS_HOME") or Path.home() / ".cache" / "ckpt-harness") / "tools"
+
+
 def _zizmor() -> Path:
     """requirements-tools.txt's zizmor, installed as uv is (pip --target into the cache's tools/), else on PATH."""
-    import os
     import shutil
 
     pin = next(ln.strip() for ln in (ROOT / "requirements-tools.txt").read_text().splitlines() if ln.startswith("zizmor=="))
-    home = Path(os.environ.get("CKPT_HARNESS_HOME") or Path.home() / ".cache" / "ckpt-harness")
-    target = home / "tools" / re.sub(r"[^A-Za-z0-9.]+", "-", pin)
+    target = _tools_home() / re.sub(r"[^A-Za-z0-9.]+", "-", pin)
     if (target / "bin" / "zizmor").is_file():
         return target / "bin" / "zizmor"
     if found := shutil.which("zizmor"):
@@ -441,3 +523,192 @@ def test_the_cached_corpus_is_keyed_alike_where_written_and_where_read():
     lists = re.findall(r"for f in ([\w./ -]+?); do (?:cat|git show)", text)
     assert len(lists) == 2 and lists[0] == lists[1], lists
     assert "harness/gate/golden.py" in lists[0].split() and "requirements.txt" in lists[0].split()
+
+
+# --------------------------------------------------------------------------- the gate other repositories call
+#: `${{ inputs.NAME }}` anywhere in a workflow's jobs (names may hold '-')
+_INPUT_REF = re.compile(r"\binputs\.([A-Za-z_][\w-]*)")
+_JOB_OUTPUT = re.compile(r"\$\{\{\s*jobs\.([\w-]+)\.outputs\.([\w-]+)\s*\}\}")
+_STEP_OUTPUT = re.compile(r"\$\{\{\s*steps\.([\w-]+)\.outputs\.([\w-]+)\s*\}\}")
+CALLER_SECTION = "## Calling the gate from your repository"
+
+
+def _call(doc: dict) -> dict:
+    """`on.workflow_call` (YAML 1.1 reads the key `on` as True)."""
+    on = doc.get("on", doc.get(True)) or {}
+    return (on.get("workflow_call") or {}) if isinstance(on, dict) else {}
+
+
+def reusable_gate_problems(doc: dict) -> list[str]:
+    """What gate.yml promises its callers: every declared input used and every used input declared (and
+    described), no expression spliced into a script, the harness checked out at harness-repository @
+    harness-ref after a step that stops when neither they nor the runner name it, verdict.md in the job
+    summary and the gate directory uploaded under `if: always()`, the outputs wired from the gate step,
+    and a last step, also under `if: always()`, that exits with the gate's code."""
+    import json
+
+    call = _call(doc)
+    if not call:
+        return ["no on.workflow_call"]
+    inputs, outputs = call.get("inputs") or {}, call.get("outputs") or {}
+    used = set(_INPUT_REF.findall(json.dumps(doc.get("jobs"))))
+    out = [f"input {n}: declared, never used" for n in sorted(set(inputs) - used)]
+    out += [f"inputs.{n}: used, never declared" for n in sorted(used - set(inputs))]
+    out += [f"input {n}: no description" for n, spec in inputs.items() if not (spec or {}).get("description")]
+    out += injection_problems(doc, strict=True)
+    if len(doc["jobs"]) != 1:
+        return [*out, f"{len(doc['jobs'])} jobs: the checks below read one"]
+    job = next(iter(doc["jobs"].values()))
+    steps = job.get("steps", [])
+    checkouts = [i for i, s in enumerate(steps) if str(s.get("uses", "")).startswith("actions/checkout@")]
+    if len(checkouts) != 1:
+        out.append(f"{len(checkouts)} checkouts: the harness must be the one checkout")
+    else:
+        given = steps[checkouts[0]].get("with") or {}
+        repo, ref = str(given.get("repository")), str(given.get("ref"))
+        if "inputs.harness-repository" not in repo or "inputs.harness-ref" not in ref:
+            out.append(f"the checkout is at {repo}@{ref}, not harness-repository@harness-ref")
+        if not any({repo, ref} <= {str(v) for v in (s.get("env") or {}).values()} and re.search(r"\bexit [1-9]", s.get("run", ""))
+                   for s in steps[:checkouts[0]]):
+            out.append("no step before the checkout stops when the harness repository or ref is empty")
+    always = [s for s in steps if "always()" in str(s.get("if", ""))]
+    if not any("verdict.md" in s.get("run", "") and "GITHUB_STEP_SUMMARY" in s.get("run", "") for s in always):
+        out.append("verdict.md does not go to $GITHUB_STEP_SUMMARY in a step under if: always()")
+    uploads = [s for s in steps if str(s.get("uses", "")).startswith("actions/upload-artifact@")]
+    if not any((s.get("with") or {}).get("path") == "gate" and s in always for s in uploads):
+        out.append("the gate directory is not uploaded in a step under if: always()")
+    gate = next((s for s in steps if re.search(r'ckpt-harness"? gate\b', s.get("run", ""))), {})
+    last = steps[-1] if steps else {}
+    if not (last in always and "id" in gate and re.search(r"\bexit\b", last.get("run", ""))
+            and f"steps.{gate['id']}.outputs.exit-code" in json.dumps(last.get("env"))):
+        out.append("the job does not end (under if: always()) with the gate step's exit code")
+    for name in ("verdict", "exit-code"):
+        m = _JOB_OUTPUT.fullmatch(str((outputs.get(name) or {}).get("value", "")))
+        s = _STEP_OUTPUT.fullmatch(str((job.get("outputs") or {}).get(m[2], ""))) if m else None
+        writer = next((st for st in steps if s and st.get("id") == s[1]), {})
+        if not s or not re.search(rf'(?:^|[\s"{{;]){re.escape(s[2])}=', writer.get("run", "")):
+            out.append(f"output {name}: no step writes it (workflow -> job -> step output)")
+    return out
+
+
+def _given_problems(where: str, given: dict, call: dict) -> list[str]:
+    inputs = call.get("inputs") or {}
+    out = [f"{where}: passes {k}, which gate.yml does not declare" for k in given if k not in inputs]
+    return out + [f"{where}: does not pass the required {k}" for k, s in inputs.items() if (s or {}).get("required") and k not in given]
+
+
+def caller_doc_problems(text: str, call: dict) -> list[str]:
+    """docs/gate.md's caller: the section's first yaml block is five lines, calls gate.yml at a ref and
+    passes only inputs gate.yml declares (and every required one); its inputs table names each input."""
+    if CALLER_SECTION not in text:
+        return [f"docs/gate.md has no section {CALLER_SECTION!r}"]
+    section = re.split(r"\n## ", text.split(CALLER_SECTION, 1)[1])[0]
+    block = re.search(r"```ya?ml\n(.*?)```", section, re.S)
+    if not block:
+        return ["the section has no ```yaml caller"]
+    lines = [ln for ln in block[1].splitlines() if ln.strip()]
+    out = [] if len(lines) == 5 else [f"the caller is {len(lines)} lines, not five"]
+    jobs = (yaml.safe_load(block[1]) or {}).get("jobs") or {}
+    for name, job in jobs.items():
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+/\.github/workflows/gate\.yml@\S+", str(job.get("uses"))):
+            out.append(f"caller job {name}: uses {job.get('uses')}, not OWNER/REPO/.github/workflows/gate.yml@REF")
+        out += _given_problems(f"caller job {name}", job.get("with") or {}, call)
+    if not jobs:
+        out.append("the caller has no jobs")
+    table = set(re.findall(r"^\| `([\w-]+)` \|", section, re.M))
+    if table != set(call.get("inputs") or {}):
+        out.append(f"the inputs table names {sorted(table)}, gate.yml declares {sorted(call.get('inputs') or {})}")
+    return out
+
+
+def test_the_reusable_gate_keeps_its_promises():
+    assert reusable_gate_problems(_load("gate.yml")) == []
+
+
+def test_the_documented_caller_passes_only_declared_inputs():
+    assert caller_doc_problems((ROOT / "docs" / "gate.md").read_text(), _call(_load("gate.yml"))) == []
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in WORKFLOWS.glob("*.yml")))
+def test_every_caller_here_passes_only_declared_inputs(name):
+    call = _call(_load("gate.yml"))
+    callers = {j: job for j, job in _load(name)["jobs"].items() if job.get("uses") == "./.github/workflows/gate.yml"}
+    assert name != "bridge-bump.yml" or callers, "bridge-bump.yml no longer calls gate.yml"
+    assert [p for j, job in callers.items() for p in _given_problems(j, job.get("with") or {}, call)] == []
+
+
+def _gate_step(d: dict) -> dict:
+    return _step(d["jobs"]["gate"], "/bin/ckpt-harness\" gate")
+
+
+def _plant_undeclared(d):
+    del _call(d)["inputs"]["k"]
+
+
+def _plant_unused(d):
+    _call(d)["inputs"]["timeout"] = {"description": "never read", "type": "number", "default": 120}
+
+
+def _plant_spliced(d):
+    _gate_step(d)["run"] = _gate_step(d)["run"].replace('"$K"', '"${{ inputs.k }}"')
+
+
+def _plant_checkout_ref(d):
+    next(s for s in d["jobs"]["gate"]["steps"] if s.get("uses", "").startswith("actions/checkout@"))["with"]["ref"] = "main"
+
+
+def _plant_no_guard(d):
+    d["jobs"]["gate"]["steps"].pop(0)
+
+
+def _plant_summary(d):
+    del _step(d["jobs"]["gate"], "GITHUB_STEP_SUMMARY")["if"]
+
+
+def _plant_upload(d):
+    del _step(d["jobs"]["gate"], "path': 'gate'")["if"]
+
+
+def _plant_no_exit(d):
+    d["jobs"]["gate"]["steps"].pop()
+
+
+def _plant_output(d):
+    _gate_step(d)["run"] = _gate_step(d)["run"].replace('echo "exit-code=', 'echo "exitcode=')
+
+
+@pytest.mark.parametrize("plant, words", [
+    (_plant_undeclared, "inputs.k: used, never declared"), (_plant_unused, "input timeout: declared, never used"),
+    (_plant_spliced, "spliced"), (_plant_checkout_ref, "not harness-repository@harness-ref"),
+    (_plant_no_guard, "stops when"), (_plant_summary, "GITHUB_STEP_SUMMARY"), (_plant_upload, "not uploaded"),
+    (_plant_no_exit, "exit code"), (_plant_output, "output exit-code"),
+])
+def test_a_broken_promise_of_the_reusable_gate_is_caught(plant, words):
+    doc = copy.deepcopy(_load("gate.yml"))
+    plant(doc)
+    found = reusable_gate_problems(doc)
+    assert any(words in p for p in found), found
+
+
+@pytest.mark.parametrize("plant, words", [
+    (lambda t: t.replace("      candidates: megatron-bridge==0.6.0\n", "      candidate: megatron-bridge==0.6.0\n", 1),
+     "passes candidate, which gate.yml does not declare"),
+    (lambda t: t.replace("      candidates: megatron-bridge==0.6.0\n", "      candidates: megatron-bridge==0.6.0\n      k: tp2\n", 1),
+     "not five"),
+    (lambda t: re.sub(r"^\| `k` \|.*\n", "", t, count=1, flags=re.M), "the inputs table"),
+    (lambda t: t.replace("/.github/workflows/gate.yml@", "/.github/workflows/bump.yml@", 1), "not OWNER/REPO"),
+])
+def test_a_caller_doc_naming_what_gate_yml_lacks_is_caught(plant, words):
+    text = (ROOT / "docs" / "gate.md").read_text()
+    planted = plant(text)
+    assert planted != text
+    found = caller_doc_problems(planted, _call(_load("gate.yml")))
+    assert any(words in p for p in found), found
+
+
+def test_an_in_repo_caller_passing_an_undeclared_input_is_caught():
+    given = dict(_load("bridge-bump.yml")["jobs"]["gate"]["with"], candidate="x")
+    del given["candidates"]
+    found = _given_problems("gate", given, _call(_load("gate.yml")))
+    assert "gate: passes candidate, which gate.yml does not declare" in found and "gate: does not pass the required candidates" in found
+

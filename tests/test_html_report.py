@@ -2,6 +2,7 @@
 
 from html.parser import HTMLParser
 
+from harness.report import grid
 from harness.report import html as html_report
 
 
@@ -38,9 +39,12 @@ def test_report_is_self_contained_escaped_and_shows_failures_and_memory():
     p.feed(text)
     assert not p.srcs and "<script>" not in text  # nothing external, and user text is escaped
     assert "&lt;script&gt;" in text and "w&lt;1&gt;" in text and "smoke &lt;run&gt;" in text
-    details = [a for t, a in p.tags if t == "details"]
+    details = [a for t, a in p.tags if t == "details" and a.get("class") == "case"]
     assert [("open" in a) for a in details] == [True, True, False]  # failures and errors open, passes closed
-    anchors = {a.get("id") for t, a in p.tags if t == "details"}
-    assert all(link.lstrip("#") in anchors for link in p.links)
+    assert [a["data-status"] for a in details] == ["failed", "error", "passed"]
+    anchors = {a.get("id") for t, a in p.tags if a.get("id")}
+    assert p.links and all(link.lstrip("#") in anchors for link in p.links)  # every link lands: cells, rows, counts
+    cells = [a for t, a in p.tags if t == "a" and a.get("class", "").startswith("gc")]
+    assert sorted(a["href"] for a in cells) == sorted(f"#{grid.anchor(r['id'])}" for r in _doc()["results"])  # a cell a case
     assert sum(t == "polyline" for t, _ in p.tags) == 2 and "rank 0: peak Δ 3.0 MiB" in text
     assert "(incomplete run)" in text and "KeyError" in text

@@ -21,6 +21,9 @@ HOLES = ("not-run", "not-applicable")
 #: How an error says the harness could not drive an upstream API in this release (a coverage hole):
 #: "API not available in <package> <version>: <what>" (harness.orchestration.runner.api_unavailable)
 API_MISSING = "API not available in "
+#: the note an xfailed case carries when it met its defect in the form declared for an installed
+#: release (matrix known_on; harness.judge.status): the reports show it apart from the plain xfails
+KNOWN_FORM = "the named defect, in the form it is known on "
 _API_LINE = re.compile(rf"^{API_MISSING}(\S+) (\S+): (.*)$", re.M)
 
 

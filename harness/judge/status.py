@@ -24,11 +24,9 @@ import sys
 from typing import Iterable
 
 from harness.core.frames import OWN_PACKAGES, raising_frame
-from harness.core.result import API_MISSING, CaseResult, Check, api_missing_line, api_missing_parts
+from harness.core.result import API_MISSING, KNOWN_FORM, CaseResult, Check, api_missing_line, api_missing_parts
 from harness.core.spec import XFail
 
-#: the note an xfailed case carries when it met its defect in the form declared for an installed release
-KNOWN_FORM = "the named defect, in the form it is known on "
 #: Checks that say something about the run, not about the format under test: never enough to pass.
 AUXILIARY = ("memory-budget:", "source-unchanged")
 

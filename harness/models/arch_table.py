@@ -11,31 +11,22 @@ Written from results, never by hand, so the table says what a run measured."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from harness.core.families import FAMILIES, Family
+from harness.report.grid import ARCH_KINDS as KINDS
+from harness.report.grid import ARCH_TARGETS as TARGETS
+from harness.report.grid import arch_target as _target
 
-KINDS = ("hf-roundtrip", "peft-export")
-_PAIR = re.compile(r"-(tp\d+pp\d+dp\d+cp\d+\S*?)->(tp\d+pp\d+dp\d+cp\d+[a-z0-9]*)")
 SHORT = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "xfailed": "xfail", "xpassed": "XPASS",
          "not-run": "not-run", "not-applicable": "n/a"}
 
 
-TARGETS = ("tp2", "pp2", "uneven", "vpp", "ep2")
 KIND_TARGETS = {"hf-roundtrip": TARGETS, "peft-export": TARGETS}
 #: the CanonicalLoRA peft-export cell (one pair per family: its target named in the cell)
 CANONICAL = "peft-export canonical"
-
-
-def _target(case_id: str) -> str:
-    m = _PAIR.search(case_id)
-    tgt = m[2] if m else "?"
-    if "first_stage_layers=" in case_id:
-        return "uneven"
-    return "ep2" if "ep2" in tgt else "vpp" if "vpp" in tgt else "pp2" if "pp2" in tgt else "tp2"
 
 
 def _why(r: dict[str, Any]) -> str:

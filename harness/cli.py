@@ -275,6 +275,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     try:
         code, md = evidence.run_compare(args.base, args.candidate, args.out, _thresholds(args), args.accept_unevaluated)
+        if args.out is not None:  # compare.html beside compare.md: the gate's verdict.html page
+            from harness.gate import verdict_html
+
+            verdict_html.write_compare(args.out)
     except compare.CompareInputError as exc:
         print(f"ckpt-harness compare: {exc}", file=sys.stderr)
         return 2
@@ -387,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                          "finding, 2 when the evidence does not cover the baseline's green cases")
     cmp.add_argument("base", type=Path, help="baseline results.json or report dir")
     cmp.add_argument("candidate", type=Path, help="candidate results.json or report dir")
-    cmp.add_argument("--out", type=Path, default=None, help="write DIR/compare.json and DIR/compare.md")
+    cmp.add_argument("--out", type=Path, default=None, help="write DIR/compare.json, DIR/compare.md and DIR/compare.html")
     _add_thresholds(cmp)
     _add_accept(cmp)
     cmp.set_defaults(func=_cmd_compare)

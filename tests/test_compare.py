@@ -208,6 +208,9 @@ def test_cli_exit_codes_and_outputs(tmp_path, capsys):
     assert j["exit_code"] == 1 and j["candidate"]["versions"]["megatron-bridge"] == "0.6.2"
     assert j["findings"] == [{"case": "a", "class": "regression", "failing": True,
                               "detail": j["findings"][0]["detail"], "base": "passed", "candidate": "error"}]
+    page = (out / "compare.html").read_text()  # the gate's verdict page: the verdict, the regression, a cell a case
+    assert "ckpt-harness compare: NOT SAFE, 1 failing finding(s) (exit 1)" in page and 'id="f-regression"' in page
+    assert page.count('class="gc') == 2 and page.count('class="gc flag"') == 1
     # The thresholds are flags: 30 MiB of growth fails once --memory-mib is below it.
     assert main(["compare", str(base), str(worse), "--memory-mib", "16", "--out", str(out)]) == 1
     j = json.loads((out / "compare.json").read_text())

@@ -13,7 +13,7 @@
 3. Cross-version (DIR/cross): the baseline writes the golden corpus and the candidate loads it
    (must be bit-exact); the candidate writes one and the baseline loads it (a rollback: a refusal
    is allowed if it is a named exception, a crash or a wrong value is not).
-4. Compares (harness/gate/compare.py) and writes DIR/verdict.md (regressions first) and DIR/gate.json.
+4. Compares (harness/gate/compare.py) and writes DIR/verdict.md (regressions first), verdict.html and gate.json.
 Exit 0: safe to bump; 1: regressions (listed first); 2: could not run.
 """
 
@@ -32,7 +32,7 @@ from harness.core.result import GREEN
 from harness.gate import archs, baseline_cache, classify, compare, envspec, evidence, progress, scale
 from harness.gate.golden import NOT_WRITTEN
 from harness.gate.progress import say
-from harness.gate.verdict import reason, verdict_markdown  # noqa: F401  (bump.reason, bump.verdict_markdown)
+from harness.gate.verdict import reason, verdict_markdown, write_verdict  # noqa: F401  (bump.reason, bump.verdict_markdown)
 from harness.report.results import code_digest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -323,8 +323,7 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
     for s in sides:
         timings[f"{s.name} env build"] = s.build_s
     head = [*(archs.lines(findings, arch_problem, base, cand) if base is not None and cand is not None else []), *notes]
-    md = verdict_markdown(sides, findings, base, cand, cross_docs, timings, error, code, cover, head)
-    (out / "verdict.md").write_text(md + "\n")
+    md = write_verdict(out, sides, findings, base, cand, cross_docs, timings, error, code, cover, head)  # .md and .html
     (out / "gate.json").write_text(json.dumps({
         "exit_code": code, "error": error, "sides": [{**asdict(s), "venv": str(s.venv)} for s in sides],
         "coverage": asdict(cover) if cover is not None else None, "notes": notes,

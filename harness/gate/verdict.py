@@ -8,11 +8,12 @@ comparison, the cross-version reads, the baseline used (run or cached) and the w
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from harness.core.frames import exception_of
 from harness.core.result import API_MISSING
-from harness.gate import classify, compare, evidence
+from harness.gate import classify, compare, evidence, verdict_html
 from harness.gate.golden import NOT_WRITTEN
 
 
@@ -105,13 +106,7 @@ def verdict_markdown(sides: list[Any], findings: list[compare.Finding], base: di
     traceback before anything else), then the evidence in detail."""
     code = code if code is not None else 2 if error else compare.exit_code(findings)
     failing = [f for f in findings if f.failing]
-    if code == 2:
-        head = "# Bump gate: COULD NOT RUN (exit 2)" if cover is None else "# Bump gate: NOT EVALUATED (exit 2)"
-    elif code == 1:
-        head = f"# Bump gate: NOT SAFE, {len(failing)} failing finding(s) (exit 1)"
-    else:
-        head = "# Bump gate: SAFE TO BUMP (exit 0)"
-    lines = [head, ""]
+    lines = [f"# Bump gate: {verdict_html.headline(code, len(failing), cover is not None)}", ""]
     if cover is not None:
         lines += [*cover.lines(), ""]
     if head_lines:
@@ -164,6 +159,18 @@ def verdict_markdown(sides: list[Any], findings: list[compare.Finding], base: di
         lines += [f"## Cross-version: {title}", "", *_results_rows(doc), ""]
     lines += ["## Wall time", "", "| step | s |", "|---|---:|", *[f"| {k} | {v:.0f} |" for k, v in timings.items()]]
     return "\n".join(lines)
+
+
+def write_verdict(out: Path, sides: list[Any], findings: list[compare.Finding], base: dict | None, cand: dict | None,
+                  cross_docs: list[tuple[str, dict]], timings: dict[str, float], error: str | None, code: int,
+                  cover: evidence.Coverage | None, head_lines: list[str]) -> str:
+    """out/verdict.md and, beside it for a browser, out/verdict.html (harness.gate.verdict_html);
+    returns the Markdown."""
+    md = verdict_markdown(sides, findings, base, cand, cross_docs, timings, error, code, cover, head_lines)
+    (out / "verdict.md").write_text(md + "\n")
+    verdict_html.write(out / "verdict.html", md, findings, base, cand, code, cover, error, sides[1].import_problems,
+                       names=(sides[0].name, sides[1].name))
+    return md
 
 
 def _workarounds(sides: list[Any], base: dict | None, cand: dict | None) -> list[str]:

@@ -17,6 +17,7 @@ from harness.gate.sweep import (
     parse_releases,
     sweep_table,
 )
+from harness.report.grid import anchor
 
 LABELS = ["megatron-bridge==0.4.2", "megatron-bridge==0.5.0", "megatron-bridge==0.5.1", "megatron-bridge==0.6.0", "megatron-bridge==0.7.0"]
 API = "API not available in megatron-bridge 0.5.1: ImportError: cannot import name 'AutoBridge' from 'megatron.bridge'"
@@ -214,16 +215,22 @@ def test_html_is_self_contained_and_escapes(table):
     class Tags(HTMLParser):
         def __init__(self):
             super().__init__()
-            self.tags, self.external = [], []
+            self.tags, self.external, self.cells, self.ids = [], [], [], set()
 
         def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
             self.tags.append(tag)
-            self.external += [v for k, v in attrs if k in ("src", "href")]
+            self.external += [v for k, v in attrs if k in ("src", "href") and not v.startswith("#")]
+            self.cells += [a] if "gc" in (a.get("class") or "").split() else []
+            self.ids |= {a["id"]} if "id" in a else set()
 
     p = Tags()
     p.feed(html)
     assert "script" not in p.tags and not p.external
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    # the release x case grid: one cell per case and release, each a link to its case's row
+    assert len(p.cells) == len(table.releases) * len(table.cases)
+    assert {c["href"] for c in p.cells} == {f"#{anchor(r.id)}" for r in table.cases} and all(c["href"][1:] in p.ids for c in p.cells)
     assert html.count("<details>") == 1 and "reshard[a]" in html.split("<details>")[1]  # unchanged, collapsed
 
 

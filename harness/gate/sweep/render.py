@@ -22,6 +22,7 @@ from harness.gate.sweep.table import (
     _first_line,
     _ranges,
 )
+from harness.report import grid
 
 # ----------------------------------------------------------------------------- Markdown
 
@@ -124,6 +125,7 @@ th{background:#f6f8fa}td.o{text-align:center;font-family:ui-monospace,monospace;
 td.chg{outline:2px solid #cf222e;outline-offset:-2px;font-weight:700}.num{text-align:right}
 details{margin:10px 0;border:1px solid #d0d7de;border-radius:6px;padding:6px 10px}summary{cursor:pointer}
 code{font-size:12px}.small{font-size:12px;color:#57606a}
+#grid-release .cells{max-width:432px}
 """
 
 
@@ -141,8 +143,26 @@ def _html_cases(t: SweepTable, rows: list[CaseRow]) -> str:
             tip = f"{t.releases[i].label}: {o}" + (f" - {row.why[i]}" if row.why[i] else "")
             cls = "o chg" if i in at else "o"
             cells.append(f'<td class="{cls}" style="background:{_COLOR.get(o, "#fff")}" title="{_e(tip)}">{_e(GLYPHS.get(o, o))}</td>')
-        body.append(f"<tr><td><code>{_e(row.id)}</code></td>{''.join(cells)}<td>{_e(row.story())}</td></tr>")
+        body.append(f'<tr id="{grid.anchor(row.id)}"><td><code>{_e(row.id)}</code></td>{"".join(cells)}<td>{_e(row.story())}</td></tr>')
     return f"<table>{head}{''.join(body)}</table>"
+
+
+def _grid_html(t: SweepTable) -> str:
+    """Release (rows) x case (columns, grouped per case kind): one cell per case and release, colored
+    by its outcome, outlined where it changed, each a link to the case's row below. Every release
+    holds every case (absent ones too), so a case sits at the same spot in each release's row."""
+    rows = [f"{r.index + 1} {r.label}" for r in t.releases]
+    cells: dict[tuple[str, str], list[grid.Cell]] = {}
+    for row in t.cases:
+        kind = row.id.split("[", 1)[0]
+        at = {c.index for c in row.changes}
+        for i, o in enumerate(row.outcomes):
+            tip = f"{t.releases[i].label}: {row.id}: {o}" + (f" - {row.why[i]}" if row.why[i] else "")
+            cells.setdefault((rows[i], kind), []).append(grid.Cell(row.id, (o,), tip, flag=i in at))
+    kinds = list(dict.fromkeys(k for _, k in cells))
+    return ('<h2 id="grid">Grid: release x case</h2>'
+            + grid.legend(GLYPHS, "outlined: the outcome or a check changed there; a cell opens the case's row")
+            + grid.grid("grid-release", "release \\ case kind", rows, kinds, cells))
 
 
 def render_html(t: SweepTable, title: str = "ckpt-harness sweep") -> str:
@@ -154,11 +174,12 @@ def render_html(t: SweepTable, title: str = "ckpt-harness sweep") -> str:
         + f"<td>{_e(_first_line(r.error, 300))}</td></tr>" for r in t.releases)
     legend = "".join(f'<li><span style="background:{_COLOR[k]};padding:0 4px"><code>{_e(g)}</code></span> {_e(MEANING[k])}</li>'
                      for k, g in GLYPHS.items())
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_CSS}</style></head><body>",
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{grid.CSS}{_CSS}</style></head><body>",
              f"<h1>{_e(title)}</h1><p>{len(t.releases)} release(s), {len(t.cases)} case(s), {len(t.changed)} changed.</p>",
              "<h2>Releases</h2><table><tr><th>#</th><th>release</th><th>installed</th>"
              + "".join(f"<th>{_e(g)}</th>" for g in GLYPHS.values()) + f"<th>run error</th></tr>{rel}</table>",
              f"<ul class='small'>{legend}<li>a red outline: the outcome or a check changed there</li></ul>",
+             _grid_html(t),
              f"<h2>Changed cases ({len(t.changed)})</h2>",
              _html_cases(t, t.changed) if t.changed else "<p>No case changed outcome across these releases.</p>",
              f"<details><summary>Unchanged cases ({len(t.unchanged)}): {_e(_counts_text(t.unchanged_counts()))}</summary>"

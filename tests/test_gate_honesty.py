@@ -20,9 +20,12 @@ from typing import Callable
 
 import pytest
 
+import browser
 from harness.cli import main
 from harness.gate.bump import run_gate
 from harness.gate.envspec import _default_cache
+from harness.gate.verdict_html import RANKS
+from harness.report import grid
 from planted_bridge import PLANT, planted_bridge
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,8 +80,18 @@ def _first_failing(gate: dict) -> dict:
     return next(f for f in gate["findings"] if f["failing"])
 
 
-def test_a_candidate_whose_export_raises_inside_its_own_code_is_a_regression(tmp_path, monkeypatch, tree, baselines):
-    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "export-attr", MIXED, baseline_results=baselines(MIXED), rerun=True)
+@pytest.fixture(scope="module")
+def regressed(tmp_path_factory, tree, baselines) -> tuple[Path, int, str, dict]:
+    """The gate on `export-attr` over the mixed slice, rerun on: (its directory, exit code, verdict.md,
+    gate.json). One gate serves the regression test and the browser test of its verdict.html."""
+    tmp = tmp_path_factory.mktemp("regressed")
+    with pytest.MonkeyPatch.context() as mp:
+        code, verdict, gate = _gate(tmp, mp, tree, "export-attr", MIXED, baseline_results=baselines(MIXED), rerun=True)
+    return tmp / "gate", code, verdict, gate
+
+
+def test_a_candidate_whose_export_raises_inside_its_own_code_is_a_regression(regressed):
+    _, code, verdict, gate = regressed
     assert code == 1, verdict
     assert "rerun candidate" in gate["timings_s"]  # each regression ran again on both sides and reproduced
     assert not [f for f in gate["findings"] if f["class"] == "flaky"]
@@ -155,3 +168,38 @@ def test_a_failure_that_does_not_reproduce_is_flaky_never_a_regression_nor_evide
     assert code == 2, verdict  # one run red, one green: no regression, and no evidence either
     assert "flaky: its failing finding did not reproduce" in verdict.split("\n## ")[0]
     assert "## Not reproduced (flaky) (1)" in verdict
+
+
+def test_the_verdict_page_and_a_sweep_of_its_two_runs_in_a_browser(regressed, tmp_path):
+    """verdict.html of the real gate above, and the sweep page of its two runs (`sweep --from-results`),
+    as headless chromium builds them: the verdict and counts first, failing cases before passing
+    ones, one grid cell per case, links that land, a screenshot that is not blank."""
+    out, code, verdict, gate = regressed
+    page = out / "verdict.html"
+    dom = browser.dump_dom(page)
+    h1 = next(e for e in dom.elements() if e.tag == "h1").all_text()
+    assert h1.startswith("Bump gate: NOT SAFE") and h1.endswith("(exit 1)"), h1  # the verdict first
+    failing = [f for f in gate["findings"] if f["failing"]]
+    counts = dom.counts()
+    assert counts["failing finding(s)"] == len(failing) == sum(gate["coverage"]["failing"].values())
+    assert counts["evaluated on both sides"] == len(gate["coverage"]["evaluated"])
+    ids = {grid.anchor(r["id"]) for side in ("baseline", "candidate")
+           for r in json.loads((out / side / "results.json").read_text())["results"]}
+    cells = dom.cells("grid-kind")
+    assert sorted(cells) == sorted(ids)  # one cell per case of either side
+    assert set(dom.cells("grid-kind", flagged=True)) == {grid.anchor(f["case"]) for f in failing}  # outlined: a failing finding
+    blocks = dom.case_blocks("data-rank")
+    assert blocks[0] == "failing" and browser.ranked(blocks, RANKS), blocks
+    assert dom.index(dom.by_id("failing")) < dom.index(dom.by_id("grid")) < dom.index(dom.by_id("cases"))
+    assert dom.dangling() == []
+    assert browser.not_blank(browser.screenshot(page, tmp_path / "verdict.png"))
+
+    sweep_out = tmp_path / "sweep"
+    assert main(["sweep", "--from-results", f"baseline={out / 'baseline'}", f"candidate={out / 'candidate'}",
+                 "--out", str(sweep_out)]) == 0
+    sweep = browser.dump_dom(sweep_out / "sweep.html")
+    cells = sweep.cells("grid-release")
+    assert len(cells) == 2 * len(ids) and set(cells) == ids  # release x case: one cell per case and release
+    assert {grid.anchor(f["case"]) for f in failing} <= set(sweep.cells("grid-release", flagged=True))  # changed there
+    assert sweep.dangling() == []  # each cell lands on its case's row
+    assert browser.not_blank(browser.screenshot(sweep_out / "sweep.html", tmp_path / "sweep.png"))

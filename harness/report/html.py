@@ -170,7 +170,8 @@ def _cell(r: dict[str, Any]) -> grid.Cell:
 
 def grids(records: list[dict[str, Any]], cell_of: Callable[[dict[str, Any]], grid.Cell] = _cell, legend: str = "") -> str:
     """The grid section: case kind x topology pair, then architecture x column where the run has such cases."""
-    statuses = [s for s in grid.RANK if any(s in cell_of(r).statuses for r in records)]
+    present = {s for r in records for s in cell_of(r).statuses}
+    statuses = [s for s in dict.fromkeys((*grid.RANK, *grid.COLORS, *sorted(present))) if s in present]
     parts = ['<h2 id="grid">Grid: case kind x topology pair</h2>', grid.legend(statuses, legend),
              grid.kind_pair_grid(records, cell_of)]
     if arch := grid.arch_grid(records, cell_of):
@@ -179,6 +180,7 @@ def grids(records: list[dict[str, Any]], cell_of: Callable[[dict[str, Any]], gri
 
 
 def render(doc: dict[str, Any], title: str) -> str:
+    """The page of one results.json document: what needs a reader first, at the top."""
     results = ranked(doc.get("results", []))
     by = {s: [r for r in results if r["status"] == s] for s in grid.RANK}
     bad = by["failed"] + by["error"]
@@ -204,6 +206,7 @@ def render(doc: dict[str, Any], title: str) -> str:
 
 
 def write(doc: dict[str, Any], path: Path, title: str) -> Path:
+    """`render` into `path` (its directory made)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(doc, title), encoding="utf-8")
     return path

@@ -23,6 +23,7 @@ import pytest
 
 from harness.core.result import CaseResult
 from harness.core.spec import MARKERS, CaseSpec
+from harness.orchestration import tiers
 from harness.orchestration.matrix import MatrixError, load_matrix
 
 
@@ -89,7 +90,7 @@ def _sources(config: pytest.Config) -> Path | None:
 
 
 def pytest_collect_file(parent: pytest.Collector, file_path: Path):
-    if file_path.suffix in (".yaml", ".yml") and file_path.parent.name == "matrices":
+    if file_path.suffix in (".yaml", ".yml") and file_path.parent.name == "matrices" and file_path.name != tiers.FILE:
         return MatrixFile.from_parent(parent, path=file_path)
     return None
 
@@ -98,11 +99,13 @@ class MatrixFile(pytest.File):
     def collect(self):
         try:
             matrix = load_matrix(self.path, self.config.getoption("--ckpt-max-world"))
-        except MatrixError as exc:
+            slow = tiers.load(self.path.parent).get(self.path.name, frozenset())
+        except (MatrixError, tiers.TiersError) as exc:
             raise self.CollectError(str(exc)) from None
         for spec in matrix.own():  # an included file's cases are collected from that file
             item = CaseItem.from_parent(self, name=spec.id, spec=spec)
-            for marker in ("reshard", *spec.markers):
+            # matrices/tiers.yaml moves the rest of a block to the scheduled slow tier
+            for marker in ("reshard", *spec.markers, *(["slow"] if spec.id in slow and "slow" not in spec.markers else [])):
                 item.add_marker(marker)
             yield item
 

@@ -245,7 +245,7 @@ def test_raised_in_is_read_into_the_xfail(tmp_path):
     assert {c.xfail.raised_in for c in m.cases} == {"megatron.core.optimizer"} and m.cases[0].xfail.accepts_errors
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "matrices").glob("*.yaml")))
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "matrices").glob("*.yaml") if p.name != "tiers.yaml"))
 def test_every_shipped_xfail_that_accepts_an_error_names_its_upstream_module(name):
     """Every matrix the project ships loads under the rule (the loader refuses it otherwise)."""
     m = load_matrix(ROOT / "matrices" / name)

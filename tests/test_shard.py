@@ -16,6 +16,7 @@ from harness.core.parity import BITWISE, Mismatch
 from harness.core.result import CaseResult, Check
 from harness.orchestration.matrix import load_matrix
 from harness.orchestration.schedulers import _balance as shard
+from harness.report import grid
 from harness.report import results as report
 from harness.report.merge import FILES, MergeError, merge
 
@@ -154,7 +155,9 @@ def test_the_merged_junit_and_html_hold_every_case_of_every_part_once(tmp_path):
     assert [ET.tostring(tc) for tc in root.findall("testcase")] == [ET.tostring(tc) for tc in single.findall("testcase")]
     assert "decoder.w" in root.find("testcase/failure").text
     html = (out / "report.html").read_text()
-    assert all(html.count(f"<code>{escape(i)}</code>") == 1 for i in ids)
+    # each case's details once (what the grid and the tables link to), its id shown
+    assert [html.count(f'<details id="{escape(grid.anchor(i))}"') for i in ids] == [1] * len(ids)
+    assert all(f"<code>{escape(i)}</code>" in html for i in ids)
 
 
 @pytest.mark.parametrize("plant", ["duplicate", "missing", "foreign"])

@@ -158,10 +158,11 @@ def track(phase: str, interval_s: float = 0.005) -> Iterator[PhaseMemory]:
         stop.set()
         thread.join()
         m.seconds = round(time.perf_counter() - start, 3)
-        m.sampled_peak_rss = max(m.sampled_peak_rss, proc.memory_info().rss)
+        last = proc.memory_info().rss  # one reading for the last point and the peak: two could differ by a page
+        m.sampled_peak_rss = max(m.sampled_peak_rss, last)
         m.kernel_hwm = _kernel_hwm() if hwm_reset else None
         m.peak_rss = max(m.sampled_peak_rss, m.kernel_hwm or 0)
-        points.append((time.perf_counter() - start, proc.memory_info().rss))
+        points.append((time.perf_counter() - start, last))
         m.timeline = decimate(points, TIMELINE_POINTS)
 
 

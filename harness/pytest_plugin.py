@@ -99,13 +99,13 @@ class MatrixFile(pytest.File):
     def collect(self):
         try:
             matrix = load_matrix(self.path, self.config.getoption("--ckpt-max-world"))
-            slow = tiers.load(self.path.parent).get(self.path.name, frozenset())
+            tiered = tiers.load(self.path.parent)
         except (MatrixError, tiers.TiersError) as exc:
             raise self.CollectError(str(exc)) from None
         for spec in matrix.own():  # an included file's cases are collected from that file
             item = CaseItem.from_parent(self, name=spec.id, spec=spec)
-            # matrices/tiers.yaml moves the rest of a block to the scheduled slow tier
-            for marker in ("reshard", *spec.markers, *(["slow"] if spec.id in slow and "slow" not in spec.markers else [])):
+            # matrices/tiers.yaml: the main job's files, and the rest of each block in the slow tier
+            for marker in ("reshard", *spec.markers, *tiered.markers(spec, self.path.name)):
                 item.add_marker(marker)
             yield item
 

@@ -79,6 +79,7 @@ def test_a_shard_that_dies_is_named_and_nothing_is_merged_and_an_empty_part_gets
         assert f"shard {job['shard']}" in line and "unrecognized arguments: --no-such-option" in line
 
 
+@pytest.mark.slow  # a launcher test (57 s on 2 cores): multi-node rendezvous; the single-node cluster tests stay default
 def test_a_case_world_runs_as_two_nodes_of_two_ranks_through_c10d(tmp_path, monkeypatch):
     """Each world of the case goes through harness.run.nodes: its 4-rank world as two torchrun
     agents (--nnodes 2, --node-rank 0 and 1, c10d rendezvous on localhost), 2 ranks each."""

@@ -157,6 +157,7 @@ def test_the_cluster_scheduler_sends_parts_through_sbatch_and_merges_them_as_a_s
     assert {p.name for p in folder.glob("*_result.pkl")} == {f"{j}_0_result.pkl" for j in jobs}, sorted(folder.iterdir())
 
 
+@pytest.mark.slow  # a launcher test (42 s on 2 cores); sbatch's parts and merge stay default
 def test_a_two_rank_world_spans_two_slurm_nodes_through_c10d(slurm, tmp_path, monkeypatch):
     ranks = tmp_path / "ranks"
     ranks.mkdir()

@@ -61,6 +61,9 @@ _SPAWNED = [
 ]
 
 
+# slow tier (the 15-minute suite, issue 45): 150 s of fresh interpreters on 2 cores; the spawn path
+# itself stays in the default tier (test_a_registered_double_and_a_rank_hook_reach_the_rank[spawn])
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", _SPAWNED, ids=lambda s: f"{s.case}-{s.backend}")
 def test_every_backend_runs_in_spawned_ranks(spec):
     """Every backend under the start method NCCL uses, on CPU (15-45 s a case on 2 cores: fresh

@@ -228,7 +228,8 @@ def test_a_failing_rank_under_torchrun_is_reported(tmp_path):
     assert exc.value.rank == 1
 
 
-@pytest.mark.parametrize("launcher", ["mp", "torchrun"])
+# torchrun's copy is a launcher test (slow tier); test_the_same_rank_body_runs_under_torchrun stays default
+@pytest.mark.parametrize("launcher", ["mp", pytest.param("torchrun", marks=pytest.mark.slow)])
 def test_what_ranks_leave_in_their_temp_goes_with_the_world(tmp_path, launcher):
     """verl's checkpoint manager leaves a ckpt_<hash>.lock per save in tempfile.gettempdir(): a rank's
     temp is its world's own (one for all ranks, so such a lock still works), removed with the world."""

@@ -46,6 +46,7 @@ MARKERS: dict[str, str] = {
     "fanout": "one source loaded at many targets (a cross product; its save runs once per run: harness/run/reuse.py)",
     "arch": "matrices/architectures.yaml: one round trip per architecture the installed Megatron-Bridge registers (opt-in: scripts/test -m arch)",
     "slow": "heavier cases, not in the default suite",
+    "main_job": "a case of a matrix the main job runs on every push (matrices/tiers.yaml: scripts/smoke); scripts/test leaves it to that job",
     "memory": "host-memory cases and budgets (heavier)",
     "gpu": "needs CUDA devices",
 }

@@ -148,6 +148,7 @@ def shared_runs(tmp_path_factory):
     return with_store, without, sources
 
 
+@pytest.mark.xdist_group("reuse-shared-runs")  # one worker computes the module fixture, not both
 def test_each_pair_writes_once_and_reuses_once(shared_runs):
     with_store, _, _ = shared_runs
     for first, second in zip(with_store[::2], with_store[1::2]):
@@ -158,6 +159,7 @@ def test_each_pair_writes_once_and_reuses_once(shared_runs):
         assert any("reused" in n for n in second.notes)
 
 
+@pytest.mark.xdist_group("reuse-shared-runs")  # one worker computes the module fixture, not both
 def test_loaders_never_change_a_reused_source(shared_runs):
     """Every case that used a stored source re-hashed it when it ended, and the store's manifests
     (taken when each entry was written) still hold after every case ran."""
@@ -173,6 +175,7 @@ def test_loaders_never_change_a_reused_source(shared_runs):
         assert manifest(entry / "data") == json.loads((entry / "source.json").read_text())["manifest"], entry.name
 
 
+@pytest.mark.xdist_group("reuse-shared-runs")  # one worker computes the module fixture, not both
 def test_reuse_gives_the_same_outcome_as_running_every_world(shared_runs):
     with_store, without, _ = shared_runs
     for a, b in zip(with_store, without):

@@ -139,6 +139,8 @@ def _outcomes(results) -> list[tuple[str, str]]:
     return [(r["id"], r["status"]) if isinstance(r, dict) else (r.id, r.status) for r in results]
 
 
+@pytest.mark.slow  # real Slurm daemons (slow tier); the same scheduler path runs in the default tier through
+# submitit's local executor (tests/test_cluster.py)
 def test_the_cluster_scheduler_sends_parts_through_sbatch_and_merges_them_as_a_serial_run(slurm, tmp_path):
     k = "reshard-weights gpt tp1pp1dp1cp1->tp1pp2dp1cp1"
     specs = load_matrix(SMOKE).select(k)

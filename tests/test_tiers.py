@@ -4,6 +4,7 @@ job or the default tier, nothing listed is stale, and pytest deselects exactly w
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -24,6 +25,7 @@ EVERY = [*tiers.DEFAULT_MATRICES, *sorted(p.name for p in MATRICES.glob("*.yaml"
                                           if p.name not in (tiers.FILE, "gate.yaml", *tiers.DEFAULT_MATRICES))]
 
 
+@functools.lru_cache(maxsize=None)
 def _own(name: str) -> list[CaseSpec]:
     return load_matrix(MATRICES / name).own()
 

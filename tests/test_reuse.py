@@ -138,9 +138,10 @@ SHARED = [  # each pair shares its source world (and the HF cases their fixture)
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory):
-    """The pairs with the store, and the same cases without it."""
+    """The pairs with the store, and the same cases without it. Session-scoped: an xdist worker tears a
+    module fixture down whenever its queue runs dry between two of its tests (it ran twice, 45 s each)."""
     root = tmp_path_factory.mktemp("reuse")
     sources = root / "sources"
     with_store = run_cases(SHARED, RunOptions(workdir=root / "work", sources=sources, keep=True))

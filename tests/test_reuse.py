@@ -140,8 +140,9 @@ SHARED = [  # each pair shares its source world (and the HF cases their fixture)
 
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory):
-    """The pairs with the store, and the same cases without it. Session-scoped: an xdist worker tears a
-    module fixture down whenever its queue runs dry between two of its tests (it ran twice, 45 s each)."""
+    """The pairs with the store, and the same cases without it, once per session: the tests that use
+    it are one xdist_group (conftest.py keeps groups on one worker under pytest 9, where xdist 3.8.0
+    alone did not, and both workers computed it, 45-60 s each)."""
     root = tmp_path_factory.mktemp("reuse")
     sources = root / "sources"
     with_store = run_cases(SHARED, RunOptions(workdir=root / "work", sources=sources, keep=True))
@@ -149,7 +150,7 @@ def shared_runs(tmp_path_factory):
     return with_store, without, sources
 
 
-@pytest.mark.xdist_group("reuse-shared-runs")  # one worker computes the module fixture, not both
+@pytest.mark.xdist_group("reuse-shared-runs")  # one worker computes the shared runs, not both
 def test_each_pair_writes_once_and_reuses_once(shared_runs):
     with_store, _, _ = shared_runs
     for first, second in zip(with_store[::2], with_store[1::2]):
@@ -160,7 +161,7 @@ def test_each_pair_writes_once_and_reuses_once(shared_runs):
         assert any("reused" in n for n in second.notes)
 
 
-@pytest.mark.xdist_group("reuse-shared-runs")  # one worker computes the module fixture, not both
+@pytest.mark.xdist_group("reuse-shared-runs")  # one worker computes the shared runs, not both
 def test_loaders_never_change_a_reused_source(shared_runs):
     """Every case that used a stored source re-hashed it when it ended, and the store's manifests
     (taken when each entry was written) still hold after every case ran."""
@@ -176,7 +177,7 @@ def test_loaders_never_change_a_reused_source(shared_runs):
         assert manifest(entry / "data") == json.loads((entry / "source.json").read_text())["manifest"], entry.name
 
 
-@pytest.mark.xdist_group("reuse-shared-runs")  # one worker computes the module fixture, not both
+@pytest.mark.xdist_group("reuse-shared-runs")  # one worker computes the shared runs, not both
 def test_reuse_gives_the_same_outcome_as_running_every_world(shared_runs):
     with_store, without, _ = shared_runs
     for a, b in zip(with_store, without):

@@ -23,19 +23,21 @@ def _cuda_device_kw(value: object) -> bool:
 
 
 class _CudaToCpu(TorchFunctionMode):
-    """Maps device='cuda' (factories, .to()) to CPU."""
+    """Maps device='cuda' (factories, .to()) to CPU; every torch call of a CPU rank comes here."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if func is _TO and len(args) > 1 and _cuda_device_kw(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if not kwargs:  # the common case returns after two tests
+            return func(*args)
         if _cuda_device_kw(kwargs.get("device")):
             kwargs = {**kwargs, "device": "cpu"}
-        if func is torch.Tensor.to and len(args) > 1 and _cuda_device_kw(args[1]):
-            args = (args[0], "cpu", *args[2:])
         if kwargs.get("pin_memory"):
             kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
 
+_TO = torch.Tensor.to
 _mode: _CudaToCpu | None = None
 
 

@@ -152,7 +152,9 @@ def _distributed_model_space(ddp, opt) -> dict:
     keys: tuple[str, ...] | None = None  # ('param', *optimizer_state_keys), read once from the first state
     order = [p for buffer in opt.buffers for p in buffer.param_index_map]  # the same on every DP rank
     position = {id(p): i for i, p in enumerate(order)}  # by identity: tensors compare elementwise
-    local: dict[int, tuple[int, int, dict]] = {}
+    index: dict[int, tuple[int, int, dict[str, int]]] = {}  # param position -> (start, end, {key: offset in flat})
+    pieces: list[torch.Tensor] = []
+    offset = 0
     for gbuf_range_maps in opt.gbuf_ranges:
         for buckets in gbuf_range_maps.values():
             for bucket in buckets:
@@ -160,24 +162,29 @@ def _distributed_model_space(ddp, opt) -> dict:
                     state = opt._get_main_param_and_optimizer_states(model_param)
                     keys = keys or ("param", *compat.optimizer_state_keys(opt, state))
                     r = ranges["param"]
-                    # clone: an fp32 main param is a view into the whole DDP param buffer, and pickling
-                    # a view (all_gather_object below) writes its entire storage, once per param
-                    local[position[id(model_param)]] = (r.start, r.end,
-                                                        {k: state[k].detach().float().cpu().flatten().clone() for k in keys})
+                    at = {}
+                    for k in keys:
+                        pieces.append(state[k].detach().float().cpu().flatten())
+                        at[k], offset = offset, offset + pieces[-1].numel()
+                    index[position[id(model_param)]] = (r.start, r.end, at)
+    # one flat tensor and a small index per rank: all_gather_object pickles each tensor through
+    # torch.save (and unpickles it through the weights-only loader), so hundreds of small ones cost
+    # far more than the bytes; a fresh tensor also never drags a view's whole storage along
+    flat = torch.cat(pieces) if pieces else torch.zeros(0)
     gathered: list = [None] * dist.get_world_size(opt.data_parallel_group)
-    dist.all_gather_object(gathered, local, group=opt.data_parallel_group)
+    dist.all_gather_object(gathered, (index, flat), group=opt.data_parallel_group)
     # a rank that holds no shard read no keys: every rank takes them from what was gathered
-    keys = next((tuple(tensors) for pieces in gathered for (_, _, tensors) in pieces.values()), ("param",))
+    keys = next((tuple(at) for rank_index, _ in gathered for (_, _, at) in rank_index.values()), ("param",))
     out = {}
     for idx, model_param in enumerate(order):
         full = {k: torch.zeros(model_param.numel(), dtype=torch.float32) for k in keys}
         covered = torch.zeros(model_param.numel(), dtype=torch.bool)
-        for pieces in gathered:
-            if idx in pieces:
-                start, end, tensors = pieces[idx]
+        for rank_index, rank_flat in gathered:
+            if idx in rank_index:
+                start, end, at = rank_index[idx]
                 covered[start:end] = True
                 for k in keys:
-                    full[k][start:end] = tensors[k]
+                    full[k][start:end] = rank_flat[at[k]:at[k] + end - start]
         if not bool(covered.all()):
             raise RuntimeError(f"optimizer view: {int((~covered).sum())} elements of a param are held by no DP rank")
         sh = metadata[model_param]

@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from harness.core.spec import CaseSpec
+from harness.orchestration.matrix import SAFE_LOADER
 
 FILE = "tiers.yaml"
 #: markers that are a tier of their own; a case without any is in the default tier
@@ -58,7 +59,7 @@ def load(directory: Path) -> Tiers:
     if not path.is_file():
         return Tiers()
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=SAFE_LOADER) or {}
     except yaml.YAMLError as exc:
         raise TiersError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict) or set(raw) - {"slow", "main_job"}:

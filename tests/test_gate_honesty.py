@@ -5,9 +5,10 @@ One planted Megatron-Bridge tree (tests/planted_bridge.py) serves every scenario
 switched by CKPT_TEST_PLANT, which the gate's subprocesses inherit and only the planted copy reads,
 so the candidate venv is built once (a minute or two with the shared uv store) and reused. The
 baseline is the pins. Cross-version reads are off (`cross=False`): these scenarios are about the
-matrix verdict, and the corpus round trips are covered in tests/test_gate.py. Each slice's baseline
-runs once and is handed to its gates as --baseline-results (what a user does with a previous gate's
-DIR/baseline), so each gate runs the candidate alone.
+matrix verdict, and the corpus round trips are covered in tests/test_gate.py. One baseline runs the
+union of the slices once and is handed to every gate as --baseline-results (what a user does with a
+nightly baseline of the whole matrix): each gate cuts it down to its own slice and runs the candidate
+alone.
 """
 
 from __future__ import annotations
@@ -46,21 +47,18 @@ def tree() -> Path:
 
 
 @pytest.fixture(scope="module")
-def baselines(tmp_path_factory) -> Callable[[str], Path]:
-    """One baseline run per slice, made as the gate makes it (the pins' venv, this harness), then
-    handed to each gate as --baseline-results: the gate checks it is a whole run of this code in the
-    baseline's environment over the same cases, and runs only the candidate."""
-    made: dict[str, Path] = {}
+def baseline(tmp_path_factory) -> Path:
+    """One baseline run over the union of every slice here, made as the gate makes it (the pins'
+    venv, this harness, --probe-imports), then handed to each gate as --baseline-results: the gate
+    checks it is a whole run of this code in the baseline's environment, cuts it down to the gate's
+    own selection, and runs only the candidate."""
+    from harness.gate.baseline_cache import selection
 
-    def get(k: str) -> Path:
-        if k not in made:
-            out = tmp_path_factory.mktemp("baseline")
-            subprocess.run([sys.executable, "-m", "harness.cli", "run", str(SMOKE), "-k", k, "--report", str(out),
-                            "--jobs", "2", "--probe-imports"], cwd=ROOT, check=False, capture_output=True)
-            made[k] = out
-        return made[k]
-
-    return get
+    ids = list(dict.fromkeys(i for k in (MIXED, HF, ONE, PEFT) for i in selection(SMOKE, k)))
+    out = tmp_path_factory.mktemp("baseline")
+    subprocess.run([sys.executable, "-m", "harness.cli", "run", str(SMOKE), *(a for i in ids for a in ("--id", i)),
+                    "--report", str(out), "--jobs", "2", "--probe-imports"], cwd=ROOT, check=False, capture_output=True)
+    return out
 
 
 def _gate(tmp_path: Path, monkeypatch, tree: Path, plant: str, k: str, baseline: list[str] | None = None,
@@ -81,12 +79,12 @@ def _first_failing(gate: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def regressed(tmp_path_factory, tree, baselines) -> tuple[Path, int, str, dict]:
+def regressed(tmp_path_factory, tree, baseline) -> tuple[Path, int, str, dict]:
     """The gate on `export-attr` over the mixed slice, rerun on: (its directory, exit code, verdict.md,
     gate.json). One gate serves the regression test and the browser test of its verdict.html."""
     tmp = tmp_path_factory.mktemp("regressed")
     with pytest.MonkeyPatch.context() as mp:
-        code, verdict, gate = _gate(tmp, mp, tree, "export-attr", MIXED, baseline_results=baselines(MIXED), rerun=True)
+        code, verdict, gate = _gate(tmp, mp, tree, "export-attr", MIXED, baseline_results=baseline, rerun=True)
     return tmp / "gate", code, verdict, gate
 
 
@@ -103,8 +101,8 @@ def test_a_candidate_whose_export_raises_inside_its_own_code_is_a_regression(reg
     assert "Could not evaluate" not in verdict  # never filed as a harness limit
 
 
-def test_a_candidate_package_that_does_not_import_fails_with_its_traceback_first(tmp_path, monkeypatch, tree, baselines):
-    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "import", MIXED, baseline_results=baselines(MIXED))
+def test_a_candidate_package_that_does_not_import_fails_with_its_traceback_first(tmp_path, monkeypatch, tree, baseline):
+    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "import", MIXED, baseline_results=baseline)
     assert code == 1, verdict
     first = _first_failing(gate)
     assert first["class"] == "does-not-import" and first["case"] == "import megatron.bridge", first
@@ -120,23 +118,26 @@ def test_a_baseline_red_on_every_selected_case_cannot_call_anything_safe(tmp_pat
     assert "**1 baseline-red case(s)**" in verdict.split("\n## ")[0]
 
 
-def test_a_candidate_run_killed_mid_way_is_no_verdict_and_names_where_it_died(tmp_path, monkeypatch, tree, baselines):
-    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "kill", HF, baseline_results=baselines(HF))
+def test_a_candidate_run_killed_mid_way_is_no_verdict_and_names_where_it_died(tmp_path, monkeypatch, tree, baseline):
+    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "kill", HF, baseline_results=baseline)
     assert code == 2, verdict
     assert "the candidate run did not finish" in gate["error"] and "it died in or before hf-roundtrip[" in gate["error"]
 
 
-def test_a_public_api_the_candidate_removed_is_a_breaking_change(tmp_path, monkeypatch, tree, baselines):
-    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "public-api", ONE, baseline_results=baselines(ONE))
+def test_a_public_api_the_candidate_removed_is_a_breaking_change(tmp_path, monkeypatch, tree, baseline):
+    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "public-api", ONE, baseline_results=baseline)
     assert code == 1, verdict
     first = _first_failing(gate)
     assert first["class"] == "api-break" and "save_hf_pretrained" in first["detail"], first
     assert "looked up at harness/" in first["detail"]  # the harness's own call made the lookup
+    # the one baseline of every slice here, cut down to this gate's single case
+    used = json.loads((tmp_path / "gate" / "baseline" / "results.json").read_text())
+    assert [r["id"] for r in used["results"]] == [ONE] and used["restricted_from"] == 7, used.get("restricted_from")
 
 
 def test_an_internal_api_the_harness_reaches_for_is_a_hole_that_keeps_safe_off_unless_accepted(
-        tmp_path, monkeypatch, tree, baselines, capsys):
-    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "internal-api", PEFT, baseline_results=baselines(PEFT))
+        tmp_path, monkeypatch, tree, baseline, capsys):
+    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "internal-api", PEFT, baseline_results=baseline)
     first_lines = verdict.split("\n## ")[0]
     holes = [f for f in gate["findings"] if f["class"] == "not-evaluated"]
     hole = "peft-export[bridge_peft-hf-llama-tp1pp1dp1cp1->tp2pp1dp1cp1-canonical_lora]"
@@ -158,9 +159,9 @@ def test_an_internal_api_the_harness_reaches_for_is_a_hole_that_keeps_safe_off_u
     assert "accepted** by `--accept-unevaluated '*canonical_lora]'`" in printed and printed.rstrip().endswith("**SAFE**: no regression.")
 
 
-def test_a_failure_that_does_not_reproduce_is_flaky_never_a_regression_nor_evidence(tmp_path, monkeypatch, tree, baselines):
+def test_a_failure_that_does_not_reproduce_is_flaky_never_a_regression_nor_evidence(tmp_path, monkeypatch, tree, baseline):
     monkeypatch.setenv(f"{PLANT}_ONCE", str(tmp_path / "failed-once"))
-    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "flaky", ONE, baseline_results=baselines(ONE), rerun=True)
+    code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "flaky", ONE, baseline_results=baseline, rerun=True)
     assert (tmp_path / "failed-once").exists()  # the first export did fail
     assert [(f["case"], f["class"], f["failing"]) for f in gate["findings"] if f["case"] == ONE] == [(ONE, "flaky", False)], gate
     flaky = next(f for f in gate["findings"] if f["class"] == "flaky")

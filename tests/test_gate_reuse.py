@@ -111,6 +111,46 @@ def test_a_planted_variable_is_part_of_the_key(world, monkeypatch):
     assert world.ran == ["baseline", "candidate"]
 
 
+def test_a_baseline_of_the_whole_matrix_serves_a_gate_on_a_slice_cut_down_to_it(world):
+    assert world.gate("whole")[0] == 0  # its DIR/baseline: a run of both cases
+    whole = world.tmp / "whole" / "baseline"
+    code, verdict = world.gate("slice", "hf-roundtrip", baseline_results=whole)
+    assert code == 0 and world.ran == ["candidate"], verdict
+    assert f"--baseline-results `{whole}`" in _baseline_line(verdict) and "its 2 cases cut down" in _baseline_line(verdict)
+    doc = json.loads((world.tmp / "slice" / "baseline" / "results.json").read_text())
+    assert doc["selected"] == [IDS[1]] and [r["id"] for r in doc["results"]] == [IDS[1]]
+    assert doc["restricted_from"] == 2 and doc["summary"]["passed"] == 1 and sum(doc["summary"].values()) == 1
+    # the same selection is handed on as it was: nothing cut, nothing said
+    code, verdict = world.gate("same", baseline_results=whole)
+    assert code == 0 and world.ran == ["candidate"] and "cut down" not in _baseline_line(verdict)
+    assert "restricted_from" not in json.loads((world.tmp / "same" / "baseline" / "results.json").read_text())
+
+
+@pytest.mark.parametrize("change, words", [
+    ("a case it did not run", "did not run 1 of this gate's 3 case(s) (resume[mcore_dist"),
+    ("another matrix file", "ran the matrix 'matrices/other.yaml'"),
+    ("another environment", "was run in another environment than the baseline's venv-pins2"),
+    ("other harness code", "was run by other harness code (code1, this checkout is code2)"),
+])
+def test_a_baseline_results_that_is_not_this_gates_run_is_refused_naming_why(world, change, words):
+    assert world.gate("first")[0] == 0
+    given = world.tmp / "first" / "baseline"
+    if change == "a case it did not run":
+        world.ids = IDS + ["resume[mcore_dist-gpt-gqa-tp1pp1dp2cp1->tp1pp1dp2cp1-fully_reshardable]"]
+    elif change == "another matrix file":
+        doc = json.loads((given / "results.json").read_text())
+        doc["matrix"] = "matrices/other.yaml"
+        (given / "results.json").write_text(json.dumps(doc))
+        world.ids = IDS[:1]  # a slice of what it ran: the matrix file is what then tells them apart
+    elif change == "another environment":
+        world.env = "pins2"
+    else:
+        world.digest = "code2"
+    code, verdict = world.gate("second", baseline_results=given)
+    assert code == 2 and world.ran == [], (change, verdict)
+    assert words in verdict, (change, verdict)
+
+
 def test_a_partial_run_is_never_cached_and_an_entry_under_another_key_is_refused(tmp_path):
     key = baseline_cache.key_for("pins1", Path("m.yaml"), None, IDS, "code1", host="h", environ={})
     res = tmp_path / "results.json"

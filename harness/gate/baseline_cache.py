@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.core.result import STATUSES
+
 DIR = "baselines"
 SHA256 = "sha256.json"  # in an entry: {"files": {path: sha256}} of every other file in it
 STAGE = "cached-baseline"  # in the gate's out dir: the verified copy of the entry it uses
@@ -337,3 +339,23 @@ def store_corpus(entry: Entry, corpus: Path) -> None:
 def restore_corpus(entry: Entry, dest: Path) -> bool:
     """Put the entry's corpus at `dest` (the gate's cross/written-by-baseline); False when it has none."""
     return restore_part(entry, "corpus", dest)
+
+
+def restricted(doc: dict[str, Any], ids: list[str], where: Path, matrix: Path | None = None) -> dict[str, Any]:
+    """`doc` (a --baseline-results run) as the run of exactly `ids`, when it ran all of them and maybe
+    more of the same matrix file (a nightly baseline of the whole matrix serving a gate on a -k slice);
+    the cut is said in `restricted_from`. Refused, naming what, when it lacks one or ran another file."""
+    ran = doc.get("selected") or []
+    if ran == ids:
+        return doc
+    if matrix is not None and Path(str(doc.get("matrix", ""))).name != Path(matrix).name:
+        raise Refused(f"--baseline-results {where} ran the matrix {doc.get('matrix')!r}, this gate runs "
+                      f"{str(matrix)!r}: run the gate without it")
+    missing = [i for i in ids if i not in set(ran)]
+    if missing:
+        raise Refused(f"--baseline-results {where} did not run {len(missing)} of this gate's {len(ids)} case(s) "
+                      f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): run the gate without it")
+    keep = set(ids)
+    results = [r for r in doc["results"] if r.get("id") in keep]
+    return {**doc, "selected": list(ids), "results": results,
+            "summary": {s: sum(r["status"] == s for r in results) for s in STATUSES}, "restricted_from": len(ran)}

@@ -130,9 +130,11 @@ def read_imports(side: Side, doc: dict[str, Any]) -> None:
                         f"{side.import_problems['megatron.core']}")
 
 
-def reuse_baseline(side: Side, results: Path, out: Path) -> None:
+def reuse_baseline(side: Side, results: Path, out: Path, ids: list[str] | None = None,
+                   matrix: Path | None = None) -> dict[str, Any]:
     """A baseline run made earlier (a previous gate's DIR/baseline) in place of running it again: only
-    when it is a whole run of the same harness code in the same environment, copied into `out`. The
+    when it is a whole run of the same harness code in the same environment, copied into `out`; with
+    `ids` (the gate's selection of `matrix`) cut down to them (baseline_cache.restricted). The
     selection is checked against the candidate's run once it exists (`same_selection`)."""
     doc = compare.load(results)
     if problem := evidence.complete_problem(doc, f"reused baseline ({results})"):
@@ -144,11 +146,14 @@ def reuse_baseline(side: Side, results: Path, out: Path) -> None:
     if doc.get("harness") != (digest := code_digest()):
         raise GateError(f"--baseline-results {results} was run by other harness code ({doc.get('harness')}, this "
                         f"checkout is {digest}): run the gate without it")
+    if ids is not None:  # baseline_cache.Refused, naming what, ends the gate as a GateError does
+        doc = baseline_cache.restricted(doc, ids, results, matrix)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(doc, indent=2))
     (out / "reused-from").write_text(f"{results}\n")
     read_imports(side, doc)
-    say(f"baseline: reusing {results} ({len(doc['results'])} case(s))")
+    say(f"baseline: reusing {results} ({len(doc['results'])} case(s), of {doc.get('restricted_from', len(doc['results']))} run)")
+    return doc
 
 
 def same_selection(base: dict[str, Any], cand: dict[str, Any]) -> None:
@@ -277,8 +282,10 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
             build_side(s, cache)
         entry = key = None
         if baseline_results is not None:
-            reuse_baseline(sides[0], baseline_results, out / "baseline")
-            notes.append(f"- Baseline: the run given as --baseline-results `{baseline_results}` (not run by this gate).")
+            cut = reuse_baseline(sides[0], baseline_results, out / "baseline", baseline_cache.selection(matrix, k),
+                                 matrix).get("restricted_from")
+            notes.append(f"- Baseline: the run given as --baseline-results `{baseline_results}` (not run by this gate"
+                         + (f"; its {cut} cases cut down to this gate's selection)." if cut else ")."))
         else:
             entry, key = cached_baseline(sides[0], matrix, k, out, cache, fresh_baseline, notes)
         to_run = [s for s in sides if s.name == "candidate" or (baseline_results is None and entry is None)]
@@ -314,10 +321,10 @@ def run_gate(candidates: list[str], baselines: list[str], matrix: Path, k: str |
         findings = sorted([*findings, *import_findings(sides), *evidence.shim_findings(base, cand)],
                           key=lambda f: (compare.ORDER.index(f.kind), f.case))
         code, cover = evidence.decide(base, cand, findings, accept)
-        error = no_evidence(cover) if code == 2 else None
+        error = evidence.no_evidence(cover) if code == 2 else None
         if archs.exit_code(code, arch_problem) != code:  # "no change" is evidence only when there is a registry
             code, error = 2, f"the Megatron-Bridge architecture registry gives no evidence: {arch_problem}"
-    except (GateError, compare.CompareInputError) as exc:
+    except (GateError, compare.CompareInputError, baseline_cache.Refused) as exc:
         code, error = 2, str(exc)
     timings["total"] = time.perf_counter() - start
     for s in sides:
@@ -429,21 +436,3 @@ def import_findings(sides: list[Side]) -> list[compare.Finding]:
     return [compare.Finding(f"import {m}", "does-not-import", f"{m} does not import in the candidate (it does in the "
                             f"baseline): {problem.strip().splitlines()[-1]}", "imports", "does not import")
             for m, problem in cand.items() if m not in base]
-
-
-def no_evidence(cover: evidence.Coverage) -> str:
-    """Why exit 2 when nothing failed: what the gate could not evaluate."""
-    if cover.evaluated and (blocking := cover.blocking):
-        return (f"{len(blocking)} case(s) green on the baseline have no real result on the candidate (listed first): the "
-                "gate saw nothing of them on the candidate, so it cannot call it safe; accept named holes with "
-                "--accept-unevaluated PATTERN")
-    if not cover.evaluated and cover.baseline_red and len(cover.baseline_red) == cover.selected:
-        return (f"the baseline is red on every selected case ({cover.selected} failed or errored on the baseline): "
-                "there is nothing to compare the candidate against; fix the baseline or the selection")
-    if not cover.evaluated:
-        return ("nothing in the candidate could be evaluated on both sides (see the counts above and 'Could not "
-                "evaluate'), so this gate says nothing about the candidate")
-    return (f"no case of {', '.join(cover.unevaluated_kinds)} was evaluated on both sides: the gate says nothing "
-            "about that kind, so it cannot call the candidate safe")
-
-

@@ -280,3 +280,19 @@ def run_compare(base_path: Path, cand_path: Path, out: Path | None = None,
         (out / "compare.json").write_text(json.dumps(doc, indent=2, default=str))
         (out / "compare.md").write_text(md + "\n")
     return code, md
+
+
+def no_evidence(cover: Coverage) -> str:
+    """Why exit 2 when nothing failed: what the gate could not evaluate."""
+    if cover.evaluated and (blocking := cover.blocking):
+        return (f"{len(blocking)} case(s) green on the baseline have no real result on the candidate (listed first): the "
+                "gate saw nothing of them on the candidate, so it cannot call it safe; accept named holes with "
+                "--accept-unevaluated PATTERN")
+    if not cover.evaluated and cover.baseline_red and len(cover.baseline_red) == cover.selected:
+        return (f"the baseline is red on every selected case ({cover.selected} failed or errored on the baseline): "
+                "there is nothing to compare the candidate against; fix the baseline or the selection")
+    if not cover.evaluated:
+        return ("nothing in the candidate could be evaluated on both sides (see the counts above and 'Could not "
+                "evaluate'), so this gate says nothing about the candidate")
+    return (f"no case of {', '.join(cover.unevaluated_kinds)} was evaluated on both sides: the gate says nothing "
+            "about that kind, so it cannot call the candidate safe")

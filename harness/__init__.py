@@ -1,4 +1,5 @@
-"""ckpt-harness. Its one import-time job: give the cases one name, `harness.cases`, everywhere.
+"""ckpt-harness. Its import-time job: give the cases one name, `harness.cases`, everywhere (and,
+only under a mutation campaign, activate its mutant: the end of this file).
 
 The wheel holds the cases as harness/cases (pyproject's package-dir maps cases/ there, so the wheel
 installs no generic top-level `cases`); a clone keeps them at its top level, cases/ beside harness/,
@@ -31,3 +32,9 @@ if (not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "cases"))
         and _os.path.isfile(_os.path.join(_CLONE_CASES, "__init__.py"))
         and not any(getattr(f, "__name__", "") == "_CloneCases" for f in _sys.meta_path)):  # once, even on reload
     _sys.meta_path.insert(0, _CloneCases)
+
+if _os.environ.get("CKPT_HARNESS_MUTANT"):  # a mutation campaign's mutant (harness/faults/mutant_hook.py): in
+    # every process of its world, before anything imports its module; unset, nothing is imported here
+    from harness.faults.mutant_hook import activate_from_env as _activate_mutant
+
+    _activate_mutant()

@@ -110,6 +110,8 @@ def test_a_candidate_package_that_does_not_import_fails_with_its_traceback_first
     assert head.startswith("megatron.bridge does not import in the candidate") and "_planted_missing_module" in head
 
 
+@pytest.mark.slow  # 59 s on 2 cores: both sides run the planted tree; the rule itself is tests/test_evidence.py's
+# (an all-red baseline cannot be SAFE), and the real gate's other exit-2 paths (kill, internal-api, flaky) stay here
 def test_a_baseline_red_on_every_selected_case_cannot_call_anything_safe(tmp_path, monkeypatch, tree):
     code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "export-attr", ONE, baseline=[str(tree)])
     assert code == 2, verdict

@@ -2,6 +2,8 @@
 
 import textwrap
 
+import pytest
+
 pytest_plugins = ["pytester"]
 
 MATRIX = textwrap.dedent(
@@ -44,6 +46,8 @@ def test_a_bad_matrix_is_a_collection_error_naming_it(pytester):
     assert result.ret != 0
 
 
+@pytest.mark.slow  # 23 s: a second pytest under xdist; the default suite itself runs every matrix item under
+# xdist (scripts/test -n 2) and CI's test groups with --ckpt-report, the per-worker JSONL this counts
 def test_reshard_cases_run_under_xdist(pytester):
     _project(pytester)
     result = pytester.runpytest_subprocess("-m", "reshard", "-n", "2", "-p", "no:cacheprovider", "--ckpt-report", "rep")

@@ -1,5 +1,5 @@
 """ckpt-harness. Its import-time job: give the cases one name, `harness.cases`, everywhere (and,
-only under a mutation campaign, activate its mutant: the end of this file).
+only under a mutation campaign, measure its targets or activate its mutant: the end of this file).
 
 The wheel holds the cases as harness/cases (pyproject's package-dir maps cases/ there, so the wheel
 installs no generic top-level `cases`); a clone keeps them at its top level, cases/ beside harness/,
@@ -33,6 +33,11 @@ if (not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "cases"))
         and not any(getattr(f, "__name__", "") == "_CloneCases" for f in _sys.meta_path)):  # once, even on reload
     _sys.meta_path.insert(0, _CloneCases)
 
+if _os.environ.get("CKPT_HARNESS_COVERAGE"):  # a mutation campaign's instrumented run: which target lines
+    # each case runs (harness/faults/coverage_hook.py), measured from before anything imports them
+    from harness.faults.coverage_hook import start_process as _measure
+
+    _measure()
 if _os.environ.get("CKPT_HARNESS_MUTANT"):  # a mutation campaign's mutant (harness/faults/mutant_hook.py): in
     # every process of its world, before anything imports its module; unset, nothing is imported here
     from harness.faults.mutant_hook import activate_from_env as _activate_mutant

@@ -45,6 +45,10 @@ def test_each_operator_finds_its_point_and_annotations_are_left_alone(mutants):
     assert found >= set(OPERATORS) - {"not-dropped", "return-arg", "flag-invert"}, found
     assert not [m for m in mutants if m.original in ("float", "str", "int", "dict")], "an annotation was mutated"
     assert not [m for m in mutants if "print" in m.original], "a statement that only prints is no mutant"
+    # what runs at import (module level, a default) and what runs when called
+    assert _one(mutants, "drop-statement", "DEBUG = False", "pass").at_import
+    assert _one(mutants, "constant", "True", "False").at_import  # strict's default: evaluated by the def
+    assert not _one(mutants, "swap-args", "numel, world", "world, numel").at_import
 
 
 def test_the_rest_of_the_operators_on_a_source_of_their_own(tmp_path):

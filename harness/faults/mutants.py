@@ -54,6 +54,9 @@ class Mutant:
     original: str
     replacement: str
     function: str  # the enclosing function's qualified name ('' at module level)
+    #: the span runs when the module is imported (module level, a class body, a decorator or default),
+    #: not when a function of it is called: every case that imports the module runs it
+    at_import: bool = False
 
     @property
     def id(self) -> str:
@@ -156,6 +159,7 @@ class _Points(ast.NodeVisitor):
         self.module, self.path, self.sha, self.text = module, path, sha, text
         self.starts = _line_starts(text)
         self.scope: list[str] = []
+        self.in_function = 0  # how many function bodies enclose the visit
         self.out: list[Mutant] = []
 
     def points(self, tree: ast.AST) -> list[Mutant]:
@@ -170,7 +174,7 @@ class _Points(ast.NodeVisitor):
         original = self._seg(line, col, end_line, end_col)
         if original != replacement and original.strip():
             self.out.append(Mutant(self.module, self.path, self.sha, line, col, end_line, end_col, op, original,
-                                   replacement, ".".join(self.scope)))
+                                   replacement, ".".join(self.scope), self.in_function == 0))
 
     def _add_offsets(self, op: str, a: int, b: int, replacement: str) -> None:
         (line, col), (end_line, end_col) = self._pos(a), self._pos(b)
@@ -203,12 +207,20 @@ class _Points(ast.NodeVisitor):
 
     # -- scopes
     def _scoped(self, node: ast.AST) -> None:
-        self.scope.append(node.name)
         if isinstance(node, ast.ClassDef):
+            self.scope.append(node.name)
             self.generic_visit(node)
-        else:  # the body, decorators and defaults; not the annotations (types, not behaviour)
-            for child in (*node.decorator_list, *node.args.defaults, *(d for d in node.args.kw_defaults if d), *node.body):
-                self.visit(child)
+            self.scope.pop()
+            return
+        # decorators and defaults run where the def is (at import for a module-level def); then the body;
+        # never the annotations (types, not behaviour)
+        for child in (*node.decorator_list, *node.args.defaults, *(d for d in node.args.kw_defaults if d)):
+            self.visit(child)
+        self.scope.append(node.name)
+        self.in_function += 1
+        for child in node.body:
+            self.visit(child)
+        self.in_function -= 1
         self.scope.pop()
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scoped

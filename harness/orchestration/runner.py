@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Iterator
 from harness.backends import ref_of
 from harness.core.result import CaseResult
 from harness.core.spec import CaseSpec, XFail
+from harness.faults import coverage_hook
 from harness.judge.budgets import Budgets
 from harness.judge.status import api_unavailable, apply_expected_failure, conclude
 from harness.orchestration.schedulers import Scheduler, Settings
@@ -170,6 +171,7 @@ def run_case(spec: CaseSpec, options: RunOptions | None = None) -> CaseResult:
         result.status, result.not_run_reason = "not-run", reason
         result.phases["total"] = 0.0
         return result
+    coverage_hook.case(spec.id)  # a mutation campaign's instrumented run only: this case's lines from here
     with case_envelope(result, options, spec.timeout_s, spec.xfail) as env:
         driven = [get_backend(r) for r in case.backends(spec, opts)]
         env.sources += [*driven, Budgets(spec.budgets)]  # they judge the case when the envelope concludes

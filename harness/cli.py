@@ -398,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     from harness.gate import bisect as bisect_cmd
 
     bisect_cmd.add_parser(sub).set_defaults(func=lambda args: bisect_cmd.run_cli(args))
+    from harness.gate import mutate
+
+    mutate.add_parser(sub)  # sets its own func (mutate.run_cli)
     env = sub.add_parser("envs", help="list the built environments (own disk, shared store) or prune them")
     env.add_argument("action", choices=("list", "prune"))
     env.add_argument("--cache", type=Path, default=None, help="default: $CKPT_HARNESS_HOME or ~/.cache/ckpt-harness")

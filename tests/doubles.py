@@ -881,3 +881,21 @@ class SwallowFinalizeErrors(McoreDist):
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             return []
+
+
+class ThroughMutationTarget(McoreDist):
+    """A correct load, then the first parameter passed through tests/mutation_target.py (`take` of the
+    whole of it, written back; `describe` of what was taken): the target of test_mutate.py's campaign,
+    where a mutant of that module changes the loaded weights or nothing at all."""
+
+    def load(self, ctx, model, directory):
+        import mutation_target
+
+        from harness.models.mcore import as_chunks
+
+        super().load(ctx, model, directory)
+        p = next(as_chunks(model)[0].parameters())
+        taken = mutation_target.take(p.detach().flatten().tolist(), 0, 1)
+        with torch.no_grad():
+            p.view(-1).copy_(torch.tensor(taken, dtype=p.dtype))
+        mutation_target.describe({"taken": len(taken)})

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness.faults import coverage_hook
 from harness.faults.mutants import generate, locate
 
@@ -18,6 +20,8 @@ CASE = "reshard-weights[mcore_dist-gpt-gqa-tp2pp1dp1cp1->tp1pp2dp1cp1]"
 MAPPING = "megatron.core.dist_checkpointing.mapping"
 
 
+@pytest.mark.slow  # 19 s: tests/test_mutate.py's campaign measures a forked rank's lines in the default tier;
+# this one adds megatron-core as installed and counts the parent's and each rank's data files
 def test_an_instrumented_run_names_the_case_of_each_line_its_ranks_ran(tmp_path):
     cov_dir = tmp_path / "cov"
     cov_dir.mkdir()

@@ -43,6 +43,8 @@ case needs):
 
 from __future__ import annotations
 
+import os
+
 import copy
 import importlib
 import pkgutil
@@ -231,8 +233,23 @@ def unregister(name: str) -> None:
     _registered.pop(name, None)
 
 
+#: NAME=module:attr[,NAME=module:attr...]: backends of this process and every process it starts, with
+#: no package to install (a backend of the user's own, or a test double a `run` subprocess needs)
+ENV = "CKPT_HARNESS_BACKENDS"
+
+
+def _from_env() -> dict[str, str]:
+    out = {}
+    for item in filter(None, (x.strip() for x in os.environ.get(ENV, "").split(","))):
+        name, sep, target = item.partition("=")
+        if not sep or ":" not in target:
+            raise ValueError(f"{ENV}: {item!r} is not NAME=module:attr")
+        out[name.strip()] = target.strip()
+    return out
+
+
 def _table() -> dict[str, str]:
-    return {**_builtin(), **_entry_points(), **_registered}
+    return {**_builtin(), **_entry_points(), **_from_env(), **_registered}
 
 
 def available() -> list[str]:

@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gate.add_argument("--baseline-results", type=Path, default=None, metavar="DIR",
                       help="reuse this baseline run (a previous gate's DIR/baseline) instead of running the baseline "
                            "again: refused unless it is a whole run of this harness code in the baseline's environment "
-                           "over the same cases")
+                           "that ran every selected case (a run of more cases of the same matrix is cut down to them)")
     gate.add_argument("--fresh-baseline", action="store_true",
                       help="run the baseline even when a cached run of it exists (the cache, under --cache's baselines/, is keyed "
                            "by the baseline env, the harness code digest and the selection; a matching entry is reused by default)")

@@ -1,0 +1,92 @@
+"""A mutation campaign written up: DIR/mutate.json, DIR/mutate.md, DIR/mutate.png.
+
+The kill rate counts killed (timeouts included) over covered mutants, equivalent ones left out; the
+coverage rate counts covered over sampled mutants. Both overall, per module and per function. Every
+survivor is listed with its diff, its file:line and the cases that ran it; the mutants no case ran
+come next (the selection's blind spots), then the equivalent ones.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+KILLED = ("killed", "killed-timeout")
+
+
+def rates(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Counts, kill rate (killed / covered, equivalent left out) and coverage rate (covered / sampled)."""
+    records = list(records)
+    n = {o: sum(r["outcome"] == o for r in records) for o in ("killed", "killed-timeout", "survived", "equivalent", "not-covered")}
+    covered = n["killed"] + n["killed-timeout"] + n["survived"]
+    sampled = len(records) - n["equivalent"]
+    return {"sampled": len(records), **n, "covered": covered,
+            "kill_rate": round((n["killed"] + n["killed-timeout"]) / covered, 4) if covered else None,
+            "coverage_rate": round(covered / sampled, 4) if sampled else None}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def write(records: list[dict[str, Any]], out: Path, targets: list[str]) -> dict[str, Any]:
+    """Writes the three files; returns the overall rates."""
+    overall = rates(records)
+    by_module: dict[str, list] = defaultdict(list)
+    by_function: dict[str, list] = defaultdict(list)
+    for r in records:
+        by_module[r["module"]].append(r)
+        by_function[f"{r['module']}:{r['function'] or '<module>'}"].append(r)
+    doc = {"targets": targets, "overall": overall, "modules": {m: rates(rs) for m, rs in by_module.items()},
+           "functions": {f: rates(rs) for f, rs in by_function.items()}, "mutants": records}
+    (out / "mutate.json").write_text(json.dumps(doc, indent=1))
+    lines = [f"# Mutation campaign: {_pct(overall['kill_rate'])} of covered mutants killed, "
+             f"{_pct(overall['coverage_rate'])} of sampled mutants covered",
+             "",
+             f"{overall['sampled']} mutant(s) sampled of {', '.join(targets)}: {overall['killed']} killed, "
+             f"{overall['killed-timeout']} killed by timeout, **{overall['survived']} survived**, "
+             f"**{overall['not-covered']} not covered** (no selected case runs them: blind spots of the selection), "
+             f"{overall['equivalent']} equivalent (left out of both rates).",
+             "", "## Per module", "", "| module | sampled | covered | killed | survived | not covered | equivalent | kill rate | coverage |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for m, rs in sorted(doc["modules"].items()):
+        lines.append(f"| {m} | {rs['sampled']} | {rs['covered']} | {rs['killed'] + rs['killed-timeout']} | {rs['survived']} | "
+                     f"{rs['not-covered']} | {rs['equivalent']} | {_pct(rs['kill_rate'])} | {_pct(rs['coverage_rate'])} |")
+    lines += ["", "## Per function", "", "| function | sampled | killed | survived | not covered | kill rate |", "|---|---|---|---|---|---|"]
+    for f, rs in sorted(doc["functions"].items()):
+        lines.append(f"| {f} | {rs['sampled']} | {rs['killed'] + rs['killed-timeout']} | {rs['survived']} | "
+                     f"{rs['not-covered']} | {_pct(rs['kill_rate'])} |")
+    for title, outcome in (("Survivors", "survived"), ("Not covered", "not-covered"), ("Equivalent", "equivalent")):
+        picked = [r for r in records if r["outcome"] == outcome]
+        lines += ["", f"## {title} ({len(picked)})"]
+        for r in picked:
+            ran = f"; ran by {len(r['cases'])} case(s): {', '.join(r['cases'][:4])}{' ...' if len(r['cases']) > 4 else ''}" if r["cases"] else ""
+            lines += ["", f"- `{r['id']}` {r['operator']} in {r['function'] or '<module>'}, {r['path']}:{r['line']}{ran}",
+                      "", "```diff", r["diff"].rstrip(), "```"]
+    (out / "mutate.md").write_text("\n".join(lines) + "\n")
+    _plot(doc["modules"], out / "mutate.png")
+    return overall
+
+
+def _plot(modules: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted(modules)
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * max(1, len(names))))
+    kill = [100 * (modules[n]["kill_rate"] or 0) for n in names]
+    cover = [100 * (modules[n]["coverage_rate"] or 0) for n in names]
+    y = range(len(names))
+    ax.barh([i + 0.2 for i in y], kill, height=0.4, label="killed / covered")
+    ax.barh([i - 0.2 for i in y], cover, height=0.4, label="covered / sampled")
+    ax.set_yticks(list(y), [n.removeprefix("megatron.") for n in names], fontsize=8)
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("%")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -8,7 +8,8 @@
 2. One instrumented run of the slice (DIR/clean): the cases' unmutated outcomes, and which target
    lines each case ran (harness/faults/coverage_hook.py, in every rank). A mutant no case runs is
    **not covered**: a blind spot of the selection, never counted as killed.
-3. Each covered mutant runs only the cases that run its span, in a fresh `run` whose every process
+3. Each covered mutant runs only the cases that run its span (`--jobs` mutants at once, each its own
+   work unit), in a fresh `run` whose every process
    loads the mutant (harness/faults/mutant_hook.py; the installed file is only read). It is
    **killed** when a case's outcome changed as the gate judges it (a failing finding of
    harness.gate.compare: a new failure or error, a check that passed failing, a named xfail failing
@@ -113,8 +114,8 @@ def judge(clean: dict[str, Any], ran: dict[str, Any] | None, cases: list[str], t
     return ("killed" if failing else "survived"), failing
 
 
-def run_mutant(m: Mutant, index: int, text: str, cases: list[str], matrix: Path, out: Path, jobs: int,
-               timeout_s: float, clean: dict[str, Any]) -> dict[str, Any]:
+def run_mutant(m: Mutant, index: int, text: str, cases: list[str], matrix: Path, out: Path, timeout_s: float,
+               clean: dict[str, Any]) -> dict[str, Any]:
     """One mutant's outcome (DIR/mutants/<index>/outcome.json), from its file when it ran before."""
     where = out / "mutants" / f"{index:04d}"
     done = where / "outcome.json"
@@ -128,7 +129,7 @@ def run_mutant(m: Mutant, index: int, text: str, cases: list[str], matrix: Path,
         record.update(outcome="not-covered", findings=[])
     else:
         env = {**_clean_env(), mutant_hook.ENV: json.dumps(m.to_dict())}
-        args = [str(matrix), *(a for c in cases for a in ("--id", c)), "--report", str(where / "run"), "--jobs", str(jobs)]
+        args = [str(matrix), *(a for c in cases for a in ("--id", c)), "--report", str(where / "run"), "--jobs", "1"]
         _, timed_out = _run(args, env, where / "run.log", timeout_s * max(1, len(cases)))
         ran = compare.load(where / "run") if (where / "run" / "results.json").exists() else None
         outcome, findings = judge(clean, ran, cases, timed_out)
@@ -148,13 +149,18 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
     ids = list(clean.get("selected") or [r["id"] for r in clean["results"]])
     by_file = coverage_hook.lines(out / "coverage")
     texts = {f: Path(f).read_text() for f in files}
-    records = []
-    for i, m in enumerate(mutants):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> dict[str, Any]:
+        m = mutants[i]
         cases = coverage_hook.covering(by_file.get(m.path, {}), m.line, m.end_line, ids, m.at_import)
-        rec = run_mutant(m, i, texts[m.path], cases, matrix, out, jobs, timeout_s, clean)
+        rec = run_mutant(m, i, texts[m.path], cases, matrix, out, timeout_s, clean)
         say(f"mutate [{i + 1}/{len(mutants)}] {rec['outcome'].upper():14} {m.id} ({len(cases)} case(s), {rec['seconds']}s)")
-        records.append(rec)
-    return records
+        return rec
+
+    # mutants are independent work units: `jobs` mutant runs at once (threads that wait on subprocesses)
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, range(len(mutants))))
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -165,7 +171,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="which N: the same seed gives the same mutants")
     p.add_argument("-k", default=None, help="only matrix cases whose id contains every word of this")
     p.add_argument("--matrix", type=Path, default=Path("matrices/gate.yaml"), help="default: the gate's selection")
-    p.add_argument("--jobs", "-j", type=int, default=1, metavar="J", help="cases at once in each mutant's run")
+    p.add_argument("--jobs", "-j", type=int, default=1, metavar="J", help="mutant runs at once (each runs its cases one "
+                   "at a time; a fresh interpreter's imports overlap another mutant's cases)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per case before a mutant counts as "
                    "killed by timeout")
     p.add_argument("--out", type=Path, required=True, help="the campaign's directory (run again to resume)")

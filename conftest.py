@@ -15,9 +15,9 @@ if _TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
 
 
-def xdist_groups_lost(items: list) -> dict[str, str]:
-    """{nodeid: group} for the items marked xdist_group whose node id lacks the "@group" suffix that
-    --dist loadgroup schedules by.
+@pytest.hookimpl(trylast=True)  # after xdist's own hook, which added the suffix where pytest does not read it
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """Give each item marked xdist_group the "@group" node-id suffix --dist loadgroup schedules by.
 
     pytest-xdist 3.8.0 adds the suffix to `item._nodeid`, which pytest 9 no longer reads (its
     Node.nodeid is str(item._id)): every group was silently ignored, and the grouped tests spread
@@ -25,22 +25,12 @@ def xdist_groups_lost(items: list) -> dict[str, str]:
     each; the planted-candidate gates each building their own baseline; tests/test_slurm.py's
     clusters free to overlap). Probe: the effect itself, a grouped item without the suffix after
     xdist's hook; the day xdist sets the id pytest reads, nothing is found and nothing changes."""
-    lost = {}
-    for item in items:
-        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
-        if names and "@" not in item.nodeid:
-            lost[item.nodeid] = "_".join(names)
-    return lost
-
-
-@pytest.hookimpl(trylast=True)  # after xdist's own hook, which added the suffix where pytest does not read it
-def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     if not getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup only
         return
-    lost = xdist_groups_lost(items)
     for item in items:
-        if item.nodeid in lost and hasattr(item, "_id"):
-            item._id = type(item._id).parse(f"{item.nodeid}@{lost[item.nodeid]}")
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid and hasattr(item, "_id"):
+            item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 @pytest.fixture(autouse=True)

@@ -43,10 +43,9 @@ case needs):
 
 from __future__ import annotations
 
-import os
-
 import copy
 import importlib
+import os
 import pkgutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass

@@ -3,7 +3,8 @@
 A background thread samples RSS (every `interval_s`) and USS with psutil. USS walks the whole
 address space (/proc/PID/smaps_rollup: ~17 ms for a 1 GiB rank with torch and Megatron imported,
 1000x an RSS read), so it is read at the start and then only once `USS_SPACING` times its last
-cost has passed: the sampler takes ~2% of a core, not a quarter of one. The kernel's own high-water mark (VmHWM, reset at phase start through
+cost has passed: the sampler takes ~2% of a core, not a quarter of one. The kernel's own
+high-water mark (VmHWM, reset at phase start through
 /proc/self/clear_refs where Linux allows it) catches spikes between samples; the reported peak is
 the larger of the two, and both are kept so a report can show how well the sampler saw the phase.
 A phase starts from a trimmed heap (glibc malloc_trim): heap a rank freed before the phase but
@@ -127,12 +128,20 @@ def track(phase: str, interval_s: float = 0.005) -> Iterator[PhaseMemory]:
         _trim_heap()
     hwm_reset = _depth == 0 and _reset_kernel_hwm()
     m.baseline_rss = proc.memory_info().rss
-    uss_at = time.perf_counter()
+    uss_next = 0.0  # when the next USS read is due
+
+    def read_uss() -> int:
+        nonlocal uss_next
+        began = time.perf_counter()
+        uss = proc.memory_full_info().uss
+        done = time.perf_counter()
+        uss_next = done + USS_SPACING * (done - began)
+        return uss
+
     try:
-        m.baseline_uss = proc.memory_full_info().uss
+        m.baseline_uss = read_uss()
     except (psutil.AccessDenied, AttributeError):
         m.baseline_uss = None
-    uss_next = time.perf_counter() + USS_SPACING * (time.perf_counter() - uss_at)
     m.sampled_peak_rss, m.peak_uss = m.baseline_rss, m.baseline_uss
     m.host_total, m.host_used_baseline = host_used()
     m.host_used_peak = m.host_used_baseline
@@ -141,16 +150,14 @@ def track(phase: str, interval_s: float = 0.005) -> Iterator[PhaseMemory]:
     points: list[tuple[float, int]] = [(0.0, m.baseline_rss)]
 
     def sample() -> None:
-        nonlocal uss_next
         n = 0
         while not stop.is_set():
             rss = proc.memory_info().rss
             points.append((time.perf_counter() - start, rss))
             m.sampled_peak_rss = max(m.sampled_peak_rss, rss)
             m.host_used_peak = max(m.host_used_peak or 0, host_used()[1])
-            if m.peak_uss is not None and (now := time.perf_counter()) >= uss_next:
-                m.peak_uss = max(m.peak_uss, proc.memory_full_info().uss)
-                uss_next = time.perf_counter() + USS_SPACING * (time.perf_counter() - now)
+            if m.peak_uss is not None and time.perf_counter() >= uss_next:
+                m.peak_uss = max(m.peak_uss, read_uss())
             n += 1
             m.samples = n
             stop.wait(interval_s)

@@ -19,19 +19,22 @@ inverted. The same source and seed give the same mutants, in the same order.
 from __future__ import annotations
 
 import ast
+import bisect
 import difflib
 import hashlib
 import random
 import re
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 OPERATORS = ("compare-flip", "bool-flip", "not-dropped", "constant", "off-by-one", "swap-args",
              "drop-statement", "drop-dict-entry", "return-none", "return-arg", "flag-invert")
 _FLIP = {"<": ">=", ">=": "<", ">": "<=", "<=": ">", "==": "!=", "!=": "==", "is not": "is", "is": "is not",
          "not in": "in", "in": "not in"}
 _CMP_TOKEN = re.compile(r"is\s+not|not\s+in|==|!=|<=|>=|<|>|\bis\b|\bin\b")
+_BOOL_TOKEN = re.compile(r"\band\b|\bor\b")
 #: a statement whose only effect is a message: dropping it is no checkpoint defect
 _QUIET_ROOTS = {"logger", "logging", "log", "warnings", "print", "print_rank_0", "print_rank_last", "_logger", "LOGGER"}
 #: keyword arguments that are switches (their value inverted is a mutant even when it is not a literal)
@@ -79,7 +82,7 @@ class Mutant:
     def equivalent(self, text: str) -> bool:
         """The mutated module compiles to the same code as the original (a survivor then is no blind spot)."""
         try:
-            return _code_key(compile(text, self.path, "exec")) == _code_key(compile(self.apply(text), self.path, "exec"))
+            return _compiled(text, self.path) == _compiled(self.apply(text), self.path)
         except SyntaxError:
             return False
 
@@ -92,11 +95,7 @@ class Mutant:
 
 
 def _line_starts(text: str) -> list[int]:
-    starts = [0]
-    for i, ch in enumerate(text):
-        if ch == "\n":
-            starts.append(i + 1)
-    return starts
+    return [0, *(m.end() for m in re.finditer("\n", text))]
 
 
 def _offset(starts: list[int], text: str, line: int, col: int) -> int:
@@ -104,6 +103,12 @@ def _offset(starts: list[int], text: str, line: int, col: int) -> int:
     begin = starts[line - 1]
     end = starts[line] if line < len(starts) else len(text)
     return begin + len(text[begin:end].encode()[:col].decode(errors="ignore"))
+
+
+@lru_cache(maxsize=4)
+def _compiled(text: str, path: str) -> Any:
+    """_code_key of a module's text; the installed original's is computed once, not once per mutant."""
+    return _code_key(compile(text, path, "exec"))
 
 
 def _code_key(code: Any) -> Any:
@@ -168,7 +173,7 @@ class _Points(ast.NodeVisitor):
 
     # -- helpers
     def _seg(self, line: int, col: int, end_line: int, end_col: int) -> str:
-        return self.text[_offset(self.starts, self.text, line, col):_offset(self.starts, self.text, end_line, end_col)]
+        return self.text[self._at(line, col):self._at(end_line, end_col)]
 
     def _add(self, op: str, line: int, col: int, end_line: int, end_col: int, replacement: str) -> None:
         original = self._seg(line, col, end_line, end_col)
@@ -182,7 +187,7 @@ class _Points(ast.NodeVisitor):
 
     def _pos(self, offset: int) -> tuple[int, int]:
         """A str offset as ast's (line, UTF-8 byte column)."""
-        line = next(i for i in range(len(self.starts), 0, -1) if self.starts[i - 1] <= offset)
+        line = bisect.bisect_right(self.starts, offset)
         return line, len(self.text[self.starts[line - 1]:offset].encode())
 
     def _at(self, line: int, col: int) -> int:
@@ -234,10 +239,11 @@ class _Points(ast.NodeVisitor):
     def visit_Expr(self, node: ast.Expr) -> None:
         if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             return  # a docstring
-        if isinstance(node.value, ast.Call) and _root(node.value.func) not in _QUIET_ROOTS:
+        if isinstance(node.value, ast.Call):
+            if _root(node.value.func) in _QUIET_ROOTS:
+                return  # a statement that only logs
             self._node("drop-statement", node, "pass")
-        if not (isinstance(node.value, ast.Call) and _root(node.value.func) in _QUIET_ROOTS):
-            self.generic_visit(node)
+        self.generic_visit(node)
 
     def visit_Assign(self, node: ast.Assign) -> None:
         self._node("drop-statement", node, "pass")
@@ -261,7 +267,7 @@ class _Points(ast.NodeVisitor):
 
     def visit_BoolOp(self, node: ast.BoolOp) -> None:
         for left, right in zip(node.values, node.values[1:]):
-            self._gap("bool-flip", left, right, re.compile(r"\band\b|\bor\b"), {"and": "or", "or": "and"})
+            self._gap("bool-flip", left, right, _BOOL_TOKEN, {"and": "or", "or": "and"})
         self.generic_visit(node)
 
     def visit_UnaryOp(self, node: ast.UnaryOp) -> None:
@@ -340,11 +346,3 @@ def _root(node: ast.AST) -> str:
         node = node.func if isinstance(node, ast.Call) else node.value
     return node.id if isinstance(node, ast.Name) else ""
 
-
-def iter_sources(mutants: list[Mutant]) -> Iterator[tuple[Mutant, str]]:
-    """Each mutant with its module's installed text (read once per file)."""
-    texts: dict[str, str] = {}
-    for m in mutants:
-        if m.path not in texts:
-            texts[m.path] = Path(m.path).read_text()
-        yield m, texts[m.path]

@@ -13,13 +13,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-KILLED = ("killed", "killed-timeout")
+OUTCOMES = ("killed", "killed-timeout", "survived", "equivalent", "not-covered")
 
 
 def rates(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Counts, kill rate (killed / covered, equivalent left out) and coverage rate (covered / sampled)."""
     records = list(records)
-    n = {o: sum(r["outcome"] == o for r in records) for o in ("killed", "killed-timeout", "survived", "equivalent", "not-covered")}
+    n = {o: sum(r["outcome"] == o for r in records) for o in OUTCOMES}
     covered = n["killed"] + n["killed-timeout"] + n["survived"]
     sampled = len(records) - n["equivalent"]
     return {"sampled": len(records), **n, "covered": covered,

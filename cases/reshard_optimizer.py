@@ -1,9 +1,10 @@
 """reshard-optimizer: a training checkpoint (model + megatron optimizer) saved at S, loaded at D.
 
 Checks:
-  propagation      every knob the case asked (use_distributed_optimizer, overlap, grad dtype, lr)
-                   is what the built DDP config and optimizer use, at S and at D (verl PR #5775)
-  optimizer-state  fp32 main params, exp_avg, exp_avg_sq per parameter, assembled to full shape
+  propagation      every knob the case asked (use_distributed_optimizer, optimizer type, overlap,
+                   grad dtype, lr) is what the built DDP config and optimizer use, at S and at D
+                   (verl PR #5775)
+  optimizer-state  fp32 main params, exp_avg, exp_avg_sq (Muon: momentum_buffer) per parameter, assembled to full shape
                    in megatron's model-space form, bitwise equal at D and at S
   step             the optimizer step at D equals the step at S (a reset to 0 is a defect), and
                    no two params share one Adam step tensor
@@ -47,6 +48,8 @@ from harness.judge.checks import (
 from harness.models.training import (
     TrainOptions,
     cp_rule,
+    knobs_reached,
+    state_kinds,
     untrainable,
     workaround_notes,
 )
@@ -94,8 +97,8 @@ def judge(src: str, dst: str, saved: list[TrainOut], loaded: list[TrainOut], dty
     w_d, q_d = assembled(loaded, "model_shards", dst)
     return [
         knob_check("propagation", [(src, [o.propagation for o in saved]), (dst, [o.propagation for o in loaded])],
-                   "use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, grad_reduce_in_fp32, lr, dtype, buckets, layer_spec reach DDP config, optimizer and model"),
-        state_check("optimizer-state", opt_s, opt_d, src, dst, f"{len(opt_d)} optimizer tensors (param, exp_avg, exp_avg_sq) equal",
+                   knobs_reached(o.propagation for o in (*saved, *loaded))),
+        state_check("optimizer-state", opt_s, opt_d, src, dst, f"{len(opt_d)} optimizer tensors ({state_kinds(opt_d)}) equal",
                     problems=p_s + p_d),
         step_check(saved, loaded, src, dst),
         state_check("model-weights", w_s, w_d, src, dst, f"{len(w_d)} trained weights equal", problems=q_s + q_d),

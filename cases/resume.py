@@ -57,6 +57,7 @@ from harness.judge.checks import (
 from harness.models.training import (
     TrainOptions,
     cp_rule,
+    knobs_reached,
     untrainable,
     workaround_notes,
 )
@@ -150,7 +151,7 @@ def judge(k: int, src: str, dst: str, reference: list[TrainOut], resumed: list[T
             sides.append((label, weights, optimizer))
     return [
         knob_check("propagation", [(src, [o.propagation for o in reference]), (dst, [o.propagation for o in resumed])],
-                   "use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, grad_reduce_in_fp32, lr, dtype, buckets, layer_spec reach DDP config, optimizer and model"),
+                   knobs_reached(o.propagation for o in (*reference, *resumed))),
         losses,
         *schedule_checks(k, k, reference, resumed, src, dst, grad_norm_tolerance(src, dst, dtype)),
         state_check("final-weights", w_ref, w_res, f"uninterrupted@{src}", f"resumed@{dst}",

@@ -128,6 +128,8 @@ class SwallowLoadErrors(McoreDist):
 class CorruptOptimizerAfterLoad(McoreDist):
     """One bit of the first exp_avg flipped on rank 0 after a training-state load."""
 
+    key = "exp_avg"
+
     def load_state(self, ctx, sharded_state, directory):
         state = super().load_state(ctx, sharded_state, directory)
         if ctx.rank == 0:
@@ -135,13 +137,19 @@ class CorruptOptimizerAfterLoad(McoreDist):
             while stack:
                 node = stack.pop()
                 if isinstance(node, dict):
-                    if torch.is_tensor(node.get("exp_avg")):
-                        node["exp_avg"].view(-1).view(torch.int32)[0] ^= 1
+                    if torch.is_tensor(node.get(self.key)):
+                        node[self.key].view(-1).view(torch.int32)[0] ^= 1
                         break
                     stack.extend(node.values())
                 elif isinstance(node, list):
                     stack.extend(node)
         return state
+
+
+class CorruptMomentumAfterLoad(CorruptOptimizerAfterLoad):
+    """One bit of the first Muon momentum_buffer flipped on rank 0 after a training-state load."""
+
+    key = "momentum_buffer"
 
 
 def _flip_lowest_bit(t: torch.Tensor) -> None:
@@ -337,6 +345,20 @@ def drop_distributed_optimizer_knob() -> None:
         return real(spec, topo, dataclasses.replace(cfg, use_distributed_optimizer=True), seed_offset, **config_overrides)
 
     training.build_training = build
+
+
+def muon_built_as_adam() -> None:
+    """optimizer_type muon is dropped on the way to megatron-core's OptimizerConfig (Adam is built)."""
+    from harness.models.training import build
+
+    real = build.optimizer_config
+
+    def config(cfg):
+        built = real(cfg)
+        built.optimizer = "adam"
+        return built
+
+    build.optimizer_config = config
 
 
 def rotate_vpp_chunks() -> None:

@@ -34,6 +34,8 @@ MARKERS: dict[str, str] = {
     "moe": "mixture-of-experts models (gpt-moe*): expert parallelism (ep/etp) and expert-data-parallel optimizer state",
     "fsdp": "Megatron-FSDP (megatron.core.distributed.fsdp) models and fsdp_dtensor checkpoints (backend mcore_fsdp)",
     "bf16": "bf16 mixed precision (dtype bf16: Float16Module, fp32 main params)",
+    "muon": "megatron-core's Muon (emerging-optimizers), chained or as the layer-wise distributed optimizer",
+    "lion": "megatron-core's Lion (emerging-optimizers), chained or as the layer-wise distributed optimizer",
     "verl": "verl 0.9.1's MegatronCheckpointManager (backend verl_manager; matrices/verl.yaml and smoke entries)",
     "strategies": "mcore_dist save/load strategies (fully-parallel, async save + finalize, metadata caching)",
     "async": "asynchronous saves: byte identity with sync after finalize, kills while the write is in flight, trackers, resume trajectories",

@@ -14,6 +14,7 @@ from harness.models.training.build import (
     build_training,
     built_dtype,
     built_layer_spec,
+    knobs_reached,
     optimizer_config,
     propagation,
 )
@@ -46,6 +47,7 @@ from harness.models.training.views import (
     leaf_optimizers,
     optimizer_view,
     rank_state_bytes,
+    state_kinds,
     scheduler_view,
     sharded_state,
 )
@@ -64,6 +66,7 @@ __all__ = [
     "built_layer_spec",
     "cp_rule",
     "fresh_view",
+    "knobs_reached",
     "leaf_optimizers",
     "load_pretrained",
     "load_training",
@@ -76,6 +79,7 @@ __all__ = [
     "restart",
     "scheduler_view",
     "sharded_state",
+    "state_kinds",
     "stepped_once_state",
     "sync_params",
     "train_steps",

@@ -15,7 +15,7 @@ from harness.models.mcore import (
     fill_canonical,
 )
 from harness.models.training.config import TrainConfig
-from harness.models.training.views import leaf_optimizers
+from harness.models.training.views import layer_wise_leaves, leaf_optimizers
 
 
 def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offset: int = 0, **config_overrides: Any):
@@ -49,7 +49,9 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
         grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
     )
     config = chunks[0].config
-    ddp = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    layouts = layer_wise_layouts(chunks, ddp_config) if layer_wise(cfg) else [None] * len(chunks)
+    ddp = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0, **({"full_param_layout": lay} if lay else {}))
+           for i, (c, lay) in enumerate(zip(chunks, layouts))]
     optimizer = get_megatron_optimizer(optimizer_config(cfg), ddp)
     # What Megatron-LM's training loop wires up: without finalize_model_grads the schedule never
     # reduces gradients across DP (nor tied-embedding grads across PP stages).
@@ -59,20 +61,51 @@ def build_training(spec: ModelSpec, topo: Topology, cfg: TrainConfig, seed_offse
     return ddp, optimizer
 
 
+def layer_wise(cfg: TrainConfig) -> bool:
+    """Megatron-LM's reading of `--optimizer muon --use-distributed-optimizer` (arguments.py, "emerging
+    optimizer check"): the layer-wise distributed optimizer, with use_distributed_optimizer itself off
+    in the OptimizerConfig and on in DDP's (reduce-scatter into shard-aligned buffers)."""
+    return getattr(cfg, "optimizer_type", "adam") not in ("adam", "sgd") and cfg.use_distributed_optimizer
+
+
+def layer_wise_layouts(chunks, ddp_config) -> list:
+    """Per chunk, the shard-aligned param layout Megatron-LM 0.19's `wrap_model_chunks_with_ddp` computes
+    for the layer-wise optimizer (after tagging each param for buffer routing), from megatron-core's
+    own LayerWiseDistributedOptimizer.compute_full_param_layout; DDP's config must then reduce-scatter."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.layer_wise_optimizer import (
+        LayerWiseDistributedOptimizer,
+        tag_params_for_buffer_routing,
+    )
+
+    ddp_config.use_distributed_optimizer = True
+    tag_params_for_buffer_routing(chunks)
+    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    edp = parallel_state.get_expert_data_parallel_world_size()
+    first_stage = parallel_state.get_pipeline_model_parallel_rank() == 0
+    return [LayerWiseDistributedOptimizer.compute_full_param_layout(
+        [p for p in c.parameters() if p.requires_grad], ddp_config.bucket_size if first_stage and i == 0 else None, dp,
+        ddp_config, expert_data_parallel_world_size=edp) for i, c in enumerate(chunks)]
+
+
 def optimizer_config(cfg: TrainConfig):
     """megatron-core's OptimizerConfig for `cfg`, as Megatron-LM builds it from its arguments (Adam,
     clip 1.0, bf16 flags with fp32 main params; the LR floor only where a scheduler reads it)."""
     from megatron.core.optimizer import OptimizerConfig
 
     betas = dict(adam_beta1=float(cfg.betas[0]), adam_beta2=float(cfg.betas[1])) if getattr(cfg, "betas", ()) else {}
+    kind = getattr(cfg, "optimizer_type", "adam")
+    muon = dict(muon_tp_mode=cfg.muon_tp_mode, muon_fp32_matmul_prec=cfg.muon_fp32_matmul_prec) if kind == "muon" else {}
     return OptimizerConfig(
-        optimizer=getattr(cfg, "optimizer_type", "adam"),
+        optimizer=kind,
         **betas,
+        **muon,
         lr=cfg.lr,
         # the param groups' floor, read by an OptimizerParamScheduler (None without one: unchanged)
         min_lr=cfg.lr / 100 if cfg.lr_schedule != "none" else None,
         weight_decay=cfg.weight_decay,
-        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        use_distributed_optimizer=cfg.use_distributed_optimizer and not layer_wise(cfg),
+        use_layer_wise_distributed_optimizer=layer_wise(cfg),
         bf16=cfg.dtype == "bf16",
         fp16=False,
         params_dtype=TORCH_DTYPES[cfg.dtype],
@@ -124,11 +157,27 @@ def built_layer_spec(model) -> str:
     return "te" if any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in model.modules()) else "local"
 
 
+#: torch optimizer class -> the optimizer_type it is built for (Core picks torch AdamW on CPU, Apex's or
+#: TE's FusedAdam on GPU)
+_BUILT_AS = {"AdamW": "adam", "Adam": "adam", "FusedAdam": "adam", "SGD": "sgd", "Lion": "lion"}  # and *Muon: "muon"
+
+
+def optimizer_built(asked: str, built: str) -> bool:
+    """Whether the torch optimizers `built` ("AdamW+TensorParallelMuon") are what optimizer_type `asked`
+    builds: adam and sgd alone; an emerging optimizer (muon, lion) steps the matrices and Adam the rest
+    (embeddings, norms, biases: Core's default param overrides)."""
+    kinds = {"muon" if name.endswith("Muon") else _BUILT_AS.get(name, name) for name in built.split("+")}
+    if asked in ("adam", "sgd"):
+        return kinds == {asked}
+    return asked in kinds and kinds <= {asked, "adam"}
+
+
 def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
     """Asked vs actually used, for every knob the case set (the class of verl PR #5775)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     inner = leaf_optimizers(optimizer)
+    sharded = {id(o) for o in layer_wise_leaves(optimizer)}  # DP-sharded by whole params
 
     def built(knob: str):  # one value for every chunk's DDP config, else the disagreement
         values = {getattr(d.ddp_config, knob) for d in ddp}
@@ -137,9 +186,14 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
     actual = {
         "use_distributed_optimizer": (
             built("use_distributed_optimizer")
-            and all(isinstance(o, DistributedOptimizer) for o in inner)
-            and all(o.config.use_distributed_optimizer for o in inner)
+            and all(isinstance(o, DistributedOptimizer) or id(o) in sharded for o in inner)
+            # layer-wise: Core gives the DistributedOptimizer beside it the chain's config, whose
+            # use_distributed_optimizer Megatron-LM turned off (the classes say what shards)
+            and (bool(sharded) or all(o.config.use_distributed_optimizer for o in inner))
         ),
+        # the torch optimizers that step (Core picks torch AdamW for "adam"; Muon keeps Adam for the rest)
+        "optimizer_type": "+".join(sorted({type(o.optimizer).__name__ for o in inner})),
+        "layer_wise": bool(sharded),
         "overlap_grad_reduce": built("overlap_grad_reduce"),
         # the config flag and what it builds: forward pre-hooks that finish each bucket's all-gather
         "overlap_param_gather": built("overlap_param_gather") is True and ddp[0].use_forward_hook
@@ -156,6 +210,8 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
         actual["use_distributed_optimizer"] = "ddp and optimizer disagree"
     asked = {
         "use_distributed_optimizer": cfg.use_distributed_optimizer,
+        "optimizer_type": getattr(cfg, "optimizer_type", "adam"),
+        "layer_wise": layer_wise(cfg),
         "overlap_grad_reduce": cfg.overlap_grad_reduce,
         "overlap_param_gather": cfg.overlap_param_gather,
         "grad_reduce_in_fp32": cfg.grad_reduce_in_fp32,
@@ -164,6 +220,8 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
         "layer_spec": cfg.layer_spec,
     }
     rows = [{"knob": k, "asked": asked[k], "actual": actual[k], "ok": asked[k] == actual[k]} for k in asked]
+    row = next(r for r in rows if r["knob"] == "optimizer_type")
+    row["ok"] = optimizer_built(row["asked"], row["actual"])
     # Buckets: what the DDP module of the first chunk really built on this rank. megatron-core turns
     # bucketing off on every PP stage but the first (and Megatron-LM, as build_training, for every
     # chunk but the first), so a small bucket_size must give several buckets there only.
@@ -184,3 +242,9 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
         if later:
             rows.append({"knob": "bucket_size (chunks > 0)", "asked": "none", "actual": later, "ok": all(b is None for b in later)})
     return rows
+
+
+def knobs_reached(rows_per_rank) -> str:
+    """What a passed propagation check says: every knob the ranks' `propagation` rows checked."""
+    knobs = dict.fromkeys(r["knob"] for rows in rows_per_rank for r in rows or ())
+    return f"{', '.join(knobs)} reach DDP config, optimizer and model"

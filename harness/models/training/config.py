@@ -53,7 +53,14 @@ class TrainConfig:
     #: megatron-core OptimizerConfig.optimizer: "adam" (Megatron-LM's default, AdamW-style decay) or
     #: "sgd" (momentum OptimizerConfig.sgd_momentum, 0.9): Megatron-LM #6920, resume parity beyond Adam
     #: (named optimizer_type: `optimizer` is convert's own option, a weights-only source when false)
-    optimizer_type: Literal["adam", "sgd"] = "adam"
+    optimizer_type: Literal["adam", "sgd", "muon", "lion"] = "adam"
+    #: Muon only (OptimizerConfig.muon_*): how Newton-Schulz treats a TP-sharded matrix. Megatron-LM's
+    #: default "duplicated" orthogonalises the whole matrix (TP-invariant); Core's own default
+    #: "blockwise" orthogonalises each shard, so its update depends on TP by design.
+    muon_tp_mode: Literal["duplicated", "distributed", "blockwise"] = "duplicated"
+    #: torch's float32 matmul precision inside Newton-Schulz (Core's and Megatron-LM's default "medium"
+    #: lets matmuls run in bf16 where the hardware offers it)
+    muon_fp32_matmul_prec: Literal["highest", "high", "medium"] = "medium"
     #: (beta1, beta2) of Adam (OptimizerConfig.adam_beta1/2); () megatron-core's (0.9, 0.999). [0, 0]:
     #: the moments a checkpoint holds are the last step's gradient and its square (the resume next-step check)
     betas: tuple[float, ...] = ()

@@ -97,9 +97,13 @@ def never_loaded(step: float) -> bool:
 
 
 def _fill_adam_state(optimizer, step: float, moments: float) -> None:
-    """Give every param of a torch Adam that has no state yet `step` and moments filled with `moments`."""
+    """Give every param of a torch Adam that has no state yet `step` and moments filled with `moments`;
+    any other optimizer (Muon: a momentum buffer) gets its own state (`_fill_own_state`)."""
     for opt in leaf_optimizers(optimizer):
         inner = opt.optimizer
+        if not isinstance(inner, torch.optim.Adam):
+            _fill_own_state(opt, step, moments)
+            continue
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state.get(p):
@@ -108,6 +112,30 @@ def _fill_adam_state(optimizer, step: float, moments: float) -> None:
                         "exp_avg": torch.full_like(p, moments, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.full_like(p, moments, memory_format=torch.preserve_format),
                     }
+
+
+def _fill_own_state(opt, step: float, moments: float) -> None:
+    """A non-Adam optimizer's state, as megatron-core creates it for a checkpoint (the leaf's own
+    `init_state_fn`: Muon's momentum_buffer), its tensors then filled with `moments` and any `step`
+    set to `step`, for the params that had none. No init_state_fn (torch SGD in Core 0.19.2): left
+    alone, as megatron-core leaves it."""
+    init = getattr(opt, "init_state_fn", None)
+    inner = opt.optimizer
+    if init is None:
+        return
+    fresh = [p for g in inner.param_groups for p in g["params"] if not inner.state.get(p)]
+    if not fresh:
+        return
+    init(inner, getattr(opt, "config", None))
+    for p in fresh:
+        st = inner.state.get(p, {})
+        for k, v in st.items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            if k == "step":
+                v.fill_(step)
+            elif v.is_floating_point():
+                v.fill_(moments)
 
 
 def prime_optimizer_state(optimizer) -> None:

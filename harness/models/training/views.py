@@ -18,7 +18,21 @@ from harness.models.mcore import sharded_state_dict as model_sharded_state
 
 
 def leaf_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    """The megatron optimizers that step: chains flattened, nested ones too (Muon's layer-wise
+    distributed optimizer is itself a chain, inside the chain that adds the DistributedOptimizer)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is None:
+        return [optimizer]
+    return [leaf for o in chained for leaf in leaf_optimizers(o)]
+
+
+def layer_wise_leaves(optimizer) -> list:
+    """The leaves a LayerWiseDistributedOptimizer owns (whole params per DP rank), [] without one."""
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    if isinstance(optimizer, LayerWiseDistributedOptimizer):
+        return leaf_optimizers(optimizer)
+    return [leaf for o in getattr(optimizer, "chained_optimizers", []) for leaf in layer_wise_leaves(o)]
 
 
 def scheduler_view(scheduler, optimizer) -> dict[str, Any] | None:
@@ -113,6 +127,12 @@ def optimizer_view(ddp, optimizer) -> tuple[list[Shard], dict[str, Any]]:
         sd = optimizer.sharded_state_dict(model_sharded_state(ddp), is_loading=False, metadata=metadata)
     shards = shards_of(sd, lambda sh: isinstance(sh, ShardedTensor) and sh.key.startswith("optimizer.state."))
     return shards, adam_steps(optimizer)
+
+
+def state_kinds(keys) -> str:
+    """The optimizer-state kinds among `keys` (`optimizer.state.<kind>.<param>`): "exp_avg, exp_avg_sq,
+    param" for Adam, momentum_buffer too where Muon steps the matrices."""
+    return ", ".join(sorted({k.split(".")[2] for k in keys if k.startswith("optimizer.state.")}))
 
 
 def adam_steps(optimizer) -> dict[str, Any]:

@@ -63,11 +63,13 @@ NO_ENTRY = "(no entry)"
 #: megatron/core/transformer/multi_latent_attention.py:524-533; under TE they are TELinear 'duplicated')
 COLUMN = frozenset({"linear_qkv", "linear_q", "linear_k", "linear_v", "linear_fc1", "linear_fc1_gate", "linear_fc1_up", "output_layer",
                     *MLA_Q_LORA, *MLA_Q, *MLA_KV})
-_UNIT = re.compile(r"^(?:model\.layers\.(\d+)\.(self_attn\.\w+|mlp\.(?:(?:shared_experts|experts\.\d+)\.)?\w+)|(lm_head))$")
-_MOE_PART = re.compile(r"(?:shared_experts|experts\.\d+)\.")
+_UNIT = re.compile(r"^(?:model\.layers\.(\d+)\.(self_attn\.\w+|mlp\.(?:(?:shared_experts?|experts\.\d+)\.)?\w+)|(lm_head))$")
+_MOE_PART = re.compile(r"(?:shared_experts?|experts\.\d+)\.")
 #: transformers 5 fused expert parameters (Qwen3-MoE) -> the per-expert HF modules they hold
 _FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 _MLP_LEAVES = ("gate_proj", "up_proj", "down_proj")
+#: mlp_units' marker of a decoder layer whose token mixer is linear attention (no self_attn modules)
+LINEAR_ATTENTION = "linear_attn"
 _MLP_UNITS: dict[str, dict[int, dict[str, list[str]]]] = {}
 
 
@@ -159,7 +161,10 @@ def mlp_units(model: HFModelSpec) -> dict[int, dict[str, list[str]]]:
             hf = model_class(config).from_config(config)
         out: dict[int, dict[str, list[str]]] = {i: {f"mlp.{m}": [] for m in _MLP_LEAVES} for i in range(model.num_layers)}
         pat = re.compile(r"^model\.layers\.(\d+)\.(mlp\..+)$")
+        linear = re.compile(r"^model\.layers\.(\d+)\.linear_attn$")
         for name, mod in hf.named_modules():
+            if (la := linear.match(text_name(name))) and int(la[1]) in out:  # a hybrid model's linear-attention layer
+                out[int(la[1])][LINEAR_ATTENTION] = []
             if not (m := pat.match(name := text_name(name))) or int(m[1]) not in out:
                 continue
             layer, leaf = out[int(m[1])], m[2].rsplit(".", 1)[-1]
@@ -222,8 +227,8 @@ def _units(model: HFModelSpec, target: str, layer: int) -> list[str]:
             out.append(m)
         elif m.startswith("mlp."):
             out += mlp_units(model)[layer][m]
-        else:
-            out.append(f"model.layers.{layer}.{m}")
+        elif not (m.startswith("self_attn.") and LINEAR_ATTENTION in mlp_units(model)[layer]):
+            out.append(f"model.layers.{layer}.{m}")  # a linear-attention layer (Qwen3-Next) has no self_attn
     return out
 
 

@@ -126,12 +126,12 @@ FAMILIES: tuple[Family, ...] = (
            note="shared expert, QK norm"),
     Family("minimax_m2", "MiniMaxM2ForCausalLM", "minimax_m2", num_experts=4, note="sigmoid router with bias, QK norm over all heads"),
     # ---- hybrid / linear attention (Megatron's layers need CUDA-only kernels)
-    Family("qwen3_next", "Qwen3NextForCausalLM", "qwen3_next", num_experts=4, needs="fla",
-           note="gated DeltaNet layers: Megatron's GatedDeltaNet needs flash-linear-attention (fla)"),
-    Family("qwen3_5_text", "Qwen3_5ForCausalLM", "qwen3_5_text", needs="fla",
-           note="gated DeltaNet layers: Megatron's GatedDeltaNet needs flash-linear-attention (fla)"),
-    Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", num_experts=4, needs="fla",
-           note="gated DeltaNet layers: Megatron's GatedDeltaNet needs flash-linear-attention (fla)"),
+    Family("qwen3_next", "Qwen3NextForCausalLM", "qwen3_next", num_experts=4,
+           note="gated DeltaNet layers: Megatron's GatedDeltaNet, on fla's kernels or, where fla is missing, the CPU stand-ins (harness.models.cpu_gdn)"),
+    Family("qwen3_5_text", "Qwen3_5ForCausalLM", "qwen3_5_text",
+           note="gated DeltaNet layers: Megatron's GatedDeltaNet, on fla's kernels or, where fla is missing, the CPU stand-ins (harness.models.cpu_gdn)"),
+    Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", num_experts=4,
+           note="gated DeltaNet layers: Megatron's GatedDeltaNet, on fla's kernels or, where fla is missing, the CPU stand-ins (harness.models.cpu_gdn)"),
     Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", needs="mamba_ssm", overrides=_o(
            mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=1, chunk_size=16, layers_block_type=["mamba", "attention", "mamba", "mlp"]),
            note="Mamba-2 layers: Megatron's MambaMixer needs mamba_ssm (CUDA kernels)"),
@@ -196,10 +196,15 @@ FAMILIES: tuple[Family, ...] = (
            note="EXAONE 4 text + a Megatron-built ViT: its ViT layers are get_vit_layer_with_transformer_engine_spec() "
                 "(exaone/exaone45/modelling_exaone45/model.py:130) and its block spec use_transformer_engine=True "
                 "(exaone45_provider.py:48): Transformer-Engine only"),
-    Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", "qwen3_5", path="vl-text", needs="fla",
-           note="gated DeltaNet layers (as hf-qwen3_5_text): Megatron's GatedDeltaNet needs flash-linear-attention (fla)"),
-    Family("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", path="vl-text", num_experts=4, needs="fla",
-           note="gated DeltaNet layers (as hf-qwen3_5_moe_text): Megatron's GatedDeltaNet needs flash-linear-attention (fla)"),
+    Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", "qwen3_5", path="vl-text", needs="transformer_engine",
+           note="gated DeltaNet text (as hf-qwen3_5_text, which runs) + a Megatron-built ViT: the provider's provide() builds "
+                "its language block with megatron-core's TE-only get_transformer_block_with_experimental_attention_variant_spec "
+                "(qwen_vl/qwen35_vl_provider.py:215, :460; experimental_attention_variant_module_specs.py:442-453) and its ViT "
+                "with get_vit_layer_with_transformer_engine_spec() (:507): Transformer-Engine only"),
+    Family("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", path="vl-text", num_experts=4,
+           needs="transformer_engine",
+           note="gated DeltaNet MoE text (as hf-qwen3_5_moe_text, which runs) + a Megatron-built ViT: as hf-qwen3_5_vl, "
+                "its language block and ViT specs are Transformer-Engine only (qwen_vl/qwen35_vl_provider.py:419-460, :507)"),
     # RoPE over half the head, as MiniMax-M3 (64 of 128), said both ways: the Bridge reads rotary_dim (rotary_percent =
     # rotary_dim / head_dim, minimax_m3_bridge.py:333-337), transformers rope_parameters' partial_rotary_factor
     # (modeling_minimax_m3_vl.py:301-303); layer_types: the class default's (full attention) cut to 4 layers

@@ -192,6 +192,8 @@ def cpu_layer_spec(provider: Any, grouped_experts: bool = False):
     name = getattr(getattr(own, "func", own), "__name__", "")
 
     def spec(config, vp_stage: int | None = None):
+        if name == cpu_spec.HYBRID_BLOCK_SPEC:  # Qwen3-Next, Qwen3.5: gated DeltaNet and attention layers mixed
+            return cpu_spec.hybrid_block(config, vp_stage)
         if name in cpu_spec.PROVIDER_SPECS:
             from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 

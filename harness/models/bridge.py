@@ -119,6 +119,9 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     import_megatron_bridge()
     from megatron.bridge import AutoBridge
 
+    from harness.models.cpu_gdn import install as gdn_stand_ins
+
+    gdn_stand_ins()  # Core's GatedDeltaNet (Qwen3-Next, Qwen3.5) on CPU where fla is missing
     seed_model_parallel(spec.seed)
     torch_dtype = HF_DTYPES[dtype]
     bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=torch_dtype)

@@ -239,6 +239,8 @@ def apply_swaps(block: Any, swaps: dict[str, Any]) -> Any:
 #: into the linears, soft-capping / local-global attention), EXAONE 4 (pure post-norm).
 PROVIDER_SPECS = ("gemma2_layer_spec", "gemma3_layer_spec", "exaone4_layer_spec")
 MODULE_SWAPS = ("olmoe_layer_spec", "minimax_m2_layer_spec")
+#: megatron-core's hybrid block spec (gated DeltaNet / standard attention per layer), TE-only by assertion
+HYBRID_BLOCK_SPEC = "get_transformer_block_with_experimental_attention_variant_spec"
 
 
 def swap_norms(node: Any, seen: set[int]) -> None:
@@ -278,3 +280,57 @@ class ZeroCenteredNorm(torch.nn.Module):
             y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
             return (y * (1.0 + self.weight.float())).to(x.dtype)
         return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight + 1, self.bias, self.eps)
+
+
+def hybrid_block(config, vp_stage: int | None = None):
+    """Core's `get_transformer_block_with_experimental_attention_variant_spec` on CPU (it asserts
+    transformer_impl "transformer_engine" first): the per-layer specs from Core's own
+    `get_transformer_layer_with_experimental_attention_variant_spec`, given a backend of local modules
+    under TE's names (`_LocalTEBackend`), sliced to this stage's layers and closed with a CPU norm as
+    the block function does. Its standard-attention layers come from
+    `get_gpt_layer_with_transformer_engine_spec`, which instantiates gpt_layer_specs' own TESpecProvider
+    (None without TE): that name points at the same backend for the duration of the call only. The
+    gated DeltaNet's kernels: harness.models.cpu_gdn."""
+    from unittest import mock
+
+    import megatron.core.models.gpt.gpt_layer_specs as gpt_specs
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_layer_with_experimental_attention_variant_spec,
+    )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    backend = _local_te_backend()
+    with mock.patch.object(gpt_specs, "TESpecProvider", backend):
+        layers = get_transformer_layer_with_experimental_attention_variant_spec(config, backend=backend())
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    local = layers[offset:offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
+    return TransformerBlockSubmodules(layer_specs=local, layer_norm=Norm)
+
+
+def _local_te_backend() -> type:
+    """megatron-core's LocalSpecProvider with TE's fused input norm (the column-parallel linear holding
+    `layer_norm_weight`, as TELayerNormColumnParallelLinear) and the CPU norm that honours a zero-centred
+    gamma (Qwen3-Next's (1 + w) RMSNorm; megatron-core's torch norm refuses it)."""
+    from megatron.core.models.backends import LocalSpecProvider
+
+    norm_linear = _classes()["norm_linear"]
+
+    class LocalTEBackend(LocalSpecProvider):
+        def fuse_layernorm_and_linear(self) -> bool:
+            return True
+
+        def column_parallel_layer_norm_linear(self) -> type:
+            return norm_linear
+
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+            return Norm
+
+    return LocalTEBackend
+
+
+class Norm:
+    """`_norm` as a class (megatron-core's build_module hands a plain function back unbuilt): TENorm on CPU."""
+
+    def __new__(cls, config, hidden_size: int, eps: float | None = None, **_: Any):
+        return _norm(config, hidden_size, eps)

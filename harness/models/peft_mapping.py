@@ -65,7 +65,8 @@ def checkpoint_layout(keys: Iterable[str]) -> Layout:
     head = next((k.removesuffix(".weight") for k in keys if k.endswith("lm_head.weight")), TEXT.lm_head)
     return Layout(layers, head)
 #: model_type -> the HF module of a layer's shared expert(s) (transformers' modeling code), "mlp.shared_experts" else
-SHARED_MLP = {"hy_v3": "mlp.shared_mlp", "minimax_m3_vl": "block_sparse_moe.shared_experts"}
+SHARED_MLP = {"hy_v3": "mlp.shared_mlp", "minimax_m3_vl": "block_sparse_moe.shared_experts",
+              **{m: "mlp.shared_expert" for m in ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")}}
 #: model_type -> (the HF routed experts' module, their gate / up / down projections), ("mlp.experts", gate/up/down_proj) else
 EXPERT_NAMES = {m: ("block_sparse_moe.experts", {"gate": "w1", "up": "w3", "down": "w2"}) for m in ("minimax_m2", "minimax_m3_vl")}
 _EXPERT_DEFAULT = ("mlp.experts", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
@@ -176,6 +177,17 @@ def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec, layout: Lay
             if is_a:
                 for mod in ("q_proj", "k_proj", "v_proj"):
                     put(layer, f"self_attn.{mod}", t, None)
+            elif t.shape[0] == ng * (2 * q_per_group + 2) * hd:  # attention_output_gate (Qwen3-Next, Qwen3.5)
+                # Megatron per group [q, gate, k, v] (attention.py get_query_key_value_tensors); HF's q_proj
+                # per head [q_h, gate_h] (modeling_qwen3_next.py: q_proj(x).view(..., head_dim * 2).chunk(2))
+                grouped = t.reshape(ng, (2 * q_per_group + 2) * hd, -1)
+                q = grouped[:, : q_per_group * hd].reshape(ng, q_per_group, hd, -1)
+                g = grouped[:, q_per_group * hd : 2 * q_per_group * hd].reshape(ng, q_per_group, hd, -1)
+                q = torch.stack([q, g], dim=2).reshape(ng * q_per_group * 2 * hd, -1)
+                k = grouped[:, 2 * q_per_group * hd : (2 * q_per_group + 1) * hd].reshape(ng * hd, -1)
+                v = grouped[:, (2 * q_per_group + 1) * hd :].reshape(ng * hd, -1)
+                for mod, b in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                    put(layer, f"self_attn.{mod}", None, b.contiguous())
             else:
                 grouped = t.reshape(ng, (q_per_group + 2) * hd, -1)
                 q = grouped[:, : q_per_group * hd].reshape(ng * q_per_group * hd, -1)

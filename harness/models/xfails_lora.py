@@ -16,7 +16,7 @@ _PEFT_MOE = ("peft 0.21.2 rewrites the LoRA config of every model transformers 5
              "gate_up_proj/down_proj, so the plain nn.Linear gate/up/down_proj of the dense first layer and of the shared experts "
              "are no longer targeted: their adapter keys load as unexpected and their LoRA is dropped (peft alone: "
              "get_peft_model(target_modules=[..., 'gate_proj', 'up_proj', 'down_proj']) on the tiny model wraps none of them)")
-_PEFT_MOE_MATCH = r"unexpected: base_model\.model\.model\.(?:language_model\.)?layers\.\d+\.mlp\.(?:shared_experts\.|shared_mlp\.)?(?:gate|up|down)_proj\.lora_"
+_PEFT_MOE_MATCH = r"unexpected: base_model\.model\.model\.(?:language_model\.)?layers\.\d+\.mlp\.(?:shared_experts?\.|shared_mlp\.)?(?:gate|up|down)_proj\.lora_"
 _PEFT_MOE_CHECKS = ["peft-load", "merge", "logits", "merged-logits", "lora-targets-matched"]
 _PEFT_MOE_XFAIL = {"reason": _PEFT_MOE, "match": _PEFT_MOE_MATCH, "checks": _PEFT_MOE_CHECKS}
 
@@ -36,6 +36,13 @@ _HY_V3 = ("transformers 5.12.1 fuses HY-V3's per-expert checkpoint keys on load 
           "alone: get_peft_model(target_modules=[..., 'gate_proj', 'up_proj', 'down_proj']) on the tiny HY-V3 wraps the dense "
           "and shared MLPs and no expert)")
 _HY_V3_MATCH = r"unexpected: base_model\.model\.model\.layers\.\d+\.mlp\.experts\.(?:base_layer\.)?lora_[AB]"
+#: Qwen3.5-MoE: transformers fuses its experts under a conversion pattern peft has no MoE mapping for
+_QWEN35_MOE = ("transformers 5.12.1 maps qwen3_5_moe_text to the conversion pattern qwen3_5_text (conversion_mapping.py:99) and "
+               "fuses its experts on load (mapping['qwen3_5_moe_text'] += qwen2_moe's, :1452-1453), but peft 0.21.2's "
+               "_MOE_TARGET_MODULE_MAPPING (peft/utils/transformers_weight_conversion.py:332-351) has no qwen3_5_text entry, so "
+               "_convert_peft_config_moe returns (:418-420): target_modules gate_proj/up_proj/down_proj stay module targets, the "
+               "fused experts are not targeted, and the adapter's per-expert keys, renamed to the fused names on load, load as "
+               "unexpected: every routed expert's LoRA is dropped (the shared expert's plain Linears keep theirs)")
 _ERNIE_ROUTER = "; and, for the logits, " + ROUNDTRIP["ernie4_5_moe"]["reason"]
 _GPT_OSS = ("Megatron-Bridge 0.6.2 merged export (save_hf_pretrained with LoRA): GPT-OSS's expert mappings are grouped exports "
             "whose megatron_to_hf un-interleaves and transposes to HF's (hidden, 2 x ffn) / (ffn, hidden) layout "
@@ -164,6 +171,14 @@ LORA: dict[str, dict[str, Any]] = {
     "minimax_m3_vl tp1 -> tp2": _xfail(f"{_M3}; and {_VL_TARGETS}", _M3_MATCH, _M3_CHECKS, etp=True),
     "gpt_oss": {"reason": _GPT_OSS, "match": r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\) at non-singleton dimension 1",
                 "raised_in": "megatron.bridge.peft"},
+    # gated DeltaNet hybrids: Qwen3-Next's shared expert meets _PEFT_MOE (its qwen2_moe pattern), Qwen3.5-MoE's routed experts
+    # _QWEN35_MOE; the tp2 export (expert TP 2) the expert fc1 LoRA-B cut, dp2ep2 the EP export defect
+    "qwen3_next tp1 -> pp2": _xfail(_PEFT_MOE, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS),
+    "qwen3_next tp1 -> tp2": _xfail(_PEFT_MOE, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS, etp=True),
+    "qwen3_next tp1 -> dp2ep2": _with_ep(_xfail(_PEFT_MOE, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS)),
+    "qwen3_5_moe_text tp1 -> pp2": _xfail(_QWEN35_MOE, _HY_V3_MATCH, _PEFT_MOE_CHECKS),
+    "qwen3_5_moe_text tp1 -> tp2": _xfail(_QWEN35_MOE, _HY_V3_MATCH, _PEFT_MOE_CHECKS, etp=True),
+    "qwen3_5_moe_text tp1 -> dp2ep2": _with_ep(_xfail(_QWEN35_MOE, _HY_V3_MATCH, _PEFT_MOE_CHECKS)),
 }
 
 #: CanonicalLoRA (one adapter per q/k/v and per fc1 gate/up) at one pair per family: tp1 -> pp2 where the layers
@@ -176,6 +191,10 @@ _CANON_GROUPED = ("Megatron-Bridge 0.6.2 merged export of grouped experts with C
                   "peft_bridge.py:1292-1300 _merge_grouped_export_adapter_weights accepts exactly one adapter with adapter_key "
                   "None per expert linear and raises on CanonicalLoRA's adapter_gate/adapter_up pair (GPT-OSS's expert "
                   "mappings are grouped exports, gpt_oss/gpt_oss_bridge.py:253-265)")
+_CANON_GATED = ("Megatron-Bridge 0.6.2 CanonicalLoRA ignores attention_output_gate (Qwen3-Next, Qwen3.5): "
+                "LoRALinearSplitQKV._interleave_qkv (peft/canonical_lora.py:90-142) lays the q/k/v adapters' outputs out as "
+                "[q, k, v] per query group, while the gated linear_qkv's output is [q, gate, k, v] per group (megatron-core "
+                "attention.py:1829-1881), so the forward adds tensors of different widths (canonical_lora.py:156)")
 CANONICAL: dict[str, dict[str, Any]] = {
     **{f: ROUNDTRIP[f] for f in ("deepseek_v4", "glm_moe_dsa")},  # blocked at build as the family's hf-roundtrip
     **{f: ROUNDTRIP[f"{f} tp1 -> pp2"] for f in ("gemma4", "gemma4_vl")},  # the provider's PP=1 refusal
@@ -187,6 +206,8 @@ CANONICAL: dict[str, dict[str, Any]] = {
        for f in ("deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "exaone_moe", "exaone_moe_caps", "glm4v_moe")},
     "ernie4_5_moe": _xfail(_PEFT_MOE + _ERNIE_ROUTER, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS),
     "hy_v3": _xfail(_HY_V3, _HY_V3_MATCH, _PEFT_MOE_CHECKS),
+    **{f: {"reason": _CANON_GATED, "match": r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\) at non-singleton dimension 2",
+           "raised_in": "megatron.bridge.peft"} for f in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
 }
 
 

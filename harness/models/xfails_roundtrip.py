@@ -12,10 +12,9 @@ ROUNDTRIP: dict[str, dict[str, Any]] = {
         "reason": "Megatron-Bridge 0.6.2 sets experimental_attention_variant='dsv4_hybrid' (deepseek/deepseek_v4_bridge.py:397) "
                   "with megatron-core's experimental-variant block spec (:403), but megatron-core 0.19.2 knows only "
                   "'gated_delta_net' and 'dsa' (models/gpt/experimental_attention_variant_module_specs.py:142-148 raises "
-                  "'Invalid experimental attention variant') and that spec is TE-only (:442); the CPU generic spec asserts "
-                  "on the variant (models/gpt/gpt_layer_specs.py:572-575)",
-        "match": "Experimental attention variant is not supported with get_gpt_decoder_layer_specs, "
-                 "but got config.experimental_attention_variant='dsv4_hybrid'",
+                  "'Invalid experimental attention variant') and that spec is TE-only (:442): built on CPU from Core's own "
+                  "per-layer function (harness.models.cpu_spec.hybrid_block), it raises there (:146)",
+        "match": "ValueError: Invalid experimental attention variant: dsv4_hybrid",
         "raised_in": "megatron.core.models.gpt"},
     "olmoe tp1 -> tp2": {
         "reason": "Megatron-Bridge 0.6.2 OLMoESelfAttention builds q/k_layernorm over head_dim * num_attention_heads, the "

@@ -177,22 +177,19 @@ def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec, layout: Lay
             if is_a:
                 for mod in ("q_proj", "k_proj", "v_proj"):
                     put(layer, f"self_attn.{mod}", t, None)
-            elif t.shape[0] == ng * (2 * q_per_group + 2) * hd:  # attention_output_gate (Qwen3-Next, Qwen3.5)
-                # Megatron per group [q, gate, k, v] (attention.py get_query_key_value_tensors); HF's q_proj
-                # per head [q_h, gate_h] (modeling_qwen3_next.py: q_proj(x).view(..., head_dim * 2).chunk(2))
-                grouped = t.reshape(ng, (2 * q_per_group + 2) * hd, -1)
-                q = grouped[:, : q_per_group * hd].reshape(ng, q_per_group, hd, -1)
-                g = grouped[:, q_per_group * hd : 2 * q_per_group * hd].reshape(ng, q_per_group, hd, -1)
-                q = torch.stack([q, g], dim=2).reshape(ng * q_per_group * 2 * hd, -1)
-                k = grouped[:, 2 * q_per_group * hd : (2 * q_per_group + 1) * hd].reshape(ng * hd, -1)
-                v = grouped[:, (2 * q_per_group + 1) * hd :].reshape(ng * hd, -1)
-                for mod, b in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                    put(layer, f"self_attn.{mod}", None, b.contiguous())
             else:
-                grouped = t.reshape(ng, (q_per_group + 2) * hd, -1)
-                q = grouped[:, : q_per_group * hd].reshape(ng * q_per_group * hd, -1)
-                k = grouped[:, q_per_group * hd : (q_per_group + 1) * hd].reshape(ng * hd, -1)
-                v = grouped[:, (q_per_group + 1) * hd :].reshape(ng * hd, -1)
+                # attention_output_gate (Qwen3-Next, Qwen3.5): Megatron per group [q, gate, k, v] (attention.py
+                # get_query_key_value_tensors), HF's q_proj per head [q_h, gate_h] (modeling_qwen3_next.py:
+                # q_proj(x).view(..., head_dim * 2).chunk(2))
+                gated = t.shape[0] == ng * (2 * q_per_group + 2) * hd
+                qw = q_per_group * hd * (2 if gated else 1)
+                grouped = t.reshape(ng, qw + 2 * hd, -1)
+                q = grouped[:, :qw]
+                if gated:
+                    q = q.reshape(ng, 2, q_per_group, hd, -1).transpose(1, 2)
+                q = q.reshape(ng * qw, -1)
+                k = grouped[:, qw : qw + hd].reshape(ng * hd, -1)
+                v = grouped[:, qw + hd :].reshape(ng * hd, -1)
                 for mod, b in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                     put(layer, f"self_attn.{mod}", None, b.contiguous())
         elif base == "linear_fc1" and not spec.gated:  # squared ReLU: fc1 is up_proj alone

@@ -3,6 +3,7 @@ LR scheduler) and read back what the built objects really use (`propagation`).""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -219,9 +220,8 @@ def propagation(ddp, optimizer, cfg: TrainConfig) -> list[dict[str, Any]]:
         "dtype": cfg.dtype,
         "layer_spec": cfg.layer_spec,
     }
-    rows = [{"knob": k, "asked": asked[k], "actual": actual[k], "ok": asked[k] == actual[k]} for k in asked]
-    row = next(r for r in rows if r["knob"] == "optimizer_type")
-    row["ok"] = optimizer_built(row["asked"], row["actual"])
+    same = {"optimizer_type": optimizer_built}  # knobs whose built value is not the asked one spelled alike
+    rows = [{"knob": k, "asked": asked[k], "actual": actual[k], "ok": same.get(k, operator.eq)(asked[k], actual[k])} for k in asked]
     # Buckets: what the DDP module of the first chunk really built on this rank. megatron-core turns
     # bucketing off on every PP stage but the first (and Megatron-LM, as build_training, for every
     # chunk but the first), so a small bucket_size must give several buckets there only.

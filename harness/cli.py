@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness.gate import bisect as bisect_cmd
 
     bisect_cmd.add_parser(sub).set_defaults(func=lambda args: bisect_cmd.run_cli(args))
-    from harness.gate import mutate
+    from harness.gate import mutate_cli as mutate
 
     mutate.add_parser(sub)  # sets its own func (mutate.run_cli)
     env = sub.add_parser("envs", help="list the built environments (own disk, shared store) or prune them")

@@ -150,11 +150,36 @@ def generate(module: str, path: Path | None = None) -> list[Mutant]:
 
 
 def sample(mutants: list[Mutant], n: int | None, seed: int) -> list[Mutant]:
-    """`n` of them, the same for the same list and seed, in their own order (all when n is None or more)."""
+    """`n` of them, the same for the same list and seed, in their own order (all when n is None or more).
+
+    Stratified by module: each module gets an equal share of `n` (a module with fewer mutants gives
+    its spare share to the others), so a campaign over a large and a small module still measures
+    both. One module: exactly `random.Random(seed).sample` over its mutants."""
     if n is None or n >= len(mutants):
         return list(mutants)
-    picked = set(random.Random(seed).sample(range(len(mutants)), n))
+    groups: dict[str, list[int]] = {}
+    for i, m in enumerate(mutants):
+        groups.setdefault(m.module, []).append(i)
+    share = {mod: 0 for mod in groups}
+    left = n
+    while left:
+        open_ = [mod for mod in groups if share[mod] < len(groups[mod])]
+        each, extra = divmod(left, len(open_))
+        for j, mod in enumerate(open_):
+            share[mod] += min(each + (j < extra), len(groups[mod]) - share[mod])
+        left = n - sum(share.values())
+    rng = random.Random(seed)
+    picked = {i for mod, idx in groups.items() for i in (rng.sample(idx, share[mod]) if share[mod] < len(idx) else idx)}
     return [m for i, m in enumerate(mutants) if i in picked]
+
+
+def in_functions(mutants: list[Mutant], pattern: str) -> list[Mutant]:
+    """The mutants whose enclosing function's qualified name matches `pattern` (fnmatch; `|` between
+    alternatives): `megatron.core.optimizer.distrib_optimizer:*state*` aims at its state-dict paths."""
+    from fnmatch import fnmatchcase
+
+    alternatives = [p for p in pattern.split("|") if p]
+    return [m for m in mutants if any(fnmatchcase(m.function, p) for p in alternatives)]
 
 
 class _Points(ast.NodeVisitor):

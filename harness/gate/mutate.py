@@ -1,7 +1,8 @@
 """`ckpt-harness mutate`: how much of a change to the installed upstream code the matrix would catch.
 
-    ckpt-harness mutate --target megatron.core.dist_checkpointing.mapping[,MODULE...] [--sample N]
-                        [--seed S] [-k SLICE] [--matrix M] [--jobs J] [--timeout S] --out DIR
+    ckpt-harness mutate --target MODULE[:FUNCTIONS][,MODULE...] [--sample N] [--seed S] [-k SLICE]
+                        [--matrix M] [--jobs J] [--timeout S] [--max-cases N] [--cold]
+                        [--prepare | --shard I/N | --shards N --executor local|slurm | --merge DIR...] --out DIR
 
 1. The mutants (harness/faults/mutants.py) of each target module as installed; `--sample N` of them,
    the same for the same seed (DIR/mutants.json).
@@ -9,7 +10,8 @@
    lines each case ran (harness/faults/coverage_hook.py, in every rank). A mutant no case runs is
    **not covered**: a blind spot of the selection, never counted as killed.
 3. Each covered mutant runs only the cases that run its span (`--jobs` mutants at once, each its own
-   work unit), in a fresh `run` whose every process
+   work unit), in batches that stop at the first kill (mutate_cases.py), each a `run` forked from a
+   warm parent (mutate_warm.py; `--cold`: a fresh interpreter) whose every process
    loads the mutant (harness/faults/mutant_hook.py; the installed file is only read). It is
    **killed** when a case's outcome changed as the gate judges it (a failing finding of
    harness.gate.compare: a new failure or error, a check that passed failing, a named xfail failing
@@ -32,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.faults import coverage_hook, mutant_hook
-from harness.faults.mutants import Mutant, generate, sample
-from harness.gate import baseline_cache, compare
+from harness.faults.mutants import Mutant, generate, in_functions, sample
+from harness.gate import baseline_cache, compare, mutate_cases
 from harness.gate.progress import say
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +62,18 @@ def _clean_env() -> dict[str, str]:
             if k not in (coverage_hook.ENV, coverage_hook.CONTEXT_ENV, mutant_hook.ENV)}
 
 
+def target_mutants(target: str) -> list[Mutant]:
+    """Every mutant of a target, `MODULE` or `MODULE:FUNCTIONS` (fnmatch on the qualified function
+    name, `|` between alternatives: `megatron.core.optimizer.distrib_optimizer:*state*|*load*`)."""
+    module, _, functions = target.partition(":")
+    every = generate(module.strip())
+    if functions:
+        every = in_functions(every, functions)
+        if not every:
+            raise MutateError(f"--target {target}: no mutant of {module} is in a function matching {functions!r}")
+    return every
+
+
 def mutants_of(targets: list[str], n: int | None, seed: int, out: Path) -> list[Mutant]:
     """The campaign's mutants; a campaign started before in `out` keeps the ones it chose."""
     saved = out / "mutants.json"
@@ -69,7 +83,7 @@ def mutants_of(targets: list[str], n: int | None, seed: int, out: Path) -> list[
             raise MutateError(f"{out} holds a campaign of {doc['targets']} (sample {doc['sample']}, seed {doc['seed']}): "
                               "use another --out")
         return [Mutant.from_dict(m) for m in doc["mutants"]]
-    every = [m for t in targets for m in generate(t)]
+    every = [m for t in targets for m in target_mutants(t)]
     chosen = sample(every, n, seed)
     out.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps({"targets": targets, "sample": n, "seed": seed, "generated": len(every),
@@ -111,9 +125,15 @@ def judge(clean: dict[str, Any], ran: dict[str, Any] | None, cases: list[str], t
     return ("killed" if failing else "survived"), failing
 
 
+def cold(args: list[str], env: dict[str, str], log: Path, timeout_s: float | None) -> tuple[int, bool]:
+    """A mutant's `run` in a fresh interpreter (`--cold`, and where no warm parent can start)."""
+    return _run(args, {**_clean_env(), **env}, log, timeout_s)
+
+
 def run_mutant(m: Mutant, index: int, text: str, cases: list[str], matrix: Path, out: Path, timeout_s: float,
-               clean: dict[str, Any]) -> dict[str, Any]:
-    """One mutant's outcome (DIR/mutants/<index>/outcome.json), from its file when it ran before."""
+               clean: dict[str, Any], runner=cold, max_cases: int | None = None) -> dict[str, Any]:
+    """One mutant's outcome (DIR/mutants/<index>/outcome.json), from its file when it ran before.
+    Its cases run in batches, likeliest killers first (mutate_cases), until one is killed."""
     where = out / "mutants" / f"{index:04d}"
     done = where / "outcome.json"
     if done.exists():
@@ -121,71 +141,121 @@ def run_mutant(m: Mutant, index: int, text: str, cases: list[str], matrix: Path,
     start = time.perf_counter()
     record: dict[str, Any] = {**m.to_dict(), "index": index, "cases": cases, "diff": m.diff(text)}
     if m.equivalent(text):  # the same instructions: nothing to run, no blind spot either way
-        record.update(outcome="equivalent", findings=[])
+        record.update(outcome="equivalent", findings=[], ran=[])
     elif not cases:
-        record.update(outcome="not-covered", findings=[])
+        record.update(outcome="not-covered", findings=[], ran=[])
     else:
-        env = {**_clean_env(), mutant_hook.ENV: json.dumps(m.to_dict())}
-        args = [str(matrix), *(a for c in cases for a in ("--id", c)), "--report", str(where / "run"), "--jobs", "1"]
-        _, timed_out = _run(args, env, where / "run.log", timeout_s * max(1, len(cases)))
-        ran = compare.load(where / "run") if (where / "run" / "results.json").exists() else None
-        outcome, findings = judge(clean, ran, cases, timed_out)
-        record.update(outcome=outcome, findings=findings[:5])
+        env = {mutant_hook.ENV: json.dumps(m.to_dict())}
+        todo = mutate_cases.order(cases, clean)[:max_cases or None]
+        ran_ids: list[str] = []
+        outcome, findings = "survived", []
+        for n, batch in enumerate(mutate_cases.batches(todo)):
+            part = where / f"run-{n}"
+            args = [str(matrix), *(a for c in batch for a in ("--id", c)), "--report", str(part), "--jobs", "1"]
+            _, timed_out = runner(args, env, where / f"run-{n}.log", timeout_s * len(batch))
+            ran = compare.load(part) if (part / "results.json").exists() else None
+            ran_ids += batch
+            outcome, findings = judge(clean, ran, batch, timed_out)
+            if outcome != "survived":
+                break
+        # a survivor under --max-cases never ran these covering cases: said in the report, never a kill
+        record.update(outcome=outcome, findings=findings[:5], ran=ran_ids,
+                      unrun=len(cases) - len(ran_ids) if outcome == "survived" else 0)
     record["seconds"] = round(time.perf_counter() - start, 1)
     where.mkdir(parents=True, exist_ok=True)
     done.write_text(json.dumps(record, indent=1))
     return record
 
 
+def shard_of(text: str | None) -> tuple[int, int] | None:
+    """`I/N` as (I, N), 1 <= I <= N; None for none."""
+    if not text:
+        return None
+    i, sep, n = text.partition("/")
+    if not (sep and i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+        raise MutateError(f"--shard {text!r}: expected I/N with 1 <= I <= N")
+    return int(i), int(n)
+
+
 def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int | None = None, seed: int = 0,
-             jobs: int = 1, timeout_s: float = 300.0) -> list[dict[str, Any]]:
-    """Every mutant's record, in mutant order (harness.gate.mutate_report writes them up)."""
+             jobs: int = 1, timeout_s: float = 300.0, max_cases: int | None = None, warm: bool = True,
+             shard: tuple[int, int] | None = None, prepare_only: bool = False) -> list[dict[str, Any]]:
+    """Every mutant's record, in mutant order (harness.gate.mutate_report writes them up); a shard
+    runs the mutants whose number is I modulo N, and needs the clean run made before (`--prepare`),
+    so shards sharing DIR never make it twice; their records are the ones this shard ran."""
     mutants = mutants_of(targets, n, seed, out)
     files = sorted({m.path for m in mutants})
+    if shard and not _clean_done(out):
+        raise MutateError(f"--shard: {out / 'clean'} holds no complete clean run; run the same command with --prepare first")
     clean = clean_run(matrix, k, files, out)
+    if prepare_only:
+        return []
     ids = list(clean.get("selected") or [r["id"] for r in clean["results"]])
     by_file = coverage_hook.lines(out / "coverage")
     texts = {f: Path(f).read_text() for f in files}
+    mine = [i for i in range(len(mutants)) if shard is None or i % shard[1] == shard[0] - 1]
+    modules = sorted({m.module for m in mutants})
+    import threading
     from concurrent.futures import ThreadPoolExecutor
+
+    local, parents, lock = threading.local(), [], threading.Lock()
+
+    def runner(args: list[str], env: dict[str, str], log: Path, timeout: float | None) -> tuple[int, bool]:
+        if not warm:
+            return cold(args, env, log, timeout)
+        if not hasattr(local, "parent"):
+            from harness.gate.mutate_warm import WarmParent
+
+            local.parent = WarmParent(modules, _clean_env(), out / "warm.log")
+            with lock:
+                parents.append(local.parent)
+            say(f"mutate: a warm parent holds {', '.join(local.parent.kept) or 'nothing'}")
+        return local.parent.run(args, env, log, timeout)
 
     def one(i: int) -> dict[str, Any]:
         m = mutants[i]
         cases = coverage_hook.covering(by_file.get(m.path, {}), m.line, m.end_line, ids, m.at_import)
-        rec = run_mutant(m, i, texts[m.path], cases, matrix, out, timeout_s, clean)
-        say(f"mutate [{i + 1}/{len(mutants)}] {rec['outcome'].upper():14} {m.id} ({len(cases)} case(s), {rec['seconds']}s)")
+        rec = run_mutant(m, i, texts[m.path], cases, matrix, out, timeout_s, clean, runner, max_cases)
+        say(f"mutate [{i + 1}/{len(mutants)}] {rec['outcome'].upper():14} {m.id} "
+            f"({len(rec.get('ran', []))} of {len(cases)} case(s), {rec['seconds']}s)")
         return rec
 
     # mutants are independent work units: `jobs` mutant runs at once (threads that wait on subprocesses)
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(one, range(len(mutants))))
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("mutate", help="mutants of installed upstream modules against a matrix slice: the kill "
-                              "rate and the blind spots (docs/mutate.md)")
-    p.add_argument("--target", required=True, help="MODULE[,MODULE...] as installed (e.g. megatron.core.dist_checkpointing.mapping)")
-    p.add_argument("--sample", type=int, default=None, metavar="N", help="this many of the mutants (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="which N: the same seed gives the same mutants")
-    p.add_argument("-k", default=None, help="only matrix cases whose id contains every word of this")
-    p.add_argument("--matrix", type=Path, default=Path("matrices/gate.yaml"), help="default: the gate's selection")
-    p.add_argument("--jobs", "-j", type=int, default=1, metavar="J", help="mutant runs at once (each runs its cases one "
-                   "at a time; a fresh interpreter's imports overlap another mutant's cases)")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per case before a mutant counts as "
-                   "killed by timeout")
-    p.add_argument("--out", type=Path, required=True, help="the campaign's directory (run again to resume)")
-    p.set_defaults(func=run_cli)
-    return p
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    from harness.gate import mutate_report
-
-    targets = [t.strip() for t in args.target.split(",") if t.strip()]
     try:
-        records = campaign(targets, args.matrix, args.k, args.out.resolve(), args.sample, args.seed, args.jobs, args.timeout)
-    except (MutateError, ValueError) as exc:
-        print(f"ckpt-harness mutate: {exc}", file=sys.stderr)
-        return 2
-    summary = mutate_report.write(records, args.out.resolve(), targets)
-    print((args.out / "mutate.md").read_text().split("\n## ")[0])
-    return 0 if summary["covered"] else 2
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            return list(pool.map(one, mine))
+    finally:
+        for parent in parents:
+            parent.close()
+
+
+def _clean_done(out: Path) -> bool:
+    return (out / "clean" / "results.json").exists() and bool(compare.load(out / "clean").get("complete"))
+
+
+def records_of(out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(every outcome DIR holds, in mutant order; the mutants of mutants.json with none yet)."""
+    doc = json.loads((out / "mutants.json").read_text())
+    have, missing = [], []
+    for i, m in enumerate(doc["mutants"]):
+        f = out / "mutants" / f"{i:04d}" / "outcome.json"
+        (have.append(json.loads(f.read_text())) if f.exists() else missing.append({**m, "index": i}))
+    return have, missing
+
+
+def merge(out: Path, others: list[Path]) -> None:
+    """Copy into `out` the outcomes of the same campaign run elsewhere (shards without a shared
+    filesystem); a directory of another campaign (targets, sample, seed, mutants) is refused."""
+    import shutil
+
+    mine = json.loads((out / "mutants.json").read_text())
+    for other in others:
+        theirs = json.loads((Path(other) / "mutants.json").read_text())
+        if [m["id"] for m in theirs["mutants"]] != [m["id"] for m in mine["mutants"]]:
+            raise MutateError(f"--merge {other}: another campaign's mutants ({theirs['targets']}, sample "
+                              f"{theirs['sample']}, seed {theirs['seed']}) than {out}'s")
+        for f in sorted(Path(other).glob("mutants/*/outcome.json")):
+            dest = out / f.relative_to(other)
+            if not dest.exists():
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, dest)

@@ -31,8 +31,10 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def write(records: list[dict[str, Any]], out: Path, targets: list[str]) -> dict[str, Any]:
-    """Writes the three files; returns the overall rates."""
+def write(records: list[dict[str, Any]], out: Path, targets: list[str],
+          missing: list[dict[str, Any]] = ()) -> dict[str, Any]:
+    """Writes the three files; returns the overall rates. `missing`: the campaign's mutants with no
+    outcome yet (a shard not run or dead), said first and counted nowhere."""
     overall = rates(records)
     by_module: dict[str, list] = defaultdict(list)
     by_function: dict[str, list] = defaultdict(list)
@@ -40,12 +42,20 @@ def write(records: list[dict[str, Any]], out: Path, targets: list[str]) -> dict[
         by_module[r["module"]].append(r)
         by_function[f"{r['module']}:{r['function'] or '<module>'}"].append(r)
     doc = {"targets": targets, "overall": overall, "modules": {m: rates(rs) for m, rs in by_module.items()},
-           "functions": {f: rates(rs) for f, rs in by_function.items()}, "mutants": records}
+           "functions": {f: rates(rs) for f, rs in by_function.items()}, "mutants": records,
+           "no_outcome": [m["id"] for m in missing]}
     (out / "mutate.json").write_text(json.dumps(doc, indent=1))
     lines = [f"# Mutation campaign: {_pct(overall['kill_rate'])} of covered mutants killed, "
              f"{_pct(overall['coverage_rate'])} of sampled mutants covered",
-             "",
-             f"{overall['sampled']} mutant(s) sampled of {', '.join(targets)}: {overall['killed']} killed, "
+             ""]
+    if missing:
+        lines += [f"**{len(missing)} of the campaign's {len(records) + len(missing)} mutants have no outcome yet** (a shard "
+                  "not run, or one that died): nothing below counts them.", ""]
+    capped = [r for r in records if r["outcome"] == "survived" and r.get("unrun")]
+    if capped:
+        lines += [f"{len(capped)} survivor(s) stopped at --max-cases with {sum(r['unrun'] for r in capped)} covering case "
+                  "run(s) not made: a kill among those would only raise the kill rate.", ""]
+    lines += [f"{overall['sampled']} mutant(s) sampled of {', '.join(targets)}: {overall['killed']} killed, "
              f"{overall['killed-timeout']} killed by timeout, **{overall['survived']} survived**, "
              f"**{overall['not-covered']} not covered** (no selected case runs them: blind spots of the selection), "
              f"{overall['equivalent']} equivalent (left out of both rates).",
@@ -62,7 +72,9 @@ def write(records: list[dict[str, Any]], out: Path, targets: list[str]) -> dict[
         picked = [r for r in records if r["outcome"] == outcome]
         lines += ["", f"## {title} ({len(picked)})"]
         for r in picked:
-            ran = f"; ran by {len(r['cases'])} case(s): {', '.join(r['cases'][:4])}{' ...' if len(r['cases']) > 4 else ''}" if r["cases"] else ""
+            shown, every = r.get("ran") or r["cases"], len(r["cases"])
+            of = f" of {every} covering" if len(shown) < every else ""
+            ran = f"; ran by {len(shown)} case(s){of}: {', '.join(shown[:4])}{' ...' if len(shown) > 4 else ''}" if every else ""
             lines += ["", f"- `{r['id']}` {r['operator']} in {r['function'] or '<module>'}, {r['path']}:{r['line']}{ran}",
                       "", "```diff", r["diff"].rstrip(), "```"]
     (out / "mutate.md").write_text("\n".join(lines) + "\n")

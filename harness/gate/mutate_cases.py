@@ -1,0 +1,54 @@
+"""Which of a mutant's covering cases run, and in what order (issue 41's speed on a whole gate slice).
+
+A mutant in megatron.core.dist_checkpointing.mapping is run by nearly every case of the gate's
+selection: running all of them for each mutant is hours. Two things keep a campaign to a night:
+
+- **stop at the first kill**: the cases go in batches (2, 4, 8, ...) and the next batch runs only
+  while every case so far kept its outcome. A killed mutant costs a batch or two; only survivors pay
+  for their whole list.
+- **the likeliest killers first**: the covering cases go round-robin over (check, backend) kinds, the
+  fastest of each kind first, so the first batch already asks the mutant different questions
+  (weights and optimizer state, resume, HF export, adapters) instead of the same one at ten
+  topologies.
+
+`--max-cases N` caps the list: a mutant that kept its outcome through N cases is recorded as
+survived with the count of covering cases it never ran, never as killed; the kill rate can only be
+under-stated by a cap, and mutate.md says how many survivors it touched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+FIRST_BATCH = 2
+
+
+def kind(case_id: str) -> tuple[str, str]:
+    """(check, backend) of a case id such as reshard-weights[mcore_dist-gpt-gqa-tp2...->tp1...]."""
+    check, _, rest = case_id.partition("[")
+    return check, rest.split("-", 1)[0]
+
+
+def order(cases: list[str], clean: dict[str, Any]) -> list[str]:
+    """`cases` round-robin over their kinds (kinds in their first case's order), each kind's cases
+    fastest first by their clean run's seconds; deterministic for the same cases and clean run."""
+    seconds = {r["id"]: float((r.get("phases") or {}).get("total") or 0.0) for r in clean.get("results", [])}
+    kinds: dict[tuple[str, str], list[str]] = {}
+    for c in cases:
+        kinds.setdefault(kind(c), []).append(c)
+    queues = [sorted(v, key=lambda c: (seconds.get(c, 0.0), cases.index(c))) for v in kinds.values()]
+    out: list[str] = []
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop(0))
+    return out
+
+
+def batches(cases: list[str], first: int = FIRST_BATCH) -> Iterator[list[str]]:
+    """`cases` in batches of first, 2*first, 4*first, ...: each a `run` of its own."""
+    size, at = max(1, first), 0
+    while at < len(cases):
+        yield cases[at:at + size]
+        at += size
+        size *= 2

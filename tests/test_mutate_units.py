@@ -1,0 +1,145 @@
+"""The pieces that make a whole-gate mutation campaign fit a night, without running a case: which
+covering cases a mutant runs and in what order (mutate_cases), the stop at the first kill and
+--max-cases (mutate.run_mutant with a fake runner that writes the results a run would), the
+stratified sample and the function filter, shards and their merge, and the warm parent's refusal
+to hold a target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.faults.mutants import generate, in_functions, sample
+from harness.gate import mutate, mutate_cases
+
+IDS = ["reshard-weights[mcore_dist-a]", "reshard-weights[mcore_dist-b]", "reshard-weights[mcore_dist-c]",
+       "resume[mcore_dist-a]", "hf-roundtrip[bridge_hf-a]", "reshard-weights[bridge_peft-a]", "resume[mcore_dist-b]"]
+
+
+def _result(cid: str, status: str = "passed", total: float = 1.0) -> dict:
+    return {"id": cid, "case": cid.split("[")[0], "status": status, "error": None, "memory": {}, "notes": [],
+            "phases": {"total": total}, "xfail_reason": None,
+            "checks": [{"name": "loaded-canonical", "status": status, "detail": "", "max_abs_diff": None,
+                        "tolerance": "bitwise", "mismatches": []}]}
+
+
+def _clean(seconds: dict[str, float] | None = None) -> dict:
+    seconds = seconds or {}
+    return {"matrix": "m.yaml", "complete": True, "selected": IDS, "versions": {}, "summary": {},
+            "results": [_result(c, total=seconds.get(c, 1.0)) for c in IDS]}
+
+
+def test_cases_go_round_robin_over_kinds_fastest_first_and_in_doubling_batches():
+    clean = _clean({"reshard-weights[mcore_dist-a]": 9.0, "reshard-weights[mcore_dist-c]": 0.5})
+    got = mutate_cases.order(IDS, clean)
+    assert sorted(got) == sorted(IDS)
+    # one of each (check, backend) first: weights, resume, HF export, adapters; the fastest weights case leads
+    assert got[:4] == ["reshard-weights[mcore_dist-c]", "resume[mcore_dist-a]", "hf-roundtrip[bridge_hf-a]",
+                       "reshard-weights[bridge_peft-a]"]
+    assert got.index("reshard-weights[mcore_dist-a]") == len(got) - 1  # the slowest of the largest kind last
+    assert [len(b) for b in mutate_cases.batches(list(range(11)))] == [2, 4, 5]
+    assert list(mutate_cases.batches([])) == []
+
+
+def _mutant():
+    return next(m for m in generate("mutation_target") if m.operator == "off-by-one")
+
+
+def _fake_runner(fail: set[str], calls: list[list[str]]):
+    """Writes the results.json a `run` of the batch would: the cases in `fail` failed, the rest passed."""
+    def run(args: list[str], env: dict, log: Path, timeout: float | None) -> tuple[int, bool]:
+        ids = [args[i + 1] for i, a in enumerate(args) if a == "--id"]
+        calls.append(ids)
+        assert json.loads(env["CKPT_HARNESS_MUTANT"])["line"] == _mutant().line  # the mutant goes with every run
+        report = Path(args[args.index("--report") + 1])
+        report.mkdir(parents=True)
+        (report / "results.json").write_text(json.dumps(
+            {"matrix": "m.yaml", "complete": True, "versions": {}, "summary": {},
+             "results": [_result(c, "failed" if c in fail else "passed") for c in ids]}))
+        return (1 if fail & set(ids) else 0), False
+    return run
+
+
+def test_a_mutant_stops_at_its_first_kill_and_a_survivor_runs_every_covering_case(tmp_path):
+    m, text = _mutant(), Path(_mutant().path).read_text()
+    order = mutate_cases.order(IDS, _clean())
+    calls: list[list[str]] = []
+    killer = order[4]  # in the second batch (cases 3-6)
+    rec = mutate.run_mutant(m, 0, text, IDS, Path("m.yaml"), tmp_path / "k", 60, _clean(), _fake_runner({killer}, calls))
+    assert rec["outcome"] == "killed" and [len(c) for c in calls] == [2, 4] and rec["ran"] == order[:6]
+    assert rec["findings"][0]["case"] == killer
+    calls.clear()
+    rec = mutate.run_mutant(m, 0, text, IDS, Path("m.yaml"), tmp_path / "s", 60, _clean(), _fake_runner(set(), calls))
+    assert rec["outcome"] == "survived" and sorted(rec["ran"]) == sorted(IDS) and rec["unrun"] == 0
+    assert [len(c) for c in calls] == [2, 4, 1]
+
+
+def test_max_cases_leaves_a_survivor_counted_as_survived_with_its_unrun_cases(tmp_path):
+    m, text = _mutant(), Path(_mutant().path).read_text()
+    calls: list[list[str]] = []
+    late = mutate_cases.order(IDS, _clean())[-1]  # the only killer is past the cap
+    rec = mutate.run_mutant(m, 0, text, IDS, Path("m.yaml"), tmp_path, 60, _clean(), _fake_runner({late}, calls), max_cases=3)
+    assert rec["outcome"] == "survived" and len(rec["ran"]) == 3 and rec["unrun"] == 4 and late not in rec["ran"]
+    from harness.gate import mutate_report
+
+    mutate_report.write([rec], tmp_path, ["mutation_target"])
+    md = (tmp_path / "mutate.md").read_text()
+    assert "1 survivor(s) stopped at --max-cases with 4 covering case run(s) not made" in md
+    assert f"ran by 3 case(s) of {len(IDS)} covering" in md
+
+
+def test_the_sample_is_shared_between_modules_and_one_module_samples_as_before():
+    import random
+
+    big, small = generate("mutation_target"), generate("doubles")[:5]
+    both = sample(big + small, 12, seed=3)
+    assert sum(m.module == "doubles" for m in both) == 5 and len(both) == 12  # the small one gives its spare share
+    assert sample(big + small, 12, seed=3) == both and sample(big + small, 12, seed=4) != both
+    picked = set(random.Random(7).sample(range(len(big)), 6))
+    assert sample(big, 6, seed=7) == [m for i, m in enumerate(big) if i in picked]
+
+
+def test_a_function_filter_keeps_only_its_functions_and_an_empty_one_is_refused():
+    every = generate("mutation_target")
+    kept = in_functions(every, "take|shard_*")
+    assert kept and {m.function for m in kept} == {"take", "shard_range"}
+    assert len(mutate.target_mutants("mutation_target:load")) == len(in_functions(every, "load"))
+    with pytest.raises(mutate.MutateError, match="no mutant of mutation_target is in a function matching 'nothing'"):
+        mutate.target_mutants("mutation_target:nothing")
+
+
+def test_a_shard_needs_a_prepared_campaign_and_merge_copies_only_the_same_campaigns_outcomes(tmp_path):
+    assert mutate.shard_of("2/3") == (2, 3) and mutate.shard_of(None) is None
+    for bad in ("0/2", "3/2", "1/0", "bad"):
+        with pytest.raises(mutate.MutateError, match="expected I/N"):
+            mutate.shard_of(bad)
+    a, b, other = tmp_path / "a", tmp_path / "b", tmp_path / "o"
+    for d in (a, b):
+        mutate.mutants_of(["mutation_target"], 4, 1, d)
+    with pytest.raises(mutate.MutateError, match="holds no complete clean run"):
+        mutate.campaign(["mutation_target"], Path("m.yaml"), None, a, 4, 1, shard=(1, 2))
+    (b / "mutants" / "0001").mkdir(parents=True)
+    (b / "mutants" / "0001" / "outcome.json").write_text(json.dumps({"outcome": "killed", "index": 1}))
+    mutate.merge(a, [b])
+    have, missing = mutate.records_of(a)
+    assert [r["index"] for r in have] == [1] and [m["index"] for m in missing] == [0, 2, 3]
+    mutate.mutants_of(["mutation_target"], 4, 2, other)  # another seed: other mutants
+    with pytest.raises(mutate.MutateError, match="another campaign's mutants"):
+        mutate.merge(a, [other])
+
+
+def test_the_warm_parent_keeps_no_step_that_imports_a_target(tmp_path):
+    from harness.gate.mutate_warm import STEPS, WarmParent
+
+    parent = WarmParent(["transformers.modeling_utils"], mutate._clean_env(), tmp_path / "warm.log")
+    try:
+        assert "torch" in parent.kept and "transformers" not in parent.kept and "peft" not in parent.kept
+        assert set(parent.kept) <= {name for name, _ in STEPS}
+        code, timed_out = parent.run(["--help"], {}, tmp_path / "h.log", 60)  # `ckpt-harness run --help`, forked
+        assert (code, timed_out) == (0, False) and "--report" in (tmp_path / "h.log").read_text()
+        code, _ = parent.run(["no-such.yaml"], {}, tmp_path / "bad.log", 60)
+        assert code == 2 and "no-such.yaml" in (tmp_path / "bad.log").read_text()
+    finally:
+        parent.close()

@@ -61,6 +61,13 @@ def test_the_rest_of_the_operators_on_a_source_of_their_own(tmp_path):
     assert ("return-arg", "h(x)", "x") in found
 
 
+def test_a_keyword_that_only_changes_how_a_value_prints_is_left_alone(tmp_path):
+    src = tmp_path / "shown.py"
+    src.write_text("from dataclasses import field\nx = field(repr=False, default=False)\n")
+    found = {(m.original, m.replacement, m.col) for m in generate("shown", src) if m.operator == "constant"}
+    assert found == {("False", "True", 30)}  # default=False only: repr=False prints, nothing more
+
+
 def test_lines_never_move_and_every_mutant_compiles(mutants):
     text = locate(TARGET).read_text()
     for m in mutants:

@@ -37,6 +37,8 @@ _CMP_TOKEN = re.compile(r"is\s+not|not\s+in|==|!=|<=|>=|<|>|\bis\b|\bin\b")
 _BOOL_TOKEN = re.compile(r"\band\b|\bor\b")
 #: a statement whose only effect is a message: dropping it is no checkpoint defect
 _QUIET_ROOTS = {"logger", "logging", "log", "warnings", "print", "print_rank_0", "print_rank_last", "_logger", "LOGGER"}
+#: keyword arguments that only change how a value prints (dataclasses.field(repr=...)): left alone, as log lines
+_DISPLAY_ONLY = {"repr"}
 #: keyword arguments that are switches (their value inverted is a mutant even when it is not a literal)
 _FLAG = re.compile(r"^(strict|is_[a-z_]+|use_[a-z_]+|allow_[a-z_]+|skip_[a-z_]+|validate[a-z_]*|"
                    r"fully_[a-z_]+|[a-z_]*_only|async_[a-z_]+|with_[a-z_]+|keep_vars|non_blocking)$")
@@ -335,7 +337,9 @@ class _Points(ast.NodeVisitor):
         for kw in node.keywords:
             if kw.arg and _FLAG.match(kw.arg) and not isinstance(kw.value, ast.Constant):
                 self._node("flag-invert", kw.value, f"not ({self._text(kw.value)})")
-        self.generic_visit(node)
+        self.visit(node.func)
+        for child in (*node.args, *(kw for kw in node.keywords if kw.arg not in _DISPLAY_ONLY)):
+            self.visit(child)
 
     def visit_Dict(self, node: ast.Dict) -> None:
         """Drop one `key: value` entry with one of its commas (a `**spread` is never dropped)."""

@@ -194,7 +194,6 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
     by_file = coverage_hook.lines(out / "coverage")
     texts = {f: Path(f).read_text() for f in files}
     mine = [i for i in range(len(mutants)) if shard is None or i % shard[1] == shard[0] - 1]
-    modules = sorted({m.module for m in mutants})
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -203,13 +202,18 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
     def runner(args: list[str], env: dict[str, str], log: Path, timeout: float | None) -> tuple[int, bool]:
         if not warm:
             return cold(args, env, log, timeout)
-        if not hasattr(local, "parent"):
+        # a warm parent per target module: what it may hold depends on the module (one for peft holds
+        # Megatron-Core); mutants come in module order, so a worker starts one a module
+        module = json.loads(env[mutant_hook.ENV])["module"]
+        if getattr(local, "module", None) != module:
             from harness.gate.mutate_warm import WarmParent
 
-            local.parent = WarmParent(modules, _clean_env(), out / "warm.log")
+            if getattr(local, "parent", None) is not None:
+                local.parent.close()
+            local.parent, local.module = WarmParent([module], _clean_env(), out / "warm.log"), module
             with lock:
                 parents.append(local.parent)
-            say(f"mutate: a warm parent holds {', '.join(local.parent.kept) or 'nothing'}")
+            say(f"mutate: a warm parent for {module} holds {', '.join(local.parent.kept) or 'nothing'}")
         return local.parent.run(args, env, log, timeout)
 
     def one(i: int) -> dict[str, Any]:

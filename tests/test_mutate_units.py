@@ -143,3 +143,30 @@ def test_the_warm_parent_keeps_no_step_that_imports_a_target(tmp_path):
         assert code == 2 and "no-such.yaml" in (tmp_path / "bad.log").read_text()
     finally:
         parent.close()
+
+
+def test_a_kill_by_a_case_that_fails_without_the_mutant_too_is_unconfirmed(tmp_path):
+    from harness.gate import mutate_report
+
+    flaky, solid = IDS[0], IDS[3]
+    records = [{"id": f"m{i}", "module": "mutation_target", "function": "f", "operator": "constant", "path": "p", "line": i,
+                "cases": [case], "ran": [case], "diff": "", "outcome": "killed",
+                "findings": [{"case": case, "class": "regression", "failing": True}]} for i, case in enumerate((flaky, solid))]
+    calls: list[list[str]] = []
+
+    def rerun(args, env, log, timeout):  # without a mutant: the flaky case fails on its own
+        assert env == {}
+        ids = [args[i + 1] for i, a in enumerate(args) if a == "--id"]
+        calls.append(ids)
+        report = Path(args[args.index("--report") + 1])
+        report.mkdir(parents=True)
+        (report / "results.json").write_text(json.dumps({"matrix": "m.yaml", "complete": True, "versions": {}, "summary": {},
+                                                          "results": [_result(c, "failed" if c == flaky else "passed") for c in ids]}))
+        return 1, False
+
+    stable = mutate.confirm(tmp_path, Path("m.yaml"), _clean(), records, rerun)
+    assert stable == {flaky: False, solid: True} and calls == [sorted([flaky, solid])]
+    assert mutate.confirm(tmp_path, Path("m.yaml"), _clean(), records, rerun) == stable and len(calls) == 1  # kept
+    overall = mutate_report.write(records, tmp_path, ["mutation_target"], stable=stable)
+    assert (overall["killed"], overall["unconfirmed"], overall["covered"], overall["kill_rate"]) == (1, 1, 2, 0.5)
+    assert "1 kill(s) unconfirmed" in (tmp_path / "mutate.md").read_text()

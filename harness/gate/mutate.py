@@ -185,7 +185,7 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
     so shards sharing DIR never make it twice; their records are the ones this shard ran."""
     mutants = mutants_of(targets, n, seed, out)
     files = sorted({m.path for m in mutants})
-    if shard and not _clean_done(out):
+    if shard and not clean_done(out):
         raise MutateError(f"--shard: {out / 'clean'} holds no complete clean run; run the same command with --prepare first")
     clean = clean_run(matrix, k, files, out)
     if prepare_only:
@@ -233,7 +233,30 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
             parent.close()
 
 
-def _clean_done(out: Path) -> bool:
+def confirm(out: Path, matrix: Path, clean: dict[str, Any], records: list[dict[str, Any]], runner=None) -> dict[str, bool]:
+    """{case: it keeps its clean outcome when run again without a mutant} for every case that killed a
+    mutant (DIR/confirm.json; cases confirmed before are not run again). A kill by a case that
+    changes its outcome on its own (a flaky check, a memory peak near its threshold) is no evidence:
+    the report counts such a mutant as covered, not killed."""
+    path = out / "confirm.json"
+    stable: dict[str, bool] = json.loads(path.read_text()) if path.exists() else {}
+    killers = sorted({f["case"] for r in records if r["outcome"] == "killed" for f in r.get("findings", []) if f.get("case")})
+    todo = [c for c in killers if c not in stable]
+    if todo:
+        part = out / "confirm" / f"run-{len(list((out / 'confirm').glob('run-*'))) if (out / 'confirm').exists() else 0}"
+        say(f"mutate: {len(todo)} killing case(s) run again without a mutant (log: {part}.log)")
+        args = [str(matrix), *(a for c in todo for a in ("--id", c)), "--report", str(part), "--jobs", "1"]
+        _run(args, _clean_env(), part.with_suffix(".log"), None) if runner is None else runner(args, {}, part.with_suffix(".log"), None)
+        ran = compare.load(part) if (part / "results.json").exists() else {"results": []}
+        got = {r["id"] for r in ran["results"]}
+        base = baseline_cache.restricted(clean, [c for c in todo if c in got], Path("clean"))
+        unstable = {f.case for f in compare.compare(base, ran) if f.failing}
+        stable.update({c: c in got and c not in unstable for c in todo})
+        path.write_text(json.dumps(stable, indent=1, sort_keys=True))
+    return stable
+
+
+def clean_done(out: Path) -> bool:
     return (out / "clean" / "results.json").exists() and bool(compare.load(out / "clean").get("complete"))
 
 

@@ -109,6 +109,9 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"ckpt-harness mutate: {exc}", file=sys.stderr)
         return 2
     records, missing = mutate.records_of(out)
-    summary = mutate_report.write(records, out, targets, missing)
+    stable = None
+    if not args.shard and mutate.clean_done(out):  # shards share DIR: the campaign's own report confirms, once
+        stable = mutate.confirm(out, args.matrix, mutate.compare.load(out / "clean"), records)
+    summary = mutate_report.write(records, out, targets, missing, stable)
     print((out / "mutate.md").read_text().split("\n## ")[0])
     return 0 if summary["covered"] else 2

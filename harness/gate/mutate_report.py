@@ -13,14 +13,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-OUTCOMES = ("killed", "killed-timeout", "survived", "equivalent", "not-covered")
+OUTCOMES = ("killed", "killed-timeout", "survived", "unconfirmed", "equivalent", "not-covered")
 
 
 def rates(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Counts, kill rate (killed / covered, equivalent left out) and coverage rate (covered / sampled)."""
     records = list(records)
     n = {o: sum(r["outcome"] == o for r in records) for o in OUTCOMES}
-    covered = n["killed"] + n["killed-timeout"] + n["survived"]
+    covered = n["killed"] + n["killed-timeout"] + n["survived"] + n["unconfirmed"]
     sampled = len(records) - n["equivalent"]
     return {"sampled": len(records), **n, "covered": covered,
             "kill_rate": round((n["killed"] + n["killed-timeout"]) / covered, 4) if covered else None,
@@ -31,10 +31,25 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def confirmed(records: list[dict[str, Any]], stable: dict[str, bool]) -> list[dict[str, Any]]:
+    """The records with every kill whose killing cases all change outcome without the mutant too
+    (mutate.confirm) turned `unconfirmed`: covered, never counted as killed."""
+    out = []
+    for r in records:
+        cases = [f["case"] for f in r.get("findings", []) if f.get("case")]
+        if r["outcome"] == "killed" and cases and not any(stable.get(c, False) for c in cases):
+            r = {**r, "outcome": "unconfirmed"}
+        out.append(r)
+    return out
+
+
 def write(records: list[dict[str, Any]], out: Path, targets: list[str],
-          missing: list[dict[str, Any]] = ()) -> dict[str, Any]:
+          missing: list[dict[str, Any]] = (), stable: dict[str, bool] | None = None) -> dict[str, Any]:
     """Writes the three files; returns the overall rates. `missing`: the campaign's mutants with no
-    outcome yet (a shard not run or dead), said first and counted nowhere."""
+    outcome yet (a shard not run or dead), said first and counted nowhere. `stable`: mutate.confirm's
+    answer for the killing cases (None: not confirmed yet, said so)."""
+    if stable is not None:
+        records = confirmed(records, stable)
     overall = rates(records)
     by_module: dict[str, list] = defaultdict(list)
     by_function: dict[str, list] = defaultdict(list)
@@ -51,12 +66,19 @@ def write(records: list[dict[str, Any]], out: Path, targets: list[str],
     if missing:
         lines += [f"**{len(missing)} of the campaign's {len(records) + len(missing)} mutants have no outcome yet** (a shard "
                   "not run, or one that died): nothing below counts them.", ""]
+    if stable is None and any(r["outcome"] == "killed" for r in records):
+        lines += ["The kills are not confirmed yet (a shard's report): the campaign's own report runs each killing "
+                  "case again without a mutant.", ""]
+    elif overall["unconfirmed"]:
+        lines += [f"{overall['unconfirmed']} kill(s) unconfirmed: their killing cases changed outcome without the "
+                  "mutant too; counted as covered, not killed.", ""]
     capped = [r for r in records if r["outcome"] == "survived" and r.get("unrun")]
     if capped:
         lines += [f"{len(capped)} survivor(s) stopped at --max-cases with {sum(r['unrun'] for r in capped)} covering case "
                   "run(s) not made: a kill among those would only raise the kill rate.", ""]
     lines += [f"{overall['sampled']} mutant(s) sampled of {', '.join(targets)}: {overall['killed']} killed, "
              f"{overall['killed-timeout']} killed by timeout, **{overall['survived']} survived**, "
+             f"{overall['unconfirmed']} unconfirmed, "
              f"**{overall['not-covered']} not covered** (no selected case runs them: blind spots of the selection), "
              f"{overall['equivalent']} equivalent (left out of both rates).",
              "", "## Per module", "", "| module | sampled | covered | killed | survived | not covered | equivalent | kill rate | coverage |",
@@ -68,7 +90,8 @@ def write(records: list[dict[str, Any]], out: Path, targets: list[str],
     for f, rs in sorted(doc["functions"].items()):
         lines.append(f"| {f} | {rs['sampled']} | {rs['killed'] + rs['killed-timeout']} | {rs['survived']} | "
                      f"{rs['not-covered']} | {_pct(rs['kill_rate'])} |")
-    for title, outcome in (("Survivors", "survived"), ("Not covered", "not-covered"), ("Equivalent", "equivalent")):
+    for title, outcome in (("Survivors", "survived"), ("Unconfirmed kills", "unconfirmed"), ("Not covered", "not-covered"),
+                           ("Equivalent", "equivalent")):
         picked = [r for r in records if r["outcome"] == outcome]
         lines += ["", f"## {title} ({len(picked)})"]
         for r in picked:

@@ -170,3 +170,20 @@ def test_a_kill_by_a_case_that_fails_without_the_mutant_too_is_unconfirmed(tmp_p
     overall = mutate_report.write(records, tmp_path, ["mutation_target"], stable=stable)
     assert (overall["killed"], overall["unconfirmed"], overall["covered"], overall["kill_rate"]) == (1, 1, 2, 0.5)
     assert "1 kill(s) unconfirmed" in (tmp_path / "mutate.md").read_text()
+
+
+def test_a_shard_job_runs_the_same_campaign_with_its_own_shard():
+    import argparse
+
+    from harness.gate import mutate_cli
+
+    parser = argparse.ArgumentParser()
+    mutate_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["mutate", "--target", "a.b:f*|g,c.d", "--sample", "30", "--seed", "4", "-k", "mcore resume",
+                              "--jobs", "2", "--max-cases", "8", "--cold", "--shards", "3", "--out", "/x/c"])
+    argv = mutate_cli.shard_argv(args, 2, 3)
+    assert argv[1:4] == ["-m", "harness.cli", "mutate"]
+    again = parser.parse_args(argv[3:])
+    same = ("target", "sample", "seed", "k", "jobs", "max_cases", "cold", "timeout")
+    assert {a: getattr(again, a) for a in same} == {a: getattr(args, a) for a in same}
+    assert (again.shard, again.shards, str(again.out), again.matrix.is_absolute()) == ("2/3", None, "/x/c", True)

@@ -64,6 +64,11 @@ def test_a_campaign_classifies_killed_survived_not_covered_and_equivalent(tmp_pa
     assert "-    end = start + per + (1 if rank < extra else 0)" in survivors and "+    end = start + per + (2 if" in survivors
     assert known["not-covered"].id in md.split("## Not covered (1)")[1].split("## Equivalent")[0]
     assert (out / "mutate.png").stat().st_size > 1000
+    # the whole population, beside the sample: never_called() is on no run line, take() is
+    every = generate("mutation_target")
+    whole = doc["population"]["mutation_target"]
+    assert whole["generated"] == len(every) and 0 < whole["run"] < len(every) - 2
+    assert f"| mutation_target | {len(every)} | {whole['run']} |" in md
     # resumed: every outcome is read back, nothing runs again
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("mutants/*/outcome.json")}
     assert len(stamps) == 4 and main(argv) == 0

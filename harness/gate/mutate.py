@@ -256,6 +256,25 @@ def confirm(out: Path, matrix: Path, clean: dict[str, Any], records: list[dict[s
     return stable
 
 
+def population(targets: list[str], out: Path) -> dict[str, dict[str, int]]:
+    """{target: {"generated": every mutant of it, "run": those on lines some selected case runs}}: the
+    coverage of the whole population the sample was drawn from (DIR/population.json), no sampling
+    error, equivalent mutants not told apart."""
+    path = out / "population.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    clean = compare.load(out / "clean")
+    ids = list(clean.get("selected") or [r["id"] for r in clean["results"]])
+    by_file = coverage_hook.lines(out / "coverage")
+    doc = {}
+    for t in targets:
+        every = target_mutants(t)
+        doc[t] = {"generated": len(every), "run": sum(bool(coverage_hook.covering(by_file.get(m.path, {}), m.line, m.end_line,
+                                                                                   ids, m.at_import)) for m in every)}
+    path.write_text(json.dumps(doc, indent=1))
+    return doc
+
+
 def clean_done(out: Path) -> bool:
     return (out / "clean" / "results.json").exists() and bool(compare.load(out / "clean").get("complete"))
 

@@ -109,9 +109,10 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"ckpt-harness mutate: {exc}", file=sys.stderr)
         return 2
     records, missing = mutate.records_of(out)
-    stable = None
+    stable, whole = None, None
     if not args.shard and mutate.clean_done(out):  # shards share DIR: the campaign's own report confirms, once
         stable = mutate.confirm(out, args.matrix, mutate.compare.load(out / "clean"), records)
-    summary = mutate_report.write(records, out, targets, missing, stable)
+        whole = mutate.population(targets, out)
+    summary = mutate_report.write(records, out, targets, missing, stable, whole)
     print((out / "mutate.md").read_text().split("\n## ")[0])
     return 0 if summary["covered"] else 2

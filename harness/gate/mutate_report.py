@@ -44,10 +44,12 @@ def confirmed(records: list[dict[str, Any]], stable: dict[str, bool]) -> list[di
 
 
 def write(records: list[dict[str, Any]], out: Path, targets: list[str],
-          missing: list[dict[str, Any]] = (), stable: dict[str, bool] | None = None) -> dict[str, Any]:
+          missing: list[dict[str, Any]] = (), stable: dict[str, bool] | None = None,
+          whole: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
     """Writes the three files; returns the overall rates. `missing`: the campaign's mutants with no
     outcome yet (a shard not run or dead), said first and counted nowhere. `stable`: mutate.confirm's
-    answer for the killing cases (None: not confirmed yet, said so)."""
+    answer for the killing cases (None: not confirmed yet, said so). `whole`: mutate.population, the
+    coverage of every mutant of each target, beside the sample's."""
     if stable is not None:
         records = confirmed(records, stable)
     overall = rates(records)
@@ -58,7 +60,7 @@ def write(records: list[dict[str, Any]], out: Path, targets: list[str],
         by_function[f"{r['module']}:{r['function'] or '<module>'}"].append(r)
     doc = {"targets": targets, "overall": overall, "modules": {m: rates(rs) for m, rs in by_module.items()},
            "functions": {f: rates(rs) for f, rs in by_function.items()}, "mutants": records,
-           "no_outcome": [m["id"] for m in missing]}
+           "no_outcome": [m["id"] for m in missing], "population": whole}
     (out / "mutate.json").write_text(json.dumps(doc, indent=1))
     lines = [f"# Mutation campaign: {_pct(overall['kill_rate'])} of covered mutants killed, "
              f"{_pct(overall['coverage_rate'])} of sampled mutants covered",
@@ -86,6 +88,11 @@ def write(records: list[dict[str, Any]], out: Path, targets: list[str],
     for m, rs in sorted(doc["modules"].items()):
         lines.append(f"| {m} | {rs['sampled']} | {rs['covered']} | {rs['killed'] + rs['killed-timeout']} | {rs['survived']} | "
                      f"{rs['not-covered']} | {rs['equivalent']} | {_pct(rs['kill_rate'])} | {_pct(rs['coverage_rate'])} |")
+    if whole:
+        lines += ["", "## The whole population", "", "Every mutant of each target, not only the sample: how many lie on "
+                  "lines some selected case runs.", "", "| target | mutants | on run lines | coverage |", "|---|---|---|---|"]
+        for t, w in whole.items():
+            lines.append(f"| {t} | {w['generated']} | {w['run']} | {_pct(w['run'] / w['generated'] if w['generated'] else None)} |")
     lines += ["", "## Per function", "", "| function | sampled | killed | survived | not covered | kill rate |", "|---|---|---|---|---|---|"]
     for f, rs in sorted(doc["functions"].items()):
         lines.append(f"| {f} | {rs['sampled']} | {rs['killed'] + rs['killed-timeout']} | {rs['survived']} | "

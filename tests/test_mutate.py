@@ -48,7 +48,7 @@ def test_a_campaign_classifies_killed_survived_not_covered_and_equivalent(tmp_pa
     # the campaign's own resume file, written as `mutate --sample` would have (these four, in this order)
     (out / "mutants.json").write_text(json.dumps({"targets": ["mutation_target"], "sample": None, "seed": 0, "generated": 4,
                                                   "mutants": [m.to_dict() for m in known.values()]}))
-    argv = ["mutate", "--target", "mutation_target", "--matrix", str(matrix), "--out", str(out), "--jobs", "2"]
+    argv = ["mutate", "--target", "mutation_target", "--matrix", str(matrix), "--out", str(out), "--jobs", "2", "--no-corpus"]
     assert main(argv) == 0
     doc = json.loads((out / "mutate.json").read_text())
     got = {r["id"]: r for r in doc["mutants"]}

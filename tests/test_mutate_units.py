@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.faults.mutants import generate, in_functions, sample
-from harness.gate import mutate, mutate_cases
+from harness.gate import mutate, mutate_cases, mutate_results
 
 IDS = ["reshard-weights[mcore_dist-a]", "reshard-weights[mcore_dist-b]", "reshard-weights[mcore_dist-c]",
        "resume[mcore_dist-a]", "hf-roundtrip[bridge_hf-a]", "reshard-weights[bridge_peft-a]", "resume[mcore_dist-b]"]
@@ -122,12 +122,12 @@ def test_a_shard_needs_a_prepared_campaign_and_merge_copies_only_the_same_campai
         mutate.campaign(["mutation_target"], Path("m.yaml"), None, a, 4, 1, shard=(1, 2))
     (b / "mutants" / "0001").mkdir(parents=True)
     (b / "mutants" / "0001" / "outcome.json").write_text(json.dumps({"outcome": "killed", "index": 1}))
-    mutate.merge(a, [b])
-    have, missing = mutate.records_of(a)
+    mutate_results.merge(a, [b])
+    have, missing = mutate_results.records_of(a)
     assert [r["index"] for r in have] == [1] and [m["index"] for m in missing] == [0, 2, 3]
     mutate.mutants_of(["mutation_target"], 4, 2, other)  # another seed: other mutants
     with pytest.raises(mutate.MutateError, match="another campaign's mutants"):
-        mutate.merge(a, [other])
+        mutate_results.merge(a, [other])
 
 
 def test_the_warm_parent_keeps_no_step_that_imports_a_target(tmp_path):
@@ -137,9 +137,9 @@ def test_the_warm_parent_keeps_no_step_that_imports_a_target(tmp_path):
     try:
         assert "torch" in parent.kept and "transformers" not in parent.kept and "peft" not in parent.kept
         assert set(parent.kept) <= {name for name, _ in STEPS}
-        code, timed_out = parent.run(["--help"], {}, tmp_path / "h.log", 60)  # `ckpt-harness run --help`, forked
+        code, timed_out = parent.run(["run", "--help"], {}, tmp_path / "h.log", 60)  # `ckpt-harness run --help`, forked
         assert (code, timed_out) == (0, False) and "--report" in (tmp_path / "h.log").read_text()
-        code, _ = parent.run(["no-such.yaml"], {}, tmp_path / "bad.log", 60)
+        code, _ = parent.run(["run", "no-such.yaml"], {}, tmp_path / "bad.log", 60)
         assert code == 2 and "no-such.yaml" in (tmp_path / "bad.log").read_text()
     finally:
         parent.close()
@@ -164,9 +164,9 @@ def test_a_kill_by_a_case_that_fails_without_the_mutant_too_is_unconfirmed(tmp_p
                                                           "results": [_result(c, "failed" if c == flaky else "passed") for c in ids]}))
         return 1, False
 
-    stable = mutate.confirm(tmp_path, Path("m.yaml"), _clean(), records, rerun)
+    stable = mutate_results.confirm(tmp_path, Path("m.yaml"), _clean(), records, rerun)
     assert stable == {flaky: False, solid: True} and calls == [sorted([flaky, solid])]
-    assert mutate.confirm(tmp_path, Path("m.yaml"), _clean(), records, rerun) == stable and len(calls) == 1  # kept
+    assert mutate_results.confirm(tmp_path, Path("m.yaml"), _clean(), records, rerun) == stable and len(calls) == 1  # kept
     overall = mutate_report.write(records, tmp_path, ["mutation_target"], stable=stable)
     assert (overall["killed"], overall["unconfirmed"], overall["covered"], overall["kill_rate"]) == (1, 1, 2, 0.5)
     assert "1 kill(s) unconfirmed" in (tmp_path / "mutate.md").read_text()
@@ -180,10 +180,37 @@ def test_a_shard_job_runs_the_same_campaign_with_its_own_shard():
     parser = argparse.ArgumentParser()
     mutate_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["mutate", "--target", "a.b:f*|g,c.d", "--sample", "30", "--seed", "4", "-k", "mcore resume",
-                              "--jobs", "2", "--max-cases", "8", "--cold", "--shards", "3", "--out", "/x/c"])
+                              "--jobs", "2", "--max-cases", "8", "--cold", "--no-corpus", "--shards", "3", "--out", "/x/c"])
     argv = mutate_cli.shard_argv(args, 2, 3)
     assert argv[1:4] == ["-m", "harness.cli", "mutate"]
     again = parser.parse_args(argv[3:])
-    same = ("target", "sample", "seed", "k", "jobs", "max_cases", "cold", "timeout")
+    same = ("target", "sample", "seed", "k", "jobs", "max_cases", "cold", "timeout", "no_corpus")
     assert {a: getattr(again, a) for a in same} == {a: getattr(args, a) for a in same}
     assert (again.shard, again.shards, str(again.out), again.matrix.is_absolute()) == ("2/3", None, "/x/c", True)
+
+
+def test_a_mutant_that_keeps_every_case_then_reads_the_clean_written_corpus(tmp_path):
+    m, text = _mutant(), Path(_mutant().path).read_text()
+    read = {"results": [_result("golden[dist-optimizer]"), _result("golden[peft-adapter]")]}
+    calls: list[list[str]] = []
+    matrix_runs = _fake_runner(set(), calls)
+
+    def runner(args, env, log, timeout):
+        if args[:2] != ["golden", "check"]:
+            return matrix_runs(args, env, log, timeout)
+        calls.append(args)
+        assert args[2].endswith("/corpus") and "--trust-pickles" in args  # the campaign's own corpus
+        report = Path(args[args.index("--report") + 1])
+        report.mkdir(parents=True)
+        (report / "results.json").write_text(json.dumps({"results": [
+            _result("golden[dist-optimizer]", "failed"), _result("golden[peft-adapter]")]}))
+        return 1, False
+
+    rec = mutate.run_mutant(m, 0, text, IDS[:2], Path("m.yaml"), tmp_path, 60, _clean(), runner,
+                            corpus=(read, ["golden[dist-optimizer]"]))
+    assert rec["outcome"] == "killed" and rec["findings"][0]["case"] == "golden[dist-optimizer]"
+    assert len(calls) == 2 and calls[1][:2] == ["golden", "check"] and rec["cases"] == [*IDS[:2], "golden[dist-optimizer]"]
+    # only the artefacts that run the span judge it: another one failing is not this mutant's kill
+    rec = mutate.run_mutant(m, 0, text, [], Path("m.yaml"), tmp_path / "other", 60, _clean(), runner,
+                            corpus=(read, ["golden[peft-adapter]"]))
+    assert rec["outcome"] == "survived" and rec["ran"] == ["golden[peft-adapter]"]

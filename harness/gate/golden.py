@@ -40,6 +40,7 @@ from harness.core.parity import EXACT, NOT_COMPARED
 from harness.core.result import CaseResult, Check
 from harness.core.spec import XFail
 from harness.core.topology import Topology
+from harness.faults import coverage_hook
 from harness.judge.checks import assembled, state_check
 from harness.judge.ckpt_content import UntrustedPickle, read_objects, refuse_pickles
 from harness.judge.status import apply_expected_failure
@@ -418,6 +419,7 @@ def check(corpus: Path, options: RunOptions | None = None, k: str | None = None,
             result.status = "failed"
             results.append(result)
             continue
+        coverage_hook.case(result.id)  # a mutation campaign's measured corpus check only: this artefact's lines
         with case_envelope(result, options) as env:
             warm(bridge=a.model.startswith("hf-"), modules=parts.preload(a))
             try:

@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -46,11 +45,11 @@ class MutateError(Exception):
 
 
 def _run(args: list[str], env: dict[str, str], log: Path, timeout_s: float | None = None) -> tuple[int, bool]:
-    """`python -m harness.cli run ...` from this checkout; (exit code, timed out)."""
+    """`python -m harness.cli ARGS` from this checkout (`run ...`, `golden check ...`); (exit code, timed out)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         try:
-            done = subprocess.run([sys.executable, "-m", "harness.cli", "run", *args], cwd=ROOT, env=env, stdout=out,
+            done = subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, env=env, stdout=out,
                                   stderr=subprocess.STDOUT, check=False, timeout=timeout_s)
             return done.returncode, False
         except subprocess.TimeoutExpired:
@@ -104,15 +103,45 @@ def clean_run(matrix: Path, k: str | None, files: list[str], out: Path) -> dict[
     env = {**_clean_env(), coverage_hook.ENV: json.dumps({"dir": str(cov), "include": files})}
     say(f"mutate: the clean run of {matrix}{f' -k {k!r}' if k else ''}, measured (log: {report / 'run.log'})")
     # one case at a time in the parent: each case's lines carry its own name (coverage_hook.case)
-    code, _ = _run([str(matrix), *(["-k", k] if k else []), "--report", str(report), "--jobs", "1"], env,
+    code, _ = _run(["run", str(matrix), *(["-k", k] if k else []), "--report", str(report), "--jobs", "1"], env,
                    report / "run.log")
     if code not in (0, 1) or not (report / "results.json").exists():
         raise MutateError(f"the clean run failed (exit {code}); see {report / 'run.log'}")
     return compare.load(report)
 
 
+def clean_corpus(files: list[str], out: Path) -> dict[str, Any]:
+    """The gate's cross-version half, unmutated: `golden make` writes DIR/corpus, then `golden check`
+    reads it, measured (DIR/clean-corpus, DIR/coverage-corpus): which target lines each artefact's
+    load runs. A mutant on those lines then also reads the clean-written corpus, as a candidate reads
+    the baseline's in the gate."""
+    report, corpus, cov = out / "clean-corpus", out / "corpus", out / "coverage-corpus"
+    if (report / "results.json").exists():
+        return compare.load(report)
+    if not (corpus / "manifest.json").exists():
+        say(f"mutate: the clean code writes the golden corpus (log: {out / 'corpus-make.log'})")
+        code, _ = _run(["golden", "make", str(corpus)], _clean_env(), out / "corpus-make.log")
+        if not (corpus / "manifest.json").exists():
+            raise MutateError(f"golden make failed (exit {code}); see {out / 'corpus-make.log'}")
+    cov.mkdir(parents=True, exist_ok=True)
+    for old in cov.glob(".coverage*"):
+        old.unlink()
+    env = {**_clean_env(), coverage_hook.ENV: json.dumps({"dir": str(cov), "include": files})}
+    say(f"mutate: the clean code reads the corpus, measured (log: {out / 'clean-corpus.log'})")
+    code, _ = _run(corpus_args(corpus, report), env, out / "clean-corpus.log")
+    if code not in (0, 1) or not (report / "results.json").exists():
+        raise MutateError(f"golden check of the clean corpus failed (exit {code}); see {out / 'clean-corpus.log'}")
+    return compare.load(report)
+
+
+def corpus_args(corpus: Path, report: Path) -> list[str]:
+    # the campaign wrote this corpus itself, in its own directory: not a user's files
+    return ["golden", "check", str(corpus), "--report", str(report), "--trust-pickles"]
+
+
 def judge(clean: dict[str, Any], ran: dict[str, Any] | None, cases: list[str], timed_out: bool) -> tuple[str, list[dict]]:
-    """(killed | killed-timeout | survived, the failing findings) of one mutant's run of `cases`."""
+    """(killed | killed-timeout | survived, the failing findings) of one mutant's run of `cases`
+    (`clean`: their unmutated run, a matrix run or a corpus read)."""
     if timed_out:
         return "killed-timeout", []
     if ran is None:
@@ -120,7 +149,13 @@ def judge(clean: dict[str, Any], ran: dict[str, Any] | None, cases: list[str], t
     timeouts = [r["id"] for r in ran["results"] if "WorldTimeout" in (r.get("error") or "")]
     if timeouts:
         return "killed-timeout", [{"case": c, "class": "timeout", "detail": "ran past the world's timeout"} for c in timeouts]
+    keep = set(cases)
+    lost = [c for c in cases if c not in {r["id"] for r in ran["results"]}]
+    if lost:  # the clean run judged each of them: a run that died before one is no survivor
+        return "killed", [{"case": c, "class": "error", "detail": "no result: the mutated run ended before it"} for c in lost]
+    clean = {**clean, "selected": clean.get("selected") or [r["id"] for r in clean["results"]]}
     base = baseline_cache.restricted(clean, cases, Path("clean"))
+    ran = {**ran, "selected": list(cases), "results": [r for r in ran["results"] if r["id"] in keep]}
     failing = [f.to_dict() for f in compare.compare(base, ran) if f.failing]
     return ("killed" if failing else "survived"), failing
 
@@ -131,18 +166,22 @@ def cold(args: list[str], env: dict[str, str], log: Path, timeout_s: float | Non
 
 
 def run_mutant(m: Mutant, index: int, text: str, cases: list[str], matrix: Path, out: Path, timeout_s: float,
-               clean: dict[str, Any], runner=cold, max_cases: int | None = None) -> dict[str, Any]:
+               clean: dict[str, Any], runner=cold, max_cases: int | None = None,
+               corpus: tuple[dict[str, Any], list[str]] | None = None) -> dict[str, Any]:
     """One mutant's outcome (DIR/mutants/<index>/outcome.json), from its file when it ran before.
-    Its cases run in batches, likeliest killers first (mutate_cases), until one is killed."""
+    Its cases run in batches, likeliest killers first (mutate_cases), until one is killed; then, when
+    every one kept its outcome, the clean-written corpus is read (`corpus`: the clean read and the
+    artefacts whose load runs the mutant's span)."""
     where = out / "mutants" / f"{index:04d}"
     done = where / "outcome.json"
     if done.exists():
         return json.loads(done.read_text())
     start = time.perf_counter()
-    record: dict[str, Any] = {**m.to_dict(), "index": index, "cases": cases, "diff": m.diff(text)}
+    artefacts = corpus[1] if corpus else []
+    record: dict[str, Any] = {**m.to_dict(), "index": index, "cases": cases + artefacts, "diff": m.diff(text)}
     if m.equivalent(text):  # the same instructions: nothing to run, no blind spot either way
         record.update(outcome="equivalent", findings=[], ran=[])
-    elif not cases:
+    elif not cases and not artefacts:
         record.update(outcome="not-covered", findings=[], ran=[])
     else:
         env = {mutant_hook.ENV: json.dumps(m.to_dict())}
@@ -151,16 +190,22 @@ def run_mutant(m: Mutant, index: int, text: str, cases: list[str], matrix: Path,
         outcome, findings = "survived", []
         for n, batch in enumerate(mutate_cases.batches(todo)):
             part = where / f"run-{n}"
-            args = [str(matrix), *(a for c in batch for a in ("--id", c)), "--report", str(part), "--jobs", "1"]
+            args = ["run", str(matrix), *(a for c in batch for a in ("--id", c)), "--report", str(part), "--jobs", "1"]
             _, timed_out = runner(args, env, where / f"run-{n}.log", timeout_s * len(batch))
             ran = compare.load(part) if (part / "results.json").exists() else None
             ran_ids += batch
             outcome, findings = judge(clean, ran, batch, timed_out)
             if outcome != "survived":
                 break
+        if outcome == "survived" and artefacts:
+            part = where / "corpus"
+            _, timed_out = runner(corpus_args(out / "corpus", part), env, where / "corpus.log", timeout_s * len(corpus[0]["results"]))
+            ran = compare.load(part) if (part / "results.json").exists() else None
+            ran_ids += artefacts
+            outcome, findings = judge(corpus[0], ran, artefacts, timed_out)
         # a survivor under --max-cases never ran these covering cases: said in the report, never a kill
         record.update(outcome=outcome, findings=findings[:5], ran=ran_ids,
-                      unrun=len(cases) - len(ran_ids) if outcome == "survived" else 0)
+                      unrun=len(cases) + len(artefacts) - len(ran_ids) if outcome == "survived" else 0)
     record["seconds"] = round(time.perf_counter() - start, 1)
     where.mkdir(parents=True, exist_ok=True)
     done.write_text(json.dumps(record, indent=1))
@@ -179,7 +224,7 @@ def shard_of(text: str | None) -> tuple[int, int] | None:
 
 def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int | None = None, seed: int = 0,
              jobs: int = 1, timeout_s: float = 300.0, max_cases: int | None = None, warm: bool = True,
-             shard: tuple[int, int] | None = None, prepare_only: bool = False) -> list[dict[str, Any]]:
+             shard: tuple[int, int] | None = None, prepare_only: bool = False, corpus: bool = True) -> list[dict[str, Any]]:
     """Every mutant's record, in mutant order (harness.gate.mutate_report writes them up); a shard
     runs the mutants whose number is I modulo N, and needs the clean run made before (`--prepare`),
     so shards sharing DIR never make it twice; their records are the ones this shard ran."""
@@ -188,8 +233,11 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
     if shard and not clean_done(out):
         raise MutateError(f"--shard: {out / 'clean'} holds no complete clean run; run the same command with --prepare first")
     clean = clean_run(matrix, k, files, out)
+    read = clean_corpus(files, out) if corpus else None
     if prepare_only:
         return []
+    read_ids = [r["id"] for r in read["results"]] if read else []
+    read_lines = coverage_hook.lines(out / "coverage-corpus") if read else {}
     ids = list(clean.get("selected") or [r["id"] for r in clean["results"]])
     by_file = coverage_hook.lines(out / "coverage")
     texts = {f: Path(f).read_text() for f in files}
@@ -219,7 +267,9 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
     def one(i: int) -> dict[str, Any]:
         m = mutants[i]
         cases = coverage_hook.covering(by_file.get(m.path, {}), m.line, m.end_line, ids, m.at_import)
-        rec = run_mutant(m, i, texts[m.path], cases, matrix, out, timeout_s, clean, runner, max_cases)
+        artefacts = coverage_hook.covering(read_lines.get(m.path, {}), m.line, m.end_line, read_ids, m.at_import)
+        rec = run_mutant(m, i, texts[m.path], cases, matrix, out, timeout_s, clean, runner, max_cases,
+                         (read, artefacts) if read else None)
         say(f"mutate [{i + 1}/{len(mutants)}] {rec['outcome'].upper():14} {m.id} "
             f"({len(rec.get('ran', []))} of {len(cases)} case(s), {rec['seconds']}s)")
         return rec
@@ -233,75 +283,5 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
             parent.close()
 
 
-def confirm(out: Path, matrix: Path, clean: dict[str, Any], records: list[dict[str, Any]], runner=None) -> dict[str, bool]:
-    """{case: it keeps its clean outcome when run again without a mutant} for every case that killed a
-    mutant (DIR/confirm.json; cases confirmed before are not run again). A kill by a case that
-    changes its outcome on its own (a flaky check, a memory peak near its threshold) is no evidence:
-    the report counts such a mutant as covered, not killed."""
-    path = out / "confirm.json"
-    stable: dict[str, bool] = json.loads(path.read_text()) if path.exists() else {}
-    killers = sorted({f["case"] for r in records if r["outcome"] == "killed" for f in r.get("findings", []) if f.get("case")})
-    todo = [c for c in killers if c not in stable]
-    if todo:
-        part = out / "confirm" / f"run-{len(list((out / 'confirm').glob('run-*'))) if (out / 'confirm').exists() else 0}"
-        say(f"mutate: {len(todo)} killing case(s) run again without a mutant (log: {part}.log)")
-        args = [str(matrix), *(a for c in todo for a in ("--id", c)), "--report", str(part), "--jobs", "1"]
-        _run(args, _clean_env(), part.with_suffix(".log"), None) if runner is None else runner(args, {}, part.with_suffix(".log"), None)
-        ran = compare.load(part) if (part / "results.json").exists() else {"results": []}
-        got = {r["id"] for r in ran["results"]}
-        base = baseline_cache.restricted(clean, [c for c in todo if c in got], Path("clean"))
-        unstable = {f.case for f in compare.compare(base, ran) if f.failing}
-        stable.update({c: c in got and c not in unstable for c in todo})
-        path.write_text(json.dumps(stable, indent=1, sort_keys=True))
-    return stable
-
-
-def population(targets: list[str], out: Path) -> dict[str, dict[str, int]]:
-    """{target: {"generated": every mutant of it, "run": those on lines some selected case runs}}: the
-    coverage of the whole population the sample was drawn from (DIR/population.json), no sampling
-    error, equivalent mutants not told apart."""
-    path = out / "population.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    clean = compare.load(out / "clean")
-    ids = list(clean.get("selected") or [r["id"] for r in clean["results"]])
-    by_file = coverage_hook.lines(out / "coverage")
-    doc = {}
-    for t in targets:
-        every = target_mutants(t)
-        doc[t] = {"generated": len(every), "run": sum(bool(coverage_hook.covering(by_file.get(m.path, {}), m.line, m.end_line,
-                                                                                   ids, m.at_import)) for m in every)}
-    path.write_text(json.dumps(doc, indent=1))
-    return doc
-
-
 def clean_done(out: Path) -> bool:
     return (out / "clean" / "results.json").exists() and bool(compare.load(out / "clean").get("complete"))
-
-
-def records_of(out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(every outcome DIR holds, in mutant order; the mutants of mutants.json with none yet)."""
-    doc = json.loads((out / "mutants.json").read_text())
-    have, missing = [], []
-    for i, m in enumerate(doc["mutants"]):
-        f = out / "mutants" / f"{i:04d}" / "outcome.json"
-        (have.append(json.loads(f.read_text())) if f.exists() else missing.append({**m, "index": i}))
-    return have, missing
-
-
-def merge(out: Path, others: list[Path]) -> None:
-    """Copy into `out` the outcomes of the same campaign run elsewhere (shards without a shared
-    filesystem); a directory of another campaign (targets, sample, seed, mutants) is refused."""
-    import shutil
-
-    mine = json.loads((out / "mutants.json").read_text())
-    for other in others:
-        theirs = json.loads((Path(other) / "mutants.json").read_text())
-        if [m["id"] for m in theirs["mutants"]] != [m["id"] for m in mine["mutants"]]:
-            raise MutateError(f"--merge {other}: another campaign's mutants ({theirs['targets']}, sample "
-                              f"{theirs['sample']}, seed {theirs['seed']}) than {out}'s")
-        for f in sorted(Path(other).glob("mutants/*/outcome.json")):
-            dest = out / f.relative_to(other)
-            if not dest.exists():
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, dest)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.gate import mutate
+from harness.gate import mutate, mutate_results
 from harness.gate.progress import say
 
 
@@ -38,6 +38,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "killed by timeout")
     p.add_argument("--max-cases", type=int, default=None, metavar="N", help="run at most N of a mutant's covering cases "
                    "(a survivor then says how many it never ran; default: all)")
+    p.add_argument("--no-corpus", action="store_true", help="no cross-version half: a mutant that keeps every case's "
+                   "outcome does not also read the corpus the clean code wrote")
     p.add_argument("--cold", action="store_true", help="each mutant run in a fresh interpreter, not forked from a warm parent")
     p.add_argument("--out", type=Path, required=True, help="the campaign's directory (run again to resume)")
     how = p.add_mutually_exclusive_group()
@@ -62,7 +64,7 @@ def shard_argv(args: argparse.Namespace, index: int, total: int) -> list[str]:
     for flag, value in (("--sample", args.sample), ("-k", args.k), ("--max-cases", args.max_cases)):
         if value is not None:
             argv += [flag, str(value)]
-    return argv + (["--cold"] if args.cold else [])
+    return argv + (["--cold"] if args.cold else []) + (["--no-corpus"] if args.no_corpus else [])
 
 
 def send_shards(args: argparse.Namespace) -> list[int | None]:
@@ -95,24 +97,26 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         if args.merge:
             mutate.mutants_of(targets, args.sample, args.seed, out)  # the same campaign, or refused
-            mutate.merge(out, args.merge)
+            mutate_results.merge(out, args.merge)
         elif args.shards:
-            mutate.campaign(targets, args.matrix, args.k, out, args.sample, args.seed, prepare_only=True)
+            mutate.campaign(targets, args.matrix, args.k, out, args.sample, args.seed, prepare_only=True,
+                            corpus=not args.no_corpus)
             send_shards(args)
         else:
             mutate.campaign(targets, args.matrix, args.k, out, args.sample, args.seed, args.jobs, args.timeout,
-                            args.max_cases, warm=not args.cold, shard=mutate.shard_of(args.shard), prepare_only=args.prepare)
+                            args.max_cases, warm=not args.cold, shard=mutate.shard_of(args.shard), prepare_only=args.prepare,
+                            corpus=not args.no_corpus)
             if args.prepare:
                 print(f"prepared {out}: its mutants and clean run; now `--shard I/N` with the same options")
                 return 0
     except (mutate.MutateError, ValueError) as exc:
         print(f"ckpt-harness mutate: {exc}", file=sys.stderr)
         return 2
-    records, missing = mutate.records_of(out)
+    records, missing = mutate_results.records_of(out)
     stable, whole = None, None
     if not args.shard and mutate.clean_done(out):  # shards share DIR: the campaign's own report confirms, once
-        stable = mutate.confirm(out, args.matrix, mutate.compare.load(out / "clean"), records)
-        whole = mutate.population(targets, out)
+        stable = mutate_results.confirm(out, args.matrix, mutate.compare.load(out / "clean"), records)
+        whole = mutate_results.population(targets, out)
     summary = mutate_report.write(records, out, targets, missing, stable, whole)
     print((out / "mutate.md").read_text().split("\n## ")[0])
     return 0 if summary["covered"] else 2

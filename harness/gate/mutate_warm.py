@@ -194,9 +194,9 @@ class WarmParent:
         self.pid: int = doc["pid"]  # the process that took over, not always the one started
 
     def run(self, args: list[str], env: dict[str, str], log: Path, timeout_s: float | None) -> tuple[int, bool]:
-        """(exit code, timed out) of `ckpt-harness run ARGS` forked from here with `env` added."""
+        """(exit code, timed out) of `ckpt-harness ARGS` (`run ...`) forked from here with `env` added."""
         log.parent.mkdir(parents=True, exist_ok=True)
-        self.proc.stdin.write(json.dumps({"args": ["run", *args], "env": env, "log": str(log), "timeout": timeout_s}) + "\n")
+        self.proc.stdin.write(json.dumps({"args": args, "env": env, "log": str(log), "timeout": timeout_s}) + "\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline()
         if not answer:

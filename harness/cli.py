@@ -184,7 +184,8 @@ def _cmd_golden(args: argparse.Namespace) -> int:
         if args.action == "make":
             results = golden.make(args.dir, options, args.k)
         else:
-            results = golden.check(args.dir, options, args.k, args.allow_refusal, args.direction, trust_pickles=args.trust_pickles)
+            results = golden.check(args.dir, options, args.k, args.allow_refusal, args.direction, trust_pickles=args.trust_pickles,
+                                   ids=args.id)
     except golden.CorpusError as exc:
         print(f"ckpt-harness: {exc}", file=sys.stderr)
         return 2
@@ -374,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     gold.add_argument("action", choices=("make", "check"))
     gold.add_argument("dir", type=Path, help="make: a new directory to write; check: a corpus made earlier")
     gold.add_argument("-k", default=None, help="only artefacts whose id contains every word of this")
+    gold.add_argument("--id", action="append", default=None, metavar="ID", help="check: only the artefact of this "
+                      "case id, as the results name it (repeatable)")
     gold.add_argument("--report", type=Path, default=None, help="write DIR/results.json")
     gold.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default="auto")
     gold.add_argument("--allow-refusal", action="store_true",

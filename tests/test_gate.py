@@ -74,6 +74,7 @@ def test_golden_corpus_integrity_and_a_corrupted_load(tmp_path):
     assert set(manifest["artefacts"]) == {"model-dist"} and manifest["versions"]["megatron-core"]
     (good,) = golden.check(corpus, k="model-dist")
     assert good.status == "passed" and {c.name for c in good.checks} == {"checkpoint-canonical", "loaded-canonical"}
+    assert [r.id for r in golden.check(corpus, ids=[good.id])] == [good.id] and golden.check(corpus, ids=["golden[x]"]) == []
     (bad,) = golden.check(corpus, RunOptions(rank_hooks=("doubles:corrupt_mcore_loads",)), k="model-dist")
     assert bad.status == "failed" and {c.name: c.status for c in bad.checks}["loaded-canonical"] == "failed"
     shard = sorted((corpus / "model-dist" / "ckpt").glob("*.distcp"))[0]

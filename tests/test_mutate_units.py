@@ -200,6 +200,8 @@ def test_a_mutant_that_keeps_every_case_then_reads_the_clean_written_corpus(tmp_
             return matrix_runs(args, env, log, timeout)
         calls.append(args)
         assert args[2].endswith("/corpus") and "--trust-pickles" in args  # the campaign's own corpus
+        asked = [args[i + 1] for i, a in enumerate(args) if a == "--id"]  # only the artefacts that run the span
+        assert asked in (["golden[dist-optimizer]"], ["golden[peft-adapter]"])
         report = Path(args[args.index("--report") + 1])
         report.mkdir(parents=True)
         (report / "results.json").write_text(json.dumps({"results": [

@@ -304,8 +304,10 @@ def _files(d: Path) -> dict[str, str]:
     return {str(p.relative_to(d)): _sha256(p) for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-def _selected(k: str | None) -> list[Artefact]:
-    return [a for a in ARTEFACTS if not k or all(w in a.case_id() for w in k.split())]
+def _selected(k: str | None, ids: list[str] | None = None, direction: str = "") -> list[Artefact]:
+    """The artefacts whose id holds every word of `k` and, with `ids`, is one of them (`--id`)."""
+    return [a for a in ARTEFACTS if (not k or all(w in a.case_id() for w in k.split()))
+            and (ids is None or a.case_id(direction) in ids)]
 
 
 def make(out: Path, options: RunOptions | None = None, k: str | None = None) -> list[CaseResult]:
@@ -368,7 +370,7 @@ def screen(corpus: Path, names: list[str]) -> int:
 
 
 def check(corpus: Path, options: RunOptions | None = None, k: str | None = None, allow_refusal: bool = False,
-          direction: str = "", trust_pickles: bool = False) -> list[CaseResult]:
+          direction: str = "", trust_pickles: bool = False, ids: list[str] | None = None) -> list[CaseResult]:
     """Load every artefact of the corpus here, at its target topology, and judge it.
 
     Before anything loads, every pickle of the selected artefacts is read with weights_only
@@ -386,11 +388,11 @@ def check(corpus: Path, options: RunOptions | None = None, k: str | None = None,
     manifest = read_manifest(corpus)
     changed = {a.name: sorted(f for f, sha in entry["files"].items()
                               if not (corpus / a.name / f).is_file() or _sha256(corpus / a.name / f) != sha)
-               for a in _selected(k) if (entry := manifest["artefacts"].get(a.name)) is not None and not {"error", NOT_RUN} & set(entry)}
+               for a in _selected(k, ids, direction) if (entry := manifest["artefacts"].get(a.name)) is not None and not {"error", NOT_RUN} & set(entry)}
     if not trust_pickles:  # only what will load: a file that differs from the manifest fails its artefact unread
         screen(corpus, [name for name, files in changed.items() if not files])
     results = []
-    for a in _selected(k):
+    for a in _selected(k, ids, direction):
         result = CaseResult(a.case_id(direction), "golden", a.model, a.name, a.source.id, a.target.id,
                             notes=[f"written by {_versions_line(manifest['versions'])}"])
         entry = manifest["artefacts"].get(a.name)

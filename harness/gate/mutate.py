@@ -134,9 +134,9 @@ def clean_corpus(files: list[str], out: Path) -> dict[str, Any]:
     return compare.load(report)
 
 
-def corpus_args(corpus: Path, report: Path) -> list[str]:
+def corpus_args(corpus: Path, report: Path, ids: list[str] = ()) -> list[str]:
     # the campaign wrote this corpus itself, in its own directory: not a user's files
-    return ["golden", "check", str(corpus), "--report", str(report), "--trust-pickles"]
+    return ["golden", "check", str(corpus), "--report", str(report), "--trust-pickles", *(a for i in ids for a in ("--id", i))]
 
 
 def judge(clean: dict[str, Any], ran: dict[str, Any] | None, cases: list[str], timed_out: bool) -> tuple[str, list[dict]]:
@@ -199,7 +199,7 @@ def run_mutant(m: Mutant, index: int, text: str, cases: list[str], matrix: Path,
                 break
         if outcome == "survived" and artefacts:
             part = where / "corpus"
-            _, timed_out = runner(corpus_args(out / "corpus", part), env, where / "corpus.log", timeout_s * len(corpus[0]["results"]))
+            _, timed_out = runner(corpus_args(out / "corpus", part, artefacts), env, where / "corpus.log", timeout_s * len(artefacts))
             ran = compare.load(part) if (part / "results.json").exists() else None
             ran_ids += artefacts
             outcome, findings = judge(corpus[0], ran, artefacts, timed_out)

@@ -66,7 +66,7 @@ def confirm(out: Path, matrix: Path, clean: dict[str, Any], records: list[dict[s
         part = out / "confirm" / f"{what}-{n}"
         say(f"mutate: {len(ids)} killing case(s) run again without a mutant (log: {part}.log)")
         args = (["run", str(matrix), *(a for c in ids for a in ("--id", c)), "--report", str(part), "--jobs", "1"]
-                if what == "run" else corpus_args(out / "corpus", part))
+                if what == "run" else corpus_args(out / "corpus", part, ids))
         run(args, {}, part.with_suffix(".log"), None)
         ran = compare.load(part) if (part / "results.json").exists() else None
         for c in ids:

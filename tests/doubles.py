@@ -582,6 +582,38 @@ class VerlAdapterWrongAlpha(VerlManager):
         dist.barrier()
 
 
+class VerlHfTreeLosesLastExperts(VerlManager):
+    """verl #6821 / #6842's shape: the HF tree verl saves beside the checkpoint lacks the routed experts
+    of the last MoE layer (rank 0 rewrites the tree's safetensors and index after the save), as an
+    EP x PP export that gathered every expert but those of the last stage's last layer."""
+
+    def save_training(self, ctx, job, directory):
+        import re
+
+        import torch.distributed as dist
+        from safetensors.torch import load_file, save_file
+
+        from harness.backends.verl_manager import step_dir
+
+        super().save_training(ctx, job, directory)
+        tree = step_dir(directory, job.step) / "model" / "huggingface"
+        if ctx.rank == 0 and tree.is_dir():
+            files = sorted(tree.glob("*.safetensors"))
+            keys = [k for f in files for k in load_file(str(f))]
+            last = max(int(m.group(1)) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.mlp\.experts\.", k)))
+            gone = {k for k in keys if k.startswith(f"model.layers.{last}.mlp.experts.")}
+            for f in files:
+                state = load_file(str(f))
+                if gone & set(state):
+                    save_file({k: v for k, v in state.items() if k not in gone}, str(f), metadata={"format": "pt"})
+            index = tree / "model.safetensors.index.json"
+            if index.exists():
+                doc = json.loads(index.read_text())
+                doc["weight_map"] = {k: v for k, v in doc["weight_map"].items() if k not in gone}
+                index.write_text(json.dumps(doc))
+        dist.barrier()
+
+
 class VerlAdapterNotRestored(VerlManager):
     """A PEFT resume that restores the base and the optimizer but leaves the adapters at the resuming
     job's own (decoy) values."""

@@ -31,6 +31,7 @@ _doubles = use_doubles(
     test_verl_async_model_last="doubles:VerlAsyncModelTreeWritesLast",
     test_verl_adapter_wrong_alpha="doubles:VerlAdapterWrongAlpha",
     test_verl_adapter_not_restored="doubles:VerlAdapterNotRestored",
+    test_verl_hf_tree_loses_last_experts="doubles:VerlHfTreeLosesLastExperts",
 )
 
 
@@ -185,7 +186,7 @@ def test_bf16_through_verl_keeps_weights_equal_to_main_params():
 def test_the_doubles_are_the_real_backend_with_one_fault():
     # the doubles are the real backend with one step skipped: same options, same capabilities
     for name in ("test_verl_skip_scheduler", "test_verl_skip_rng", "test_verl_corrupt_main", "test_verl_weight_off_main",
-                 "test_verl_adapter_wrong_alpha", "test_verl_adapter_not_restored"):
+                 "test_verl_adapter_wrong_alpha", "test_verl_adapter_not_restored", "test_verl_hf_tree_loses_last_experts"):
         b = get_backend(name)
         assert b.capabilities == get_backend("verl_manager").capabilities and b.Options is get_backend("verl_manager").Options
 
@@ -239,3 +240,19 @@ def test_adapters_not_restored_on_resume_fail_model_weights():
     # fp32: the optimizer's main params are the adapter weights themselves, so its state shows it too
     assert [n for n, s in _checks(r).items() if s == "failed"] == ["model-weights", "optimizer-state"], r.failure_text()
     assert all(".adapter." in m.key for m in r.check("model-weights").mismatches)
+
+
+@needs_verl
+def test_an_hf_tree_without_the_last_layers_experts_fails_export_and_integrity():
+    # verl #6821 / #6842: a Qwen3.5-35B-A3B export that silently lacked two layers' experts; here the
+    # HF tree of an EP2 x PP2 save lacks the last layer's routed experts
+    bo = {"save_contents": ["model", "hf_model"], "load_contents": ["hf_model"]}
+    spec = CaseSpec("verl-checkpoint", "hf-qwen3_moe", "test_verl_hf_tree_loses_last_experts", Topology.parse("tp1pp2dp2ep2"),
+                    Topology.parse("tp1"), options=(("sharding", "fully_reshardable"), ("steps", 0)),
+                    backend_options=tuple(sorted(bo.items())), timeout_s=180)
+    r = run_case(spec)
+    assert r.status == "failed"
+    # the tree, and the model verl loads back from it (load_contents hf_model), both miss them
+    assert {n for n, s in _checks(r).items() if s == "failed"} == {"hf-export", "export-integrity", "model-weights"}, r.failure_text()
+    integrity = r.check("export-integrity")
+    assert "model.layers.3.mlp.experts.3.down_proj.weight" in integrity.detail + " ".join(m.key for m in integrity.mismatches)

@@ -399,6 +399,33 @@ def corrupt_mcore_loads() -> None:
 
 
 
+def sync_sends_one_ep_ranks_experts_twice() -> None:
+    """verl's weight sync hands the rollout engine EP rank 0's experts twice: under their own names and
+    again under EP rank 1's (experts E/2 .. E-1 carry the tensors of 0 .. E/2-1), as a gather that
+    read one rank's shard for both would. Patches AutoBridge.export_hf_weights in the rank."""
+    import re
+
+    from megatron.bridge import AutoBridge
+
+    real = AutoBridge.export_hf_weights
+    expert = re.compile(r"^(.*\.experts\.)(\d+)(\..*)$")
+
+    def export_hf_weights(self, model, *args, **kwargs):
+        seen, names = {}, []
+        for name, w in real(self, model, *args, **kwargs):
+            names.append(name)
+            seen[name] = w
+        total = 1 + max((int(m.group(2)) for n in names if (m := expert.match(n))), default=-1)
+        for name in names:
+            m = expert.match(name)
+            if m and total >= 2 and int(m.group(2)) >= total // 2:
+                yield name, seen[f"{m.group(1)}{int(m.group(2)) - total // 2}{m.group(3)}"]
+            else:
+                yield name, seen[name]
+
+    AutoBridge.export_hf_weights = export_hf_weights
+
+
 def mark_checkpoint_complete_first() -> None:
     """Rank 0 writes megatron-core's `metadata.json` before every dist_checkpointing.save writes a
     byte: the ordering bug of a checkpoint manager that marks a directory complete first, so any

@@ -307,6 +307,7 @@ def test_the_gate_matrix_is_the_smoke_slice_plus_every_architecture_plus_the_hid
     smoke = {c.id for c in load_matrix(ROOT / "matrices" / "smoke.yaml").cases}
     arch = {c.id for c in load_matrix(ROOT / "matrices" / "architectures.yaml").cases}
     shown = {c.id for f in ("extended.yaml", "verl.yaml") for c in load_matrix(ROOT / "matrices" / f).cases
-             if c.tag.startswith(("defect-fsdp-", "verl-F", "verl-hf-moe"))}
+             if c.tag.startswith(("defect-fsdp-", "verl-F", "verl-hf-moe", "verl-weight-sync"))}
     assert smoke and arch and smoke | arch < ids <= smoke | arch | shown and len(ids) == len(m.cases)
     assert sum(c.tag == "verl-hf-moe" for c in m.cases) == 12  # four MoE families at EP2, PP2 and EP2 x PP2
+    assert sum(c.tag == "verl-weight-sync" for c in m.cases) == 8

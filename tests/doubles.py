@@ -426,6 +426,30 @@ def sync_sends_one_ep_ranks_experts_twice() -> None:
     AutoBridge.export_hf_weights = export_hf_weights
 
 
+def sync_merge_loses_alpha() -> None:
+    """verl's merged LoRA weight sync folds B @ A into the base at scale 1, not alpha / r: every
+    adapter's alpha reads as its rank while export_hf_weights merges (the unmerged and adapter-only
+    streams keep the real alpha). Patches AutoBridge.export_hf_weights in the rank."""
+    from megatron.bridge import AutoBridge
+
+    real = AutoBridge.export_hf_weights
+
+    def export_hf_weights(self, model, *args, merge_adapter_weights=True, **kwargs):
+        adapters = [m for chunk in model for m in chunk.modules()
+                    if isinstance(getattr(m, "alpha", None), (int, float)) and isinstance(getattr(m, "dim", None), int)]
+        kept = [m.alpha for m in adapters]
+        if merge_adapter_weights:
+            for m in adapters:
+                m.alpha = m.dim
+        try:
+            yield from real(self, model, *args, merge_adapter_weights=merge_adapter_weights, **kwargs)
+        finally:
+            for m, a in zip(adapters, kept):
+                m.alpha = a
+
+    AutoBridge.export_hf_weights = export_hf_weights
+
+
 def mark_checkpoint_complete_first() -> None:
     """Rank 0 writes megatron-core's `metadata.json` before every dist_checkpointing.save writes a
     byte: the ordering bug of a checkpoint manager that marks a directory complete first, so any

@@ -182,7 +182,7 @@ def _cmd_golden(args: argparse.Namespace) -> int:
     options = RunOptions(dist_backend=args.dist_backend)
     try:
         if args.action == "make":
-            results = golden.make(args.dir, options, args.k)
+            results = golden.make(args.dir, options, args.k, ids=args.id)
         else:
             results = golden.check(args.dir, options, args.k, args.allow_refusal, args.direction, trust_pickles=args.trust_pickles,
                                    ids=args.id)
@@ -375,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     gold.add_argument("action", choices=("make", "check"))
     gold.add_argument("dir", type=Path, help="make: a new directory to write; check: a corpus made earlier")
     gold.add_argument("-k", default=None, help="only artefacts whose id contains every word of this")
-    gold.add_argument("--id", action="append", default=None, metavar="ID", help="check: only the artefact of this "
-                      "case id, as the results name it (repeatable)")
+    gold.add_argument("--id", action="append", default=None, metavar="ID", help="only the artefact of this check id, "
+                      "as `check` names it without --direction (repeatable)")
     gold.add_argument("--report", type=Path, default=None, help="write DIR/results.json")
     gold.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default="auto")
     gold.add_argument("--allow-refusal", action="store_true",

@@ -209,10 +209,35 @@ def test_a_mutant_that_keeps_every_case_then_reads_the_clean_written_corpus(tmp_
         return 1, False
 
     rec = mutate.run_mutant(m, 0, text, IDS[:2], Path("m.yaml"), tmp_path, 60, _clean(), runner,
-                            corpus=(read, ["golden[dist-optimizer]"]))
+                            corpus=mutate.CorpusPlan(read, ["golden[dist-optimizer]"]))
     assert rec["outcome"] == "killed" and rec["findings"][0]["case"] == "golden[dist-optimizer]"
     assert len(calls) == 2 and calls[1][:2] == ["golden", "check"] and rec["cases"] == [*IDS[:2], "golden[dist-optimizer]"]
     # only the artefacts that run the span judge it: another one failing is not this mutant's kill
     rec = mutate.run_mutant(m, 0, text, [], Path("m.yaml"), tmp_path / "other", 60, _clean(), runner,
-                            corpus=(read, ["golden[peft-adapter]"]))
+                            corpus=mutate.CorpusPlan(read, ["golden[peft-adapter]"]))
     assert rec["outcome"] == "survived" and rec["ran"] == ["golden[peft-adapter]"]
+
+
+def test_a_mutant_that_survives_the_reads_writes_a_corpus_the_clean_code_reads(tmp_path):
+    m, text = _mutant(), Path(_mutant().path).read_text()
+    read = {"results": [_result("golden[dist-optimizer]"), _result("golden[peft-adapter]")]}
+    calls: list[tuple[list[str], dict]] = []
+
+    def runner(args, env, log, timeout):
+        calls.append((args, env))
+        if args[:2] == ["golden", "make"]:
+            assert "CKPT_HARNESS_MUTANT" in env and args[args.index("--id") + 1] == "golden[peft-adapter]"  # the mutant writes
+            Path(args[2]).mkdir(parents=True)
+            (Path(args[2]) / "manifest.json").write_text("{}")
+            return 0, False
+        assert args[:2] == ["golden", "check"] and env == {} and "--allow-refusal" in args  # the clean code reads, as a rollback
+        report = Path(args[args.index("--report") + 1])
+        report.mkdir(parents=True)
+        (report / "results.json").write_text(json.dumps({"results": [_result("golden[peft-adapter]", "failed")]}))
+        return 1, False
+
+    rec = mutate.run_mutant(m, 0, text, [], Path("m.yaml"), tmp_path, 60, _clean(), runner,
+                            corpus=mutate.CorpusPlan(read, [], ["golden[peft-adapter]"]))
+    assert rec["outcome"] == "killed" and rec["findings"][0]["case"] == "golden[peft-adapter]"
+    assert [a[:2] for a, _ in calls] == [["golden", "make"], ["golden", "check"]]
+    assert rec["cases"] == ["written golden[peft-adapter]"] and not (tmp_path / "mutants" / "0000" / "written").exists()

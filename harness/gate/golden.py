@@ -310,8 +310,9 @@ def _selected(k: str | None, ids: list[str] | None = None, direction: str = "") 
             and (ids is None or a.case_id(direction) in ids)]
 
 
-def make(out: Path, options: RunOptions | None = None, k: str | None = None) -> list[CaseResult]:
-    """Write the corpus into `out` (which must not exist yet: a corpus is never overwritten)."""
+def make(out: Path, options: RunOptions | None = None, k: str | None = None, ids: list[str] | None = None) -> list[CaseResult]:
+    """Write the corpus into `out` (which must not exist yet: a corpus is never overwritten); `ids`:
+    only the artefacts of these check ids (`golden make --id`)."""
     from harness.report import results as report
     from harness.run.preload import warm
 
@@ -322,7 +323,8 @@ def make(out: Path, options: RunOptions | None = None, k: str | None = None) -> 
     manifest = {"format": FORMAT, "versions": report.versions(), "environment": (report.environment() or {}).get("key"),
                 "made": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "known": [a.name for a in ARTEFACTS], "artefacts": {}}
     results = []
-    for a in _selected(k):
+    for a in _selected(k, ids):
+        coverage_hook.case(a.case_id())  # a mutation campaign's measured write only: this artefact's lines, under its check's id
         result = CaseResult(a.case_id("make"), "golden-make", a.model, a.name, a.source.id, a.target.id)
         d = out / a.name
         d.mkdir()

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -111,27 +113,65 @@ def clean_run(matrix: Path, k: str | None, files: list[str], out: Path) -> dict[
 
 
 def clean_corpus(files: list[str], out: Path) -> dict[str, Any]:
-    """The gate's cross-version half, unmutated: `golden make` writes DIR/corpus, then `golden check`
-    reads it, measured (DIR/clean-corpus, DIR/coverage-corpus): which target lines each artefact's
-    load runs. A mutant on those lines then also reads the clean-written corpus, as a candidate reads
-    the baseline's in the gate."""
-    report, corpus, cov = out / "clean-corpus", out / "corpus", out / "coverage-corpus"
+    """The gate's cross-version half, unmutated and measured: `golden make` writes DIR/corpus
+    (DIR/coverage-make: which target lines each artefact's write runs), `golden check` reads it
+    (DIR/clean-corpus, DIR/coverage-corpus: each artefact's load). A mutant on a load's lines then
+    also reads the clean-written corpus, as a candidate reads the baseline's in the gate; one on a
+    write's lines writes a corpus the clean code reads, as the gate's rollback has the baseline read
+    the candidate's."""
+    report, corpus, read_cov, make_cov = out / "clean-corpus", out / "corpus", out / "coverage-corpus", out / "coverage-make"
+
+    def measured(cov: Path) -> dict[str, str]:
+        cov.mkdir(parents=True, exist_ok=True)
+        for old in cov.glob(".coverage*"):
+            old.unlink()
+        return {**_clean_env(), coverage_hook.ENV: json.dumps({"dir": str(cov), "include": files})}
+
+    if not any(make_cov.glob(".coverage.*")):
+        into = corpus if not (corpus / "manifest.json").exists() else out / "corpus-measured"  # a corpus made unmeasured before
+        shutil.rmtree(into, ignore_errors=True)
+        say(f"mutate: the clean code writes the golden corpus, measured (log: {out / 'corpus-make.log'})")
+        code, _ = _run(["golden", "make", str(into)], measured(make_cov), out / "corpus-make.log")
+        if not (into / "manifest.json").exists():
+            raise MutateError(f"golden make failed (exit {code}); see {out / 'corpus-make.log'}")
+        if into != corpus:
+            shutil.rmtree(into)
     if (report / "results.json").exists():
         return compare.load(report)
-    if not (corpus / "manifest.json").exists():
-        say(f"mutate: the clean code writes the golden corpus (log: {out / 'corpus-make.log'})")
-        code, _ = _run(["golden", "make", str(corpus)], _clean_env(), out / "corpus-make.log")
-        if not (corpus / "manifest.json").exists():
-            raise MutateError(f"golden make failed (exit {code}); see {out / 'corpus-make.log'}")
-    cov.mkdir(parents=True, exist_ok=True)
-    for old in cov.glob(".coverage*"):
-        old.unlink()
-    env = {**_clean_env(), coverage_hook.ENV: json.dumps({"dir": str(cov), "include": files})}
     say(f"mutate: the clean code reads the corpus, measured (log: {out / 'clean-corpus.log'})")
-    code, _ = _run(corpus_args(corpus, report), env, out / "clean-corpus.log")
+    code, _ = _run(corpus_args(corpus, report), measured(read_cov), out / "clean-corpus.log")
     if code not in (0, 1) or not (report / "results.json").exists():
         raise MutateError(f"golden check of the clean corpus failed (exit {code}); see {out / 'clean-corpus.log'}")
     return compare.load(report)
+
+
+@dataclass(frozen=True)
+class CorpusPlan:
+    """A mutant's part of the corpus: the clean read of the clean-written corpus, the artefacts whose
+    load runs its span (`reads`) and those whose write does (`writes`)."""
+
+    read: dict[str, Any]
+    reads: list[str]
+    writes: list[str] = field(default_factory=list)
+
+
+def rollback(plan: CorpusPlan, where: Path, env: dict[str, str], runner, timeout_s: float) -> tuple[str, list[dict]]:
+    """The mutant writes the artefacts of `plan.writes` (`golden make --id`), the clean code reads them
+    (`golden check --allow-refusal`: as the gate's rollback, a clean refusal passes, a crash or a silent
+    misread fails); judged against the clean read of the clean-written corpus."""
+    written, part = where / "written", where / "written-read"
+    shutil.rmtree(written, ignore_errors=True)
+    ids = [a for i in plan.writes for a in ("--id", i)]
+    _, timed_out = runner(["golden", "make", str(written), *ids], env, where / "written.log", timeout_s * len(plan.writes))
+    if timed_out:
+        return "killed-timeout", []
+    if not (written / "manifest.json").exists():
+        return "killed", [{"case": "", "class": "error", "detail": "the mutated `golden make` wrote no corpus"}]
+    _, timed_out = runner([*corpus_args(written, part), *ids, "--allow-refusal"], {}, where / "written-read.log",
+                          timeout_s * len(plan.writes))
+    ran = compare.load(part) if (part / "results.json").exists() else None
+    shutil.rmtree(written, ignore_errors=True)  # judged: its bytes are not kept
+    return judge(plan.read, ran, plan.writes, timed_out)
 
 
 def corpus_args(corpus: Path, report: Path, ids: list[str] = ()) -> list[str]:
@@ -167,21 +207,23 @@ def cold(args: list[str], env: dict[str, str], log: Path, timeout_s: float | Non
 
 def run_mutant(m: Mutant, index: int, text: str, cases: list[str], matrix: Path, out: Path, timeout_s: float,
                clean: dict[str, Any], runner=cold, max_cases: int | None = None,
-               corpus: tuple[dict[str, Any], list[str]] | None = None) -> dict[str, Any]:
+               corpus: CorpusPlan | None = None) -> dict[str, Any]:
     """One mutant's outcome (DIR/mutants/<index>/outcome.json), from its file when it ran before.
-    Its cases run in batches, likeliest killers first (mutate_cases), until one is killed; then, when
-    every one kept its outcome, the clean-written corpus is read (`corpus`: the clean read and the
-    artefacts whose load runs the mutant's span)."""
+    Its cases run in batches, likeliest killers first (mutate_cases), until one is killed; then, while
+    every one kept its outcome, it reads the clean-written corpus, then writes one the clean code reads
+    (`corpus`: the artefacts whose load or write runs its span)."""
     where = out / "mutants" / f"{index:04d}"
     done = where / "outcome.json"
     if done.exists():
         return json.loads(done.read_text())
     start = time.perf_counter()
-    artefacts = corpus[1] if corpus else []
-    record: dict[str, Any] = {**m.to_dict(), "index": index, "cases": cases + artefacts, "diff": m.diff(text)}
+    artefacts = corpus.reads if corpus else []
+    writes = corpus.writes if corpus else []
+    record: dict[str, Any] = {**m.to_dict(), "index": index, "cases": cases + artefacts + [f"written {w}" for w in writes],
+                              "diff": m.diff(text)}
     if m.equivalent(text):  # the same instructions: nothing to run, no blind spot either way
         record.update(outcome="equivalent", findings=[], ran=[])
-    elif not cases and not artefacts:
+    elif not cases and not artefacts and not writes:
         record.update(outcome="not-covered", findings=[], ran=[])
     else:
         env = {mutant_hook.ENV: json.dumps(m.to_dict())}
@@ -202,10 +244,13 @@ def run_mutant(m: Mutant, index: int, text: str, cases: list[str], matrix: Path,
             _, timed_out = runner(corpus_args(out / "corpus", part, artefacts), env, where / "corpus.log", timeout_s * len(artefacts))
             ran = compare.load(part) if (part / "results.json").exists() else None
             ran_ids += artefacts
-            outcome, findings = judge(corpus[0], ran, artefacts, timed_out)
+            outcome, findings = judge(corpus.read, ran, artefacts, timed_out)
+        if outcome == "survived" and writes:
+            ran_ids += [f"written {w}" for w in writes]
+            outcome, findings = rollback(corpus, where, env, runner, timeout_s)
         # a survivor under --max-cases never ran these covering cases: said in the report, never a kill
         record.update(outcome=outcome, findings=findings[:5], ran=ran_ids,
-                      unrun=len(cases) + len(artefacts) - len(ran_ids) if outcome == "survived" else 0)
+                      unrun=len(cases) + len(artefacts) + len(writes) - len(ran_ids) if outcome == "survived" else 0)
     record["seconds"] = round(time.perf_counter() - start, 1)
     where.mkdir(parents=True, exist_ok=True)
     done.write_text(json.dumps(record, indent=1))
@@ -238,6 +283,7 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
         return []
     read_ids = [r["id"] for r in read["results"]] if read else []
     read_lines = coverage_hook.lines(out / "coverage-corpus") if read else {}
+    write_lines = coverage_hook.lines(out / "coverage-make") if read else {}
     ids = list(clean.get("selected") or [r["id"] for r in clean["results"]])
     by_file = coverage_hook.lines(out / "coverage")
     texts = {f: Path(f).read_text() for f in files}
@@ -267,9 +313,9 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
     def one(i: int) -> dict[str, Any]:
         m = mutants[i]
         cases = coverage_hook.covering(by_file.get(m.path, {}), m.line, m.end_line, ids, m.at_import)
-        artefacts = coverage_hook.covering(read_lines.get(m.path, {}), m.line, m.end_line, read_ids, m.at_import)
-        rec = run_mutant(m, i, texts[m.path], cases, matrix, out, timeout_s, clean, runner, max_cases,
-                         (read, artefacts) if read else None)
+        plan = CorpusPlan(read, *(coverage_hook.covering(lines.get(m.path, {}), m.line, m.end_line, read_ids, m.at_import)
+                                  for lines in (read_lines, write_lines))) if read else None
+        rec = run_mutant(m, i, texts[m.path], cases, matrix, out, timeout_s, clean, runner, max_cases, plan)
         say(f"mutate [{i + 1}/{len(mutants)}] {rec['outcome'].upper():14} {m.id} "
             f"({len(rec.get('ran', []))} of {len(cases)} case(s), {rec['seconds']}s)")
         return rec

@@ -241,3 +241,19 @@ def test_a_mutant_that_survives_the_reads_writes_a_corpus_the_clean_code_reads(t
     assert rec["outcome"] == "killed" and rec["findings"][0]["case"] == "golden[peft-adapter]"
     assert [a[:2] for a, _ in calls] == [["golden", "make"], ["golden", "check"]]
     assert rec["cases"] == ["written golden[peft-adapter]"] and not (tmp_path / "mutants" / "0000" / "written").exists()
+
+
+def test_report_only_refuses_a_directory_without_a_campaign_and_reports_what_one_holds(tmp_path, capsys):
+    from harness.cli import main
+
+    argv = ["mutate", "--target", "mutation_target", "--sample", "4", "--seed", "1", "--report", "--no-corpus"]
+    assert main([*argv, "--out", str(tmp_path / "none")]) == 2 and "holds no campaign" in capsys.readouterr().err
+    out = tmp_path / "c"
+    mutate.mutants_of(["mutation_target"], 4, 1, out)
+    (out / "mutants" / "0002").mkdir(parents=True)
+    rec = {**json.loads((out / "mutants.json").read_text())["mutants"][2], "index": 2, "cases": ["x"], "ran": ["x"],
+           "diff": "", "outcome": "survived", "findings": []}
+    (out / "mutants" / "0002" / "outcome.json").write_text(json.dumps(rec))
+    assert main([*argv, "--out", str(out)]) == 0  # nothing run: no clean run to confirm against
+    md = (out / "mutate.md").read_text()
+    assert "**3 of the campaign's 4 mutants have no outcome yet**" in md and "1 mutant(s) sampled" in md

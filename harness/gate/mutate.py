@@ -2,7 +2,7 @@
 
     ckpt-harness mutate --target MODULE[:FUNCTIONS][,MODULE...] [--sample N] [--seed S] [-k SLICE]
                         [--matrix M] [--jobs J] [--timeout S] [--max-cases N] [--cold]
-                        [--prepare | --shard I/N | --shards N --executor local|slurm | --merge DIR...] --out DIR
+                        [--prepare | --shard I/N | --shards N --executor local|slurm | --merge DIR... | --report] --out DIR
 
 1. The mutants (harness/faults/mutants.py) of each target module as installed; `--sample N` of them,
    the same for the same seed (DIR/mutants.json).

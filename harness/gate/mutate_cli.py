@@ -5,7 +5,8 @@
 - `--shard I/N`: the mutants numbered I modulo N, against a prepared --out (a shared filesystem);
 - `--shards N --executor local|slurm`: prepare here, send N `--shard I/N` jobs through submitit
   (the cluster scheduler's executor: Slurm arrays, or local processes), wait, report;
-- `--merge DIR...`: copy the outcomes of the same campaign run in other directories into --out, report.
+- `--merge DIR...`: copy the outcomes of the same campaign run in other directories into --out, report;
+- `--report`: the report of what --out holds, nothing run but the kills' confirmation.
 
 The report (mutate_report.py) always reads every outcome --out holds, and says first how many
 mutants have none yet (a shard not run, or one that died).
@@ -48,6 +49,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     how.add_argument("--shards", type=int, default=None, metavar="N", help="prepare, then N --shard jobs on --executor")
     how.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR", help="the outcomes of the same "
                      "campaign in these directories, copied into --out, then the report")
+    how.add_argument("--report", action="store_true", help="only the report of the outcomes --out holds (a campaign "
+                     "stopped part-way says how many mutants have none); the kills are confirmed")
     p.add_argument("--executor", choices=("local", "slurm"), default="local", help="where --shards jobs run")
     p.add_argument("--partition", default=None, help="slurm: the partition")
     p.add_argument("--timeout-min", type=float, default=720.0, help="a shard job's time limit in minutes")
@@ -95,9 +98,12 @@ def run_cli(args: argparse.Namespace) -> int:
     targets = [t.strip() for t in args.target.split(",") if t.strip()]
     out = args.out.resolve()
     try:
-        if args.merge:
+        if args.report or args.merge:
+            if not (out / "mutants.json").exists():
+                raise mutate.MutateError(f"{out} holds no campaign (no mutants.json)")
             mutate.mutants_of(targets, args.sample, args.seed, out)  # the same campaign, or refused
-            mutate_results.merge(out, args.merge)
+            if args.merge:
+                mutate_results.merge(out, args.merge)
         elif args.shards:
             mutate.campaign(targets, args.matrix, args.k, out, args.sample, args.seed, prepare_only=True,
                             corpus=not args.no_corpus)

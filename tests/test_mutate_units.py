@@ -257,3 +257,10 @@ def test_report_only_refuses_a_directory_without_a_campaign_and_reports_what_one
     assert main([*argv, "--out", str(out)]) == 0  # nothing run: no clean run to confirm against
     md = (out / "mutate.md").read_text()
     assert "**3 of the campaign's 4 mutants have no outcome yet**" in md and "1 mutant(s) sampled" in md
+
+
+def test_mutants_run_a_few_of_each_module_in_turn():
+    modules = ["a"] * 5 + ["b"] * 2 + ["c"] * 4
+    got = mutate.interleaved(list(range(11)), modules, chunk=2)
+    assert got == [0, 1, 5, 6, 7, 8, 2, 3, 9, 10, 4] and sorted(got) == list(range(11))
+    assert mutate.interleaved([], []) == []

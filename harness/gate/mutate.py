@@ -257,6 +257,21 @@ def run_mutant(m: Mutant, index: int, text: str, cases: list[str], matrix: Path,
     return record
 
 
+def interleaved(indices: list[int], modules: list[str], chunk: int = 3) -> list[int]:
+    """The order mutants run in: `chunk` of one module, then `chunk` of the next, round the modules,
+    so a campaign stopped part-way has measured every module a little (its report then still has a
+    row per module), and a worker's warm parent serves a few mutants of its module before the next."""
+    by: dict[str, list[int]] = {}
+    for i in indices:
+        by.setdefault(modules[i], []).append(i)
+    queues, out = list(by.values()), []
+    while any(queues):
+        for q in queues:
+            out += q[:chunk]
+            del q[:chunk]
+    return out
+
+
 def shard_of(text: str | None) -> tuple[int, int] | None:
     """`I/N` as (I, N), 1 <= I <= N; None for none."""
     if not text:
@@ -287,7 +302,8 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
     ids = list(clean.get("selected") or [r["id"] for r in clean["results"]])
     by_file = coverage_hook.lines(out / "coverage")
     texts = {f: Path(f).read_text() for f in files}
-    mine = [i for i in range(len(mutants)) if shard is None or i % shard[1] == shard[0] - 1]
+    mine = interleaved([i for i in range(len(mutants)) if shard is None or i % shard[1] == shard[0] - 1],
+                       [m.module for m in mutants])
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -323,7 +339,7 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
     # mutants are independent work units: `jobs` mutant runs at once (threads that wait on subprocesses)
     try:
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            return list(pool.map(one, mine))
+            return sorted(pool.map(one, mine), key=lambda r: r["index"])
     finally:
         for parent in parents:
             parent.close()

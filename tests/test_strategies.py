@@ -56,6 +56,7 @@ def _checks(r):
      "load_strategy 'fully_parallel' distributes the load over the DP x CP group, which has one rank at target tp2pp1dp1cp1"),
     (dict(backend_options="{save_strategy: fully_parallel}", pairs="['tp2 -> dp2']"),
      "save_strategy 'fully_parallel' distributes the save over the DP x CP group, which has one rank at source tp2pp1dp1cp1"),
+    (dict(backend_options="{exchange_algo: gather_object}"), "exchange_algo 'gather_object' .* needs load_strategy 'fully_parallel'"),
     (dict(backend_options="{cache_metadata: true}"), "cache_metadata caches what a previous save of the same job computed.*saves: 2"),
     (dict(case="reshard-weights", options="{}", backend_options="{async_save: mcore}"),
      "async_save 'mcore': case reshard-weights does not run an async save's finalize step"),
@@ -126,6 +127,10 @@ def test_strategy_event_judge_names_every_mismatch():
     load = {"op": "load", "strategy": "fully_parallel", "group": 2, "dp_cp": 2, "exchanges": 0}
     assert "no tensor exchange" in _event_problems(fp, load)[0]
     assert _event_problems(fp, {**load, "exchanges": 1}) == []
+    gather = McoreDistOptions(load_strategy="fully_parallel", exchange_algo="gather_object")
+    assert _event_problems(gather, {**load, "exchanges": 1, "exchange_algos": ["gather_object"]}) == []
+    assert _event_problems(gather, {**load, "exchanges": 1, "exchange_algos": ["broadcast"]}) == [
+        "exchanged with broadcast, asked gather_object"]
     cached = McoreDistOptions(cache_metadata=True)
     levels = [_save_event(n, strategy="default", distribution=None, plan_reuse=min(n - 1, 2), validated=n == 1) for n in (1, 2, 3)]
     assert all(_event_problems(cached, e) == [] for e in levels)

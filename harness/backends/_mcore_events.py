@@ -46,6 +46,9 @@ def event_problems(o: Any, ev: dict) -> list[str]:
                 out.append(f"distributed over a group of {ev['group']} ranks, the DP x CP group has {ev['dp_cp']}")
             if ev["group"] > 1 and not ev.get("exchanges"):
                 out.append("no tensor exchange between the group's ranks (each read everything itself)")
+            asked = getattr(o, "exchange_algo", "broadcast")
+            if ev.get("exchanges") and ev.get("exchange_algos", [asked]) != [asked]:
+                out.append(f"exchanged with {', '.join(ev['exchange_algos'])}, asked {asked}")
         if o.cache_metadata and not ev.get("metadata_cached"):
             out.append("the load strategy cached no checkpoint metadata")
     return out

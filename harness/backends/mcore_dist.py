@@ -18,6 +18,9 @@ megatron/training/checkpointing.py wires it (save_checkpoint / _load_global_dist
                   (`--ckpt-fully-parallel-load`, exchange algo `broadcast`, Megatron-LM's default):
                   each rank reads part of what the group needs and the ranks exchange the tensors
                   (its memory phase: `exchange`)
+  exchange_algo   broadcast (Megatron-LM's default), gather_rounds or gather_object: how a
+                  fully-parallel load exchanges the tensors (`--ckpt-fully-parallel-load-exchange-algo`;
+                  Megatron-LM warns the other two "cannot guarantee numerical stability yet")
   async_save      none; mcore: `save(..., async_sharded_save=True, async_strategy="mcore")`
                   returns an AsyncRequest that an AsyncCallsQueue runs in a forked writer while
                   the job goes on; the checkpoint is complete only after `finalize_saves` (torch
@@ -97,6 +100,7 @@ def async_save_kwargs(save: Any, writer: str) -> dict[str, Any]:
 class McoreDistOptions:
     save_strategy: Literal["default", "fully_parallel"] = "default"
     load_strategy: Literal["default", "fully_parallel"] = "default"
+    exchange_algo: Literal["broadcast", "gather_rounds", "gather_object"] = "broadcast"
     async_save: Literal["none", "mcore", "nvrx"] = "none"
     cache_metadata: bool = False
     content_metadata: bool = True
@@ -126,15 +130,18 @@ def _dp_cp_group():
 def _tracked_exchange(calls: list) -> Iterator[None]:
     """Record the fully-parallel load's data exchange (megatron-core's exchange_by_distribution,
     called by FullyParallelLoadStrategyWrapper.load) as its own memory phase, `exchange`, and
-    count it in `calls`."""
+    its exchange algorithm in `calls`, one per call."""
     from megatron.core.dist_checkpointing.strategies import fully_parallel
 
     from harness.core.memory import track
 
     original = fully_parallel.exchange_by_distribution
+    signature = inspect.signature(original)
 
     def exchange(*args, **kwargs):
-        calls.append(1)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls.append(bound.arguments.get("exchange_algo"))
         with track("exchange"):
             return original(*args, **kwargs)
 
@@ -185,6 +192,9 @@ class McoreDist(Backend):
         if o.save_strategy == "fully_parallel" and source.dp * source.cp == 1:
             raise ValueError(f"backend option save_strategy 'fully_parallel' distributes the save over the DP x CP group, "
                              f"which has one rank at source {source.id}: it would run the default save; use a source with dp > 1")
+        if o.exchange_algo != "broadcast" and o.load_strategy != "fully_parallel":
+            raise ValueError(f"backend option exchange_algo {o.exchange_algo!r} is how a fully-parallel load exchanges "
+                             "tensors: it needs load_strategy 'fully_parallel'")
         if o.load_strategy == "fully_parallel" and target.dp * target.cp == 1:
             raise ValueError(f"backend option load_strategy 'fully_parallel' distributes the load over the DP x CP group, "
                              f"which has one rank at target {target.id}: it would run the default load; use a target with dp > 1")
@@ -254,7 +264,7 @@ class McoreDist(Backend):
             else:
                 strategy = TorchDistLoadShardedStrategy()
             if o.load_strategy == "fully_parallel":
-                strategy = FullyParallelLoadStrategyWrapper(strategy, _dp_cp_group(), exchange_algo="broadcast")
+                strategy = FullyParallelLoadStrategyWrapper(strategy, _dp_cp_group(), exchange_algo=o.exchange_algo)
             self._load_strategy = strategy
         return self._load_strategy
 
@@ -420,6 +430,7 @@ class McoreDist(Backend):
             with _tracked_exchange(calls):
                 state = dist_checkpointing.load(sharded_state, str(directory), strategy, strict=StrictHandling(self.strategy.strict))
             event["exchanges"] = len(calls)
+            event["exchange_algos"] = sorted({str(c) for c in calls})
             base = getattr(strategy, "base_strategy", strategy)
             event["metadata_cached"] = getattr(base, "cached_global_metadata", None) is not None
         record_event(event, self.name)

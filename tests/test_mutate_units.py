@@ -264,3 +264,36 @@ def test_mutants_run_a_few_of_each_module_in_turn():
     got = mutate.interleaved(list(range(11)), modules, chunk=2)
     assert got == [0, 1, 5, 6, 7, 8, 2, 3, 9, 10, 4] and sorted(got) == list(range(11))
     assert mutate.interleaved([], []) == []
+
+
+def test_a_worker_keeps_one_warm_parent_per_module_and_sends_clean_runs_to_it(tmp_path, monkeypatch):
+    made, colds = [], []
+
+    class Parent:
+        def __init__(self, module):
+            self.module, self.runs, self.closed = module, [], 0
+            made.append(self)
+
+        def run(self, args, env, log, timeout):
+            self.runs.append(dict(env))
+            return 0, False
+
+        def close(self):
+            self.closed += 1
+
+    monkeypatch.setattr(mutate, "cold", lambda args, env, log, timeout: colds.append(dict(env)) or (0, False))
+    runners = mutate.Runners(tmp_path, make_parent=Parent)
+    def env(module):
+        return {"CKPT_HARNESS_MUTANT": json.dumps({"module": module})}
+    assert runners(["run"], {}, tmp_path / "l", 1) == (0, False) and colds == [{}]  # no parent yet: a fresh interpreter
+    runners(["run"], env("a"), tmp_path / "l", 1)
+    runners(["golden", "check"], {}, tmp_path / "l", 1)  # a rollback's clean read: a's parent, without a mutant
+    runners(["run"], env("a"), tmp_path / "l", 1)
+    runners(["run"], env("b"), tmp_path / "l", 1)
+    assert [p.module for p in made] == ["a", "b"] and [len(p.runs) for p in made] == [3, 1]
+    assert made[0].runs[1] == {} and made[0].closed == 1
+    runners.close()
+    assert made[1].closed == 1
+    cold_only = mutate.Runners(tmp_path, warm=False, make_parent=Parent)
+    cold_only(["run"], env("c"), tmp_path / "l", 1)
+    assert len(made) == 2 and colds[-1] == env("c")

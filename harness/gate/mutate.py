@@ -282,6 +282,46 @@ def shard_of(text: str | None) -> tuple[int, int] | None:
     return int(i), int(n)
 
 
+class Runners:
+    """Where each worker thread's runs go: forked from a warm parent for its current mutant's module
+    (mutate_warm.py; one a worker, started again when the module changes), or a fresh interpreter
+    (`warm` False). A run without a mutant (a rollback's clean read) goes to the worker's current
+    parent, which holds no target module, so it runs the installed code."""
+
+    def __init__(self, out: Path, warm: bool = True, make_parent=None):
+        import threading
+
+        self.out, self.warm = out, warm
+        self.make_parent = make_parent or self._parent
+        self.local, self.parents, self.lock = threading.local(), [], threading.Lock()
+
+    def _parent(self, module: str):
+        from harness.gate.mutate_warm import WarmParent
+
+        parent = WarmParent([module], _clean_env(), self.out / "warm.log")
+        say(f"mutate: a warm parent for {module} holds {', '.join(parent.kept) or 'nothing'}")
+        return parent
+
+    def __call__(self, args: list[str], env: dict[str, str], log: Path, timeout: float | None) -> tuple[int, bool]:
+        if not self.warm:
+            return cold(args, env, log, timeout)
+        current = getattr(self.local, "parent", None)
+        if mutant_hook.ENV not in env:
+            return cold(args, env, log, timeout) if current is None else current.run(args, env, log, timeout)
+        module = json.loads(env[mutant_hook.ENV])["module"]
+        if getattr(self.local, "module", None) != module:
+            if current is not None:
+                current.close()
+            self.local.parent, self.local.module = self.make_parent(module), module
+            with self.lock:
+                self.parents.append(self.local.parent)
+        return self.local.parent.run(args, env, log, timeout)
+
+    def close(self) -> None:
+        for parent in self.parents:
+            parent.close()
+
+
 def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int | None = None, seed: int = 0,
              jobs: int = 1, timeout_s: float = 300.0, max_cases: int | None = None, warm: bool = True,
              shard: tuple[int, int] | None = None, prepare_only: bool = False, corpus: bool = True) -> list[dict[str, Any]]:
@@ -304,27 +344,9 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
     texts = {f: Path(f).read_text() for f in files}
     mine = interleaved([i for i in range(len(mutants)) if shard is None or i % shard[1] == shard[0] - 1],
                        [m.module for m in mutants])
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    local, parents, lock = threading.local(), [], threading.Lock()
-
-    def runner(args: list[str], env: dict[str, str], log: Path, timeout: float | None) -> tuple[int, bool]:
-        if not warm:
-            return cold(args, env, log, timeout)
-        # a warm parent per target module: what it may hold depends on the module (one for peft holds
-        # Megatron-Core); mutants come in module order, so a worker starts one a module
-        module = json.loads(env[mutant_hook.ENV])["module"]
-        if getattr(local, "module", None) != module:
-            from harness.gate.mutate_warm import WarmParent
-
-            if getattr(local, "parent", None) is not None:
-                local.parent.close()
-            local.parent, local.module = WarmParent([module], _clean_env(), out / "warm.log"), module
-            with lock:
-                parents.append(local.parent)
-            say(f"mutate: a warm parent for {module} holds {', '.join(local.parent.kept) or 'nothing'}")
-        return local.parent.run(args, env, log, timeout)
+    runner = Runners(out, warm)
 
     def one(i: int) -> dict[str, Any]:
         m = mutants[i]
@@ -341,8 +363,7 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             return sorted(pool.map(one, mine), key=lambda r: r["index"])
     finally:
-        for parent in parents:
-            parent.close()
+        runner.close()
 
 
 def clean_done(out: Path) -> bool:

@@ -1,10 +1,12 @@
 """What one save or load that mcore_dist recorded (harness.run.events) did differently from what its
 options (McoreDistOptions) asked: the strategy check's reading of each event, apart from the backend
-that records them."""
+that records them; and the tracker of the fully-parallel load's exchange that feeds those events."""
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from harness.run.events import each_event
 
@@ -93,3 +95,28 @@ def strategy_check(o: Any, default: Any, events: dict[str, dict[str, list[dict]]
                  + ("; every training load read back the content metadata its save wrote" if read_back and o.content_metadata else ""),
                  tolerance=EXACT)
 
+
+@contextmanager
+def tracked_exchange(calls: list) -> Iterator[None]:
+    """(mcore_dist) Record the fully-parallel load's data exchange (megatron-core's exchange_by_distribution,
+    called by FullyParallelLoadStrategyWrapper.load) as its own memory phase, `exchange`, and
+    its exchange algorithm in `calls`, one per call."""
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+
+    from harness.core.memory import track
+
+    original = fully_parallel.exchange_by_distribution
+    signature = inspect.signature(original)
+
+    def exchange(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls.append(bound.arguments.get("exchange_algo"))
+        with track("exchange"):
+            return original(*args, **kwargs)
+
+    fully_parallel.exchange_by_distribution = exchange
+    try:
+        yield
+    finally:
+        fully_parallel.exchange_by_distribution = original

@@ -69,15 +69,15 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 
 from harness.backends import Backend
+from harness.backends._mcore_events import tracked_exchange
 from harness.backends._megatron_lm import common_state, iteration_dir, restore_scheduler, write_tracker
 from harness.core.context import RankContext
 from harness.core.result import missing_api
@@ -124,32 +124,6 @@ def _dp_cp_group():
     from megatron.core import parallel_state
 
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
-
-
-@contextmanager
-def _tracked_exchange(calls: list) -> Iterator[None]:
-    """Record the fully-parallel load's data exchange (megatron-core's exchange_by_distribution,
-    called by FullyParallelLoadStrategyWrapper.load) as its own memory phase, `exchange`, and
-    its exchange algorithm in `calls`, one per call."""
-    from megatron.core.dist_checkpointing.strategies import fully_parallel
-
-    from harness.core.memory import track
-
-    original = fully_parallel.exchange_by_distribution
-    signature = inspect.signature(original)
-
-    def exchange(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        calls.append(bound.arguments.get("exchange_algo"))
-        with track("exchange"):
-            return original(*args, **kwargs)
-
-    fully_parallel.exchange_by_distribution = exchange
-    try:
-        yield
-    finally:
-        fully_parallel.exchange_by_distribution = original
 
 
 class McoreDist(Backend):
@@ -427,7 +401,7 @@ class McoreDist(Backend):
             state = dist_checkpointing.load(sharded_state, str(directory), strict=StrictHandling(self.strategy.strict))
         else:
             calls: list = []
-            with _tracked_exchange(calls):
+            with tracked_exchange(calls):
                 state = dist_checkpointing.load(sharded_state, str(directory), strategy, strict=StrictHandling(self.strategy.strict))
             event["exchanges"] = len(calls)
             event["exchange_algos"] = sorted({str(c) for c in calls})

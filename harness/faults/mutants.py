@@ -273,6 +273,9 @@ class _Points(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_Assign(self, node: ast.Assign) -> None:
+        value = node.value
+        if isinstance(value, ast.Call) and (getattr(value.func, "attr", None) or getattr(value.func, "id", None)) == "getLogger":
+            return  # `logger = logging.getLogger(...)`: only the log lines use it, and they are left alone
         self._node("drop-statement", node, "pass")
         self.generic_visit(node)
 

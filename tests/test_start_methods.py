@@ -18,7 +18,7 @@ def test_a_registered_double_and_a_rank_hook_reach_the_rank(tmp_path, method):
     path = backends.resolve("test_noop_load_sm")  # the parent resolves; the path travels in the phase
     (out,) = launch(backend_and_hook, path, 1, tmp_path, backend="gloo", start_method=method,
                     hooks=("probes:mark_hook",), timeout_s=120)
-    defaults = {"save_strategy": "default", "load_strategy": "default", "async_save": "none", "cache_metadata": False,
+    defaults = {"save_strategy": "default", "load_strategy": "default", "exchange_algo": "broadcast", "async_save": "none", "cache_metadata": False,
                 "content_metadata": True, "strict": "raise_all", "layout": "plain",
                 "load_template": "megatron-lm"}
     assert out == {"backend": "NoopLoad", "options": defaults, "hook": "ran"}  # mcore_dist's strategy options, defaulted

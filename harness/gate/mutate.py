@@ -92,6 +92,15 @@ def mutants_of(targets: list[str], n: int | None, seed: int, out: Path) -> list[
     return chosen
 
 
+def measured(cov: Path, files: list[str]) -> dict[str, str]:
+    """The environment of a clean run measuring `files` into `cov`, emptied first (a run that died
+    part-way: its lines go with it)."""
+    cov.mkdir(parents=True, exist_ok=True)
+    for old in cov.glob(".coverage*"):
+        old.unlink()
+    return {**_clean_env(), coverage_hook.ENV: json.dumps({"dir": str(cov), "include": files})}
+
+
 def clean_run(matrix: Path, k: str | None, files: list[str], out: Path) -> dict[str, Any]:
     """The unmutated outcomes of the slice, measured: DIR/clean/results.json and DIR/coverage."""
     report, cov = out / "clean", out / "coverage"
@@ -99,10 +108,7 @@ def clean_run(matrix: Path, k: str | None, files: list[str], out: Path) -> dict[
         doc = compare.load(report)
         if doc.get("complete"):
             return doc
-    cov.mkdir(parents=True, exist_ok=True)
-    for old in cov.glob(".coverage*"):
-        old.unlink()  # a clean run that died part-way: its lines go with it
-    env = {**_clean_env(), coverage_hook.ENV: json.dumps({"dir": str(cov), "include": files})}
+    env = measured(cov, files)
     say(f"mutate: the clean run of {matrix}{f' -k {k!r}' if k else ''}, measured (log: {report / 'run.log'})")
     # one case at a time in the parent: each case's lines carry its own name (coverage_hook.case)
     code, _ = _run(["run", str(matrix), *(["-k", k] if k else []), "--report", str(report), "--jobs", "1"], env,
@@ -121,17 +127,11 @@ def clean_corpus(files: list[str], out: Path) -> dict[str, Any]:
     the candidate's."""
     report, corpus, read_cov, make_cov = out / "clean-corpus", out / "corpus", out / "coverage-corpus", out / "coverage-make"
 
-    def measured(cov: Path) -> dict[str, str]:
-        cov.mkdir(parents=True, exist_ok=True)
-        for old in cov.glob(".coverage*"):
-            old.unlink()
-        return {**_clean_env(), coverage_hook.ENV: json.dumps({"dir": str(cov), "include": files})}
-
     if not any(make_cov.glob(".coverage.*")):
         into = corpus if not (corpus / "manifest.json").exists() else out / "corpus-measured"  # a corpus made unmeasured before
         shutil.rmtree(into, ignore_errors=True)
         say(f"mutate: the clean code writes the golden corpus, measured (log: {out / 'corpus-make.log'})")
-        code, _ = _run(["golden", "make", str(into)], measured(make_cov), out / "corpus-make.log")
+        code, _ = _run(["golden", "make", str(into)], measured(make_cov, files), out / "corpus-make.log")
         if not (into / "manifest.json").exists():
             raise MutateError(f"golden make failed (exit {code}); see {out / 'corpus-make.log'}")
         if into != corpus:
@@ -139,7 +139,7 @@ def clean_corpus(files: list[str], out: Path) -> dict[str, Any]:
     if (report / "results.json").exists():
         return compare.load(report)
     say(f"mutate: the clean code reads the corpus, measured (log: {out / 'clean-corpus.log'})")
-    code, _ = _run(corpus_args(corpus, report), measured(read_cov), out / "clean-corpus.log")
+    code, _ = _run(corpus_args(corpus, report), measured(read_cov, files), out / "clean-corpus.log")
     if code not in (0, 1) or not (report / "results.json").exists():
         raise MutateError(f"golden check of the clean corpus failed (exit {code}); see {out / 'clean-corpus.log'}")
     return compare.load(report)

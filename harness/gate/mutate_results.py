@@ -11,7 +11,7 @@ from typing import Any
 
 from harness.faults import coverage_hook
 from harness.gate import compare
-from harness.gate.mutate import MutateError, _clean_env, _run, corpus_args, judge, target_mutants
+from harness.gate.mutate import MutateError, cold, corpus_args, judge, target_mutants
 from harness.gate.progress import say
 
 
@@ -55,7 +55,7 @@ def confirm(out: Path, matrix: Path, clean: dict[str, Any], records: list[dict[s
     todo = [c for c in killers if c not in stable]
     if not todo:
         return stable
-    run = runner or (lambda args, env, log, timeout: _run(args, _clean_env(), log, timeout))
+    run = runner or cold
     read = compare.load(out / "clean-corpus") if (out / "clean-corpus" / "results.json").exists() else {"results": []}
     artefacts = {r["id"] for r in read["results"]}
     n = len(list((out / "confirm").glob("*.log"))) if (out / "confirm").exists() else 0

@@ -6,7 +6,8 @@ checkpoint. The damage kinds are harness/faults/damage.py (`damage`, a matrix ax
   dist checkpoint (a GPT zoo model, backend mcore_dist; loaded at D through the backend):
     truncate-shard, missing-shard, missing-metadata, missing-metadata-json, flip-byte, empty-dir,
     other-hidden / other-layers / other-vocab / other-groups (the checkpoint of the same model with
-    that dimension changed, harness.faults.damage.OTHER_MODEL), missing-common (refused at matrix load on
+    that dimension changed, harness.faults.damage.OTHER_MODEL), other-tied / other-bias (tied embeddings
+    or linear biases flipped: keys one side lacks, which megatron-core's strict key check refuses), missing-common (refused at matrix load on
     megatron-core >= 0.19: its torch_dist format writes no common.pt, there is nothing to delete)
   HF export (an HF fixture, backend bridge_hf; exported at S by the backend, loaded with
   transformers AutoModelForCausalLM.from_pretrained in the parent, as users do; S == D):
@@ -66,7 +67,7 @@ from harness.run.world import WorldError
 
 DamageKind = Literal[
     "truncate-shard", "missing-shard", "missing-metadata", "missing-metadata-json", "missing-common", "flip-byte",
-    "other-hidden", "other-layers", "other-vocab", "other-groups", "empty-dir",
+    "other-hidden", "other-layers", "other-vocab", "other-groups", "other-tied", "other-bias", "empty-dir",
     "truncate-safetensors", "missing-indexed-shard", "adapter-no-config", "adapter-config-mismatch", "adapter-config-targets",
 ]
 HF_EXPORT_KINDS = frozenset({"truncate-safetensors", "missing-indexed-shard"})

@@ -301,13 +301,15 @@ def test_include_refuses_a_case_that_differs_between_files_and_a_cycle(tmp_path)
         load_matrix(_files(tmp_path, gone="name: g\ninclude: [nowhere.yaml]\n")["gone"])
 
 
-def test_the_gate_matrix_is_the_smoke_slice_plus_every_architecture_plus_the_hidden_defects_and_verls_moe_trees():
+def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_and_verls_trees():
     m = load_matrix(ROOT / "matrices" / "gate.yaml")
     ids = {c.id for c in m.cases}
     smoke = {c.id for c in load_matrix(ROOT / "matrices" / "smoke.yaml").cases}
     arch = {c.id for c in load_matrix(ROOT / "matrices" / "architectures.yaml").cases}
     shown = {c.id for f in ("extended.yaml", "verl.yaml") for c in load_matrix(ROOT / "matrices" / f).cases
-             if c.tag.startswith(("defect-fsdp-", "verl-F", "verl-hf-moe", "verl-weight-sync"))}
-    assert smoke and arch and smoke | arch < ids <= smoke | arch | shown and len(ids) == len(m.cases)
+             if c.tag.startswith(("defect-fsdp-", "verl-F", "verl-hf-moe", "verl-weight-sync", "verify-integrity"))}
+    faults = {c.id for c in load_matrix(ROOT / "matrices" / "faults.yaml").cases}
+    assert smoke and arch and faults and smoke | arch | faults < ids <= smoke | arch | faults | shown and len(ids) == len(m.cases)
+    assert sum(c.tag == "verify-integrity" for c in m.cases) == 5  # 2 good checkpoints, 3 damaged ones refused
     assert sum(c.tag == "verl-hf-moe" for c in m.cases) == 12  # four MoE families at EP2, PP2 and EP2 x PP2
     assert sum(c.tag == "verl-weight-sync" for c in m.cases) == 12

@@ -219,3 +219,30 @@ def test_the_async_writer_is_asked_for_the_way_each_core_line_takes_it():
 
     tb = "".join(traceback.format_exception(err.value))  # raised in the harness's own driver: its lookup, a hole
     assert api_unavailable("AttributeError", str(err.value), tb).startswith("API not available in megatron-core ")
+
+
+def test_verify_integrity_is_asked_of_both_entries_and_its_manifest_checked():
+    """Megatron-LM's verify_integrity reaches save() and load() as `verify_integrity=True` (a release
+    without the keyword misses the API: a hole); a save that left no integrity.json fails the strategy
+    check (the corrupt-load entries in faults.yaml show the load refusing damaged files)."""
+    from harness.orchestration.runner import api_unavailable
+
+    def save_019(sharded_state_dict, checkpoint_dir, sharded_strategy=None, verify_integrity=False):
+        """megatron-core 0.19's signature (the part that matters here)"""
+
+    def load_018(sharded_state_dict, checkpoint_dir, sharded_strategy=None, strict=None):
+        """megatron-core 0.18's"""
+
+    on = get_backend(ref_of(_spec(backend_options={"verify_integrity": True})))
+    assert get_backend("mcore_dist")._integrity(save_019) == {} and on._integrity(save_019) == {"verify_integrity": True}
+    with pytest.raises(AttributeError) as err:
+        on._integrity(load_018)
+    import traceback
+
+    assert api_unavailable("AttributeError", str(err.value), "".join(traceback.format_exception(err.value))).startswith(
+        "API not available in megatron-core ")
+    opts = McoreDistOptions(verify_integrity=True)
+    saved = _save_event(strategy="default", distribution=None)
+    assert _event_problems(opts, {**saved, "manifest": True}) == []
+    assert _event_problems(opts, {**saved, "manifest": False}) == [
+        "the save wrote no integrity manifest (integrity.json), though verify_integrity asked for one"]

@@ -38,6 +38,8 @@ def event_problems(o: Any, ev: dict) -> list[str]:
                 out.append(f"validate_access_integrity={ev['validated']} (Megatron-LM validates only a job's first save)")
         elif ev["plan_reuse"] is not None:
             out.append(f"plan cache in use (level {ev['plan_reuse']}) without cache_metadata")
+        if ev.get("manifest") is False:
+            out.append("the save wrote no integrity manifest (integrity.json), though verify_integrity asked for one")
         if ev["async"] != o.async_save:
             out.append(f"async_save {ev['async']}, asked {o.async_save}")
     else:

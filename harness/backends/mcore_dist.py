@@ -52,6 +52,10 @@ megatron/training/checkpointing.py wires it (save_checkpoint / _load_global_dist
                   `metadata=None`, the client passes nothing and gets the installed Core's default
                   sharding type whatever the checkpoint was written with (verl #5154)
 
+  verify_integrity  Megatron-LM's `verify_integrity`: the save writes a SHA-256 manifest of every file
+                  (`save(verify_integrity=True)`, integrity.json) and the load re-hashes the files against it
+                  first (`load(verify_integrity=True)`), refusing a changed or missing one
+
   layout          plain (the dist checkpoint is the directory, as verl writes it); megatron-lm: a
                   training save writes Megatron-LM's layout (harness.backends._megatron_lm: `iter_NNNNNNN/`
                   with `args`, `iteration` and the scheduler in the common state, then the tracker file;
@@ -107,6 +111,7 @@ class McoreDistOptions:
     strict: Literal["raise_all", "assume_ok_unexpected", "log_all"] = "raise_all"
     layout: Literal["plain", "megatron-lm"] = "plain"
     load_template: Literal["megatron-lm", "no-is-loading", "no-metadata"] = "megatron-lm"
+    verify_integrity: bool = False
 
 
 def is_complete(directory: Path) -> bool:
@@ -289,6 +294,7 @@ class McoreDist(Backend):
         dist.barrier()
         strategy = self._save_strategy_obj()
         kwargs: dict[str, Any] = {} if content_metadata is None else {"content_metadata": content_metadata}
+        kwargs.update(self._integrity(dist_checkpointing.save))
         if o.cache_metadata and self._saves:  # Megatron-LM: already validated by the first save
             kwargs["validate_access_integrity"] = False
         event = self._save_event(strategy, directory, validated="validate_access_integrity" not in kwargs)
@@ -297,6 +303,8 @@ class McoreDist(Backend):
                 dist_checkpointing.save(sharded_state, str(directory))  # exactly the call it always was
             else:
                 dist_checkpointing.save(sharded_state, str(directory), strategy, **kwargs)
+            if o.verify_integrity:  # written by rank 0 before the save's last barrier
+                event["manifest"] = (directory / "integrity.json").is_file()
             if then is not None:
                 dist.barrier()
                 then()
@@ -315,6 +323,15 @@ class McoreDist(Backend):
             event["distribution"] = strategy.last
         record_event(event, self.name)
         self._saves += 1
+
+    def _integrity(self, entry: Callable) -> dict[str, Any]:
+        """`verify_integrity=True` for `entry` (save or load) when the option asks; a release without it
+        (before Core 0.19) misses the API."""
+        if not self.strategy.verify_integrity:
+            return {}
+        if "verify_integrity" not in inspect.signature(entry).parameters:
+            raise missing_api("megatron.core.dist_checkpointing", f"{entry.__name__}(verify_integrity=)")
+        return {"verify_integrity": True}
 
     def _save_event(self, strategy: Any, directory: Path, validated: bool) -> dict:
         """What this save is about to run: the strategy class, the group it distributes over,
@@ -397,12 +414,13 @@ class McoreDist(Backend):
         event = {"op": "load", "directory": str(directory), "strategy": "fully_parallel" if fully else "default",
                  "group": dist.get_world_size(group) if group is not None else None,
                  "dp_cp": parallel_state.get_data_parallel_world_size(with_context_parallel=True)}
+        kwargs = {"strict": StrictHandling(self.strategy.strict), **self._integrity(dist_checkpointing.load)}
         if strategy is None:
-            state = dist_checkpointing.load(sharded_state, str(directory), strict=StrictHandling(self.strategy.strict))
+            state = dist_checkpointing.load(sharded_state, str(directory), **kwargs)
         else:
             calls: list = []
             with tracked_exchange(calls):
-                state = dist_checkpointing.load(sharded_state, str(directory), strategy, strict=StrictHandling(self.strategy.strict))
+                state = dist_checkpointing.load(sharded_state, str(directory), strategy, **kwargs)
             event["exchanges"] = len(calls)
             event["exchange_algos"] = sorted({str(c) for c in calls})
             base = getattr(strategy, "base_strategy", strategy)

@@ -27,6 +27,11 @@ Checks:
                      adapter one adapter_model.safetensors, no index, holding exactly the derivation's
                      keys with its shapes and dtypes; the merged export's index, shards and keys
                      against the HF base fixture, lm_head as its config's tie_word_embeddings says
+  peft-resave        the adapter as peft-load loads it, saved again with peft's own save_pretrained
+                     (default arguments, as users and verl save it), is the export again: the same tensor
+                     names, each bitwise equal; adapter_config.json's r, lora_alpha, target_modules (a set),
+                     use_rslora and modules_to_save equal; loaded into a fresh base, its logits torch.equal
+                     the first load's (cases.shared.peft_resave)
 
 Layout options (cases.shared.peft.PeftOptions, docs/explore-lora.md): `adapter`, `dim` (any rank its
 column-parallel targets' TP divides), `alpha`, `targets` (a subset of the kind's base linears) and
@@ -59,6 +64,7 @@ from .shared.peft import (
     peft_load_problems,
     peft_views,
 )
+from .shared.peft_resave import resave_check, resave_dir, resaved_logits
 from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of, resolve
 from harness.core import truth
@@ -244,7 +250,7 @@ class PeftExport(Case):
     Options = PeftExportOptions
     needs = frozenset({"adapter_export", "read_plain"})
     checks = ("peft-load", "adapter-derivation", "adapter-config", "merge", "logits", "merged-logits", "lora-targets-matched",
-              "lora-targets-asked", "resharded-export", "adapter-params", "export-integrity")
+              "lora-targets-asked", "resharded-export", "adapter-params", "export-integrity", "peft-resave")
 
     def validate_options(self, spec: CaseSpec, opts: PeftExportOptions) -> None:
         opts.validate_layout(get_model(spec.model, "hf"), (spec.source, spec.target))
@@ -272,16 +278,19 @@ class PeftExport(Case):
             result.checks.append(integrity(derivation(model, first, layout), hf_dir, adapters, merged))
             export = get_backend(ref_of(spec))
             ids = truth.fixed_input_ids(model)
+            resaved = resave_dir(d)  # peft's own save_pretrained of the adapter peft_views loads (peft-resave)
             ex = Exported(
                 peft_load_problems(hf_dir, direct, dtype), export.read_full(None, direct),
                 json.loads((direct / "adapter_config.json").read_text()),
                 # what save_pretrained writes (the checkpoint's names) where memory's differ: fused experts, a VL layout
-                peft_views(hf_dir, direct, ids, dtype, d / "peft-merged" if model.num_experts or is_vl_checkpoint(hf_dir) else None),
+                peft_views(hf_dir, direct, ids, dtype, d / "peft-merged" if model.num_experts or is_vl_checkpoint(hf_dir) else None,
+                           resave_to=resaved),
                 get_backend("bridge_hf").read_full(None, merged), hf_logits(hf_dir, ids, dtype=dtype), layout,
             )
             asked = {"r": opts.dim, "lora_alpha": opts.alpha, "target_modules": hf_target_modules(model, opts),
                      "base_model_name_or_path": str(hf_dir)}
             result.checks.extend(judge(model, asked, src.id, first, ex, dtype, opts.entries(model)))
+            result.checks.append(resave_check(direct, resaved, ex.peft.lora_logits, resaved_logits(hf_dir, resaved, ids, dtype)))
             if resharded:
                 result.checks.extend(judge_resharded(src.id, dst.id, first, again, ex.adapter, export.read_full(None, d / "adapter@target"),
                                                            model.gated))

@@ -37,7 +37,7 @@ def test_peft_export_passes_every_check():
     r = run_case(_spec("peft-export", "bridge_peft", adapter="lora"))
     assert r.status == "passed", r.failure_text()
     assert set(_checks(r)) == {"peft-load", "adapter-derivation", "adapter-config", "merge", "logits", "merged-logits",
-                               "lora-targets-matched", "lora-targets-asked", "export-integrity"}
+                               "lora-targets-matched", "lora-targets-asked", "export-integrity", "peft-resave"}
 
 
 def _failed_peft_export(override, double):

@@ -214,11 +214,14 @@ class PeftViews:
 
 
 @torch.no_grad()
-def peft_views(base_dir: Path, adapter_dir: Path, input_ids: torch.Tensor, dtype: str = "fp32", save_merged_to: Path | None = None) -> PeftViews:
+def peft_views(base_dir: Path, adapter_dir: Path, input_ids: torch.Tensor, dtype: str = "fp32", save_merged_to: Path | None = None,
+               resave_to: Path | None = None) -> PeftViews:
     """Load the adapter once: the modules it wraps, its logits unmerged, then merge_and_unload()'s
     logits and weights (`save_merged_to`: what save_pretrained writes of them; an MoE model needs it:
     transformers 5 holds Qwen3-MoE's experts fused in memory and writes them per expert, the layout
-    the Bridge's merged export has)."""
+    the Bridge's merged export has). `resave_to`: the loaded PeftModel's own save_pretrained there
+    (default arguments, as users save an adapter again), after the unmerged logits, before the merge
+    (cases.shared.peft_resave judges it)."""
     from .lora_layout import peft_units
     from harness.backends._safetensors import read_safetensors
 
@@ -227,6 +230,8 @@ def peft_views(base_dir: Path, adapter_dir: Path, input_ids: torch.Tensor, dtype
     model.eval()
     units = peft_units(model)
     lora = model(input_ids=input_ids).logits.float()
+    if resave_to is not None:
+        model.save_pretrained(resave_to)
     merged_model = model.merge_and_unload()
     merged_logits = merged_model(input_ids=input_ids).logits.float()
     if save_merged_to is not None:

@@ -1,0 +1,151 @@
+"""peft-resave (peft-export): what users do with an adapter the Bridge exported once they have loaded it
+(keep training or merge, then save it again; verl saves its LoRA adapters through peft). The adapter loaded
+with PeftModel.from_pretrained (cases.shared.peft.peft_views, the load the other checks judge) is saved back
+with its own save_pretrained, default arguments (peft.utils.save_and_load.get_peft_model_state_dict picks
+what is written), and the re-save must be the export again:
+
+  tensors  adapter_model.safetensors holds the export's tensor names, each bitwise equal (dtype, shape,
+           bytes), read with safetensors on both sides; a missing, extra or differing key is named
+  config   adapter_config.json's fields that decide behaviour (CONFIG_FIELDS; target_modules as a set)
+           equal the export's, a field the export leaves out read as peft's LoraConfig default
+  logits   the re-saved adapter loaded with PeftModel.from_pretrained into a fresh base model gives the
+           first load's logits on the case's inputs, torch.equal
+
+Zero tensors compared (no adapter tensor in either file) fails: an empty re-save of an empty export proves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.core.parity import BITWISE, Mismatch, compare_state, max_abs_diff
+from harness.core.result import Check
+from harness.judge.hf_integrity import ADAPTER_WEIGHTS
+from harness.models.hf import quiet_hf
+
+NAME = "peft-resave"
+CONFIG_NAME = "adapter_config.json"
+#: adapter_config.json fields that decide how peft applies the adapter, with peft's LoraConfig default for a
+#: field the file leaves out (modules_to_save: None and [] both save no extra module)
+CONFIG_FIELDS: dict[str, Any] = {"r": 8, "lora_alpha": 8, "target_modules": None, "use_rslora": False, "modules_to_save": None}
+EXPORTED, RESAVED = "bridge-export", "peft-resave"
+SHOWN = 8  # mismatches named in the detail; the check's mismatches list holds all of them
+
+
+def resave_dir(case_dir: Path) -> Path:
+    """Where peft-export has peft save the loaded adapter again: inside the case's own directory."""
+    return case_dir / "peft-resave"
+
+
+@torch.no_grad()
+def resaved_logits(base_dir: Path, resaved: Path, input_ids: torch.Tensor, dtype: str = "fp32") -> torch.Tensor:
+    """The re-saved adapter `resaved` loaded as users do (PeftModel.from_pretrained over a fresh HF base,
+    cases.shared.peft.load_peft), in eval mode: its logits of `input_ids`, as peft_views computes the first load's."""
+    from .peft import load_peft
+
+    quiet_hf()
+    model = load_peft(base_dir, resaved, dtype)
+    model.eval()
+    return model(input_ids=input_ids).logits.float()
+
+
+def _tensors(directory: Path, problems: list[str]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    f = Path(directory) / ADAPTER_WEIGHTS
+    if not f.is_file():
+        problems.append(f"no {ADAPTER_WEIGHTS} in {directory}")
+        return {}
+    return load_file(str(f))
+
+
+def _config(directory: Path, problems: list[str]) -> dict[str, Any] | None:
+    f = Path(directory) / CONFIG_NAME
+    if not f.is_file():
+        problems.append(f"no {CONFIG_NAME} in {directory}")
+        return None
+    return json.loads(f.read_text())
+
+
+def _behaviour(cfg: dict[str, Any], field: str) -> Any:
+    value = cfg.get(field, CONFIG_FIELDS[field])
+    if field == "target_modules":  # a list is a set of names; a string is peft's regex over module names
+        return value if isinstance(value, str) or value is None else sorted(set(value))
+    if field == "modules_to_save":
+        return sorted(value) if value else None
+    if field == "use_rslora":
+        return bool(value)
+    return value
+
+
+def config_mismatches(exported: dict[str, Any], resaved: dict[str, Any]) -> list[Mismatch]:
+    """CONFIG_FIELDS whose value (read as peft reads it) differs between the two adapter_config.json files."""
+    out = []
+    for field in CONFIG_FIELDS:
+        a, b = _behaviour(exported, field), _behaviour(resaved, field)
+        if a != b:
+            out.append(Mismatch(f"{CONFIG_NAME} {field}", "value", EXPORTED, RESAVED, None, f"exported {a!r}, re-saved {b!r}"))
+    return out
+
+
+def logits_mismatch(first: torch.Tensor, again: torch.Tensor) -> Mismatch | None:
+    """None when the re-saved adapter's logits torch.equal the first load's."""
+    if first.shape != again.shape or first.dtype != again.dtype:
+        return Mismatch("logits", "shape" if first.shape != again.shape else "dtype", "first load", "re-saved load", None,
+                        f"{first.dtype}{tuple(first.shape)} vs {again.dtype}{tuple(again.shape)}")
+    if torch.equal(first, again):
+        return None
+    return Mismatch("logits", "value", "first load", "re-saved load", max_abs_diff(first, again), "not torch.equal")
+
+
+def _tensor_mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[Mismatch]:
+    """compare_state's bitwise mismatches; a dtype mismatch of equal shapes also gets its max abs diff in
+    float64 (0: the same values in another dtype, as an upcast leaves them)."""
+    out = compare_state(a, b, EXPORTED, RESAVED)
+    for m in out:
+        if m.kind == "dtype" and a[m.key].shape == b[m.key].shape:
+            m.max_abs_diff = max_abs_diff(a[m.key], b[m.key])
+            m.detail += ", values equal in float64" if m.max_abs_diff == 0 else ""
+    return out
+
+
+def resave_check(exported: Path, resaved: Path, first: torch.Tensor | None, again: torch.Tensor | None) -> Check:
+    """peft-resave over the Bridge's export `exported` and peft's re-save `resaved` of it (directories), with
+    the first load's logits `first` and those of a fresh load of the re-save `again`."""
+    problems: list[str] = []
+    a, b = _tensors(exported, problems), _tensors(resaved, problems)
+    ca, cb = _config(exported, problems), _config(resaved, problems)
+    if not a and not b:
+        problems.append(f"nothing to judge: no adapter tensor in either {ADAPTER_WEIGHTS} ({EXPORTED}, {RESAVED})")
+    tensors = _tensor_mismatches(a, b)
+    config = config_mismatches(ca, cb) if ca is not None and cb is not None else []
+    logits = None
+    if first is None or again is None:
+        problems.append("no logits to compare (" + ", ".join(n for n, t in (("first load", first), ("re-saved load", again)) if t is None) + ")")
+    else:
+        logits = logits_mismatch(first, again)
+    mismatches = tensors + config + ([logits] if logits else [])
+    worst = max((m.max_abs_diff for m in mismatches if m.max_abs_diff is not None and not math.isnan(m.max_abs_diff)), default=0.0)
+    compared = f"{len(set(a) | set(b))} tensor(s) compared ({len(a)} exported, {len(b)} re-saved)"
+    if problems or mismatches:
+        parts = list(problems)
+        if tensors:
+            kinds = ", ".join(f"{k} {sum(m.kind == k for m in tensors)}" for k in sorted({m.kind for m in tensors}))
+            diffs = [m.max_abs_diff for m in tensors if m.max_abs_diff is not None]
+            parts.append(f"{len(tensors)} of {compared} differ ({kinds}" + (f"; max abs diff {max(diffs):.3g}" if diffs else "") + ")")
+        elif a or b:
+            parts.append(f"{compared}, all bitwise equal")
+        parts += [str(m) for m in config]
+        if first is not None and again is not None:
+            parts.append(f"{logits}" if logits else f"logits of a fresh load of the re-save {tuple(first.shape)} torch.equal the first load's")
+        if tensors:
+            parts.append("tensors: " + "; ".join(map(str, tensors[:SHOWN])) + (f"; and {len(tensors) - SHOWN} more" if len(tensors) > SHOWN else ""))
+        return Check(NAME, "failed", "; ".join(parts), worst, BITWISE, mismatches)
+    return Check(NAME, "passed", f"peft save_pretrained of the loaded adapter: {len(a)} tensor(s) bitwise equal to the "
+                 f"Bridge's export, adapter_config {'/'.join(CONFIG_FIELDS)} equal, a fresh load's logits "
+                 f"{tuple(first.shape)} torch.equal the first load's", 0.0, BITWISE)

@@ -42,6 +42,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-corpus", action="store_true", help="no cross-version half: a mutant that keeps every case's "
                    "outcome does not also read the corpus the clean code wrote")
     p.add_argument("--cold", action="store_true", help="each mutant run in a fresh interpreter, not forked from a warm parent")
+    p.add_argument("--triage", type=Path, default=None, metavar="FILE", help="a person's judgement of survivors "
+                   "(equivalent / out-of-reach, one line why each); default harness/gate/mutant_triage.yaml; 'none': no triage")
     p.add_argument("--out", type=Path, required=True, help="the campaign's directory (run again to resume)")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--prepare", action="store_true", help="only the mutants and the measured clean run (for --shard)")
@@ -95,9 +97,12 @@ def send_shards(args: argparse.Namespace) -> list[int | None]:
 def run_cli(args: argparse.Namespace) -> int:
     from harness.gate import mutate_report
 
+    from harness.gate import mutate_triage
+
     targets = [t.strip() for t in args.target.split(",") if t.strip()]
     out = args.out.resolve()
     try:
+        triage = mutate_triage.load(None if str(args.triage) == "none" else (args.triage or mutate_triage.DEFAULT))
         if args.report or args.merge:
             if not (out / "mutants.json").exists():
                 raise mutate.MutateError(f"{out} holds no campaign (no mutants.json)")
@@ -123,6 +128,6 @@ def run_cli(args: argparse.Namespace) -> int:
     if not args.shard and mutate.clean_done(out):  # shards share DIR: the campaign's own report confirms, once
         stable = mutate_results.confirm(out, args.matrix, mutate.compare.load(out / "clean"), records)
         whole = mutate_results.population(targets, out)
-    summary = mutate_report.write(records, out, targets, missing, stable, whole)
+    summary = mutate_report.write(records, out, targets, missing, stable, whole, triage)
     print((out / "mutate.md").read_text().split("\n## ")[0])
     return 0 if summary["covered"] else 2

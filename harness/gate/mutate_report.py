@@ -45,13 +45,17 @@ def confirmed(records: list[dict[str, Any]], stable: dict[str, bool]) -> list[di
 
 def write(records: list[dict[str, Any]], out: Path, targets: list[str],
           missing: list[dict[str, Any]] = (), stable: dict[str, bool] | None = None,
-          whole: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+          whole: dict[str, dict[str, int]] | None = None, triage: dict[str, dict[str, str]] | None = None) -> dict[str, Any]:
     """Writes the three files; returns the overall rates. `missing`: the campaign's mutants with no
     outcome yet (a shard not run or dead), said first and counted nowhere. `stable`: mutate.confirm's
     answer for the killing cases (None: not confirmed yet, said so). `whole`: mutate.population, the
-    coverage of every mutant of each target, beside the sample's."""
+    coverage of every mutant of each target, beside the sample's. `triage`: a person's judgement of
+    survivors (mutate_triage: equivalent ones leave the rates, out-of-reach ones stay with their reason)."""
+    from harness.gate import mutate_triage
+
     if stable is not None:
         records = confirmed(records, stable)
+    records, wrong = mutate_triage.apply(records, triage or {})
     overall = rates(records)
     by_module: dict[str, list] = defaultdict(list)
     by_function: dict[str, list] = defaultdict(list)
@@ -74,6 +78,14 @@ def write(records: list[dict[str, Any]], out: Path, targets: list[str],
     elif overall["unconfirmed"]:
         lines += [f"{overall['unconfirmed']} kill(s) unconfirmed: their killing cases changed outcome without the "
                   "mutant too; counted as covered, not killed.", ""]
+    if wrong:
+        lines += [f"**{len(wrong)} mutant(s) judged equivalent were killed** (the judgement is wrong, the kill counts): "
+                  f"{', '.join(wrong)}", ""]
+    judged = sum(bool(r.get("judged")) for r in records)
+    reach = [r for r in records if r["outcome"] == "survived" and r.get("reach")]
+    if judged or reach:
+        lines += [f"Judged by a person (mutant_triage.yaml): {judged} survivor(s) equivalent, left out of both rates; "
+                  f"{len(reach)} survivor(s) out of the CPU harness's reach, still counted as survived.", ""]
     capped = [r for r in records if r["outcome"] == "survived" and r.get("unrun")]
     if capped:
         lines += [f"{len(capped)} survivor(s) stopped at --max-cases with {sum(r['unrun'] for r in capped)} covering case "
@@ -105,7 +117,9 @@ def write(records: list[dict[str, Any]], out: Path, targets: list[str],
             shown, every = r.get("ran") or r["cases"], len(r["cases"])
             of = f" of {every} covering" if len(shown) < every else ""
             ran = f"; ran by {len(shown)} case(s){of}: {', '.join(shown[:4])}{' ...' if len(shown) > 4 else ''}" if every else ""
-            lines += ["", f"- `{r['id']}` {r['operator']} in {r['function'] or '<module>'}, {r['path']}:{r['line']}{ran}",
+            why = (f" **Judged equivalent**: {r['judged']}." if r.get("judged") else "") + (
+                f" **Out of reach on CPU**: {r['reach']}." if r.get("reach") else "")
+            lines += ["", f"- `{r['id']}` {r['operator']} in {r['function'] or '<module>'}, {r['path']}:{r['line']}{ran}{why}",
                       "", "```diff", r["diff"].rstrip(), "```"]
     (out / "mutate.md").write_text("\n".join(lines) + "\n")
     _plot(doc["modules"], out / "mutate.png")

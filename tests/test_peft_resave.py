@@ -56,15 +56,38 @@ def test_nothing_to_compare_fails(tmp_path):
 
 @pytest.mark.parametrize("resaved, words", [
     ({A: torch.ones(4, 8)}, f"missing: {B} (bridge-export vs peft-resave) absent from peft-resave"),
-    ({A: torch.ones(4, 8), B: torch.full((8, 4), 0.5), "x.lora_B.weight": torch.ones(1)}, "extra: x.lora_B.weight"),
     ({A: torch.ones(4, 8), B: torch.full((8, 4), 0.75)}, f"value: {B} (bridge-export vs peft-resave) max|diff|=0.25 not bitwise equal"),
-    ({A: torch.ones(4, 8), B: torch.full((8, 4), 0.5, dtype=torch.float64)}, f"dtype: {B} (bridge-export vs peft-resave) max|diff|=0 "
-     "torch.float32 vs torch.float64, values equal in float64"),
+    # narrower, or wider but not the same values: no upcast
+    ({A: torch.ones(4, 8), B: torch.full((8, 4), 0.5, dtype=torch.bfloat16)}, f"dtype: {B} (bridge-export vs peft-resave) max|diff|=0"),
+    ({A: torch.ones(4, 8), B: torch.full((8, 4), 0.5 + 1e-12, dtype=torch.float64)}, f"dtype: {B} (bridge-export vs peft-resave) max|diff|=1e-12"),
 ])
 def test_each_differing_tensor_is_named(tmp_path, resaved, words):
     c = resave_check(*_pair(tmp_path, resaved), LOGITS, LOGITS)
     assert c.status == "failed" and words in c.detail, c.detail
     assert "1 of " in c.detail and "tensor(s) compared" in c.detail
+
+
+@pytest.mark.parametrize("resaved, cfg, note", [
+    # peft's from_pretrained upcasts a narrower adapter (autocast_adapter_dtype): exactly the same values
+    ({A: torch.ones(4, 8), B: torch.full((8, 4), 0.5, dtype=torch.float64)}, {}, "1 tensor(s) re-saved upcast (torch.float32 -> torch.float64"),
+    # peft saves the base lm_head/embedding when it is a target, or LoRA of modules the export has none of
+    ({A: torch.ones(4, 8), B: torch.full((8, 4), 0.5), "lm_head.base_layer.weight": torch.ones(2)}, {},
+     "1 tensor(s) only in the re-save, e.g. lm_head.base_layer.weight: judged by the logits"),
+    # an MoE adapter peft moved into merged experts on load: per-expert names gone, target_parameters named
+    ({A: torch.ones(4, 8), "experts.lora_A.weight": torch.ones(2)}, {"target_parameters": ["down_proj"], "target_modules": ["q_proj"]},
+     f"1 per-expert tensor(s) re-saved in peft's merged-expert layout (target_parameters), not by name, e.g. {B}"),
+])
+def test_what_peft_writes_on_purpose_is_said_and_judged_by_the_logits(tmp_path, resaved, cfg, note):
+    exported, again = _pair(tmp_path, resaved, cfg={**CFG, **cfg} if cfg else None)
+    c = resave_check(exported, again, LOGITS, LOGITS)
+    assert c.status == "passed" and note in c.detail, c.detail
+    c = resave_check(exported, again, LOGITS, LOGITS + 1)  # the logits are what judges it: a changed one fails
+    assert c.status == "failed" and "logits" in c.detail, c.detail
+
+
+def test_nothing_compared_by_name_fails_even_with_equal_logits(tmp_path):
+    c = resave_check(*_pair(tmp_path, {"other.weight": torch.ones(2)}, cfg={**CFG, "target_parameters": ["down_proj"]}), LOGITS, LOGITS)
+    assert c.status == "failed" and "no tensor name in both files" in c.detail, c.detail
 
 
 @pytest.mark.parametrize("field, value", [("lora_alpha", 16), ("r", 8), ("target_modules", ["q_proj"]), ("use_rslora", True),

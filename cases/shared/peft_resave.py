@@ -2,14 +2,24 @@
 (keep training or merge, then save it again; verl saves its LoRA adapters through peft). The adapter loaded
 with PeftModel.from_pretrained (cases.shared.peft.peft_views, the load the other checks judge) is saved back
 with its own save_pretrained, default arguments (peft.utils.save_and_load.get_peft_model_state_dict picks
-what is written), and the re-save must be the export again:
+what is written), and the re-save must give back the export:
 
-  tensors  adapter_model.safetensors holds the export's tensor names, each bitwise equal (dtype, shape,
-           bytes), read with safetensors on both sides; a missing, extra or differing key is named
+  tensors  every tensor name of the export is in the re-save with the same values (read with safetensors
+           on both sides); bitwise, except that a tensor peft upcast on load (from_pretrained's
+           autocast_adapter_dtype: a bf16 adapter is held and so re-saved in fp32) must hold exactly the
+           same values in the wider dtype (said in the detail). A name the re-save drops, or a value that
+           differs, fails and is named.
   config   adapter_config.json's fields that decide behaviour (CONFIG_FIELDS; target_modules as a set)
            equal the export's, a field the export leaves out read as peft's LoraConfig default
   logits   the re-saved adapter loaded with PeftModel.from_pretrained into a fresh base model gives the
            first load's logits on the case's inputs, torch.equal
+
+What peft writes on purpose in its own layout is said in the detail, and judged by the logits only:
+  - names the re-save adds: the base embedding/lm_head weights peft saves when an embedding layer is a
+    target (save_embedding_layers="auto"), or LoRA weights peft created for modules the export had none for;
+  - an MoE adapter peft 0.21 moved on load into transformers' merged experts (`target_parameters` in the
+    re-saved config): its per-expert tensors come back as peft's merged-expert tensors, and its
+    target_modules lose the expert projections (one way: peft renames on load, not on save).
 
 Zero tensors compared (no adapter tensor in either file) fails: an empty re-save of an empty export proves nothing.
 """
@@ -84,13 +94,22 @@ def _behaviour(cfg: dict[str, Any], field: str) -> Any:
 
 
 def config_mismatches(exported: dict[str, Any], resaved: dict[str, Any]) -> list[Mismatch]:
-    """CONFIG_FIELDS whose value (read as peft reads it) differs between the two adapter_config.json files."""
+    """CONFIG_FIELDS whose value (read as peft reads it) differs between the two adapter_config.json files
+    (target_modules not, when peft moved expert projections to target_parameters: the module docstring)."""
     out = []
     for field in CONFIG_FIELDS:
+        if field == "target_modules" and moved_experts(resaved) and not exported.get("target_parameters"):
+            continue
         a, b = _behaviour(exported, field), _behaviour(resaved, field)
         if a != b:
             out.append(Mismatch(f"{CONFIG_NAME} {field}", "value", EXPORTED, RESAVED, None, f"exported {a!r}, re-saved {b!r}"))
     return out
+
+
+def moved_experts(cfg: dict[str, Any] | None) -> bool:
+    """peft moved an MoE adapter into transformers' merged experts on load: its re-saved config names
+    target_parameters."""
+    return bool((cfg or {}).get("target_parameters"))
 
 
 def logits_mismatch(first: torch.Tensor, again: torch.Tensor) -> Mismatch | None:
@@ -103,15 +122,37 @@ def logits_mismatch(first: torch.Tensor, again: torch.Tensor) -> Mismatch | None
     return Mismatch("logits", "value", "first load", "re-saved load", max_abs_diff(first, again), "not torch.equal")
 
 
-def _tensor_mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[Mismatch]:
-    """compare_state's bitwise mismatches; a dtype mismatch of equal shapes also gets its max abs diff in
-    float64 (0: the same values in another dtype, as an upcast leaves them)."""
-    out = compare_state(a, b, EXPORTED, RESAVED)
-    for m in out:
-        if m.kind == "dtype" and a[m.key].shape == b[m.key].shape:
-            m.max_abs_diff = max_abs_diff(a[m.key], b[m.key])
-            m.detail += ", values equal in float64" if m.max_abs_diff == 0 else ""
-    return out
+def _upcast(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`b` is `a` upcast: a wider floating dtype of the same shape holding exactly `a`'s values."""
+    return (a.shape == b.shape and a.is_floating_point() and b.is_floating_point()
+            and torch.finfo(b.dtype).bits > torch.finfo(a.dtype).bits and torch.equal(a.to(b.dtype), b))
+
+
+def _tensor_mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], moved: bool) -> tuple[list[Mismatch], list[str]]:
+    """compare_state's bitwise mismatches less what peft does on purpose (the module docstring), and notes
+    saying what was let through; a dtype mismatch that is no exact upcast gets its max abs diff in float64."""
+    out, notes, upcast, extra, converted = [], [], [], [], []
+    for m in compare_state(a, b, EXPORTED, RESAVED):
+        if m.kind == "dtype" and _upcast(a[m.key], b[m.key]):
+            upcast.append(m.key)
+        elif m.kind == "extra":
+            extra.append(m.key)
+        elif m.kind == "missing" and moved:
+            converted.append(m.key)
+        else:
+            if m.kind == "dtype" and a[m.key].shape == b[m.key].shape:
+                m.max_abs_diff = max_abs_diff(a[m.key], b[m.key])
+            out.append(m)
+    if upcast:
+        dt = sorted({f"{a[k].dtype} -> {b[k].dtype}" for k in upcast})
+        notes.append(f"{len(upcast)} tensor(s) re-saved upcast ({', '.join(dt)}: peft's from_pretrained autocast_adapter_dtype), "
+                     "values exact")
+    if converted:
+        notes.append(f"{len(converted)} per-expert tensor(s) re-saved in peft's merged-expert layout (target_parameters), "
+                     f"not by name, e.g. {converted[0]}: judged by the logits")
+    if extra:
+        notes.append(f"{len(extra)} tensor(s) only in the re-save, e.g. {extra[0]}: judged by the logits")
+    return out, notes
 
 
 def resave_check(exported: Path, resaved: Path, first: torch.Tensor | None, again: torch.Tensor | None) -> Check:
@@ -122,7 +163,8 @@ def resave_check(exported: Path, resaved: Path, first: torch.Tensor | None, agai
     ca, cb = _config(exported, problems), _config(resaved, problems)
     if not a and not b:
         problems.append(f"nothing to judge: no adapter tensor in either {ADAPTER_WEIGHTS} ({EXPORTED}, {RESAVED})")
-    tensors = _tensor_mismatches(a, b)
+    moved = moved_experts(cb) and not moved_experts(ca)
+    tensors, notes = _tensor_mismatches(a, b, moved)
     config = config_mismatches(ca, cb) if ca is not None and cb is not None else []
     logits = None
     if first is None or again is None:
@@ -145,7 +187,10 @@ def resave_check(exported: Path, resaved: Path, first: torch.Tensor | None, agai
             parts.append(f"{logits}" if logits else f"logits of a fresh load of the re-save {tuple(first.shape)} torch.equal the first load's")
         if tensors:
             parts.append("tensors: " + "; ".join(map(str, tensors[:SHOWN])) + (f"; and {len(tensors) - SHOWN} more" if len(tensors) > SHOWN else ""))
-        return Check(NAME, "failed", "; ".join(parts), worst, BITWISE, mismatches)
-    return Check(NAME, "passed", f"peft save_pretrained of the loaded adapter: {len(a)} tensor(s) bitwise equal to the "
-                 f"Bridge's export, adapter_config {'/'.join(CONFIG_FIELDS)} equal, a fresh load's logits "
-                 f"{tuple(first.shape)} torch.equal the first load's", 0.0, BITWISE)
+        return Check(NAME, "failed", "; ".join(parts + notes), worst, BITWISE, mismatches)
+    same = len(set(a) & set(b))
+    if not same:  # nothing compared by name: the logits alone would be a weaker check than the one named
+        return Check(NAME, "failed", f"no tensor name in both files ({compared}): nothing of the export was compared", None, BITWISE)
+    how = "bitwise equal" if all(a[k].dtype == b[k].dtype for k in set(a) & set(b)) else "found with exactly their values"
+    return Check(NAME, "passed", f"peft save_pretrained of the loaded adapter: the export's {same} tensor(s) {how}, adapter_config {'/'.join(CONFIG_FIELDS)} equal, a fresh load's logits "
+                 f"{tuple(first.shape)} torch.equal the first load's" + "".join(f"; {n}" for n in notes), 0.0, BITWISE)

@@ -43,6 +43,19 @@ def test_cases_go_round_robin_over_kinds_fastest_first_and_in_doubling_batches()
     assert list(mutate_cases.batches([])) == []
 
 
+def test_within_a_kind_the_case_with_new_words_goes_before_faster_repeats():
+    """The first campaign's capped survivors: ten fast dense resume cases ran, the slower Lion one never."""
+    dense = [f"resume[mcore_dist-gpt-gqa-tp{t}pp1dp1cp1->tp1pp1dp{d}cp1-fully_reshardable]" for t in (1, 2) for d in (1, 2)]
+    lion = "resume[mcore_dist-gpt-gqa-tp1pp1dp1cp1->tp1pp1dp2cp1-fully_reshardable-lion-layer-wise]"
+    cases = dense + [lion]
+    clean = {"results": [_result(c, total=1.0) for c in dense] + [_result(lion, total=5.0)]}
+    got = mutate_cases.order(cases, clean)
+    assert sorted(got) == sorted(cases) and got[0] == dense[0] and got.index(lion) == 1, got
+    assert mutate_cases.words(lion) >= {"gpt", "gqa", "lion", "layer", "wise", "fully", "reshardable", "tp1pp1dp2cp1"}
+    assert mutate_cases.order([], clean) == []
+    assert list(mutate_cases.batches([])) == []
+
+
 def _mutant():
     return next(m for m in generate("mutation_target") if m.operator == "off-by-one")
 

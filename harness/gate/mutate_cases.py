@@ -6,10 +6,12 @@ selection: running all of them for each mutant is hours. Two things keep a campa
 - **stop at the first kill**: the cases go in batches (2, 4, 8, ...) and the next batch runs only
   while every case so far kept its outcome. A killed mutant costs a batch or two; only survivors pay
   for their whole list.
-- **the likeliest killers first**: the covering cases go round-robin over (check, backend) kinds, the
-  fastest of each kind first, so the first batch already asks the mutant different questions
-  (weights and optimizer state, resume, HF export, adapters) instead of the same one at ten
-  topologies.
+- **the likeliest killers first**: the covering cases go round-robin over (check, backend) kinds, so
+  the first batch already asks the mutant different questions (weights and optimizer state, resume,
+  HF export, adapters) instead of the same one at ten topologies; within a kind the next case is the
+  one whose id brings the most words no case before it had (a model, a topology, an optimizer, a
+  variant: the first campaign's capped survivors sat behind ten faster cases of one kind, the Lion
+  or MoE case that would have killed them unrun), the fastest among equals.
 
 `--max-cases N` caps the list: a mutant that kept its outcome through N cases is recorded as
 survived with the count of covering cases it never ran, never as killed; the kill rate can only be
@@ -18,6 +20,7 @@ under-stated by a cap, and mutate.md says how many survivors it touched.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator
 
 FIRST_BATCH = 2
@@ -29,19 +32,33 @@ def kind(case_id: str) -> tuple[str, str]:
     return check, rest.split("-", 1)[0]
 
 
+def words(case_id: str) -> frozenset[str]:
+    """What a case id says beyond its kind: model, topologies, options (`-`, `->` and `_` apart)."""
+    inside = case_id.partition("[")[2].rstrip("]")
+    return frozenset(w for w in re.split(r"->|[-_]", inside) if w)
+
+
 def order(cases: list[str], clean: dict[str, Any]) -> list[str]:
-    """`cases` round-robin over their kinds (kinds in their first case's order), each kind's cases
-    fastest first by their clean run's seconds; deterministic for the same cases and clean run."""
+    """`cases` round-robin over their kinds (kinds in their first case's order); from each kind in turn
+    the case with the most words not seen in any case before it (the very first: the fastest), the
+    fastest by its clean run's seconds among equals, then the earlier; deterministic for the same cases
+    and clean run."""
     seconds = {r["id"]: float((r.get("phases") or {}).get("total") or 0.0) for r in clean.get("results", [])}
+    at = {c: i for i, c in enumerate(cases)}
     kinds: dict[tuple[str, str], list[str]] = {}
     for c in cases:
         kinds.setdefault(kind(c), []).append(c)
-    queues = [sorted(v, key=lambda c: (seconds.get(c, 0.0), cases.index(c))) for v in kinds.values()]
+    queues = list(kinds.values())
+    said = {c: words(c) for c in cases}
+    seen: set[str] = set()
     out: list[str] = []
     while any(queues):
         for q in queues:
             if q:
-                out.append(q.pop(0))
+                best = min(q, key=lambda c: (-len(said[c] - seen) if seen else 0, seconds.get(c, 0.0), at[c]))
+                q.remove(best)
+                seen |= said[best]
+                out.append(best)
     return out
 
 

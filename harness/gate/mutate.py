@@ -324,10 +324,12 @@ class Runners:
 
 def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int | None = None, seed: int = 0,
              jobs: int = 1, timeout_s: float = 300.0, max_cases: int | None = None, warm: bool = True,
-             shard: tuple[int, int] | None = None, prepare_only: bool = False, corpus: bool = True) -> list[dict[str, Any]]:
+             shard: tuple[int, int] | None = None, prepare_only: bool = False, corpus: bool = True,
+             skip: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
     """Every mutant's record, in mutant order (harness.gate.mutate_report writes them up); a shard
     runs the mutants whose number is I modulo N, and needs the clean run made before (`--prepare`),
-    so shards sharing DIR never make it twice; their records are the ones this shard ran."""
+    so shards sharing DIR never make it twice; their records are the ones this shard ran. `skip`: the
+    mutants a follow-up leaves to the campaign before it (mutate_results.follow_up)."""
     mutants = mutants_of(targets, n, seed, out)
     files = sorted({m.path for m in mutants})
     if shard and not clean_done(out):
@@ -342,7 +344,7 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
     ids = list(clean.get("selected") or [r["id"] for r in clean["results"]])
     by_file = coverage_hook.lines(out / "coverage")
     texts = {f: Path(f).read_text() for f in files}
-    mine = interleaved([i for i in range(len(mutants)) if shard is None or i % shard[1] == shard[0] - 1],
+    mine = interleaved([i for i in range(len(mutants)) if (shard is None or i % shard[1] == shard[0] - 1) and i not in skip],
                        [m.module for m in mutants])
     from concurrent.futures import ThreadPoolExecutor
 

@@ -6,7 +6,10 @@
 - `--shards N --executor local|slurm`: prepare here, send N `--shard I/N` jobs through submitit
   (the cluster scheduler's executor: Slurm arrays, or local processes), wait, report;
 - `--merge DIR...`: copy the outcomes of the same campaign run in other directories into --out, report;
-- `--report`: the report of what --out holds, nothing run but the kills' confirmation.
+- `--report`: the report of what --out holds, nothing run but the kills' confirmation;
+- `--after DIR`: a follow-up of the campaign in DIR (the same mutants): only the mutants DIR did not
+  kill run, over this --matrix, and the report joins both: what the union of the two selections
+  catches (a selection grown by new cases, measured without running the old ones again).
 
 The report (mutate_report.py) always reads every outcome --out holds, and says first how many
 mutants have none yet (a shard not run, or one that died).
@@ -15,6 +18,7 @@ mutants have none yet (a shard not run, or one that died).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--cold", action="store_true", help="each mutant run in a fresh interpreter, not forked from a warm parent")
     p.add_argument("--triage", type=Path, default=None, metavar="FILE", help="a person's judgement of survivors "
                    "(equivalent / out-of-reach, one line why each); default harness/gate/mutant_triage.yaml; 'none': no triage")
+    p.add_argument("--after", type=Path, default=None, metavar="DIR", help="a follow-up of the campaign in DIR (same "
+                   "--target/--sample/--seed): run only the mutants it did not kill, over --matrix; report the union")
     p.add_argument("--out", type=Path, required=True, help="the campaign's directory (run again to resume)")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--prepare", action="store_true", help="only the mutants and the measured clean run (for --shard)")
@@ -103,6 +109,8 @@ def run_cli(args: argparse.Namespace) -> int:
     out = args.out.resolve()
     try:
         triage = mutate_triage.load(None if str(args.triage) == "none" else (args.triage or mutate_triage.DEFAULT))
+        before = args.after.resolve() if args.after else None
+        skip = mutate_results.follow_up(out, before) if before else frozenset()
         if args.report or args.merge:
             if not (out / "mutants.json").exists():
                 raise mutate.MutateError(f"{out} holds no campaign (no mutants.json)")
@@ -116,7 +124,7 @@ def run_cli(args: argparse.Namespace) -> int:
         else:
             mutate.campaign(targets, args.matrix, args.k, out, args.sample, args.seed, args.jobs, args.timeout,
                             args.max_cases, warm=not args.cold, shard=mutate.shard_of(args.shard), prepare_only=args.prepare,
-                            corpus=not args.no_corpus)
+                            corpus=not args.no_corpus, skip=skip)
             if args.prepare:
                 print(f"prepared {out}: its mutants and clean run; now `--shard I/N` with the same options")
                 return 0
@@ -124,10 +132,15 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"ckpt-harness mutate: {exc}", file=sys.stderr)
         return 2
     records, missing = mutate_results.records_of(out)
+    missing = [m for m in missing if m["index"] not in skip]
     stable, whole = None, None
     if not args.shard and mutate.clean_done(out):  # shards share DIR: the campaign's own report confirms, once
         stable = mutate_results.confirm(out, args.matrix, mutate.compare.load(out / "clean"), records)
-        whole = mutate_results.population(targets, out)
+        whole = mutate_results.population(targets, out, before)
+    if before is not None:  # each side's kills confirmed by its own runs (DIR/confirm.json), then joined
+        earlier = json.loads((before / "confirm.json").read_text()) if (before / "confirm.json").exists() else {}
+        stable = {**earlier, **(stable or {})} if stable is not None else None
+        records = mutate_results.union(records, mutate_results.records_of(before)[0], before)
     summary = mutate_report.write(records, out, targets, missing, stable, whole, triage)
     print((out / "mutate.md").read_text().split("\n## ")[0])
     return 0 if summary["covered"] else 2

@@ -78,6 +78,11 @@ def write(records: list[dict[str, Any]], out: Path, targets: list[str],
     elif overall["unconfirmed"]:
         lines += [f"{overall['unconfirmed']} kill(s) unconfirmed: their killing cases changed outcome without the "
                   "mutant too; counted as covered, not killed.", ""]
+    joined = sorted({r["campaign"] for r in records if r.get("campaign")})
+    if joined:
+        lines += [f"A follow-up joined with the campaign in {', '.join(joined)}: the outcome of each mutant is the union's "
+                  f"(a kill in either selection kills it); {sum(bool(r.get('campaign')) for r in records)} outcome(s) come "
+                  "from there (its kills are not run again here).", ""]
     if wrong:
         lines += [f"**{len(wrong)} mutant(s) judged equivalent were killed** (the judgement is wrong, the kill counts): "
                   f"{', '.join(wrong)}", ""]

@@ -1,6 +1,7 @@
 """What a campaign's directory holds, read back and made into evidence: the outcomes (records_of),
 other directories' outcomes of the same campaign (merge), the kills confirmed by running each killing
-case again without a mutant (confirm), and the coverage of every mutant of each target (population).
+case again without a mutant (confirm), the coverage of every mutant of each target (population), and a
+follow-up campaign joined with the one before it (follow_up, union).
 """
 
 from __future__ import annotations
@@ -23,6 +24,46 @@ def records_of(out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         f = out / "mutants" / f"{i:04d}" / "outcome.json"
         (have.append(json.loads(f.read_text())) if f.exists() else missing.append({**m, "index": i}))
     return have, missing
+
+
+#: outcomes a follow-up does not run again: the campaign before it settled them
+SETTLED = ("killed", "killed-timeout", "equivalent")
+#: which of two outcomes of one mutant under two selections the union keeps: the first in this order
+UNION = ("killed", "killed-timeout", "unconfirmed", "survived", "equivalent", "not-covered")
+
+
+def follow_up(out: Path, before: Path) -> frozenset[int]:
+    """Make `out` a follow-up of the campaign in `before`: the same mutants (its mutants.json, copied:
+    a later mutant generator may sample others), and the numbers of those it settled, which `out` skips."""
+    theirs = before / "mutants.json"
+    if not theirs.exists():
+        raise MutateError(f"--after {before}: no campaign there (no mutants.json)")
+    mine = out / "mutants.json"
+    if mine.exists():
+        if [m["id"] for m in json.loads(mine.read_text())["mutants"]] != [m["id"] for m in json.loads(theirs.read_text())["mutants"]]:
+            raise MutateError(f"--after {before}: {out} holds another campaign's mutants")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        mine.write_text(theirs.read_text())
+    return frozenset(r["index"] for r in records_of(before)[0] if r["outcome"] in SETTLED)
+
+
+def union(mine: list[dict[str, Any]], theirs: list[dict[str, Any]], before: Path) -> list[dict[str, Any]]:
+    """One record per mutant over both selections: the outcome first in UNION (a kill in either
+    selection is a kill of their union), its covering and run cases from both; `campaign` says which
+    directory's outcome it is."""
+    by = {r["index"]: {**r, "campaign": str(before)} for r in theirs}
+    for r in mine:
+        other = by.get(r["index"])
+        if other is None or UNION.index(r["outcome"]) <= UNION.index(other["outcome"]):
+            keep, rest = r, other
+        else:
+            keep, rest = other, r
+        if rest is not None:
+            keep = {**keep, "cases": sorted(set(keep["cases"]) | set(rest["cases"])),
+                    "ran": list(dict.fromkeys([*keep.get("ran", []), *rest.get("ran", [])]))}
+        by[r["index"]] = keep
+    return [by[i] for i in sorted(by)]
 
 
 def merge(out: Path, others: list[Path]) -> None:
@@ -75,20 +116,22 @@ def confirm(out: Path, matrix: Path, clean: dict[str, Any], records: list[dict[s
     return stable
 
 
-def population(targets: list[str], out: Path) -> dict[str, dict[str, int]]:
+def population(targets: list[str], out: Path, before: Path | None = None) -> dict[str, dict[str, int]]:
     """{target: {"generated": every mutant of it, "run": those on lines some selected case runs}}: the
     coverage of the whole population the sample was drawn from (DIR/population.json), no sampling
-    error, equivalent mutants not told apart."""
+    error, equivalent mutants not told apart; with `before` (a follow-up), lines either selection runs."""
     path = out / "population.json"
     if path.exists():
         return json.loads(path.read_text())
-    clean = compare.load(out / "clean")
-    ids = list(clean.get("selected") or [r["id"] for r in clean["results"]])
-    by_file = coverage_hook.lines(out / "coverage")
+    runs = []
+    for d in [out] + ([before] if before else []):
+        clean = compare.load(d / "clean")
+        runs.append((list(clean.get("selected") or [r["id"] for r in clean["results"]]), coverage_hook.lines(d / "coverage")))
     doc = {}
     for t in targets:
         every = target_mutants(t)
-        doc[t] = {"generated": len(every), "run": sum(bool(coverage_hook.covering(by_file.get(m.path, {}), m.line, m.end_line,
-                                                                                   ids, m.at_import)) for m in every)}
+        doc[t] = {"generated": len(every), "run": sum(any(coverage_hook.covering(by_file.get(m.path, {}), m.line, m.end_line,
+                                                                                  ids, m.at_import) for ids, by_file in runs)
+                                                      for m in every)}
     path.write_text(json.dumps(doc, indent=1))
     return doc

@@ -75,6 +75,10 @@ def refusal_meaning(spec: CaseSpec, opts: TrainOptions) -> str:
     """What a dp_reshardable refusal means: its optimizer state is one flat buffer per DDP bucket of
     each model chunk (keyed by chunk buffer index, sharded by DP rank), laid out by the TP/PP/EP/ETP/VPP split."""
     src, dst = spec.source, spec.target
+    if opts.sharding == "dp_zero_gather_scatter":  # gathered on each DP group's rank 0, one object per TP x PP rank
+        same = (src.tp, src.pp, src.ep, src.etp, src.vpp) == (dst.tp, dst.pp, dst.ep, dst.etp, dst.vpp)
+        return "" if same else ("a dp_zero_gather_scatter optimizer checkpoint (deprecated upstream) holds one object per "
+                                "TP/PP/EP rank's DP group: it can change DP only")
     if opts.sharding != "dp_reshardable":
         return ""
     layout = lambda t: (t.tp, t.pp, t.ep, t.etp)  # noqa: E731

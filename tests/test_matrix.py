@@ -92,7 +92,7 @@ def test_pairs_and_cross_product_expand(tmp_path):
         ("entries: [{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], options: {shardng: dp_reshardable}}]",
          "unknown option(s) ['shardng']"),
         ("entries: [{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], options: {sharding: fully}}]",
-         "option 'sharding': expected one of 'dp_reshardable', 'fully_reshardable', got 'fully'"),
+         "option 'sharding': expected one of 'dp_reshardable', 'fully_reshardable', 'fully_sharded_model_space', 'dp_zero_gather_scatter', got 'fully'"),
         ("entries: [{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], options: {steps: two}}]",
          "option 'steps': expected int, got 'two'"),
         ("entries: [{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], options: {use_distributed_optimizer: 1}}]",
@@ -307,7 +307,8 @@ def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_and_verls_
     smoke = {c.id for c in load_matrix(ROOT / "matrices" / "smoke.yaml").cases}
     arch = {c.id for c in load_matrix(ROOT / "matrices" / "architectures.yaml").cases}
     shown = {c.id for f in ("extended.yaml", "verl.yaml") for c in load_matrix(ROOT / "matrices" / f).cases
-             if c.tag.startswith(("defect-fsdp-", "verl-F", "verl-hf-moe", "verl-weight-sync", "verify-integrity"))}
+             if c.tag.startswith(("defect-fsdp-", "verl-F", "verl-hf-moe", "verl-weight-sync", "verify-integrity",
+                                                                  "deprecated-optimizer-formats"))}
     faults = {c.id for c in load_matrix(ROOT / "matrices" / "faults.yaml").cases}
     assert smoke and arch and faults and smoke | arch | faults < ids <= smoke | arch | faults | shown and len(ids) == len(m.cases)
     assert sum(c.tag == "verify-integrity" for c in m.cases) == 5  # 2 good checkpoints, 3 damaged ones refused

@@ -80,7 +80,10 @@ class TrainOptions(TrainConfig):
     """The options of every training case (matrix `options`/`axes`)."""
 
     min_steps: ClassVar[int] = 1  # a case that can save an untrained job lowers it
-    sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    #: the distributed optimizer's format; fully_sharded_model_space (megatron-core's default when a load passes no
+    #: metadata, and what checkpoints of Core <= 0.13 hold) and dp_zero_gather_scatter are deprecated upstream
+    #: but still read: a job resuming an old checkpoint uses them
+    sharding: Literal["dp_reshardable", "fully_reshardable", "fully_sharded_model_space", "dp_zero_gather_scatter"] = "dp_reshardable"
     mem_efficient: bool = False
     steps: int = 2
     workarounds: tuple[str, ...] = registry.defaults("training")

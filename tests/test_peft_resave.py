@@ -32,8 +32,11 @@ def _adapter(d, tensors, cfg=CFG):
     return d
 
 
-def _pair(tmp_path, resaved=None, cfg=None):
-    state = {A: torch.ones(4, 8), B: torch.full((8, 4), 0.5)}
+E = "base_model.model.model.layers.0.mlp.experts.3.down_proj.lora_A.weight"
+
+
+def _pair(tmp_path, resaved=None, cfg=None, exported=None):
+    state = exported or {A: torch.ones(4, 8), B: torch.full((8, 4), 0.5)}
     return _adapter(tmp_path / "export", state), _adapter(tmp_path / "resave", state if resaved is None else resaved, cfg or CFG)
 
 
@@ -73,9 +76,10 @@ def test_each_differing_tensor_is_named(tmp_path, resaved, words):
     # peft saves the base lm_head/embedding when it is a target, or LoRA of modules the export has none of
     ({A: torch.ones(4, 8), B: torch.full((8, 4), 0.5), "lm_head.base_layer.weight": torch.ones(2)}, {},
      "1 tensor(s) only in the re-save, e.g. lm_head.base_layer.weight: judged by the logits"),
-    # an MoE adapter peft moved into merged experts on load: per-expert names gone, target_parameters named
-    ({A: torch.ones(4, 8), "experts.lora_A.weight": torch.ones(2)}, {"target_parameters": ["down_proj"], "target_modules": ["q_proj"]},
-     f"1 per-expert tensor(s) re-saved in peft's merged-expert layout (target_parameters), not by name, e.g. {B}"),
+    # transformers 5 renamed the module on load and peft saved the loaded name: the same values
+    ({A: torch.ones(4, 8), B.replace("model.model.", "model.model.language_model."): torch.full((8, 4), 0.5)}, {},
+     f"1 tensor(s) re-saved under another name with the same values (the module names transformers gives the loaded model), "
+     f"e.g. {B} -> {B.replace('model.model.', 'model.model.language_model.')}"),
 ])
 def test_what_peft_writes_on_purpose_is_said_and_judged_by_the_logits(tmp_path, resaved, cfg, note):
     exported, again = _pair(tmp_path, resaved, cfg={**CFG, **cfg} if cfg else None)
@@ -85,8 +89,27 @@ def test_what_peft_writes_on_purpose_is_said_and_judged_by_the_logits(tmp_path, 
     assert c.status == "failed" and "logits" in c.detail, c.detail
 
 
+def test_an_moe_adapter_peft_moved_into_merged_experts_loses_only_its_per_expert_names(tmp_path):
+    """peft moved it on load (target_parameters in the re-save): the per-expert tensors may go, nothing else."""
+    moved = {**CFG, "target_parameters": ["down_proj"], "target_modules": ["q_proj"]}
+    merged = {A: torch.ones(4, 8), B: torch.full((8, 4), 0.5), "experts.lora_A.weight": torch.ones(2)}
+    exported, again = _pair(tmp_path / "ok", merged, cfg=moved, exported={A: torch.ones(4, 8), B: torch.full((8, 4), 0.5), E: torch.ones(3)})
+    c = resave_check(exported, again, LOGITS, LOGITS)
+    assert c.status == "passed" and f"1 per-expert tensor(s) re-saved in peft's merged-expert layout (target_parameters), not by name, e.g. {E}" in c.detail, c.detail
+    exported, again = _pair(tmp_path / "bad", {A: torch.ones(4, 8)}, cfg=moved)  # a dense tensor dropped: no excuse
+    c = resave_check(exported, again, LOGITS, LOGITS)
+    assert c.status == "failed" and f"missing: {B}" in c.detail, c.detail
+
+
+def test_a_renamed_tensor_must_hold_the_exports_values(tmp_path):
+    exported, again = _pair(tmp_path, {A: torch.ones(4, 8), B.replace("layers.0", "layers.9"): torch.full((8, 4), 0.25)})
+    c = resave_check(exported, again, LOGITS, LOGITS)
+    assert c.status == "failed" and f"missing: {B}" in c.detail and "re-saved under another name" not in c.detail, c.detail
+
+
 def test_nothing_compared_by_name_fails_even_with_equal_logits(tmp_path):
-    c = resave_check(*_pair(tmp_path, {"other.weight": torch.ones(2)}, cfg={**CFG, "target_parameters": ["down_proj"]}), LOGITS, LOGITS)
+    c = resave_check(*_pair(tmp_path, {"other.weight": torch.ones(2)}, cfg={**CFG, "target_parameters": ["down_proj"]},
+                            exported={E: torch.ones(3)}), LOGITS, LOGITS)
     assert c.status == "failed" and "no tensor name in both files" in c.detail, c.detail
 
 

@@ -14,12 +14,15 @@ what is written), and the re-save must give back the export:
   logits   the re-saved adapter loaded with PeftModel.from_pretrained into a fresh base model gives the
            first load's logits on the case's inputs, torch.equal
 
-What peft writes on purpose in its own layout is said in the detail, and judged by the logits only:
+A tensor the re-save holds under another name with exactly the export's values (transformers 5 renames some
+VL models' modules on load, `language_model.model.` -> `model.language_model.`, and peft saves the loaded
+names) passes, the renaming said in the detail. What peft writes on purpose in its own layout is said in the
+detail, and judged by the logits only:
   - names the re-save adds: the base embedding/lm_head weights peft saves when an embedding layer is a
     target (save_embedding_layers="auto"), or LoRA weights peft created for modules the export had none for;
   - an MoE adapter peft 0.21 moved on load into transformers' merged experts (`target_parameters` in the
-    re-saved config): its per-expert tensors come back as peft's merged-expert tensors, and its
-    target_modules lose the expert projections (one way: peft renames on load, not on save).
+    re-saved config): its per-expert tensors (`.experts.<n>.` names only) come back as peft's merged-expert
+    tensors, and its target_modules lose the expert projections (one way: peft renames on load, not on save).
 
 Zero tensors compared (no adapter tensor in either file) fails: an empty re-save of an empty export proves nothing.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -128,21 +132,52 @@ def _upcast(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.finfo(b.dtype).bits > torch.finfo(a.dtype).bits and torch.equal(a.to(b.dtype), b))
 
 
+#: a routed expert's own tensor (`...experts.<n>....`): what peft merges when it moves an MoE adapter
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def _renamed(missing: list[str], extra: list[str], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{export name: re-saved name} for each export tensor the re-save holds under another name: one to one,
+    the same shape and exactly the same values (an upcast's too)."""
+    def key(t: torch.Tensor) -> tuple:
+        return tuple(t.shape), t.detach().double().contiguous().numpy().tobytes()
+
+    pool: dict[tuple, list[str]] = {}
+    for name in extra:
+        if b[name].is_floating_point():
+            pool.setdefault(key(b[name]), []).append(name)
+    out = {}
+    for name in missing:
+        found = pool.get(key(a[name])) if a[name].is_floating_point() else None
+        if found:
+            out[name] = found.pop(0)
+    return out
+
+
 def _tensor_mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], moved: bool) -> tuple[list[Mismatch], list[str]]:
     """compare_state's bitwise mismatches less what peft does on purpose (the module docstring), and notes
     saying what was let through; a dtype mismatch that is no exact upcast gets its max abs diff in float64."""
-    out, notes, upcast, extra, converted = [], [], [], [], []
+    out, notes, upcast, extra, converted, missing = [], [], [], [], [], []
     for m in compare_state(a, b, EXPORTED, RESAVED):
         if m.kind == "dtype" and _upcast(a[m.key], b[m.key]):
             upcast.append(m.key)
         elif m.kind == "extra":
             extra.append(m.key)
-        elif m.kind == "missing" and moved:
+        elif m.kind == "missing" and moved and _EXPERT.search(m.key):
             converted.append(m.key)
+        elif m.kind == "missing":
+            missing.append(m)
         else:
             if m.kind == "dtype" and a[m.key].shape == b[m.key].shape:
                 m.max_abs_diff = max_abs_diff(a[m.key], b[m.key])
             out.append(m)
+    renamed = _renamed([m.key for m in missing], extra, a, b)
+    out += [m for m in missing if m.key not in renamed]
+    extra = [k for k in extra if k not in renamed.values()]
+    if renamed:
+        first = next(iter(renamed.items()))
+        notes.append(f"{len(renamed)} tensor(s) re-saved under another name with the same values (the module names "
+                     f"transformers gives the loaded model), e.g. {first[0]} -> {first[1]}")
     if upcast:
         dt = sorted({f"{a[k].dtype} -> {b[k].dtype}" for k in upcast})
         notes.append(f"{len(upcast)} tensor(s) re-saved upcast ({', '.join(dt)}: peft's from_pretrained autocast_adapter_dtype), "

@@ -17,7 +17,8 @@ _PEFT_MOE = ("peft 0.21.2 rewrites the LoRA config of every model transformers 5
              "are no longer targeted: their adapter keys load as unexpected and their LoRA is dropped (peft alone: "
              "get_peft_model(target_modules=[..., 'gate_proj', 'up_proj', 'down_proj']) on the tiny model wraps none of them)")
 _PEFT_MOE_MATCH = r"unexpected: base_model\.model\.model\.(?:language_model\.)?layers\.\d+\.mlp\.(?:shared_experts?\.|shared_mlp\.)?(?:gate|up|down)_proj\.lora_"
-_PEFT_MOE_CHECKS = ["peft-load", "merge", "logits", "merged-logits", "lora-targets-matched"]
+#: peft-resave: what peft dropped on load is not in its re-save either (cases/shared/peft_resave.py)
+_PEFT_MOE_CHECKS = ["peft-load", "merge", "logits", "merged-logits", "lora-targets-matched", "peft-resave"]
 _PEFT_MOE_XFAIL = {"reason": _PEFT_MOE, "match": _PEFT_MOE_MATCH, "checks": _PEFT_MOE_CHECKS}
 
 #: matrices/smoke.yaml `tag: defect-etp-fc1`: the export at expert-TP > 1 cuts the experts' fc1 LoRA-B wrong
@@ -93,7 +94,7 @@ _M3 = ("transformers 5.12.1 fuses MiniMax-M3 VL's checkpoint on load: each layer
        "shared expert's gate/up LoRA are dropped (peft alone: get_peft_model(target_modules=[w1, w2, w3, gate_proj, up_proj, "
        "down_proj]) on the tiny model wraps the 4 shared_experts.down_proj and nothing else)")
 _M3_MATCH = r"linear_fc1(?:_up|_gate)?: megatron \d+, peft 0 \(only megatron: model\.layers\.\d+\.mlp\.experts\."
-_M3_CHECKS = ["peft-load", "lora-targets-matched", "merge", "logits", "merged-logits"]
+_M3_CHECKS = ["peft-load", "lora-targets-matched", "merge", "logits", "merged-logits", "peft-resave"]
 
 
 #: a VL model's exported adapter_config targets the vision tower too
@@ -151,7 +152,7 @@ LORA: dict[str, dict[str, Any]] = {
     "gemma4": _GEMMA4,
     # VL language paths: every family's exported adapter_config also targets its vision tower (_VL_TARGETS)
     "qwen2_5_vl": {"reason": f"{_QWEN_VL_NOOP}; and {_VL_TARGETS}", "match": "no-op adapter: all \\d+ lora_B of the loaded adapter are zero",
-                   "checks": [*_VL_TARGETS_CHECKS, "merge", "logits", "merged-logits"]},
+                   "checks": [*_VL_TARGETS_CHECKS, "merge", "logits", "merged-logits", "peft-resave"]},
     "gemma3_vl": {"reason": f"{_POST_NORM_LORA['reason']}; and {_VL_TARGETS}", "match": _VL_TARGETS_MATCH,
                   "checks": [*_VL_TARGETS_CHECKS, *_POST_NORM_LORA["checks"]]},
     "mistral3": {"reason": _VL_TARGETS, "match": _VL_TARGETS_MATCH, "checks": _VL_TARGETS_CHECKS},

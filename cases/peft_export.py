@@ -9,7 +9,8 @@ Checks:
                      missing-key warning; load_adapter reports no missing or unexpected keys
   adapter-derivation every exported tensor equals the harness's own derivation from the Megatron
                      adapter parameters (TP gather, QKV split per query group, fc1 gate/up halves)
-  adapter-config     r, lora_alpha, target_modules and base_model_name_or_path are what was asked
+  adapter-config     r, lora_alpha, target_modules, base_model_name_or_path and task_type (CAUSAL_LM: what
+                     AutoPeftModelForCausalLM and peft's task classes read) are what was asked
   merge              the Bridge's merged export equals peft's merge_and_unload() weights (fp32: within
                      MERGE_WEIGHTS_TOLERANCE, the Bridge multiplies B@A on the fused qkv/fc1 lora_B; bf16 bitwise)
   logits             Megatron+LoRA logits equal transformers+PEFT logits (PEFT_TOLERANCE, its fp32 atol
@@ -54,6 +55,7 @@ import torch
 
 from .shared.lora_layout import megatron_units, targets_checks
 from .shared.peft import (
+    CAUSAL_LM,
     PeftOptions,
     PeftViews,
     config_check,
@@ -288,7 +290,7 @@ class PeftExport(Case):
                 get_backend("bridge_hf").read_full(None, merged), hf_logits(hf_dir, ids, dtype=dtype), layout,
             )
             asked = {"r": opts.dim, "lora_alpha": opts.alpha, "target_modules": hf_target_modules(model, opts),
-                     "base_model_name_or_path": str(hf_dir)}
+                     "base_model_name_or_path": str(hf_dir), "task_type": CAUSAL_LM}
             result.checks.extend(judge(model, asked, src.id, first, ex, dtype, opts.entries(model)))
             result.checks.append(resave_check(direct, resaved, ex.peft.lora_logits, resaved_logits(hf_dir, resaved, ids, dtype)))
             if resharded:

@@ -365,6 +365,7 @@ def adapter_checks(model: Any, opts: Options, hf_dir: Path, adapter_dir: Path, s
     """The HF PEFT adapter verl exported, as a user loads it (case peft-export's checks): peft-load,
     adapter-config (r, lora_alpha, targets, base model), logits (transformers+PEFT vs Megatron+LoRA at S)."""
     from .shared.peft import (
+        CAUSAL_LM,
         PeftOptions,
         config_check,
         hf_target_modules,
@@ -381,7 +382,8 @@ def adapter_checks(model: Any, opts: Options, hf_dir: Path, adapter_dir: Path, s
         return [_not_run(n, f"no HF adapter exported ({adapter_dir.name} under model/huggingface: hf_model not saved)") for n in names]
     po = PeftOptions(adapter=opts.adapter)
     problems = peft_load_problems(hf_dir, adapter_dir)
-    asked = {"r": po.dim, "lora_alpha": po.alpha, "target_modules": hf_target_modules(model), "base_model_name_or_path": str(hf_dir)}
+    asked = {"r": po.dim, "lora_alpha": po.alpha, "target_modules": hf_target_modules(model), "base_model_name_or_path": str(hf_dir),
+             "task_type": CAUSAL_LM}
     ids = truth.fixed_input_ids(model)
     meg = next((o.logits for o in saved if o.logits is not None), None)
     return [

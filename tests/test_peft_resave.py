@@ -210,3 +210,14 @@ def test_a_lora_alpha_the_resave_changes_fails_config_and_logits(monkeypatch):
     assert "adapter_config.json lora_alpha (bridge-export vs peft-resave) exported 8, re-saved 16" in c.detail, c.detail
     assert "56 tensor(s) compared (56 exported, 56 re-saved), all bitwise equal" in c.detail
     assert "value: logits (first load vs re-saved load)" in c.detail
+
+
+def test_adapter_config_wants_the_causal_lm_task_type_users_loaders_read():
+    """The Bridge's adapter_config.json names task_type CAUSAL_LM; without it AutoPeftModelForCausalLM's task
+    class pick has nothing to go by (the first campaign's surviving mutant dropped that dict entry)."""
+    from cases.shared.peft import CAUSAL_LM, config_check
+
+    asked = {"r": 4, "lora_alpha": 8, "task_type": CAUSAL_LM}
+    assert config_check({"r": 4, "lora_alpha": 8, "task_type": "CAUSAL_LM"}, asked).status == "passed"
+    c = config_check({"r": 4, "lora_alpha": 8}, asked)
+    assert c.status == "failed" and "task_type: asked 'CAUSAL_LM', exported None" in c.detail

@@ -158,6 +158,11 @@ def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32", i
     return adapter_load_problems(r) + lora_tensor_problems(state)
 
 
+#: the task_type a causal LM's adapter_config.json names: AutoPeftModelForCausalLM and PeftModel.from_pretrained
+#: pick peft's task class (PeftModelForCausalLM: generate, labels) by it
+CAUSAL_LM = "CAUSAL_LM"
+
+
 def config_check(cfg: dict[str, Any], asked: dict[str, Any]) -> Check:
     got = {k: sorted(cfg.get(k) or []) if k == "target_modules" else cfg.get(k) for k in asked}
     bad = [f"{k}: asked {asked[k]!r}, exported {got[k]!r}" for k in asked if asked[k] != got[k]]

@@ -154,9 +154,10 @@ def _renamed(missing: list[str], extra: list[str], a: dict[str, torch.Tensor], b
     return out
 
 
-def _tensor_mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], moved: bool) -> tuple[list[Mismatch], list[str]]:
+def _tensor_mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], moved: bool) -> tuple[list[Mismatch], list[str], int]:
     """compare_state's bitwise mismatches less what peft does on purpose (the module docstring), and notes
-    saying what was let through; a dtype mismatch that is no exact upcast gets its max abs diff in float64."""
+    saying what was let through, and how many export tensors were found under another name; a dtype mismatch that
+    is no exact upcast gets its max abs diff in float64."""
     out, notes, upcast, extra, converted, missing = [], [], [], [], [], []
     for m in compare_state(a, b, EXPORTED, RESAVED):
         if m.kind == "dtype" and _upcast(a[m.key], b[m.key]):
@@ -187,7 +188,7 @@ def _tensor_mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], m
                      f"not by name, e.g. {converted[0]}: judged by the logits")
     if extra:
         notes.append(f"{len(extra)} tensor(s) only in the re-save, e.g. {extra[0]}: judged by the logits")
-    return out, notes
+    return out, notes, len(renamed)
 
 
 def resave_check(exported: Path, resaved: Path, first: torch.Tensor | None, again: torch.Tensor | None) -> Check:
@@ -199,7 +200,7 @@ def resave_check(exported: Path, resaved: Path, first: torch.Tensor | None, agai
     if not a and not b:
         problems.append(f"nothing to judge: no adapter tensor in either {ADAPTER_WEIGHTS} ({EXPORTED}, {RESAVED})")
     moved = moved_experts(cb) and not moved_experts(ca)
-    tensors, notes = _tensor_mismatches(a, b, moved)
+    tensors, notes, renamed = _tensor_mismatches(a, b, moved)
     config = config_mismatches(ca, cb) if ca is not None and cb is not None else []
     logits = None
     if first is None or again is None:
@@ -223,9 +224,10 @@ def resave_check(exported: Path, resaved: Path, first: torch.Tensor | None, agai
         if tensors:
             parts.append("tensors: " + "; ".join(map(str, tensors[:SHOWN])) + (f"; and {len(tensors) - SHOWN} more" if len(tensors) > SHOWN else ""))
         return Check(NAME, "failed", "; ".join(parts + notes), worst, BITWISE, mismatches)
-    same = len(set(a) & set(b))
-    if not same:  # nothing compared by name: the logits alone would be a weaker check than the one named
-        return Check(NAME, "failed", f"no tensor name in both files ({compared}): nothing of the export was compared", None, BITWISE)
+    same = len(set(a) & set(b)) + renamed
+    if not same:  # nothing of the export compared: the logits alone would be a weaker check than the one named
+        return Check(NAME, "failed", f"no export tensor found in the re-save, by name or by value ({compared}): nothing of the "
+                     "export was compared", None, BITWISE)
     how = "bitwise equal" if all(a[k].dtype == b[k].dtype for k in set(a) & set(b)) else "found with exactly their values"
     return Check(NAME, "passed", f"peft save_pretrained of the loaded adapter: the export's {same} tensor(s) {how}, adapter_config {'/'.join(CONFIG_FIELDS)} equal, a fresh load's logits "
                  f"{tuple(first.shape)} torch.equal the first load's" + "".join(f"; {n}" for n in notes), 0.0, BITWISE)

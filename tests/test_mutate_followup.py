@@ -51,3 +51,19 @@ def test_a_follow_up_of_nothing_or_of_another_campaign_is_refused(tmp_path):
     other = _campaign(tmp_path / "c2", {}, ids=("x0", "x1", "x2", "x3"))
     with pytest.raises(MutateError, match="holds another campaign's mutants"):
         mutate_results.follow_up(other, first)
+
+
+def test_a_follow_up_of_two_campaigns_skips_what_either_settled_and_joins_all_three(tmp_path):
+    c1 = _campaign(tmp_path / "c1", {0: "killed", 1: "survived", 2: "not-covered", 3: "not-covered"})
+    c2 = tmp_path / "c2"
+    assert mutate_results.follow_up(c2, c1) == {0}
+    _campaign(c2, {1: "killed", 2: "not-covered", 3: "not-covered"})
+    c3 = tmp_path / "c3"
+    skip = frozenset().union(*(mutate_results.follow_up(c3, d) for d in (c1, c2)))
+    assert skip == {0, 1}  # each one's kills; c2's own records hold only what it ran
+    _campaign(c3, {2: "survived", 3: "not-covered"})
+    records = mutate_results.records_of(c3)[0]
+    for before in (c1, c2):
+        records = mutate_results.union(records, mutate_results.records_of(before)[0], before)
+    assert [r["outcome"] for r in records] == ["killed", "killed", "survived", "not-covered"]
+    assert [r.get("campaign") for r in records] == [str(c1), str(c2), None, None]

@@ -7,9 +7,9 @@
   (the cluster scheduler's executor: Slurm arrays, or local processes), wait, report;
 - `--merge DIR...`: copy the outcomes of the same campaign run in other directories into --out, report;
 - `--report`: the report of what --out holds, nothing run but the kills' confirmation;
-- `--after DIR`: a follow-up of the campaign in DIR (the same mutants): only the mutants DIR did not
-  kill run, over this --matrix, and the report joins both: what the union of the two selections
-  catches (a selection grown by new cases, measured without running the old ones again).
+- `--after DIR...`: a follow-up of the campaigns in DIR... (the same mutants): only the mutants none of
+  them settled run, over this --matrix, and the report joins them all: what the union of the
+  selections catches (a selection grown by new cases, measured without running the old ones again).
 
 The report (mutate_report.py) always reads every outcome --out holds, and says first how many
 mutants have none yet (a shard not run, or one that died).
@@ -48,8 +48,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--cold", action="store_true", help="each mutant run in a fresh interpreter, not forked from a warm parent")
     p.add_argument("--triage", type=Path, default=None, metavar="FILE", help="a person's judgement of survivors "
                    "(equivalent / out-of-reach, one line why each); default harness/gate/mutant_triage.yaml; 'none': no triage")
-    p.add_argument("--after", type=Path, default=None, metavar="DIR", help="a follow-up of the campaign in DIR (same "
-                   "--target/--sample/--seed): run only the mutants it did not kill, over --matrix; report the union")
+    p.add_argument("--after", type=Path, nargs="+", default=None, metavar="DIR", help="a follow-up of the campaigns in DIR... "
+                   "(same --target/--sample/--seed): run only the mutants none of them settled, over --matrix; report the union")
     p.add_argument("--out", type=Path, required=True, help="the campaign's directory (run again to resume)")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--prepare", action="store_true", help="only the mutants and the measured clean run (for --shard)")
@@ -109,8 +109,8 @@ def run_cli(args: argparse.Namespace) -> int:
     out = args.out.resolve()
     try:
         triage = mutate_triage.load(None if str(args.triage) == "none" else (args.triage or mutate_triage.DEFAULT))
-        before = args.after.resolve() if args.after else None
-        skip = mutate_results.follow_up(out, before) if before else frozenset()
+        befores = [d.resolve() for d in args.after or []]
+        skip = frozenset().union(*(mutate_results.follow_up(out, d) for d in befores))
         if args.report or args.merge:
             if not (out / "mutants.json").exists():
                 raise mutate.MutateError(f"{out} holds no campaign (no mutants.json)")
@@ -136,10 +136,10 @@ def run_cli(args: argparse.Namespace) -> int:
     stable, whole = None, None
     if not args.shard and mutate.clean_done(out):  # shards share DIR: the campaign's own report confirms, once
         stable = mutate_results.confirm(out, args.matrix, mutate.compare.load(out / "clean"), records)
-        whole = mutate_results.population(targets, out, before)
-    if before is not None:  # each side's kills confirmed by its own runs (DIR/confirm.json), then joined
+        whole = mutate_results.population(targets, out, befores)
+    for before in befores:  # each side's kills confirmed by its own runs (DIR/confirm.json), then joined
         earlier = json.loads((before / "confirm.json").read_text()) if (before / "confirm.json").exists() else {}
-        stable = {**earlier, **(stable or {})} if stable is not None else None
+        stable = {**earlier, **stable} if stable is not None else None
         records = mutate_results.union(records, mutate_results.records_of(before)[0], before)
     summary = mutate_report.write(records, out, targets, missing, stable, whole, triage)
     print((out / "mutate.md").read_text().split("\n## ")[0])

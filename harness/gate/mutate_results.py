@@ -116,15 +116,15 @@ def confirm(out: Path, matrix: Path, clean: dict[str, Any], records: list[dict[s
     return stable
 
 
-def population(targets: list[str], out: Path, before: Path | None = None) -> dict[str, dict[str, int]]:
+def population(targets: list[str], out: Path, befores: list[Path] = ()) -> dict[str, dict[str, int]]:
     """{target: {"generated": every mutant of it, "run": those on lines some selected case runs}}: the
     coverage of the whole population the sample was drawn from (DIR/population.json), no sampling
-    error, equivalent mutants not told apart; with `before` (a follow-up), lines either selection runs."""
+    error, equivalent mutants not told apart; with `befores` (a follow-up), lines any of the selections runs."""
     path = out / "population.json"
     if path.exists():
         return json.loads(path.read_text())
     runs = []
-    for d in [out] + ([before] if before else []):
+    for d in [out, *befores]:
         clean = compare.load(d / "clean")
         runs.append((list(clean.get("selected") or [r["id"] for r in clean["results"]]), coverage_hook.lines(d / "coverage")))
     doc = {}

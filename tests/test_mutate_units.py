@@ -310,3 +310,17 @@ def test_a_worker_keeps_one_warm_parent_per_module_and_sends_clean_runs_to_it(tm
     cold_only = mutate.Runners(tmp_path, warm=False, make_parent=Parent)
     cold_only(["run"], env("c"), tmp_path / "l", 1)
     assert len(made) == 2 and colds[-1] == env("c")
+
+
+def test_the_case_that_runs_the_files_rare_lines_goes_first():
+    """A module-level constant is run by every importing case; the one case that reaches its only user
+    (the integrity manifest's file hash) must not wait behind the ones that never do."""
+    common = {1: {"a", "b", "c", "d"}, 2: {"a", "b", "c", "d"}}
+    by_line = {**common, 40: {"d"}, 41: {"d"}}
+    rare = mutate_cases.rarity(by_line)
+    assert rare["d"] > rare["a"] == rare["b"] == rare["c"] and mutate_cases.rarity({}) == {}
+    ids = [f"reshard-weights[mcore_dist-{c}]" for c in "abcd"] + ["resume[mcore_dist-a]"]
+    clean = {"results": [_result(c, total=1.0 if "-d" not in c else 9.0) for c in ids]}
+    got = mutate_cases.order(ids, clean, {f"reshard-weights[mcore_dist-{c}]": v for c, v in rare.items()})
+    assert got[0] == "reshard-weights[mcore_dist-d]", got  # slower, but the only one reaching lines 40-41
+    assert mutate_cases.order(ids, clean)[0] == "reshard-weights[mcore_dist-a]"  # without rarity: the fastest

@@ -207,7 +207,7 @@ def cold(args: list[str], env: dict[str, str], log: Path, timeout_s: float | Non
 
 def run_mutant(m: Mutant, index: int, text: str, cases: list[str], matrix: Path, out: Path, timeout_s: float,
                clean: dict[str, Any], runner=cold, max_cases: int | None = None,
-               corpus: CorpusPlan | None = None) -> dict[str, Any]:
+               corpus: CorpusPlan | None = None, rare: dict[str, float] | None = None) -> dict[str, Any]:
     """One mutant's outcome (DIR/mutants/<index>/outcome.json), from its file when it ran before.
     Its cases run in batches, likeliest killers first (mutate_cases), until one is killed; then, while
     every one kept its outcome, it reads the clean-written corpus, then writes one the clean code reads
@@ -227,7 +227,7 @@ def run_mutant(m: Mutant, index: int, text: str, cases: list[str], matrix: Path,
         record.update(outcome="not-covered", findings=[], ran=[])
     else:
         env = {mutant_hook.ENV: json.dumps(m.to_dict())}
-        todo = mutate_cases.order(cases, clean)[:max_cases or None]
+        todo = mutate_cases.order(cases, clean, rare)[:max_cases or None]
         ran_ids: list[str] = []
         outcome, findings = "survived", []
         for n, batch in enumerate(mutate_cases.batches(todo)):
@@ -344,6 +344,7 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
     ids = list(clean.get("selected") or [r["id"] for r in clean["results"]])
     by_file = coverage_hook.lines(out / "coverage")
     texts = {f: Path(f).read_text() for f in files}
+    rare = {f: mutate_cases.rarity(by_file.get(f, {})) for f in files}
     mine = interleaved([i for i in range(len(mutants)) if (shard is None or i % shard[1] == shard[0] - 1) and i not in skip],
                        [m.module for m in mutants])
     from concurrent.futures import ThreadPoolExecutor
@@ -355,7 +356,7 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
         cases = coverage_hook.covering(by_file.get(m.path, {}), m.line, m.end_line, ids, m.at_import)
         plan = CorpusPlan(read, *(coverage_hook.covering(lines.get(m.path, {}), m.line, m.end_line, read_ids, m.at_import)
                                   for lines in (read_lines, write_lines))) if read else None
-        rec = run_mutant(m, i, texts[m.path], cases, matrix, out, timeout_s, clean, runner, max_cases, plan)
+        rec = run_mutant(m, i, texts[m.path], cases, matrix, out, timeout_s, clean, runner, max_cases, plan, rare[m.path])
         say(f"mutate [{i + 1}/{len(mutants)}] {rec['outcome'].upper():14} {m.id} "
             f"({len(rec.get('ran', []))} of {len(cases)} case(s), {rec['seconds']}s)")
         return rec

@@ -8,10 +8,13 @@ selection: running all of them for each mutant is hours. Two things keep a campa
   for their whole list.
 - **the likeliest killers first**: the covering cases go round-robin over (check, backend) kinds, so
   the first batch already asks the mutant different questions (weights and optimizer state, resume,
-  HF export, adapters) instead of the same one at ten topologies; within a kind the next case is the
-  one whose id brings the most words no case before it had (a model, a topology, an optimizer, a
-  variant: the first campaign's capped survivors sat behind ten faster cases of one kind, the Lion
-  or MoE case that would have killed them unrun), the fastest among equals.
+  HF export, adapters) instead of the same one at ten topologies. Within a kind the next case is the
+  one that runs most of the mutant's file that few other cases run (`rarity`: each line it runs
+  weighs one over the number of cases that run it): a module-level constant is "run" by every case
+  that imports the module, but only the cases that reach its rare users can tell it changed (the
+  follow-up campaign's integrity-manifest chunk size and strict-flag survivors sat behind ten cases
+  that never hash a file nor load a foreign checkpoint). Then the case whose id brings the most
+  words no case before it had (a model, a topology, an optimizer, a variant), the fastest among equals.
 
 `--max-cases N` caps the list: a mutant that kept its outcome through N cases is recorded as
 survived with the count of covering cases it never ran, never as killed; the kill rate can only be
@@ -38,24 +41,36 @@ def words(case_id: str) -> frozenset[str]:
     return frozenset(w for w in re.split(r"->|[-_]", inside) if w)
 
 
-def order(cases: list[str], clean: dict[str, Any]) -> list[str]:
-    """`cases` round-robin over their kinds (kinds in their first case's order); from each kind in turn
-    the case with the most words not seen in any case before it (the very first: the fastest), the
-    fastest by its clean run's seconds among equals, then the earlier; deterministic for the same cases
-    and clean run."""
+def rarity(by_line: dict[int, set[str]]) -> dict[str, float]:
+    """{case: how much of a file it runs that few cases run}: the sum over the lines it runs of one over
+    the number of contexts that run each (`by_line`: coverage_hook.lines' entry for the file)."""
+    out: dict[str, float] = {}
+    for contexts in by_line.values():
+        for c in contexts:
+            out[c] = out.get(c, 0.0) + 1.0 / len(contexts)
+    return out
+
+
+def order(cases: list[str], clean: dict[str, Any], rare: dict[str, float] | None = None) -> list[str]:
+    """`cases` round-robin over their kinds (kinds by their rarest case, then their first case's order);
+    from each kind in turn the case with the highest `rare` score (rarity of the mutant's file; none:
+    all equal), then the most words not seen in any case before it (the very first: the fastest), then
+    the fastest by its clean run's seconds, then the earlier; deterministic for the same inputs."""
     seconds = {r["id"]: float((r.get("phases") or {}).get("total") or 0.0) for r in clean.get("results", [])}
     at = {c: i for i, c in enumerate(cases)}
     kinds: dict[tuple[str, str], list[str]] = {}
     for c in cases:
         kinds.setdefault(kind(c), []).append(c)
-    queues = list(kinds.values())
+    rare = rare or {}
+    score = {c: round(rare.get(c, 0.0), 6) for c in cases}
+    queues = sorted(kinds.values(), key=lambda q: -max(score[c] for c in q))  # stable: ties keep first-case order
     said = {c: words(c) for c in cases}
     seen: set[str] = set()
     out: list[str] = []
     while any(queues):
         for q in queues:
             if q:
-                best = min(q, key=lambda c: (-len(said[c] - seen) if seen else 0, seconds.get(c, 0.0), at[c]))
+                best = min(q, key=lambda c: (-score[c], -len(said[c] - seen) if seen else 0, seconds.get(c, 0.0), at[c]))
                 q.remove(best)
                 seen |= said[best]
                 out.append(best)

@@ -20,7 +20,7 @@ def test_a_registered_double_and_a_rank_hook_reach_the_rank(tmp_path, method):
                     hooks=("probes:mark_hook",), timeout_s=120)
     defaults = {"save_strategy": "default", "load_strategy": "default", "exchange_algo": "broadcast", "async_save": "none", "cache_metadata": False,
                 "content_metadata": True, "strict": "raise_all", "layout": "plain",
-                "load_template": "megatron-lm"}
+                "load_template": "megatron-lm", "verify_integrity": False}
     assert out == {"backend": "NoopLoad", "options": defaults, "hook": "ran"}  # mcore_dist's strategy options, defaulted
     ref = backends.resolve("test_tagged_sm", {"tag": "x", "copies": 3})  # backend options travel with the path
     (out,) = launch(backend_and_hook, ref, 1, tmp_path / "tagged", backend="gloo", start_method=method, timeout_s=120)

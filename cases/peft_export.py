@@ -29,10 +29,12 @@ Checks:
                      keys with its shapes and dtypes; the merged export's index, shards and keys
                      against the HF base fixture, lm_head as its config's tie_word_embeddings says
   peft-resave        the adapter as peft-load loads it, saved again with peft's own save_pretrained
-                     (default arguments, as users and verl save it), is the export again: the same tensor
-                     names, each bitwise equal; adapter_config.json's r, lora_alpha, target_modules (a set),
-                     use_rslora and modules_to_save equal; loaded into a fresh base, its logits torch.equal
-                     the first load's (cases.shared.peft_resave)
+                     (default arguments, as users and verl save it), gives back the export: every exported
+                     tensor found with its values (bitwise; exact after peft's bf16 -> fp32 upcast; under
+                     another name where transformers renamed the module); adapter_config.json's r, lora_alpha,
+                     target_modules (a set), use_rslora and modules_to_save equal; loaded into a fresh base, its
+                     logits torch.equal the first load's; what peft writes in its own layout (merged MoE experts,
+                     extra tensors) judged by those logits (cases.shared.peft_resave)
 
 Layout options (cases.shared.peft.PeftOptions, docs/explore-lora.md): `adapter`, `dim` (any rank its
 column-parallel targets' TP divides), `alpha`, `targets` (a subset of the kind's base linears) and

@@ -97,12 +97,12 @@ def _behaviour(cfg: dict[str, Any], field: str) -> Any:
     return value
 
 
-def config_mismatches(exported: dict[str, Any], resaved: dict[str, Any]) -> list[Mismatch]:
+def config_mismatches(exported: dict[str, Any], resaved: dict[str, Any], moved: bool = False) -> list[Mismatch]:
     """CONFIG_FIELDS whose value (read as peft reads it) differs between the two adapter_config.json files
-    (target_modules not, when peft moved expert projections to target_parameters: the module docstring)."""
+    (target_modules not when `moved`: peft moved expert projections to target_parameters, the module docstring)."""
     out = []
     for field in CONFIG_FIELDS:
-        if field == "target_modules" and moved_experts(resaved) and not exported.get("target_parameters"):
+        if field == "target_modules" and moved:
             continue
         a, b = _behaviour(exported, field), _behaviour(resaved, field)
         if a != b:
@@ -201,7 +201,7 @@ def resave_check(exported: Path, resaved: Path, first: torch.Tensor | None, agai
         problems.append(f"nothing to judge: no adapter tensor in either {ADAPTER_WEIGHTS} ({EXPORTED}, {RESAVED})")
     moved = moved_experts(cb) and not moved_experts(ca)
     tensors, notes, renamed = _tensor_mismatches(a, b, moved)
-    config = config_mismatches(ca, cb) if ca is not None and cb is not None else []
+    config = config_mismatches(ca, cb, moved) if ca is not None and cb is not None else []
     logits = None
     if first is None or again is None:
         problems.append("no logits to compare (" + ", ".join(n for n, t in (("first load", first), ("re-saved load", again)) if t is None) + ")")

@@ -101,9 +101,7 @@ def send_shards(args: argparse.Namespace) -> list[int | None]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from harness.gate import mutate_report
-
-    from harness.gate import mutate_triage
+    from harness.gate import mutate_report, mutate_triage
 
     targets = [t.strip() for t in args.target.split(",") if t.strip()]
     out = args.out.resolve()

@@ -26,6 +26,11 @@ def records_of(out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return have, missing
 
 
+def same_mutants(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two mutants.json documents hold the same campaign's mutants, in the same order (merge, follow_up)."""
+    return [m["id"] for m in a["mutants"]] == [m["id"] for m in b["mutants"]]
+
+
 #: outcomes a follow-up does not run again: the campaign before it settled them
 SETTLED = ("killed", "killed-timeout", "equivalent")
 #: which of two outcomes of one mutant under two selections the union keeps: the first in this order
@@ -40,7 +45,7 @@ def follow_up(out: Path, before: Path) -> frozenset[int]:
         raise MutateError(f"--after {before}: no campaign there (no mutants.json)")
     mine = out / "mutants.json"
     if mine.exists():
-        if [m["id"] for m in json.loads(mine.read_text())["mutants"]] != [m["id"] for m in json.loads(theirs.read_text())["mutants"]]:
+        if not same_mutants(json.loads(mine.read_text()), json.loads(theirs.read_text())):
             raise MutateError(f"--after {before}: {out} holds another campaign's mutants")
     else:
         out.mkdir(parents=True, exist_ok=True)
@@ -74,7 +79,7 @@ def merge(out: Path, others: list[Path]) -> None:
     mine = json.loads((out / "mutants.json").read_text())
     for other in others:
         theirs = json.loads((Path(other) / "mutants.json").read_text())
-        if [m["id"] for m in theirs["mutants"]] != [m["id"] for m in mine["mutants"]]:
+        if not same_mutants(theirs, mine):
             raise MutateError(f"--merge {other}: another campaign's mutants ({theirs['targets']}, sample "
                               f"{theirs['sample']}, seed {theirs['seed']}) than {out}'s")
         for f in sorted(Path(other).glob("mutants/*/outcome.json")):

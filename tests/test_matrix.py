@@ -308,10 +308,11 @@ def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_and_verls_
     arch = {c.id for c in load_matrix(ROOT / "matrices" / "architectures.yaml").cases}
     shown = {c.id for f in ("extended.yaml", "verl.yaml") for c in load_matrix(ROOT / "matrices" / f).cases
              if c.tag.startswith(("defect-fsdp-", "verl-F", "verl-hf-moe", "verl-weight-sync", "verify-integrity",
-                                                                  "deprecated-optimizer-formats", "torch-format"))}
+                                                                  "deprecated-optimizer-formats", "torch-format", "transformers-resave"))}
     faults = {c.id for c in load_matrix(ROOT / "matrices" / "faults.yaml").cases}
     assert smoke and arch and faults and smoke | arch | faults < ids <= smoke | arch | faults | shown and len(ids) == len(m.cases)
     assert sum(c.tag == "verify-integrity" for c in m.cases) == 5  # 2 good checkpoints, 3 damaged ones refused
     assert sum(c.tag == "torch-format" for c in m.cases) == 10  # Megatron-LM's --ckpt-format torch (mcore_torch)
+    assert sum(c.tag == "transformers-resave" for c in m.cases) == 2  # Nemotron-H re-saved by transformers 5
     assert sum(c.tag == "verl-hf-moe" for c in m.cases) == 12  # four MoE families at EP2, PP2 and EP2 x PP2
     assert sum(c.tag == "verl-weight-sync" for c in m.cases) == 12

@@ -132,12 +132,15 @@ FAMILIES: tuple[Family, ...] = (
            note="gated DeltaNet layers: Megatron's GatedDeltaNet, on fla's kernels or, where fla is missing, the CPU stand-ins (harness.models.cpu_gdn)"),
     Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", num_experts=4,
            note="gated DeltaNet layers: Megatron's GatedDeltaNet, on fla's kernels or, where fla is missing, the CPU stand-ins (harness.models.cpu_gdn)"),
-    Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", needs="mamba_ssm", overrides=_o(
-           mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=1, chunk_size=16, layers_block_type=["mamba", "attention", "mamba", "mlp"]),
-           note="Mamba-2 layers: Megatron's MambaMixer needs mamba_ssm (CUDA kernels)"),
-    Family("falcon_h1", "FalconH1ForCausalLM", "falcon_h1", needs="mamba_ssm", overrides=_o(
-           mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=16),
-           note="parallel attention + Mamba-2: Megatron's MambaMixer needs mamba_ssm (CUDA kernels)"),
+    Family("nemotron_h", "NemotronHForCausalLM", "nemotron_h", overrides=_o(
+           mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, chunk_size=16, layers_block_type=["mamba", "attention", "mamba", "mlp"],
+           layer_norm_epsilon=1e-5),
+           note="Mamba-2 layers: Megatron's MambaMixer, on mamba_ssm's kernels or, where mamba_ssm is missing, the CPU stand-ins (harness.models.cpu_mamba)"),
+    Family("falcon_h1", "FalconH1ForCausalLM", "falcon_h1", overrides=_o(
+           mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=16, mamba_norm_before_gate=False,
+           mamba_n_groups=2),
+           note="parallel attention + Mamba-2: Megatron's MambaMixer (Core asserts norm_before_gate False, as Falcon-H1's released "
+                "configs set it; transformers' default is True), on mamba_ssm's kernels or the CPU stand-ins (harness.models.cpu_mamba)"),
     # ---- registered by name only: modeling code is hub remote code
     Family("bailing_moe_v2", "BailingMoeV2ForCausalLM", None, needs="transformers.models.bailing_moe_v2",
            note=_REMOTE.format(v="5.12.1", m="BailingMoeV2ForCausalLM")),

@@ -110,6 +110,9 @@ class HFModelSpec:
     overrides: tuple[tuple[str, Any], ...] = ()
     #: the HF architecture config.json names ("" the transformers class's own name): the Bridge dispatches on it
     architecture: str = ""
+    #: True: the fixture's tensor names as transformers' save_pretrained writes them; False: as the Hub's
+    #: checkpoints hold them, where transformers renames on load and reverses it on save (harness.models.hf.HUB_SPELLING)
+    saved_by_transformers: bool = False
 
     # what Topology.validate reads
     @property
@@ -241,6 +244,10 @@ def family_model(f: Family) -> HFModelSpec:
 
 # the four hand-written fixtures keep their names (hf-llama, hf-qwen2, hf-nemotron); every other family is hf-<family>
 ZOO.update({f.zoo_name: family_model(f) for f in FAMILIES if f.zoo_name not in ZOO})
+# Nemotron-H re-saved by transformers 5 (from_pretrained + save_pretrained of a Hub checkpoint): its embedding
+# as `backbone.embedding.weight`, where the Hub's checkpoints (and the Bridge's mapping) say `embeddings`
+ZOO["hf-nemotron_h-resaved"] = replace(ZOO["hf-nemotron_h"], name="hf-nemotron_h-resaved", saved_by_transformers=True,
+                                       description="NemotronHForCausalLM as transformers 5 re-saves it (backbone.embedding.weight)")
 # Issue 35's memory budgets (verl #6691): GPT-OSS keeps its experts fused on disk (experts.gate_up_proj
 # [E, H, 2F]), the Bridge's grouped export; 2 layers, hidden 256, 16 experts (one expert's transient stays
 # small beside a layer's whole fused tensor) of ffn 512 and 4x that

@@ -122,19 +122,30 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     from harness.models.cpu_gdn import install as gdn_stand_ins
 
     gdn_stand_ins()  # Core's GatedDeltaNet (Qwen3-Next, Qwen3.5) on CPU where fla is missing
+    from harness.models.cpu_mamba import install as mamba_stand_ins
+
+    mamba_stand_ins()  # Core's MambaMixer (Nemotron-H) on CPU where mamba_ssm is missing
     seed_model_parallel(spec.seed)
     torch_dtype = HF_DTYPES[dtype]
     bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=torch_dtype)
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    overrides: dict[str, Any] = {
-        "tensor_model_parallel_size": topo.tp, "pipeline_model_parallel_size": topo.pp, "pipeline_dtype": torch_dtype,
-        "transformer_layer_spec": (
+    from harness.models.cpu_spec import hybrid_stack, stack_spec_field
+
+    if spec_field := stack_spec_field(provider):  # a hybrid Mamba model (Nemotron-H, Falcon-H1): its stack spec on CPU
+        layer_spec = hybrid_stack(provider, spec_field)
+    else:
+        spec_field, layer_spec = "transformer_layer_spec", (
             cpu_layer_spec(provider, grouped_experts=_maps_only_grouped_experts(bridge)) if spec.arch not in HAND_WRITTEN or spec.overrides  # every other family: its own config's spec
             else zero_centered_local_spec if getattr(provider, "layernorm_zero_centered_gamma", False)
             else get_gpt_layer_local_spec(num_experts=getattr(spec, "num_experts", None), moe_grouped_gemm=False,
-                                          qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm")),
+                                          qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm"))
+    overrides: dict[str, Any] = {
+        "tensor_model_parallel_size": topo.tp, "pipeline_model_parallel_size": topo.pp, "pipeline_dtype": torch_dtype,
+        spec_field: layer_spec,
         **{name: False for name in FUSIONS},
     }
+    if getattr(provider, "moe_permute_fusion", False):  # TE's fused permutation, set by Nemotron-H's provider even without experts
+        overrides["moe_permute_fusion"] = False
     if first_stage_layers and topo.pp > 1:
         overrides["num_layers_in_first_pipeline_stage"] = first_stage_layers
     if topo.vpp > 1:  # one model chunk per virtual stage, wired as Megatron-LM and Bridge's CommOverlapConfig wire it

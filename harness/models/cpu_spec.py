@@ -26,6 +26,9 @@ from typing import Any
 import torch
 
 
+_CACHE: dict[str, Any] = {}
+
+
 def _norm(config, hidden_size: int, eps: float | None = None):
     """TENorm on CPU: RMSNorm/LayerNorm as the config says, (1 + w) where the config zero-centres."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -37,6 +40,29 @@ def _norm(config, hidden_size: int, eps: float | None = None):
 
 
 def _classes() -> dict[str, type]:
+    """The stand-in classes, built once a process (their base depends on the installed Core) and named as
+    attributes of this module (`__getattr__` below), so a spec holding them pickles by reference as TE's
+    classes do: Bridge broadcasts a model's config, its layer spec inside, across PP ranks
+    (param_mapping.py `broadcast_obj_from_pp_rank`)."""
+    if "classes" not in _CACHE:
+        _CACHE["classes"] = _build_classes()
+        for cls in _CACHE["classes"].values():
+            if cls.__module__ != "megatron.core.transformer.dot_product_attention":
+                cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    return _CACHE["classes"]
+
+
+def __getattr__(name: str) -> Any:
+    """A stand-in class by name (how a pickled spec finds it in another process)."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    for cls in _classes().values():
+        if cls.__module__ == __name__ and cls.__name__ == name:
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _build_classes() -> dict[str, type]:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -112,7 +138,6 @@ def _classes() -> dict[str, type]:
             "row": RowLinear, "attention": DotProductAttention, "sliding_attention": SlidingDotProductAttention}
 
 
-_CACHE: dict[str, Any] = {}
 
 
 def replacements() -> dict[int, Any]:
@@ -126,9 +151,9 @@ def replacements() -> dict[int, Any]:
     c = _classes()
     pairs = [(getattr(te, "TELayerNormColumnParallelLinear", None), c["norm_linear"]),
              (getattr(te, "TEColumnParallelLinear", None), c["column"]), (getattr(te, "TERowParallelLinear", None), c["row"]),
-             (getattr(te, "TEDotProductAttention", None), c["attention"]), (getattr(te, "TENorm", None), _norm),
-             (te_layers.TERowParallelLinearLayerNorm, c["row_post_ln"]), (te_layers.TENorm, _norm),
-             (gemma3_provider.Gemma3TEDotProductAttention, c["sliding_attention"]), (getattr(gemma3_provider, "TENorm", None), _norm)]
+             (getattr(te, "TEDotProductAttention", None), c["attention"]), (getattr(te, "TENorm", None), Norm),
+             (te_layers.TERowParallelLinearLayerNorm, c["row_post_ln"]), (te_layers.TENorm, Norm),
+             (gemma3_provider.Gemma3TEDotProductAttention, c["sliding_attention"]), (getattr(gemma3_provider, "TENorm", None), Norm)]
     _CACHE["map"] = {id(a): b for a, b in pairs if a is not None}
     return _CACHE["map"]
 
@@ -181,18 +206,31 @@ def _walk(node: Any, swap, seen: dict[int, Any], path: str = "spec") -> Any:
     return node
 
 
-def localize(spec: Any) -> Any:
-    """The spec with every TE class swapped for its CPU stand-in (in place; returned)."""
+def localize(spec: Any, lenient: bool = False) -> Any:
+    """The spec with every TE class swapped for its CPU stand-in (in place; returned). `lenient`: a TE class
+    with no stand-in becomes a class that raises, naming its path, only if a model builds it (a hybrid
+    stack spec lists every layer kind, of which a model's pattern builds a few)."""
     table = replacements()
 
     def swap(value, path):
         if id(value) in table:
             return table[id(value)]
         if _is_placeholder(value):
-            raise NotImplementedError(f"{path}: a Transformer-Engine class ({value!r}) with no CPU stand-in in harness.models.cpu_spec")
+            if not lenient:
+                raise NotImplementedError(f"{path}: a Transformer-Engine class ({value!r}) with no CPU stand-in in harness.models.cpu_spec")
+            return TEWithoutStandIn
         return value
 
     return _walk(spec, swap, {})
+
+
+class TEWithoutStandIn:
+    """What `localize(lenient=True)` puts where a TE class has no stand-in: building it raises (build_module
+    names the layer it was in); a module-level class, so the spec still pickles."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("a Transformer-Engine class with no CPU stand-in in harness.models.cpu_spec "
+                                  "(a layer kind of a hybrid stack spec this model builds)")
 
 
 def module_swaps(name: str) -> dict[str, Any]:
@@ -306,6 +344,61 @@ def hybrid_block(config, vp_stage: int | None = None):
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     local = layers[offset:offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
     return TransformerBlockSubmodules(layer_specs=local, layer_norm=Norm)
+
+
+#: A hybrid provider's stack-spec field -> the Core/Bridge module whose block builds its final norm from TENorm itself
+STACK_SPEC_FIELDS = {"hybrid_stack_spec": "megatron.core.models.hybrid.hybrid_block",  # Nemotron-H (HybridModelProvider)
+                     "falconh1_stack_spec": "megatron.bridge.models.falcon_h1.modeling_falconh1.falconh1_block"}  # Falcon-H1
+
+
+def stack_spec_field(provider: Any) -> str | None:
+    """The stack-spec field of a hybrid (Mamba) provider, None for a GPT provider (`transformer_layer_spec`)."""
+    return next((f for f in STACK_SPEC_FIELDS if hasattr(provider, f)), None)
+
+
+def hybrid_stack(provider: Any, field: str = "hybrid_stack_spec"):
+    """A hybrid provider's stack spec on CPU (Nemotron-H, Falcon-H1): the one the provider would build (its
+    own spec or spec function, else Bridge's default for its config), every TE class localized; its Mamba
+    mixer runs on harness.models.cpu_mamba's kernels where mamba_ssm is missing."""
+    import inspect
+
+    own = getattr(provider, field)
+    if own is None:
+        from megatron.bridge.models.hybrid.hybrid_provider import get_default_hybrid_stack_spec
+
+        own = get_default_hybrid_stack_spec(provider)
+    elif callable(own) and not hasattr(own, "module"):  # a spec function, with or without the provider
+        own = own(provider) if inspect.signature(own).parameters else own()
+    _localize_globals(STACK_SPEC_FIELDS[field])  # the block builds its final norm from TENorm itself
+    return localize(_copy_tree(own), lenient=True)
+
+
+def _localize_globals(module_name: str) -> list[str]:
+    """The TE placeholders a module imported as globals, swapped for their stand-ins (for this process)."""
+    import importlib
+
+    mod, swap, done = importlib.import_module(module_name), replacements(), []
+    for key, value in list(vars(mod).items()):
+        if id(value) in swap:
+            setattr(mod, key, swap[id(value)])
+            done.append(key)
+    return done
+
+
+def _copy_tree(node: Any) -> Any:
+    """A copy of a spec's containers (ModuleSpecs, dataclasses, lists, dicts), its leaves shared: `localize`
+    works in place, and a provider's default spec is a module global of Core's (deepcopy cannot copy the
+    TE placeholders it holds)."""
+    if isinstance(node, list):
+        return [_copy_tree(v) for v in node]
+    if isinstance(node, dict):
+        return {k: _copy_tree(v) for k, v in node.items()}
+    if (hasattr(node, "__dataclass_fields__") or type(node).__name__ == "ModuleSpec") and not isinstance(node, type):
+        new = copy.copy(node)
+        for key, value in vars(node).items():
+            setattr(new, key, _copy_tree(value))
+        return new
+    return node
 
 
 def _local_te_backend() -> type:

@@ -141,6 +141,8 @@ def _write_fixture(spec: HFModelSpec, directory: Path, dtype: str, shards: int, 
         model.save_pretrained(directory, safe_serialization=True, max_shard_size=-(-size // shards))
     else:
         model.save_pretrained(directory, safe_serialization=True)
+    if not spec.saved_by_transformers and spec.arch in HUB_SPELLING:
+        respell(directory, HUB_SPELLING[spec.arch])
     if extra_keys:
         add_tensors(directory, {k: torch.linspace(0.5, 1.5, 8).to(HF_DTYPES[dtype]) for k in extra_keys})
     if spec.architecture:  # the spelling the Bridge dispatches on (save_pretrained writes the class's own)
@@ -166,6 +168,33 @@ def tied_keys(model) -> dict[str, str]:
     if not out and "lm_head.weight" in model.state_dict():
         out["lm_head.weight"] = "model.embed_tokens.weight"
     return out
+
+
+#: Tensor names transformers 5 saves otherwise than the Hub's checkpoints hold them (its conversion_mapping
+#: renames them on load and reverses that on save): a fixture is respelled as a download holds it, unless its
+#: spec is `saved_by_transformers` (what a user's from_pretrained + save_pretrained writes).
+HUB_SPELLING: dict[str, dict[str, str]] = {
+    # transformers 5.12.1 conversion_mapping.py:1074-1076: "embedding.weight" -> "embeddings.weight" on load;
+    # the Hub's Nemotron-H checkpoints (and Megatron-Bridge's mapping, nemotron_h_bridge.py:399) say `embeddings`
+    "nemotron_h": {"backbone.embedding.weight": "backbone.embeddings.weight"},
+}
+
+
+def respell(directory: Path, names: dict[str, str]) -> None:
+    """Rename tensors of an HF checkpoint in place (every safetensors file, and its index's weight_map)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(directory.glob("*.safetensors")):
+        state = load_file(str(f))
+        if any(k in state for k in names):
+            save_file({names.get(k, k): v for k, v in state.items()}, str(f), metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {names.get(k, k): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
 def add_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -16,6 +16,33 @@ ROUNDTRIP: dict[str, dict[str, Any]] = {
                   "per-layer function (harness.models.cpu_spec.hybrid_block), it raises there (:146)",
         "match": "ValueError: Invalid experimental attention variant: dsv4_hybrid",
         "raised_in": "megatron.core.models.gpt"},
+    "falcon_h1 tp1 -> tp2": {
+        "reason": "Megatron-Bridge 0.6.2 FalconH1Layer.sharded_state_dict passes its pre-norm to megatron-core's "
+                  "sharded_state_dict_default without a tp_group (models/falcon_h1/modeling_falconh1/falconh1_layer.py:479), "
+                  "and megatron-core 0.19.2 fills the TP group in only when neither group is given "
+                  "(transformer/utils.py:131-133; the metadata always carries dp_cp_group): every TP rank claims the main "
+                  "replica of the norm weights (replica_id (0, 0, 0)), and the sharding validation every dist save and strict load "
+                  "runs refuses it ('Invalid access pattern', dist_checkpointing/validation.py:403): a Falcon-H1 job at TP > 1 "
+                  "can neither load nor save a dist checkpoint",
+        "match": "Invalid access pattern for ShardedTensor\\(key='decoder.layers.0.norm.weight'",
+        "raised_in": "megatron.core.dist_checkpointing"},
+    "falcon_h1 tp1 -> pp2vpp2": {
+        "reason": "Megatron-Bridge 0.6.2 FalconH1ModelProvider.provide refuses virtual pipeline stages by an assert "
+                  "(models/falcon_h1/falconh1_provider.py:124-127: 'temporarily unsupported in FalconH1 models'): a Falcon-H1 "
+                  "job cannot use VPP",
+        "match": "Virtual pipeline model parallelism is temporarily unsupported in FalconH1 models",
+        "raised_in": "megatron.bridge.models.falcon_h1"},
+    "falcon_h1 tp1 -> pp2 uneven": {
+        "reason": "Megatron-Bridge 0.6.2 FalconH1Stack splits the layers evenly over the PP stages whatever the config asks "
+                  "(models/falcon_h1/modeling_falconh1/falconh1_block.py:242-249, num_layers // pp): "
+                  "num_layers_in_first_pipeline_stage=1 builds 2 + 2, not 1 + 3, without a word",
+        "checks": ["propagation"]},
+    "nemotron_h tp1 -> pp2vpp2": {
+        "reason": "Megatron-Bridge 0.6.2 HybridModelProvider.provide refuses virtual pipeline stages by an assert "
+                  "(models/hybrid/hybrid_provider.py:295-298: 'temporarily unsupported in Hybrid models due to upstream "
+                  "MCore HybridModel API dependency'): a Nemotron-H job cannot use VPP",
+        "match": "Virtual pipeline model parallelism is temporarily unsupported in Hybrid models",
+        "raised_in": "megatron.bridge.models.hybrid"},
     "olmoe tp1 -> tp2": {
         "reason": "Megatron-Bridge 0.6.2 OLMoESelfAttention builds q/k_layernorm over head_dim * num_attention_heads, the "
                   "full width (olmoe/olmoe_provider.py:120-135), and applies them to the tensor-parallel-local q/k "

@@ -41,6 +41,7 @@ def test_judged_survivors_change_the_rates_as_their_class_says_and_a_kill_stands
     ("m0: {class: dunno, why: x}\n", "m0: class 'dunno' is not one of equivalent, out-of-reach"),
     ("m0: {class: equivalent, why: ' '}\n", "m0: `why` is empty"),
     ("- m0\n", "expected a mapping"),
+    ("mod:Cls.f: {class: equivalent, why: x}\n", "mod:Cls.f: a function-wide entry can only be out-of-reach"),
 ])
 def test_a_bad_triage_file_is_refused_naming_file_and_key(tmp_path, text, message):
     f = _write(tmp_path, text)
@@ -52,3 +53,27 @@ def test_a_bad_triage_file_is_refused_naming_file_and_key(tmp_path, text, messag
 def test_the_shipped_triage_file_loads_and_judges_only_with_a_reason():
     shipped = mutate_triage.load(mutate_triage.DEFAULT)
     assert shipped and all(e["why"].strip() and e["class"] in mutate_triage.CLASSES for e in shipped.values())
+
+
+def test_a_function_wide_out_of_reach_entry_marks_its_not_covered_mutants_and_the_cpu_coverage_leaves_them_out(tmp_path):
+    records = [_rec(0, "killed"), _rec(1, "not-covered"), {**_rec(2, "not-covered"), "function": "g"},
+               {**_rec(3, "survived"), "function": "g"}, _rec(4, "equivalent")]
+    triage = mutate_triage.load(_write(tmp_path, "mutation_target:g: {class: out-of-reach, why: fp8 only}\n"))
+    out = mutate_report.write(records, tmp_path, ["mutation_target"], triage=triage)
+    # m2 stays not covered (the rate counts it) but is out of reach; m1 (function f) stays a blind spot
+    assert (out["not-covered"], out["not-covered-out-of-reach"], out["covered"]) == (2, 1, 2)
+    assert out["coverage_rate"] == 0.5 and out["cpu_coverage_rate"] == round(2 / 3, 4)
+    md = (tmp_path / "mutate.md").read_text()
+    assert "Of the 2 not covered, 1 are in code only a GPU reaches" in md and md.count("**Out of reach on CPU**: fp8 only.") == 2
+    plain = mutate_report.write(records, tmp_path, ["mutation_target"])
+    assert plain["not-covered-out-of-reach"] == 0 and plain["cpu_coverage_rate"] == plain["coverage_rate"]
+
+
+def test_every_shipped_function_entry_names_a_function_the_installed_upstream_has():
+    from harness.gate.mutate import target_mutants
+
+    shipped = [k for k in mutate_triage.load(mutate_triage.DEFAULT) if mutate_triage.is_function_key(k)]
+    assert shipped
+    for key in shipped:
+        module, function = key.split(":")
+        assert any(m.function == function for m in target_mutants(module)), key

@@ -22,9 +22,12 @@ def rates(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     n = {o: sum(r["outcome"] == o for r in records) for o in OUTCOMES}
     covered = n["killed"] + n["killed-timeout"] + n["survived"] + n["unconfirmed"]
     sampled = len(records) - n["equivalent"]
+    beyond = sum(r["outcome"] == "not-covered" and bool(r.get("reach")) for r in records)  # GPU-only code (mutate_triage)
     return {"sampled": len(records), **n, "covered": covered,
             "kill_rate": round((n["killed"] + n["killed-timeout"]) / covered, 4) if covered else None,
-            "coverage_rate": round(covered / sampled, 4) if sampled else None}
+            "coverage_rate": round(covered / sampled, 4) if sampled else None,
+            "not-covered-out-of-reach": beyond,
+            "cpu_coverage_rate": round(covered / (sampled - beyond), 4) if sampled - beyond else None}
 
 
 def _pct(x: float | None) -> str:
@@ -91,6 +94,10 @@ def write(records: list[dict[str, Any]], out: Path, targets: list[str],
     if judged or reach:
         lines += [f"Judged by a person (mutant_triage.yaml): {judged} survivor(s) equivalent, left out of both rates; "
                   f"{len(reach)} survivor(s) out of the CPU harness's reach, still counted as survived.", ""]
+    if overall["not-covered-out-of-reach"]:
+        lines += [f"Of the {overall['not-covered']} not covered, {overall['not-covered-out-of-reach']} are in code only a GPU "
+                  "reaches (mutant_triage.yaml, each with what would reach it), still counted as not covered: the "
+                  f"coverage of the rest, what CPU cases could still close, is {_pct(overall['cpu_coverage_rate'])}.", ""]
     capped = [r for r in records if r["outcome"] == "survived" and r.get("unrun")]
     if capped:
         lines += [f"{len(capped)} survivor(s) stopped at --max-cases with {sum(r['unrun'] for r in capped)} covering case "

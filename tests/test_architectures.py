@@ -271,6 +271,13 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red():
     assert cell("MistralForCausalLM", "round trip tp1->tp2") == "xfail 1.0" and "upstream x.py" in rows["MistralForCausalLM"][-1]
     with pytest.raises(ValueError):
         arch_table.rows({"results": []}, fams)
+    # a family whose LoRA cases the harness does not generate is counted apart, never as "every case"
+    nh = (BY_NAME["nemotron_h"],)
+    doc = {"results": [rec("hf-nemotron_h", "hf-roundtrip", "tp2", "passed")]}
+    assert arch_table.summary(doc, nh).startswith("0 architectures with real results on every case")
+    assert "1 with real results on every round trip and no LoRA case generated yet (nemotron_h" in arch_table.summary(doc, nh)
+    row = arch_table.rows(doc, nh)[0]
+    assert row[col["LoRA tp1->tp2"]] == "not generated" and row[col["LoRA tp1->pp2"]] == "-" and "LoRA not generated" in row[-1]
 
 
 def test_vpp_and_uneven_stages_for_every_text_family_whose_layers_allow_them():

@@ -19,6 +19,7 @@ from harness.core.families import FAMILIES, Family
 from harness.report.grid import ARCH_KINDS as KINDS
 from harness.report.grid import ARCH_TARGETS as TARGETS
 from harness.report.grid import arch_target as _target
+from harness.models.xfails_lora import LORA_NOT_GENERATED
 
 SHORT = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "xfailed": "xfail", "xpassed": "XPASS",
          "not-run": "not-run", "not-applicable": "n/a"}
@@ -69,15 +70,19 @@ def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[l
             for tgt in KIND_TARGETS[kind]:
                 r = got.get((f.zoo_name, kind, tgt))
                 if r is None:
-                    line.append("-" if f.path != "vl" else "deferred")
+                    line.append("not generated" if kind == "peft-export" and f.name in LORA_NOT_GENERATED and any(
+                        k[:2] == (f.zoo_name, "hf-roundtrip") and k[2] == tgt for k in got) else "-" if f.path != "vl" else "deferred")
                     continue
                 line.append(_cell(r))
                 if r["status"] != "passed" and (w := _why(r)) and w not in whys:
                     whys.append(w)
         canon = [got[k] for k in got if k[0] == f.zoo_name and k[1] == CANONICAL]
-        line.append(f"{_cell(canon[0])} ({_target(canon[0]['id'])})" if canon else "-" if f.path != "vl" else "deferred")
+        line.append(f"{_cell(canon[0])} ({_target(canon[0]['id'])})" if canon else "not generated" if f.name in LORA_NOT_GENERATED
+                    else "-" if f.path != "vl" else "deferred")
         if canon and canon[0]["status"] != "passed" and (w := _why(canon[0])) and w not in whys:
             whys.append(w)
+        if f.name in LORA_NOT_GENERATED:
+            whys.append(f"LoRA not generated: {LORA_NOT_GENERATED[f.name]}")
         out.append(line + ["; ".join(whys)])
     return out
 
@@ -101,7 +106,7 @@ def summary(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> str
     """How many architectures: every case passed; every case a real result (passed or its strict
     named xfail); not-run (each names its missing piece); red (a failure, error or XPASS)."""
     got = cells(doc)
-    green, real, holes, not_run, red = [], [], [], [], []
+    green, real, holes, not_run, red, lora_gap = [], [], [], [], [], []
     for f in families:
         rs = [got[k] for k in got if k[0] == f.zoo_name]
         if not rs:
@@ -109,7 +114,9 @@ def summary(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> str
         st = {r["status"] for r in rs}
         if st == {"passed"}:
             green.append(f.name)
-        if st <= {"passed", "xfailed"}:
+        if st <= {"passed", "xfailed"} and f.name in LORA_NOT_GENERATED:
+            lora_gap.append(f.name)
+        elif st <= {"passed", "xfailed"}:
             real.append(f.name)
         elif st == {"not-run"}:
             not_run.append(f.name)
@@ -118,7 +125,9 @@ def summary(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> str
         else:
             red.append(f.name)
     return (f"{len(real)} architectures with real results on every case ({len(green)} of them every case passed), "
-            f"{len(holes)} with real results and a not-run case" + (f" ({', '.join(holes)})" if holes else "")
+            + (f"{len(lora_gap)} with real results on every round trip and no LoRA case generated yet ({', '.join(lora_gap)}: "
+               "the harness's adapter mapping lacks their layers), " if lora_gap else "")
+            + f"{len(holes)} with real results and a not-run case" + (f" ({', '.join(holes)})" if holes else "")
             + f", {len(not_run)} not-run, {len(red)} with a red case" + (f" ({', '.join(red)})" if red else "") + ".")
 
 

@@ -95,6 +95,10 @@ class Options(DdpKnobs):
     refuse_with: tuple[str, ...] = ("RuntimeError",)  # Bridge's strict export: state.py save_generator
     #: > 0: the first pipeline stage of a side with PP > 1 holds this many layers (uneven stages; harness.models.bridge.build)
     first_stage_layers: int = 0
+    #: true: memory nothing writes reads NaN in the case's worlds (torch's deterministic mode fills uninitialized
+    #: memory), so a parameter an import skips holds NaN on every run, not whatever the allocator left there: a
+    #: partial import's known defect then measures the same on both sides of a gate
+    fill_unwritten: bool = False
 
     def knobs(self) -> DdpKnobs:
         return DdpKnobs(**{k: getattr(self, k) for k in DdpKnobs.__dataclass_fields__})
@@ -167,6 +171,7 @@ class _Phase:
     export_to: str | None = None
     dtype: DType = "fp32"
     first_stage_layers: int = 0
+    fill_unwritten: bool = False
 
 
 @dataclass
@@ -181,6 +186,8 @@ def _rank(ctx: RankContext, p: _Phase) -> BridgeOut:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     knobs = asdict(p.ddp)
+    if p.fill_unwritten:  # torch.empty then fills NaN (torch.utils.deterministic.fill_uninitialized_memory)
+        torch.use_deterministic_algorithms(True, warn_only=True)
     bm = mb.build(p.hf_dir, p.spec, p.topo, load_weights=p.load_weights, ddp_config=DistributedDataParallelConfig(**knobs),
                   dtype=p.dtype, first_stage_layers=p.first_stage_layers)
     dist = get_backend(p.dist_backend)
@@ -254,35 +261,36 @@ class HFRoundtrip(Case):
 
 def save_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path, topo: Topology, export_backend: BackendRef, *,
               dist_save: Path | None = None, export_to: Path | None = None, ddp: DdpKnobs = DdpKnobs(), dtype: DType = "fp32",
-              dist_backend: BackendRef | None = None, phase: str = "save", first_stage_layers: int = 0) -> list[BridgeOut]:
+              dist_backend: BackendRef | None = None, phase: str = "save", first_stage_layers: int = 0,
+              fill_unwritten: bool = False) -> list[BridgeOut]:
     """World `phase` at `topo`: build the Bridge model from the HF checkpoint `hf_dir` (its
     weights, AutoBridge), save its megatron-core dist checkpoint into `dist_save` (through
     `dist_backend`, mcore_dist when None) and export it through `export_backend` into `export_to`,
     each when given. Each rank's BridgeOut (DDP knob propagation, Megatron logits)."""
     return env.launch(phase, _rank, save_phase(model, hf_dir, topo, export_backend, dist_save=dist_save, export_to=export_to,
                                                        ddp=ddp, dtype=dtype, dist_backend=dist_backend,
-                                                       first_stage_layers=first_stage_layers), topo)
+                                                       first_stage_layers=first_stage_layers, fill_unwritten=fill_unwritten), topo)
 
 
 def save_phase(model: HFModelSpec, hf_dir: Path, topo: Topology, export_backend: BackendRef, *, dist_save: Path | None = None,
                export_to: Path | None = None, ddp: DdpKnobs = DdpKnobs(), dtype: DType = "fp32",
-               dist_backend: BackendRef | None = None, first_stage_layers: int = 0) -> _Phase:
+               dist_backend: BackendRef | None = None, first_stage_layers: int = 0, fill_unwritten: bool = False) -> _Phase:
     """What save_step's world runs (run_roundtrip hands it to RunEnv.launch_source)."""
     return _Phase(model, str(hf_dir), topo, True, ddp, export_backend=export_backend, dist_backend=dist_backend or resolve("mcore_dist"),
                   dist_save=str(dist_save) if dist_save else None, export_to=str(export_to) if export_to else None, dtype=dtype,
-                  first_stage_layers=first_stage_layers)
+                  first_stage_layers=first_stage_layers, fill_unwritten=fill_unwritten)
 
 
 def load_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path, topo: Topology, export_backend: BackendRef,
               dist_load: Path, *, export_to: Path | None = None, ddp: DdpKnobs = DdpKnobs(), dtype: DType = "fp32",
-              dist_backend: BackendRef | None = None, first_stage_layers: int = 0) -> list[BridgeOut]:
+              dist_backend: BackendRef | None = None, first_stage_layers: int = 0, fill_unwritten: bool = False) -> list[BridgeOut]:
     """World "load" at `topo`: build the Bridge model from `hf_dir`'s config without its weights,
     load the dist checkpoint `dist_load` (through `dist_backend`, mcore_dist when None), export it
     through `export_backend` into `export_to` when given. A load that raises fails the world."""
     return env.launch("load", _rank, _Phase(
         model, str(hf_dir), topo, False, ddp, export_backend=export_backend, dist_backend=dist_backend or resolve("mcore_dist"),
         dist_load=str(dist_load), export_to=str(export_to) if export_to else None, dtype=dtype,
-        first_stage_layers=first_stage_layers), topo)
+        first_stage_layers=first_stage_layers, fill_unwritten=fill_unwritten), topo)
 
 
 def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backend: BackendRef, opts: DdpKnobs, env: RunEnv,
@@ -291,7 +299,7 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
     any HFModelSpec: the matrix case and harness.orchestration.explore (which draws shapes outside the zoo) run this.
     `opts`: DdpKnobs (fp32) or Options (knobs, dtype, fixture shards, an unmapped source key)."""
     full = opts if isinstance(opts, Options) else Options(**asdict(opts))
-    dtype, opts, fsl = full.dtype, full.knobs(), full.first_stage_layers
+    dtype, opts, fsl, fill = full.dtype, full.knobs(), full.first_stage_layers, full.fill_unwritten
     extra = (full.unmapped_source_key,) if full.unmapped_source_key else ()
     export = env.case_dir / "hf-export"
     # the fixture and the save at S are the same for every target: once per run (harness.run.reuse)
@@ -301,15 +309,16 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
     try:
         if src == dst:
             outs = save_step(env, result, model, hf_dir, src, export_backend, export_to=export, ddp=opts, dtype=dtype, phase="export",
-                             first_stage_layers=fsl)
+                             first_stage_layers=fsl, fill_unwritten=fill)
             worlds = [(src.id, outs)]
         else:
             root, first = env.launch_source("save", _rank, lambda d: save_phase(
-                model, hf_dir, src, export_backend, dist_save=d / "dist-ckpt", ddp=opts, dtype=dtype, first_stage_layers=fsl), src)
+                model, hf_dir, src, export_backend, dist_save=d / "dist-ckpt", ddp=opts, dtype=dtype, first_stage_layers=fsl,
+                fill_unwritten=fill), src)
             ckpt = root / "dist-ckpt"
             worlds = [(src.id, first)]
             outs = load_step(env, result, model, hf_dir, dst, export_backend, ckpt, export_to=export, ddp=opts, dtype=dtype,
-                             first_stage_layers=fsl)
+                             first_stage_layers=fsl, fill_unwritten=fill)
             worlds.append((dst.id, outs))
     except WorldError as exc:
         if expect != "refuse" or len(worlds) != (src != dst):  # only the exporting world (the last) may refuse

@@ -90,12 +90,16 @@ def _args(step: int, with_optim: bool) -> argparse.Namespace:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    """torch.load as Megatron-LM's legacy load calls it (map_location cpu, torch's weights-only default),
-    after megatron-core's import has registered its safe globals (argparse.Namespace, ...): never an
-    arbitrary object."""
-    import megatron.core  # noqa: F401  (register_safe_globals)
-
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """torch.load as Megatron-LM's legacy load calls it (map_location cpu, torch's weights-only unpickler)
+    with the classes megatron-core allows it (its `safe_globals.SAFE_GLOBALS`: argparse.Namespace, ...,
+    registered process-wide on import; named here for this call, whatever else changed the process's
+    list since): never an arbitrary object. A Core without that module allows nothing beyond torch's own."""
+    try:
+        from megatron.core.safe_globals import SAFE_GLOBALS
+    except ImportError:
+        SAFE_GLOBALS = []
+    with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 class McoreTorch(Backend):

@@ -120,12 +120,14 @@ def test_a_baseline_red_on_every_selected_case_cannot_call_anything_safe(tmp_pat
     assert "**1 baseline-red case(s)**" in verdict.split("\n## ")[0]
 
 
+@pytest.mark.slow  # 32 s on 2 cores; the rule itself: tests/test_evidence.py test_a_run_that_died_names_where
 def test_a_candidate_run_killed_mid_way_is_no_verdict_and_names_where_it_died(tmp_path, monkeypatch, tree, baseline):
     code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "kill", HF, baseline_results=baseline)
     assert code == 2, verdict
     assert "the candidate run did not finish" in gate["error"] and "it died in or before hf-roundtrip[" in gate["error"]
 
 
+@pytest.mark.slow  # 37 s on 2 cores; the rule itself: tests/test_classify.py test_a_public_api_the_candidate_removed_is_a_breaking_change_that_fails
 def test_a_public_api_the_candidate_removed_is_a_breaking_change(tmp_path, monkeypatch, tree, baseline):
     code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "public-api", ONE, baseline_results=baseline)
     assert code == 1, verdict
@@ -137,6 +139,7 @@ def test_a_public_api_the_candidate_removed_is_a_breaking_change(tmp_path, monke
     assert [r["id"] for r in used["results"]] == [ONE] and used["restricted_from"] == 7, used.get("restricted_from")
 
 
+@pytest.mark.slow  # 32 s on 2 cores; the rule itself: tests/test_classify.py and tests/test_compare.py (internal API holes)
 def test_an_internal_api_the_harness_reaches_for_is_a_hole_that_keeps_safe_off_unless_accepted(
         tmp_path, monkeypatch, tree, baseline, capsys):
     code, verdict, gate = _gate(tmp_path, monkeypatch, tree, "internal-api", PEFT, baseline_results=baseline)

@@ -124,7 +124,7 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     gdn_stand_ins()  # Core's GatedDeltaNet (Qwen3-Next, Qwen3.5) on CPU where fla is missing
     from harness.models.cpu_mamba import install as mamba_stand_ins
 
-    mamba_stand_ins()  # Core's MambaMixer (Nemotron-H) on CPU where mamba_ssm is missing
+    mamba_stand_ins()  # Core's MambaMixer (Nemotron-H, Falcon-H1) on CPU where mamba_ssm is missing
     seed_model_parallel(spec.seed)
     torch_dtype = HF_DTYPES[dtype]
     bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=torch_dtype)

@@ -138,8 +138,6 @@ def _build_classes() -> dict[str, type]:
             "row": RowLinear, "attention": DotProductAttention, "sliding_attention": SlidingDotProductAttention}
 
 
-
-
 def replacements() -> dict[int, Any]:
     """id(TE placeholder or TE class) -> its CPU stand-in."""
     if "map" in _CACHE:
@@ -208,8 +206,8 @@ def _walk(node: Any, swap, seen: dict[int, Any], path: str = "spec") -> Any:
 
 def localize(spec: Any, lenient: bool = False) -> Any:
     """The spec with every TE class swapped for its CPU stand-in (in place; returned). `lenient`: a TE class
-    with no stand-in becomes a class that raises, naming its path, only if a model builds it (a hybrid
-    stack spec lists every layer kind, of which a model's pattern builds a few)."""
+    with no stand-in becomes `TEWithoutStandIn`, which raises only if a model builds it (a hybrid stack spec
+    lists every layer kind, of which a model's pattern builds a few; build_module then names the layer)."""
     table = replacements()
 
     def swap(value, path):

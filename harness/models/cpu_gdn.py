@@ -42,15 +42,25 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     xt = x.transpose(1, 2)  # b, d, t
     past = initial_state.to(xt.dtype) if initial_state is not None else xt.new_zeros(xt.shape[0], xt.shape[1], width - 1)
     padded = torch.cat([past, xt], dim=-1)
-    out = sum(weight[:, j, None] * padded[..., j:j + xt.shape[-1]] for j in range(width))
+    out = depthwise_window(padded, weight, bias, activation, "cpu_gdn.causal_conv1d")
+    final = padded[..., -(width - 1):].contiguous() if output_final_state and width > 1 else None
+    return out.transpose(1, 2).contiguous(), final
+
+
+def depthwise_window(padded: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                     who: str) -> torch.Tensor:
+    """The depthwise causal convolution over [b, d, w - 1 + t] inputs already padded with the past: out[..., t] =
+    act(bias + sum_j weight[:, j] * padded[..., t + j]), in the dtype of what it is given (fla's and causal-conv1d's
+    stand-ins share it). `who` names the stand-in in the error for an activation the kernels do not take."""
+    width, steps = weight.shape[-1], padded.shape[-1] - weight.shape[-1] + 1
+    out = sum(weight[:, j, None] * padded[..., j:j + steps] for j in range(width))
     if bias is not None:
         out = out + bias[:, None]
     if activation in ("silu", "swish"):
-        out = F.silu(out)
-    elif activation is not None:
-        raise ValueError(f"cpu_gdn.causal_conv1d: activation {activation!r} (fla takes silu/swish or None)")
-    final = padded[..., -(width - 1):].contiguous() if output_final_state and width > 1 else None
-    return out.transpose(1, 2).contiguous(), final
+        return F.silu(out)
+    if activation is not None:
+        raise ValueError(f"{who}: activation {activation!r} (the kernel takes silu/swish or None)")
+    return out
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

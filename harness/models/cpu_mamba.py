@@ -26,7 +26,6 @@ import ast
 import importlib
 import importlib.util
 import inspect
-import math
 
 import torch
 import torch.nn.functional as F
@@ -44,17 +43,13 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     weight[:, j] * x[:, :, t - (w - 1) + j]), zeros (or `initial_states` [b, d, w - 1]) before the first token."""
     if seq_idx is not None:
         raise NotImplementedError("cpu_mamba.causal_conv1d_fn: packed sequences (seq_idx) are not supported by the CPU stand-in")
-    width, steps = weight.shape[-1], x.shape[-1]
+    from harness.models.cpu_gdn import depthwise_window
+
+    width = weight.shape[-1]
     past = initial_states.to(x.dtype) if initial_states is not None else x.new_zeros(x.shape[0], x.shape[1], width - 1)
-    padded = torch.cat([past, x], dim=-1).float()
-    out = sum(weight[:, j, None].float() * padded[..., j:j + steps] for j in range(width))
-    if bias is not None:
-        out = out + bias[:, None].float()
-    if activation in ("silu", "swish"):
-        out = F.silu(out)
-    elif activation is not None:
-        raise ValueError(f"cpu_mamba.causal_conv1d_fn: activation {activation!r} (the kernel takes silu/swish or None)")
-    out = out.to(x.dtype)
+    padded = torch.cat([past, x], dim=-1).float()  # in fp32, as the kernel accumulates
+    out = depthwise_window(padded, weight.float(), None if bias is None else bias.float(), activation,
+                           "cpu_mamba.causal_conv1d_fn").to(x.dtype)
     if return_final_states:
         return out, padded[..., -(width - 1):].to(x.dtype).contiguous()
     return out
@@ -191,6 +186,3 @@ def install() -> bool:
         mixer.causal_conv1d_fn = causal_conv1d_fn
     mixer.HAVE_MAMBA_SSM = True
     return True
-
-
-assert math.isfinite(MAMBA_TOLERANCE["atol"])

@@ -367,15 +367,16 @@ def hybrid_stack(provider: Any, field: str = "hybrid_stack_spec"):
         own = get_default_hybrid_stack_spec(provider)
     elif callable(own) and not hasattr(own, "module"):  # a spec function, with or without the provider
         own = own(provider) if inspect.signature(own).parameters else own()
-    _localize_globals(STACK_SPEC_FIELDS[field])  # the block builds its final norm from TENorm itself
+    import importlib
+
+    localize_globals(importlib.import_module(STACK_SPEC_FIELDS[field]))  # the block builds its final norm from TENorm itself
     return localize(_copy_tree(own), lenient=True)
 
 
-def _localize_globals(module_name: str) -> list[str]:
-    """The TE placeholders a module imported as globals, swapped for their stand-ins (for this process)."""
-    import importlib
-
-    mod, swap, done = importlib.import_module(module_name), replacements(), []
+def localize_globals(mod: Any) -> list[str]:
+    """The TE placeholders (or TE classes) a module imported as globals, swapped for their stand-ins for this
+    process; the names swapped."""
+    swap, done = replacements(), []
     for key, value in list(vars(mod).items()):
         if id(value) in swap:
             setattr(mod, key, swap[id(value)])

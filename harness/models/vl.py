@@ -152,21 +152,13 @@ def localize_te_globals(provider: Any) -> list[str]:
     own package only (a text provider is left alone). The names swapped, as module.name."""
     import sys
 
-    from harness.models.cpu_spec import replacements
+    from harness.models.cpu_spec import localize_globals
 
     if getattr(provider, "vision_config", None) is None:
         return []
     package = type(provider).__module__.rsplit(".", 1)[0]
-    swap = replacements()
-    done = []
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not (name == package or name.startswith(package + ".")):
-            continue
-        for key, value in list(vars(mod).items()):
-            if id(value) in swap:
-                setattr(mod, key, swap[id(value)])
-                done.append(f"{name}.{key}")
-    return done
+    return [f"{name}.{key}" for name, mod in list(sys.modules.items())
+            if mod is not None and (name == package or name.startswith(package + ".")) for key in localize_globals(mod)]
 
 
 def language_model(module: torch.nn.Module) -> Any:

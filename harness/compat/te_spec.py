@@ -50,15 +50,35 @@ def _norm_linear_class():
     return NormColumnParallelLinear
 
 
+def _te_norm_class() -> type:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    class TENormStandIn:
+        """TENorm on CPU: torch's norm (WrappedTorchNorm), which refuses `persist_layer_norm`. TE takes
+        it (a choice of kernel, the same numbers), and verl's MoE configs set it (config_converter.py)."""
+
+        def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+            if config.persist_layer_norm:
+                import copy
+
+                config = copy.copy(config)
+                config.persist_layer_norm = False
+            return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
+
+    return TENormStandIn
+
+
 def install_te_spec_stand_in() -> None:
     """Point megatron-core's TE spec builder at local modules under TE's names (see the module doc)."""
     import megatron.core.models.gpt.gpt_layer_specs as specs
     from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    norm_linear = _norm_linear_class()
+    norm_linear, norm = _norm_linear_class(), _te_norm_class()
 
     class LocalTESpecProvider(LocalSpecProvider):
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False) -> type:
+            return norm
+
         def fuse_layernorm_and_linear(self) -> bool:
             return True
 
@@ -66,4 +86,4 @@ def install_te_spec_stand_in() -> None:
             return norm_linear
 
     specs.TESpecProvider = LocalTESpecProvider
-    specs.TENorm = WrappedTorchNorm  # the block's final norm
+    specs.TENorm = norm  # the block's final norm

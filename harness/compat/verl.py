@@ -1,5 +1,5 @@
 """verl 0.9.1 (backend verl_manager): its defects (records with switch 'verl': the backend's option
-`workarounds`, never a training case's), its CPU shims (C1, C2: applied in the backend's own ranks
+`workarounds`, never a training case's), its CPU shims (C1-C3: applied in the backend's own ranks
 when its code needs them and the probe finds the condition), and its log filter. mbridge's TE-spec
 stand-in lives beside this module (harness.compat.te_spec)."""
 
@@ -9,6 +9,7 @@ import torch
 
 from harness.compat._shim import ADAPTS, CALLER, HIDES, Shim, applied, note
 from harness.compat.te import te_importable
+from harness.compat.verl_platform import CPU_PLATFORM, platform_missing, use_cpu_platform
 
 #: the module verl's async save imports its AsyncCallsQueue from
 ASYNC_CALLS_MODULE = "megatron.core.dist_checkpointing.strategies.base"
@@ -235,7 +236,7 @@ SHIMS: tuple[Shim, ...] = (
         apply=_encoder_and_decoder,
         shown_by="matrices/verl.yaml:verl-F6",
     ),
-    # ---- CPU shims (C1, C2)
+    # ---- CPU shims (C1-C3)
     Shim(
         name=VERL_RNG_TRACKER,
         upstream="megatron.core.tensor_parallel.random",
@@ -251,7 +252,7 @@ SHIMS: tuple[Shim, ...] = (
     Shim(
         name=MBRIDGE_TE_SPEC,
         upstream="megatron.core.models.gpt.gpt_layer_specs",
-        why="C2 mbridge builds megatron-core's Transformer-Engine layer spec and maps "
+        why="C2 mbridge (and verl's model merger, through init_mcore_model) builds megatron-core's Transformer-Engine layer spec and maps "
         "TE's parameter names (linear_qkv.layer_norm_weight); TE does not install on CPU, so its TESpecProvider is None: the "
         "shim makes it local modules with the input norm folded into the column-parallel linear under TE's names "
         "(harness.compat.te_spec.LocalTESpecProvider)",
@@ -260,6 +261,19 @@ SHIMS: tuple[Shim, ...] = (
         kind=ADAPTS, trigger=CALLER,
         apply=mbridge_te_spec,
         needed=lambda device: _no_te_spec_provider(),
+    ),
+    Shim(
+        name=CPU_PLATFORM,
+        upstream="verl.plugin.platform",
+        why="C3 verl 0.9.1 registers CUDA, NPU and ROCm platforms and falls back to 'nvidia' without one "
+        "(platform_manager.py _detect_platform_name): on CPU its model merger inits an NCCL group and calls "
+        "torch.cuda.set_device (megatron_model_merger.py:152-158); the shim registers a CPU platform (gloo, torch.cpu) "
+        "through verl's own PlatformRegistry and set_platform (harness.compat.verl_platform)",
+        probe="no CUDA, and verl's detected platform says it is not available",
+        retire_when="where CUDA is present, or when verl ships a CPU platform its detection picks",
+        kind=ADAPTS, trigger=CALLER,
+        apply=use_cpu_platform,
+        needed=lambda device: platform_missing(),
     ),
 )
 

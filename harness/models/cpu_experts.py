@@ -73,12 +73,13 @@ def grouped_linears() -> tuple[type, type]:
                 w = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=dtype))
                 if config.perform_initialization:
                     init_method(w)
-                self._mark(w, partitioned=True)
                 self.register_parameter(f"weight{i}", w)
                 if bias:
-                    b = torch.nn.Parameter(torch.zeros(self.out_features, dtype=dtype))
-                    self._mark(b, partitioned=self.parallel == "column")
-                    self.register_parameter(f"bias{i}", b)
+                    self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.zeros(self.out_features, dtype=dtype)))
+            # marked once registered, as TE marks them (_set_expert_parameter_attributes over named_parameters):
+            # a registration hook (accelerate's init_empty_weights) rebuilds a Parameter with its attributes as keywords
+            for name, p in self.named_parameters(recurse=False):
+                self._mark(p, partitioned=name.startswith("weight") or self.parallel == "column")
 
         def _mark(self, p: torch.nn.Parameter, partitioned: bool) -> None:
             """TE's _set_expert_parameter_attributes: expert-DP gradients, TP partition metadata."""
@@ -172,3 +173,29 @@ def grouped_names_mlp() -> type:
 
     _CACHE["grouped"] = GroupedNamesMLP
     return GroupedNamesMLP
+
+
+def te_spec_grouped_experts() -> bool:
+    """Where harness.compat.te_spec stands in for TE's spec provider (mbridge, verl's model merger):
+    grouped-GEMM experts as TESpecProvider gives them, TEGroupedMLP under `weight<i>` names
+    (GroupedNamesMLP), not the local provider's SequentialMLP (`local_experts.<i>.`), whose names
+    neither mbridge nor verl's merger maps. False where no stand-in is installed (real TE)."""
+    import megatron.core.models.gpt.gpt_layer_specs as specs
+
+    provider = specs.TESpecProvider
+    if provider is None or not provider.__module__.startswith("harness."):
+        return False
+    if getattr(provider, "grouped_experts", False):
+        return True
+    from functools import partial
+
+    mlp = grouped_names_mlp()
+
+    class GroupedTESpecProvider(provider):
+        grouped_experts = True
+
+        def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
+            return partial(mlp) if moe_use_grouped_gemm else super().grouped_mlp_modules(moe_use_grouped_gemm)
+
+    specs.TESpecProvider = GroupedTESpecProvider
+    return True

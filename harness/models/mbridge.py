@@ -48,6 +48,9 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
 
     if topo.vpp > 1 or topo.ep > 1 or topo.cp > 1:
         raise ValueError(f"the vanilla mbridge path is built here at TP/PP/DP only, got {topo.id}")
+    from harness.models.cpu_experts import te_spec_grouped_experts
+
+    te_spec_grouped_experts()  # the CPU TE spec's experts under TE's grouped names, which mbridge maps
     seed_model_parallel(spec.seed)
     hf_config = AutoConfig.from_pretrained(str(hf_dir))
     bridge = AutoBridge.from_config(hf_config, dtype=torch.float32)

@@ -1004,3 +1004,35 @@ class ThroughMutationTarget(McoreDist):
         with torch.no_grad():
             p.view(-1).copy_(torch.tensor(taken, dtype=p.dtype))
         mutation_target.describe({"taken": len(taken)})
+
+
+def merger_swaps_q_and_k() -> None:
+    """verl's model_merger writes each layer's q under k's name and k under q's, as a split that took
+    the query group's pieces in the wrong order would (patches MegatronModelMerger._split_tensors in
+    the merger's ranks)."""
+    from verl.model_merger.megatron_model_merger import MegatronModelMerger
+
+    real = MegatronModelMerger._split_tensors
+
+    def _split_tensors(self, key, tensor, config, is_value_model=False):
+        parts = real(self, key, tensor, config, is_value_model)
+        return [parts[1], parts[0], parts[2]] if len(parts) == 3 else parts
+
+    MegatronModelMerger._split_tensors = _split_tensors
+
+
+def merger_drops_last_layer_experts() -> None:
+    """verl's model_merger leaves out the experts of the model's last layer (the shape of verl #6842's
+    partial export), on the rank that merges it (patches MegatronModelMerger._merge_state_dicts)."""
+    import re
+
+    from verl.model_merger.megatron_model_merger import MegatronModelMerger
+
+    real = MegatronModelMerger._merge_state_dicts
+
+    def _merge_state_dicts(self, model_state_dict_list):
+        merged = real(self, model_state_dict_list)
+        last = self.hf_config.num_hidden_layers - 1
+        return {k: v for k, v in merged.items() if not re.match(rf"model\.layers\.{last}\.mlp\.experts\.", k)}
+
+    MegatronModelMerger._merge_state_dicts = _merge_state_dicts

@@ -89,7 +89,7 @@ def test_the_vanilla_option_is_checked_at_load():
         case.validate(_spec("hf-nemotron"))  # not a model type mbridge maps
     with pytest.raises(ValueError, match="model type mbridge"):
         case.validate(_spec("gpt-gqa"))
-    with pytest.raises(ValueError, match="only verl-checkpoint builds Bridge models"):
+    with pytest.raises(ValueError, match="only verl-checkpoint, verl-merger build Bridge models"):
         get_case("reshard-optimizer").validate(_spec("gpt-gqa", "reshard-optimizer"))
     with pytest.raises(ValueError, match="TP/PP/DP models, got tp1pp1dp1cp2"):
         case.validate(CaseSpec("verl-checkpoint", "hf-llama", "verl_manager", Topology(tp=1), Topology(cp=2),

@@ -45,6 +45,7 @@ compat.quiet_verl_noise()  # before verl is imported (harness.run.preload, in th
 Content = Literal["model", "optimizer", "extra", "hf_model"]
 TRACKER = "latest_checkpointed_iteration.txt"
 ROLE = "actor"
+BRIDGE_MODEL_CASES = ("verl-checkpoint", "verl-merger")  # the cases whose job is a Bridge model from an HF fixture
 
 
 def step_dir(directory: Path, step: int) -> Path:
@@ -93,9 +94,9 @@ class VerlManager(Backend):
     # ------------------------------------------------------------------ the manager
 
     def validate_case(self, case: Any, source: Any, target: Any, opts: Any) -> None:
-        if self.options.bridge == "vanilla" and case.name != "verl-checkpoint":
+        if self.options.bridge == "vanilla" and case.name not in BRIDGE_MODEL_CASES:
             raise ValueError(f"backend option bridge 'vanilla' builds a Bridge model with mbridge from an HF fixture; case {case.name} "
-                             "trains a GPT zoo model (only verl-checkpoint builds Bridge models)")
+                             f"trains a GPT zoo model (only {', '.join(BRIDGE_MODEL_CASES)} build Bridge models)")
         if self.options.bridge == "vanilla":
             for topo in (source, target):
                 if topo.vpp > 1 or topo.ep > 1 or topo.cp > 1:

@@ -139,6 +139,9 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
             else zero_centered_local_spec if getattr(provider, "layernorm_zero_centered_gamma", False)
             else get_gpt_layer_local_spec(num_experts=getattr(spec, "num_experts", None), moe_grouped_gemm=False,
                                           qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm"))
+    from harness.models.cpu_experts import te_moe_keys
+
+    layer_spec = te_moe_keys(layer_spec)  # MoE layers: the pre-MLP norm under TE's key, as a GPU run saves it
     overrides: dict[str, Any] = {
         "tensor_model_parallel_size": topo.tp, "pipeline_model_parallel_size": topo.pp, "pipeline_dtype": torch_dtype,
         spec_field: layer_spec,

@@ -199,3 +199,29 @@ def te_spec_grouped_experts() -> bool:
 
     specs.TESpecProvider = GroupedTESpecProvider
     return True
+
+
+def te_moe_keys(spec: Any) -> Any:
+    """A CPU layer spec whose MoE layers save their pre-MLP norm under Transformer-Engine's key.
+
+    megatron-core's local spec files `pre_mlp_layernorm.` under `mlp.linear_fc1.layer_norm_`, TE's
+    fused dense-MLP name, on every layer (gpt_layer_specs.py:459-462), MoE layers too; TE's MoE layer
+    keeps `pre_mlp_layernorm.weight` (:157, no such map), and so does every checkpoint of a GPU run. Without
+    this, a CPU-saved MoE checkpoint does not load into a TE-spec model (verl's model merger builds one).
+    A spec given as a function of the config (cpu_layer_spec's) is wrapped."""
+    if callable(spec) and not hasattr(spec, "submodules"):
+        def wrapped(*args, **kwargs):
+            return te_moe_keys(spec(*args, **kwargs))
+
+        return wrapped
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    sub = getattr(spec, "submodules", None)
+    layers = [spec] if hasattr(sub, "mlp") else getattr(sub, "layer_specs", None) or getattr(spec, "layer_specs", None) or []
+    for layer in layers:
+        sub = layer.submodules
+        keys = getattr(sub, "sharded_state_dict_keys_map", None) or {}
+        mlp = getattr(sub.mlp, "module", None) or getattr(sub.mlp, "func", None)  # a ModuleSpec, or Core 0.19's partial
+        if mlp is MoELayer and keys.get("pre_mlp_layernorm.") == "mlp.linear_fc1.layer_norm_":
+            sub.sharded_state_dict_keys_map = {k: v for k, v in keys.items() if k != "pre_mlp_layernorm."}
+    return spec

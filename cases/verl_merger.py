@@ -34,8 +34,6 @@ Transformer-Engine's MoE layer, which the merger builds and a GPU run saves, kee
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -43,7 +41,7 @@ from typing import Any, Literal
 import torch
 
 from .contract import Case
-from harness.core.context import RankContext
+from .ranks.verl_merger import Merge, merger_rank
 from harness.core.parity import EXACT
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
@@ -63,62 +61,7 @@ class Options:
     sharding: Literal["dp_reshardable", "fully_reshardable"] = "fully_reshardable"
     #: (expect: refuse) what the merger raises for a model outside its table (registry.py get_supported_model)
     refuse_with: tuple[str, ...] = ("NotImplementedError",)
-
-
-@dataclass(frozen=True)
-class _Merge:
-    actor_dir: str
-    target_dir: str
-    tied: bool
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def merger_argv(p: _Merge, cpu: bool) -> list[str]:
-    """The merger's command line, as verl's docs write it: --tie-word-embedding for a tied model, and on a
-    CPU rank the flag its help gives for building the model on the host (--use_cpu_initialization)."""
-    return ["verl.model_merger", "merge", "--backend", "megatron", "--local_dir", p.actor_dir, "--target_dir", p.target_dir,
-            *(["--tie-word-embedding"] if p.tied else []), *(["--use_cpu_initialization"] if cpu else [])]
-
-
-def merger_rank(ctx: RankContext, p: _Merge) -> dict[str, Any]:
-    """One rank of `torchrun -m verl.model_merger merge ...`: the harness's group ends here, the
-    merger starts its own from the torchrun environment (a port rank 0 found free)."""
-    import torch.distributed as dist
-
-    from harness.compat import require
-    from harness.compat.bridge_training import CUDA_RNG_STATE
-    from harness.compat.verl import mbridge_te_spec
-    from harness.compat.verl_platform import use_cpu_platform
-    from harness.models.parallel import teardown_parallel_state
-
-    port = [free_port() if ctx.rank == 0 else 0]
-    dist.broadcast_object_list(port, src=0)
-    teardown_parallel_state()
-    dist.destroy_process_group()
-    use_cpu_platform()
-    mbridge_te_spec()  # init_mcore_model asks megatron-core for its Transformer-Engine layer spec
-    from harness.models.cpu_experts import te_spec_grouped_experts
-
-    te_spec_grouped_experts()  # and its grouped experts (verl's MoE configs set moe_grouped_gemm) under TE's names
-    require(CUDA_RNG_STATE)  # the merger seeds megatron's CUDA RNG tracker (model_parallel_cuda_manual_seed(0))
-    os.environ.update(RANK=str(ctx.rank), LOCAL_RANK=str(ctx.local_rank), WORLD_SIZE=str(ctx.world_size),
-                      LOCAL_WORLD_SIZE=str(ctx.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]))
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # under torchrun: the merger's group is its own, not the agent's
-    from verl.model_merger.__main__ import main
-
-    argv, sys.argv = sys.argv, merger_argv(p, ctx.device.type == "cpu")
-    try:
-        main()
-    finally:
-        sys.argv = argv
-    return {"rank": ctx.rank}
+    adapter: Literal["none", "lora", "canonical_lora"] = "none"  # a LoRA job (verl's peft_cls), saved with its adapters
 
 
 def read_merged(directory: Path) -> dict[str, torch.Tensor]:
@@ -214,13 +157,13 @@ class VerlMerger(Case):
         model: HFModelSpec = get_model(spec.model, "hf")
         hf_dir = env.source_files("fixture", "write_fixture", (model, "fp32", 1, ()), lambda d: write_fixture(model, d))
         ckpt, merged_dir = env.case_dir / "ckpt", env.case_dir / "merged"
-        phase = VerlPhase(model=model, topo=spec.source, opts=VerlOptions(steps=0, sharding=opts.sharding), backend=ref_of(spec),
+        phase = VerlPhase(model=model, topo=spec.source, opts=VerlOptions(steps=0, sharding=opts.sharding, adapter=opts.adapter), backend=ref_of(spec),
                           ckpt=str(ckpt), hf_dir=str(hf_dir), load=False)
         saved = env.launch("save", verl_rank, phase, spec.source)
         actor = step_dir(ckpt, max(saved[0].saved_steps))
         merged_dir.mkdir(parents=True, exist_ok=True)
         try:
-            env.launch("merge", merger_rank, _Merge(str(actor), str(merged_dir), model.tied), Topology(pp=spec.target.pp))
+            env.launch("merge", merger_rank, Merge(str(actor), str(merged_dir), model.tied), Topology(pp=spec.target.pp))
         except WorldError as exc:
             if spec.expect != "refuse":
                 raise

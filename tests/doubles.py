@@ -1036,3 +1036,22 @@ def merger_drops_last_layer_experts() -> None:
         return {k: v for k, v in merged.items() if not re.match(rf"model\.layers\.{last}\.mlp\.experts\.", k)}
 
     MegatronModelMerger._merge_state_dicts = _merge_state_dicts
+
+
+def resaved_adapter_loses_alpha() -> None:
+    """The HF PEFT adapter verl re-exports after a resume (the lifecycle's second save, global_step_1)
+    declares lora_alpha = r: the adapter's scale alpha/r becomes 1 (patches AutoBridge.save_hf_adapter)."""
+    from megatron.bridge import AutoBridge
+
+    real = AutoBridge.save_hf_adapter
+
+    def save_hf_adapter(self, model, path, *args, **kwargs):
+        out = real(self, model, path, *args, **kwargs)
+        config = Path(path) / "adapter_config.json"
+        if "global_step_1" in str(path) and config.exists():
+            cfg = json.loads(config.read_text())
+            cfg["lora_alpha"] = cfg["r"]
+            config.write_text(json.dumps(cfg))
+        return out
+
+    AutoBridge.save_hf_adapter = save_hf_adapter

@@ -308,7 +308,8 @@ def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_and_verls_
     arch = {c.id for c in load_matrix(ROOT / "matrices" / "architectures.yaml").cases}
     shown = {c.id for f in ("extended.yaml", "verl.yaml") for c in load_matrix(ROOT / "matrices" / f).cases
              if c.tag.startswith(("defect-fsdp-", "verl-F", "verl-hf-moe", "verl-weight-sync", "verify-integrity",
-                                                                  "deprecated-optimizer-formats", "torch-format", "transformers-resave"))}
+                                                                  "deprecated-optimizer-formats", "torch-format", "transformers-resave",
+                                                                  "verl-merger", "verl-lora-lifecycle"))}
     faults = {c.id for c in load_matrix(ROOT / "matrices" / "faults.yaml").cases}
     assert smoke and arch and faults and smoke | arch | faults < ids <= smoke | arch | faults | shown and len(ids) == len(m.cases)
     assert sum(c.tag == "verify-integrity" for c in m.cases) == 5  # 2 good checkpoints, 3 damaged ones refused
@@ -316,3 +317,5 @@ def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_and_verls_
     assert sum(c.tag == "transformers-resave" for c in m.cases) == 2  # Nemotron-H re-saved by transformers 5
     assert sum(c.tag == "verl-hf-moe" for c in m.cases) == 12  # four MoE families at EP2, PP2 and EP2 x PP2
     assert sum(c.tag == "verl-weight-sync" for c in m.cases) == 12
+    assert sum(c.tag == "verl-merger" for c in m.cases) == 25  # verl's model_merger: 4 dense + MoE, 5 named defects, 1 refusal
+    assert sum(c.tag == "verl-lora-lifecycle" for c in m.cases) == 6

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.cases.verl_merger import dtype_check, merger_argv, weights_check, _Merge
+from harness.cases.ranks.verl_merger import Merge, merger_argv
+from harness.cases.verl_merger import dtype_check, weights_check
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.orchestration.runner import RunOptions, run_case
@@ -40,9 +41,9 @@ def test_dtype_names_the_cast_and_fails_on_nothing():
 
 
 def test_the_command_line_is_verls_with_the_tied_and_cpu_flags_only_where_they_apply():
-    base = merger_argv(_Merge("/a", "/b", tied=False), cpu=False)
+    base = merger_argv(Merge("/a", "/b", tied=False), cpu=False)
     assert base == ["verl.model_merger", "merge", "--backend", "megatron", "--local_dir", "/a", "--target_dir", "/b"]
-    both = merger_argv(_Merge("/a", "/b", tied=True), cpu=True)
+    both = merger_argv(Merge("/a", "/b", tied=True), cpu=True)
     assert both[len(base):] == ["--tie-word-embedding", "--use_cpu_initialization"]
 
 
@@ -92,3 +93,19 @@ def test_a_merger_that_drops_the_last_layers_experts_fails_integrity_and_weights
     assert _failed(r) == {"merger-dtype", "export-integrity", "merger-weights", "merger-logits"}, r.failure_text()
     missing = [m.key for m in r.check("merger-weights").mismatches]
     assert missing and all(k.startswith("model.layers.3.mlp.experts.") for k in missing), missing
+
+
+def test_moe_layers_keep_tes_pre_mlp_norm_key_and_dense_layers_keep_the_fused_one():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from harness.models.cpu_experts import te_moe_keys
+
+    moe = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, normalization="RMSNorm")
+    dense = get_gpt_layer_local_spec(normalization="RMSNorm")
+    assert moe.submodules.sharded_state_dict_keys_map["pre_mlp_layernorm."] == "mlp.linear_fc1.layer_norm_"  # Core's, unfixed
+    te_moe_keys(moe), te_moe_keys(dense)
+    assert "pre_mlp_layernorm." not in moe.submodules.sharded_state_dict_keys_map
+    assert moe.submodules.sharded_state_dict_keys_map["input_layernorm."] == "self_attention.linear_qkv.layer_norm_"
+    assert dense.submodules.sharded_state_dict_keys_map["pre_mlp_layernorm."] == "mlp.linear_fc1.layer_norm_"
+    built = te_moe_keys(lambda config, vp_stage=None: get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm"))
+    assert "pre_mlp_layernorm." not in built(None).submodules.sharded_state_dict_keys_map  # a spec function is wrapped

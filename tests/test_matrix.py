@@ -317,5 +317,5 @@ def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_and_verls_
     assert sum(c.tag == "transformers-resave" for c in m.cases) == 2  # Nemotron-H re-saved by transformers 5
     assert sum(c.tag == "verl-hf-moe" for c in m.cases) == 12  # four MoE families at EP2, PP2 and EP2 x PP2
     assert sum(c.tag == "verl-weight-sync" for c in m.cases) == 12
-    assert sum(c.tag == "verl-merger" for c in m.cases) == 25  # verl's model_merger: 4 dense + MoE, 5 named defects, 1 refusal
+    assert sum(c.tag == "verl-merger" for c in m.cases) == 27  # verl's model_merger: 4 dense + MoE, 5 named defects, 1 refusal
     assert sum(c.tag == "verl-lora-lifecycle" for c in m.cases) == 6

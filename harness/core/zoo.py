@@ -222,6 +222,13 @@ ZOO: dict[str, AnyModel] = {
         HFModelSpec("hf-llama-ffn23", "Llama, 2 layers, odd ffn 23: the CanonicalLoRA fc1 adapter checkpoint (found by explore)", "llama",
                     num_layers=2, intermediate_size=23),
         # Found by `ckpt-harness explore --kind lora`: transformers' grouped_mm experts on CPU need 16-byte strides
+        # verl's model_merger maps these (its Qwen2-MoE shared expert apart); Megatron-Bridge 0.6.2 has no bridge for them,
+        # verl's vanilla bridge (mbridge) has: their cases build through backend option `bridge: vanilla`
+        HFModelSpec("hf-qwen2_moe", "Qwen2-MoE: 4 routed experts (top-2, ffn 32) and a sigmoid-gated shared expert (ffn 64), "
+                    "q/k/v biases; no Megatron-Bridge (mbridge only)", "qwen2_moe", num_experts=4,
+                    overrides=(("shared_expert_intermediate_size", 64),), architecture="Qwen2MoeForCausalLM"),
+        HFModelSpec("hf-mixtral", "Mixtral: 4 routed experts (top-2, ffn 32), GQA, no shared expert; no Megatron-Bridge "
+                    "(mbridge only)", "mixtral", num_experts=4, overrides=(("sliding_window", None),), architecture="MixtralForCausalLM"),
         HFModelSpec("hf-qwen3moe-ffn6", "Qwen3-MoE, expert ffn 6 (fp32 rows of 24 bytes): transformers' CPU grouped_mm", "qwen3_moe",
                     num_experts=4, moe_intermediate_size=6),
     )

@@ -109,3 +109,6 @@ def test_moe_layers_keep_tes_pre_mlp_norm_key_and_dense_layers_keep_the_fused_on
     assert dense.submodules.sharded_state_dict_keys_map["pre_mlp_layernorm."] == "mlp.linear_fc1.layer_norm_"
     built = te_moe_keys(lambda config, vp_stage=None: get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm"))
     assert "pre_mlp_layernorm." not in built(None).submodules.sharded_state_dict_keys_map  # a spec function is wrapped
+    import inspect
+
+    assert "vp_stage" in inspect.signature(built).parameters  # Bridge's provider passes vp_stage only where it is declared

@@ -210,6 +210,9 @@ def te_moe_keys(spec: Any) -> Any:
     this, a CPU-saved MoE checkpoint does not load into a TE-spec model (verl's model merger builds one).
     A spec given as a function of the config (cpu_layer_spec's) is wrapped."""
     if callable(spec) and not hasattr(spec, "submodules"):
+        import functools
+
+        @functools.wraps(spec)  # its signature too: the provider passes vp_stage only to a spec function that takes it
         def wrapped(*args, **kwargs):
             return te_moe_keys(spec(*args, **kwargs))
 

@@ -243,6 +243,26 @@ class ExportAsFp32(BridgeHF):
             (directory / "config.json").write_text(json.dumps(cfg))
 
 
+class ExportDropsMtpLayer(BridgeHF):
+    """Megatron-Bridge #3348's outcome as a double: an export that writes no tensor of the MTP layer
+    (DeepSeek-V3's model.layers.<num_hidden_layers>.*), files and index rewritten after the save."""
+
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        if ctx.rank == 0 and directory.name == "hf-export":
+            from safetensors.torch import load_file, save_file
+
+            mtp = f"model.layers.{json.loads((directory / 'config.json').read_text())['num_hidden_layers']}."
+            for f in sorted(Path(directory).glob("*.safetensors")):
+                state = load_file(str(f))
+                save_file({k: v for k, v in state.items() if not k.startswith(mtp)}, str(f), metadata={"format": "pt"})
+            index = directory / "model.safetensors.index.json"
+            if index.exists():
+                doc = json.loads(index.read_text())
+                doc["weight_map"] = {k: v for k, v in doc["weight_map"].items() if not k.startswith(mtp)}
+                index.write_text(json.dumps(doc))
+
+
 class ExportOneEpRanksExperts(BridgeHF):
     """Megatron-Bridge #1716/#1871 as a double: an export from an EP topology that keeps only EP rank
     0's experts (the second half of every layer's experts missing from the files)."""

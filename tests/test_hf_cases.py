@@ -116,3 +116,16 @@ def test_a_bridge_model_is_built_where_the_rank_runs(tmp_path, monkeypatch, devi
     with pytest.raises(Asked) as exc:
         bridge.build(tmp_path / "hf", spec, Topology.parse("tp1"))
     assert exc.value.args[0]["use_cpu_initialization"] is on_cpu
+
+
+def test_an_export_that_drops_the_mtp_layer_fails_integrity_and_bitwise(override):
+    """Issue 42 item 3: DeepSeek-V3 with one MTP layer round-trips bitwise with the layer at the last
+    pipeline stage, and an export that writes none of the MTP layer's tensors goes red on both export
+    checks, naming them."""
+    good = run_case(_spec("hf-roundtrip", "bridge_hf", src="tp1", dst="pp2", model="hf-deepseek_v3-mtp-owned"))
+    assert good.status == "passed", good.failure_text()
+    r = run_case(_spec("hf-roundtrip", override("ExportDropsMtpLayer"), src="tp1", dst="pp2", model="hf-deepseek_v3-mtp-owned"))
+    assert _checks(r)["export-integrity"] == _checks(r)["export-bitwise"] == "failed", r.failure_text()
+    missing = {m.key for m in r.check("export-bitwise").mismatches}
+    assert "model.layers.4.eh_proj.weight" in missing and "model.layers.4.mlp.experts.0.down_proj.weight" in missing
+    assert not any(k.startswith("model.layers.3.") for k in missing)

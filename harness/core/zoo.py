@@ -113,6 +113,10 @@ class HFModelSpec:
     #: True: the fixture's tensor names as transformers' save_pretrained writes them; False: as the Hub's
     #: checkpoints hold them, where transformers renames on load and reverses it on save (harness.models.hf.HUB_SPELLING)
     saved_by_transformers: bool = False
+    #: a model with MTP layers (num_nextn_predict_layers): each MTP layer also holds copies of the embedding
+    #: and the output head (model.layers.<L>.embed_tokens, .shared_head.head), as the Hub's DeepSeek-V3 checkpoints
+    #: do; False: without them, as an export that maps only what Megatron's MTP layer owns writes it
+    mtp_shared_copies: bool = True
 
     # what Topology.validate reads
     @property
@@ -255,6 +259,22 @@ ZOO.update({f.zoo_name: family_model(f) for f in FAMILIES if f.zoo_name not in Z
 # as `backbone.embedding.weight`, where the Hub's checkpoints (and the Bridge's mapping) say `embeddings`
 ZOO["hf-nemotron_h-resaved"] = replace(ZOO["hf-nemotron_h"], name="hf-nemotron_h-resaved", saved_by_transformers=True,
                                        description="NemotronHForCausalLM as transformers 5 re-saves it (backbone.embedding.weight)")
+# DeepSeek-V3 and GLM-4.5 with one multi-token-prediction layer (num_nextn_predict_layers 1), laid out as the Hub's
+# checkpoints hold it: model.layers.<L> a whole decoder layer plus enorm, hnorm, eh_proj, shared_head.norm, and the copies of the
+# embedding and output head it predicts with (embed_tokens, shared_head.head) (harness.models.hf.MTP_EXTRAS)
+for _base, _arch in (("deepseek_v3", "DeepseekV3ForCausalLM"), ("glm4_moe", "Glm4MoeForCausalLM")):
+    _mtp = replace(ZOO[f"hf-{_base}"], name=f"hf-{_base}-mtp",
+                   overrides=tuple(sorted(ZOO[f"hf-{_base}"].overrides + (("num_nextn_predict_layers", 1),))),
+                   description=f"{_arch} with one MTP layer (model.layers.4), as the Hub's checkpoints hold it")
+    ZOO[_mtp.name] = _mtp
+    ZOO[f"{_mtp.name}-owned"] = replace(_mtp, name=f"{_mtp.name}-owned", mtp_shared_copies=False,
+                                        description=f"{_arch} with one MTP layer, without the layer's embedding and "
+                                        "output-head copies (what Megatron's MTP layer owns)")
+# Qwen3-Next with its MTP layer as its Hub checkpoints hold it (top-level mtp.*: fc, pre_fc_norm_embedding,
+# pre_fc_norm_hidden, norm and a full-attention MoE layer mtp.layers.0; harness.models.hf._top_level_mtp)
+ZOO["hf-qwen3_next-mtp"] = replace(ZOO["hf-qwen3_next"], name="hf-qwen3_next-mtp",
+                                   overrides=tuple(sorted(ZOO["hf-qwen3_next"].overrides + (("mtp_num_hidden_layers", 1),))),
+                                   description="Qwen3NextForCausalLM with one MTP layer (mtp.*), as the Hub's checkpoints")
 # Issue 35's memory budgets (verl #6691): GPT-OSS keeps its experts fused on disk (experts.gate_up_proj
 # [E, H, 2F]), the Bridge's grouped export; 2 layers, hidden 256, 16 experts (one expert's transient stays
 # small beside a layer's whole fused tensor) of ffn 512 and 4x that

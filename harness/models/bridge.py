@@ -139,6 +139,13 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
             else zero_centered_local_spec if getattr(provider, "layernorm_zero_centered_gamma", False)
             else get_gpt_layer_local_spec(num_experts=getattr(spec, "num_experts", None), moe_grouped_gemm=False,
                                           qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm"))
+    if getattr(provider, "mtp_num_layers", None):  # Core builds the MTP block from TE's spec provider (gpt_provider.mtp_block_spec)
+        from harness.compat.verl import mbridge_te_spec
+
+        from harness.models.cpu_spec import te_spec_cpu_norm
+
+        mbridge_te_spec()  # C2 where TE is absent: TE's names over local modules
+        te_spec_cpu_norm()  # with TENorm's zero-centred gamma
     from harness.models.cpu_experts import te_moe_keys
 
     layer_spec = te_moe_keys(layer_spec)  # MoE layers: the pre-MLP norm under TE's key, as a GPU run saves it

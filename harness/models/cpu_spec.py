@@ -426,3 +426,25 @@ class Norm:
 
     def __new__(cls, config, hidden_size: int, eps: float | None = None, **_: Any):
         return _norm(config, hidden_size, eps)
+
+
+def te_spec_cpu_norm() -> bool:
+    """The TE spec stand-in's norms (Core builds MTP layers from it) as `Norm`: a zero-centred gamma, as
+    TENorm takes (Qwen3-Next's (1 + w)), which torch's norm refuses. False where no stand-in is installed."""
+    import megatron.core.models.gpt.gpt_layer_specs as specs
+
+    provider = specs.TESpecProvider
+    if provider is None or not provider.__module__.startswith("harness."):
+        return False
+    if getattr(provider, "cpu_norm", False):
+        return True
+
+    class CpuNormTESpecProvider(provider):
+        cpu_norm = True
+
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False) -> type:
+            return Norm
+
+    specs.TESpecProvider = CpuNormTESpecProvider
+    return True
+

@@ -121,6 +121,11 @@ def _write_fixture(spec: HFModelSpec, directory: Path, dtype: str, shards: int, 
     quiet_hf()
     directory.mkdir(parents=True, exist_ok=True)
     config = hf_config(spec)
+    mtp = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    if mtp:  # the MTP layers' decoder layers, as transformers would build layers L .. L + mtp - 1
+        from dataclasses import replace as _replace
+
+        config = hf_config(_replace(spec, num_layers=spec.num_layers + mtp))
     torch.manual_seed(spec.seed)
     model = model_class(config).from_config(config, torch_dtype=torch.float32)  # a VL config: the whole model, vision too
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -145,6 +150,10 @@ def _write_fixture(spec: HFModelSpec, directory: Path, dtype: str, shards: int, 
         respell(directory, HUB_SPELLING[spec.arch])
     if extra_keys:
         add_tensors(directory, {k: torch.linspace(0.5, 1.5, 8).to(HF_DTYPES[dtype]) for k in extra_keys})
+    if mtp:
+        _finish_mtp(spec, directory, config, state, mtp, dtype)
+    if top := int(getattr(config, "mtp_num_hidden_layers", 0) or 0):
+        _top_level_mtp(spec, directory, config, top, dtype)
     if spec.architecture:  # the spelling the Bridge dispatches on (save_pretrained writes the class's own)
         import json
 
@@ -153,6 +162,57 @@ def _write_fixture(spec: HFModelSpec, directory: Path, dtype: str, shards: int, 
         (directory / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     write_tokenizer(spec, directory)
     return directory
+
+
+#: What a DeepSeek-V3-style MTP layer holds beside its decoder layer (the Hub's DeepSeek-V3 checkpoints:
+#: model.layers.61.*): name -> shape as a function of the hidden size H
+MTP_EXTRAS = {"enorm.weight": lambda h: (h,), "hnorm.weight": lambda h: (h,), "eh_proj.weight": lambda h: (h, 2 * h),
+              "shared_head.norm.weight": lambda h: (h,)}
+
+
+def _finish_mtp(spec: HFModelSpec, directory: Path, config, state: dict, mtp: int, dtype: str) -> None:
+    """The MTP layers' own tensors (MTP_EXTRAS, canonical values) and, with `spec.mtp_shared_copies`, the
+    copies of the embedding and the output head each one keeps (embed_tokens, shared_head.head, as the
+    Hub's checkpoints do), then the config back to the main model's layer count with num_nextn_predict_layers."""
+    import json
+
+    from harness.core import truth
+
+    h, extra = config.hidden_size, {}
+    for i in range(spec.num_layers, spec.num_layers + mtp):
+        shapes = {f"model.layers.{i}.{k}": f(h) for k, f in MTP_EXTRAS.items()}
+        extra.update(truth.canonical_hf_state(spec, shapes))
+        if spec.mtp_shared_copies:
+            extra[f"model.layers.{i}.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+            extra[f"model.layers.{i}.shared_head.head.weight"] = state["lm_head.weight"].clone()
+    add_tensors(directory, {k: v.to(HF_DTYPES[dtype]).contiguous() for k, v in extra.items()})
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"] = spec.num_layers, mtp
+    for name in ("mlp_layer_types", "layer_types"):  # per-layer lists of the model the weights were drawn with
+        if isinstance(cfg.get(name), list):
+            cfg[name] = cfg[name][: spec.num_layers]
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _top_level_mtp(spec: HFModelSpec, directory: Path, config, n: int, dtype: str) -> None:
+    """Qwen3-Next's MTP layout (its Hub checkpoints; transformers drops `^mtp.*` on load): `mtp.layers.<i>.*`
+    a full-attention MoE layer as the model's own are written, and mtp.fc, mtp.pre_fc_norm_embedding,
+    mtp.pre_fc_norm_hidden, mtp.norm; canonical values by name."""
+    from safetensors import safe_open
+
+    from harness.core import truth
+
+    full = [i for i, t in enumerate(config.layer_types) if t == "full_attention"][-1]
+    prefix, shapes = f"model.layers.{full}.", {}
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():
+                if k.startswith(prefix):
+                    shapes.update({f"mtp.layers.{i}.{k[len(prefix):]}": tuple(sf.get_slice(k).get_shape()) for i in range(n)})
+    h = config.hidden_size
+    shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,),
+                   "mtp.norm.weight": (h,)})
+    add_tensors(directory, {k: v.to(HF_DTYPES[dtype]).contiguous() for k, v in truth.canonical_hf_state(spec, shapes).items()})
 
 
 def tied_keys(model) -> dict[str, str]:

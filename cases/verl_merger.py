@@ -25,11 +25,10 @@ Checks (the fixture is the truth; the merger writes bfloat16, MERGER_DTYPE):
                      fixture with its weights cast to the merged dtype (fp32 compute), bitwise
   refusal            (expect: refuse) the merger raised one of `refuse_with` (a model outside its table)
 
-An MoE model is saved through verl's vanilla bridge (backend option `bridge: vanilla`): on CPU the
-provider path's MoE layers come from megatron-core's local spec, whose sharded_state_dict_keys_map
-files the pre-MLP norm under `mlp.linear_fc1.layer_norm_weight` (gpt_layer_specs.py:459-462), while
-Transformer-Engine's MoE layer, which the merger builds and a GPU run saves, keeps
-`pre_mlp_layernorm.weight` (:157); mbridge builds the TE spec (harness.compat.te_spec).
+MoE models are saved through both of verl's bridges: the provider path (its CPU MoE layers save the
+pre-MLP norm under TE's key, harness.models.cpu_experts.te_moe_keys, as a GPU run does) and the
+vanilla path (mbridge builds the TE spec, harness.compat.te_spec). Merging a LoRA job's checkpoint is
+case verl-lora-lifecycle's.
 """
 
 from __future__ import annotations
@@ -51,8 +50,8 @@ from harness.judge.checks import refusal_check, state_check
 from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
 
-#: what verl 0.9.1's merger writes, whatever the checkpoint holds (megatron_model_merger.py:238
-#: hf_to_mcore_config(self.hf_config, torch.bfloat16); base_model_merger.py:426 torch_dtype=bfloat16)
+#: what verl 0.9.1's merger writes, whatever the checkpoint holds (megatron_model_merger.py:236-241
+#: hf_to_mcore_config(self.hf_config, torch.bfloat16); base_model_merger.py:413-415 torch_dtype=bfloat16)
 MERGER_DTYPE = torch.bfloat16
 
 
@@ -61,7 +60,6 @@ class Options:
     sharding: Literal["dp_reshardable", "fully_reshardable"] = "fully_reshardable"
     #: (expect: refuse) what the merger raises for a model outside its table (registry.py get_supported_model)
     refuse_with: tuple[str, ...] = ("NotImplementedError",)
-    adapter: Literal["none", "lora", "canonical_lora"] = "none"  # a LoRA job (verl's peft_cls), saved with its adapters
 
 
 def read_merged(directory: Path) -> dict[str, torch.Tensor]:
@@ -157,7 +155,7 @@ class VerlMerger(Case):
         model: HFModelSpec = get_model(spec.model, "hf")
         hf_dir = env.source_files("fixture", "write_fixture", (model, "fp32", 1, ()), lambda d: write_fixture(model, d))
         ckpt, merged_dir = env.case_dir / "ckpt", env.case_dir / "merged"
-        phase = VerlPhase(model=model, topo=spec.source, opts=VerlOptions(steps=0, sharding=opts.sharding, adapter=opts.adapter), backend=ref_of(spec),
+        phase = VerlPhase(model=model, topo=spec.source, opts=VerlOptions(steps=0, sharding=opts.sharding), backend=ref_of(spec),
                           ckpt=str(ckpt), hf_dir=str(hf_dir), load=False)
         saved = env.launch("save", verl_rank, phase, spec.source)
         actor = step_dir(ckpt, max(saved[0].saved_steps))

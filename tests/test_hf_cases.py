@@ -122,8 +122,7 @@ def test_an_export_that_drops_the_mtp_layer_fails_integrity_and_bitwise(override
     """Issue 42 item 3: DeepSeek-V3 with one MTP layer round-trips bitwise with the layer at the last
     pipeline stage, and an export that writes none of the MTP layer's tensors goes red on both export
     checks, naming them."""
-    good = run_case(_spec("hf-roundtrip", "bridge_hf", src="tp1", dst="pp2", model="hf-deepseek_v3-mtp-owned"))
-    assert good.status == "passed", good.failure_text()
+    # the unplanted round trip of the same pair is matrices/extended.yaml's default-tier `mtp` entry
     r = run_case(_spec("hf-roundtrip", override("ExportDropsMtpLayer"), src="tp1", dst="pp2", model="hf-deepseek_v3-mtp-owned"))
     assert _checks(r)["export-integrity"] == _checks(r)["export-bitwise"] == "failed", r.failure_text()
     missing = {m.key for m in r.check("export-bitwise").mismatches}

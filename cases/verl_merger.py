@@ -62,12 +62,6 @@ class Options:
     refuse_with: tuple[str, ...] = ("NotImplementedError",)
 
 
-def read_merged(directory: Path) -> dict[str, torch.Tensor]:
-    from harness.backends._safetensors import read_safetensors
-
-    return read_safetensors(directory)
-
-
 def weights_check(fixture: dict[str, torch.Tensor], merged: dict[str, torch.Tensor], src: str) -> Check:
     """Each merged tensor against the fixture's, cast to the merged tensor's dtype (the merger's
     bfloat16), bitwise; keys on either side alone fail."""
@@ -175,8 +169,7 @@ class VerlMerger(Case):
         with env.timed("compare"):
             from harness.backends._safetensors import read_safetensors
 
-            fixture = read_safetensors(Path(hf_dir))
-            merged = read_merged(merged_dir)
+            fixture, merged = read_safetensors(Path(hf_dir)), read_safetensors(merged_dir)
             result.checks.append(integrity_check(Path(hf_dir), merged_dir))
             result.checks.append(weights_check(fixture, merged, spec.target.id))
             result.checks.append(dtype_check(fixture, merged))

@@ -216,6 +216,22 @@ class ModelWeightOffMainParam(McoreDist):
 # ------------------------------------------------------------------ HF and PEFT exports
 
 
+def drop_from_tree(tree: Path, gone) -> None:
+    """Remove from an HF tree every tensor whose name `gone(name)` says, from its safetensors files and
+    its index's weight_map, as an export that never wrote them would leave the tree."""
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(tree.glob("*.safetensors")):
+        state = load_file(str(f))
+        if any(gone(k) for k in state):
+            save_file({k: v for k, v in state.items() if not gone(k)}, str(f), metadata={"format": "pt"})
+    index = tree / "model.safetensors.index.json"
+    if index.exists():
+        doc = json.loads(index.read_text())
+        doc["weight_map"] = {k: v for k, v in doc["weight_map"].items() if not gone(k)}
+        index.write_text(json.dumps(doc))
+
+
 class FlipExportedWeight(BridgeHF):
     def save(self, ctx, model, directory):
         super().save(ctx, model, directory)
@@ -250,17 +266,8 @@ class ExportDropsMtpLayer(BridgeHF):
     def save(self, ctx, model, directory):
         super().save(ctx, model, directory)
         if ctx.rank == 0 and directory.name == "hf-export":
-            from safetensors.torch import load_file, save_file
-
             mtp = f"model.layers.{json.loads((directory / 'config.json').read_text())['num_hidden_layers']}."
-            for f in sorted(Path(directory).glob("*.safetensors")):
-                state = load_file(str(f))
-                save_file({k: v for k, v in state.items() if not k.startswith(mtp)}, str(f), metadata={"format": "pt"})
-            index = directory / "model.safetensors.index.json"
-            if index.exists():
-                doc = json.loads(index.read_text())
-                doc["weight_map"] = {k: v for k, v in doc["weight_map"].items() if not k.startswith(mtp)}
-                index.write_text(json.dumps(doc))
+            drop_from_tree(Path(directory), lambda k: k.startswith(mtp))
 
 
 class ExportOneEpRanksExperts(BridgeHF):
@@ -662,26 +669,16 @@ class VerlHfTreeLosesLastExperts(VerlManager):
         import re
 
         import torch.distributed as dist
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file
 
         from harness.backends.verl_manager import step_dir
 
         super().save_training(ctx, job, directory)
         tree = step_dir(directory, job.step) / "model" / "huggingface"
         if ctx.rank == 0 and tree.is_dir():
-            files = sorted(tree.glob("*.safetensors"))
-            keys = [k for f in files for k in load_file(str(f))]
+            keys = [k for f in sorted(tree.glob("*.safetensors")) for k in load_file(str(f))]
             last = max(int(m.group(1)) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.mlp\.experts\.", k)))
-            gone = {k for k in keys if k.startswith(f"model.layers.{last}.mlp.experts.")}
-            for f in files:
-                state = load_file(str(f))
-                if gone & set(state):
-                    save_file({k: v for k, v in state.items() if k not in gone}, str(f), metadata={"format": "pt"})
-            index = tree / "model.safetensors.index.json"
-            if index.exists():
-                doc = json.loads(index.read_text())
-                doc["weight_map"] = {k: v for k, v in doc["weight_map"].items() if k not in gone}
-                index.write_text(json.dumps(doc))
+            drop_from_tree(tree, lambda k: k.startswith(f"model.layers.{last}.mlp.experts."))
         dist.barrier()
 
 

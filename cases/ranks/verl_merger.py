@@ -18,14 +18,6 @@ class Merge:
     tied: bool
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def merger_argv(p: Merge, cpu: bool) -> list[str]:
     """The merger's command line, as verl's docs write it: --tie-word-embedding for a tied model, and on a
     CPU rank the flag its help gives for building the model on the host (--use_cpu_initialization)."""
@@ -43,6 +35,7 @@ def merger_rank(ctx: RankContext, p: Merge) -> dict[str, Any]:
     from harness.compat.verl import mbridge_te_spec
     from harness.compat.verl_platform import use_cpu_platform
     from harness.models.parallel import teardown_parallel_state
+    from harness.run.nodes import free_port
 
     port = [free_port() if ctx.rank == 0 else 0]
     dist.broadcast_object_list(port, src=0)

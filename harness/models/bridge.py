@@ -141,7 +141,6 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
                                           qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm"))
     if getattr(provider, "mtp_num_layers", None):  # Core builds the MTP block from TE's spec provider (gpt_provider.mtp_block_spec)
         from harness.compat.verl import mbridge_te_spec
-
         from harness.models.cpu_spec import te_spec_cpu_norm
 
         mbridge_te_spec()  # C2 where TE is absent: TE's names over local modules

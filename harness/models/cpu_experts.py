@@ -180,25 +180,16 @@ def te_spec_grouped_experts() -> bool:
     grouped-GEMM experts as TESpecProvider gives them, TEGroupedMLP under `weight<i>` names
     (GroupedNamesMLP), not the local provider's SequentialMLP (`local_experts.<i>.`), whose names
     neither mbridge nor verl's merger maps. False where no stand-in is installed (real TE)."""
-    import megatron.core.models.gpt.gpt_layer_specs as specs
-
-    provider = specs.TESpecProvider
-    if provider is None or not provider.__module__.startswith("harness."):
-        return False
-    if getattr(provider, "grouped_experts", False):
-        return True
     from functools import partial
+
+    from megatron.core.models.backends import LocalSpecProvider
 
     mlp = grouped_names_mlp()
 
-    class GroupedTESpecProvider(provider):
-        grouped_experts = True
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
+        return partial(mlp) if moe_use_grouped_gemm else LocalSpecProvider.grouped_mlp_modules(self, moe_use_grouped_gemm)
 
-        def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
-            return partial(mlp) if moe_use_grouped_gemm else super().grouped_mlp_modules(moe_use_grouped_gemm)
-
-    specs.TESpecProvider = GroupedTESpecProvider
-    return True
+    return cpu_spec.extend_te_stand_in("grouped_experts", grouped_mlp_modules=grouped_mlp_modules)
 
 
 def te_moe_keys(spec: Any) -> Any:

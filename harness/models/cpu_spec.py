@@ -428,23 +428,20 @@ class Norm:
         return _norm(config, hidden_size, eps)
 
 
-def te_spec_cpu_norm() -> bool:
-    """The TE spec stand-in's norms (Core builds MTP layers from it) as `Norm`: a zero-centred gamma, as
-    TENorm takes (Qwen3-Next's (1 + w)), which torch's norm refuses. False where no stand-in is installed."""
+def extend_te_stand_in(mark: str, **methods: Any) -> bool:
+    """Where harness.compat.te_spec stands in for TE's spec provider, put a subclass of it with `methods` in
+    its place, once (`mark` names the extension). False where no stand-in is installed (real TE)."""
     import megatron.core.models.gpt.gpt_layer_specs as specs
 
     provider = specs.TESpecProvider
     if provider is None or not provider.__module__.startswith("harness."):
         return False
-    if getattr(provider, "cpu_norm", False):
-        return True
-
-    class CpuNormTESpecProvider(provider):
-        cpu_norm = True
-
-        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False) -> type:
-            return Norm
-
-    specs.TESpecProvider = CpuNormTESpecProvider
+    if not getattr(provider, mark, False):
+        specs.TESpecProvider = type(f"{provider.__name__}_{mark}", (provider,), {"__module__": __name__, mark: True, **methods})
     return True
 
+
+def te_spec_cpu_norm() -> bool:
+    """The TE spec stand-in's norms (Core builds MTP layers from it) as `Norm`: a zero-centred gamma, as
+    TENorm takes (Qwen3-Next's (1 + w)), which torch's norm refuses."""
+    return extend_te_stand_in("cpu_norm", layer_norm=lambda self, rms_norm=False, for_qk=False, has_residual=False: Norm)

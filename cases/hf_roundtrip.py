@@ -52,6 +52,7 @@ from harness.judge.hf_integrity import Expected, export_integrity, source_infos
 from harness.models import bridge as mb
 from harness.models.hf import config_dtype, reference_attention, write_fixture
 from harness.models.mcore import DType
+from harness.models.remote import NO_MODELING, is_remote
 from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
 
@@ -232,6 +233,19 @@ def judge(
     return checks
 
 
+def judge_without_logits(dst: Topology, worlds: list[tuple[str, list[BridgeOut]]], source: dict[str, torch.Tensor],
+                         exported: dict[str, torch.Tensor], config_dtypes: tuple[str | None, str | None], dtype: str,
+                         why: str) -> list[Check]:
+    """judge's checks for a checkpoint no transformers class builds (harness.models.remote): the weights
+    bitwise, propagation and dtype; both logits checks not-run with `why`."""
+    return [state_check("export-bitwise", source, exported, "hf-source", f"export@{dst.id}",
+                        f"{len(exported)} tensors, keys and dtypes equal the source"),
+            *not_run_checks(("hf-logits", "megatron-logits"), why),
+            knob_check("propagation", [(label, [o.propagation for o in outs]) for label, outs in worlds],
+                       f"{', '.join(DdpKnobs.__dataclass_fields__)} reach the provider-built DDP; params {dtype}"),
+            export_dtype_check(*config_dtypes, exported)]
+
+
 class HFRoundtrip(Case):
     name = "hf-roundtrip"
     description = "HF -> Megatron at S (-> dist ckpt -> D) -> HF export equals the source bitwise"
@@ -337,6 +351,11 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
         # first: headers only, and judged even where transformers then cannot load the export
         result.checks.append(export_integrity([Expected(f"export@{dst.id}", export, source_infos(hf_dir))]))
         backend = get_backend(export_backend)
+        if is_remote(model):  # no transformers class builds it: weights, reshard and export only
+            result.checks += judge_without_logits(dst, worlds, backend.read_full(None, hf_dir), backend.read_full(None, export),
+                                                  (config_dtype(hf_dir), config_dtype(export)), dtype,
+                                                  NO_MODELING.format(arch=model.architecture, layout=model.arch))
+            return
         ids = truth.fixed_input_ids(model)
         ref = reference_logits(hf_dir, ids, dtype=dtype)
         ref_error = None

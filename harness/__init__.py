@@ -33,6 +33,11 @@ if (not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "cases"))
         and not any(getattr(f, "__name__", "") == "_CloneCases" for f in _sys.meta_path)):  # once, even on reload
     _sys.meta_path.insert(0, _CloneCases)
 
+# a remote-code fixture's configuration is imported by transformers from HF_MODULES_CACHE, read once at its
+# import: the harness's cache unless the user named one (harness/models/remote.py)
+from harness.models.remote import modules_cache as _modules_cache
+
+_modules_cache()
 if _os.environ.get("CKPT_HARNESS_COVERAGE"):  # a mutation campaign's instrumented run: which target lines
     # each case runs (harness/faults/coverage_hook.py), measured from before anything imports them
     from harness.faults.coverage_hook import start_process as _measure

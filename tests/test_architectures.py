@@ -38,7 +38,9 @@ def test_empty_registry_fails(monkeypatch):
 
 def test_every_family_resolves_in_the_zoo():
     for f in FAMILIES:
-        assert get_model(f.zoo_name, "hf").arch in (f.model_type, f.name)
+        spec = get_model(f.zoo_name, "hf")
+        assert spec.arch in (f.layout,) if f.path == "remote" else spec.arch in (f.model_type, f.name)
+        assert spec.remote_type == (f.model_type if f.path == "remote" else "")
 
 
 def test_matrix_file_is_the_generated_one():
@@ -90,7 +92,7 @@ def test_qwen2_has_qkv_biases():
 
 @pytest.mark.parametrize("f", [f for f in FAMILIES if f.num_experts and f.model_type], ids=lambda f: f.name)
 def test_moe_families_route_top_k_of_several(f):
-    if arch.classify(f)[0] not in ("text", "vl-text") and not f.needs:
+    if arch.classify(f)[0] not in ("text", "vl-text", "remote") and not f.needs:
         pytest.skip(arch.classify(f)[1])
     c = _config(f.name)
     c = getattr(c, "text_config", None) or c  # a VL family: the experts are its language path's
@@ -103,7 +105,8 @@ def test_classification_names_the_missing_module():
     assert arch.classify(BY_NAME["exaone4_5"]) == ("missing", arch.classify(BY_NAME["exaone4_5"])[1])
     assert "transformer_engine" in arch.classify(BY_NAME["exaone4_5"])[1]
     assert arch.classify(BY_NAME["nemotron_h"])[0] == arch.classify(BY_NAME["falcon_h1"])[0] == "text"  # harness.models.cpu_mamba
-    assert "transformers.models.kimi_k2" in arch.classify(BY_NAME["kimi_k2"])[1]
+    assert arch.classify(BY_NAME["kimi_k2"])[0] == "remote"  # harness.models.remote (tests/test_remote.py)
+    assert "transformers.models.mimo_v2_flash" in arch.classify(BY_NAME["mimo_v2_flash"])[1]
     assert arch.classify(BY_NAME["gemma2"])[0] == "text"
     assert arch.classify(BY_NAME["qwen2_audio"])[0] == "vl"
 
@@ -289,8 +292,9 @@ def test_vpp_and_uneven_stages_for_every_text_family_whose_layers_allow_them():
     uneven = {(e["case"], e["models"][0]) for e in entries if (e.get("axes") or {}).get("first_stage_layers") == [1]}
     from harness.models.xfails_lora import LORA_NOT_GENERATED
 
-    want = {(case, f.zoo_name) for f in FAMILIES if f.path == "text" and f.num_layers % 4 == 0
-            for case in ("hf-roundtrip", "peft-export") if case == "hf-roundtrip" or f.name not in LORA_NOT_GENERATED}
+    want = {(case, f.zoo_name) for f in FAMILIES if f.path in ("text", "remote") and f.num_layers % 4 == 0
+            for case in ("hf-roundtrip", "peft-export")
+            if case == "hf-roundtrip" or (f.name not in LORA_NOT_GENERATED and f.path == "text")}
     assert want and vpp == want and uneven == want
 
 

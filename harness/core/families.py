@@ -11,7 +11,9 @@ ON (MLA ranks, biases, soft-capping, sliding windows, sinks, shared experts, den
 or the transformers package that would hold modeling code the hub ships as remote code): the
 matrix entry `requires: [module:<needs>]`, so the case is not-run naming it. `path`: "text" (a
 causal LM), "vl-text" (a VL model: the language path of a whole-model fixture, harness.models.vl) or
-"vl" (a VL/omni/audio model without a language-path case: `note` says why).
+"vl" (a VL/omni/audio model without a language-path case: `note` says why) or "remote" (modeling code only
+as hub remote code: a fixture of `layout`'s weights under a configuration of the harness's writing,
+harness.models.remote; round trips without a logits check).
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ class Family:
     overrides: tuple[tuple[str, Any], ...] = ()
     needs: str = ""  # a module (dotted) this family needs to run; "" none beyond the harness's
     note: str = ""
+    #: path "remote": the transformers model_type whose checkpoint layout the hub's remote modeling code
+    #: writes (the fixture's weights are that class's); model_type is then the remote one (not in transformers)
+    layout: str = ""
+    #: path "remote": config fields the remote configuration names apart from `layout`'s (its own spelling)
+    remote_fields: tuple[tuple[str, Any], ...] = ()
 
     @property
     def zoo_name(self) -> str:
@@ -142,15 +149,41 @@ FAMILIES: tuple[Family, ...] = (
            note="parallel attention + Mamba-2: Megatron's MambaMixer (Core asserts norm_before_gate False, as Falcon-H1's released "
                 "configs set it; transformers' default is True), on mamba_ssm's kernels or the CPU stand-ins (harness.models.cpu_mamba)"),
     # ---- registered by name only: modeling code is hub remote code
-    Family("bailing_moe_v2", "BailingMoeV2ForCausalLM", None, needs="transformers.models.bailing_moe_v2",
-           note=_REMOTE.format(v="5.12.1", m="BailingMoeV2ForCausalLM")),
-    Family("kimi_k2", "KimiK2ForCausalLM", None, needs="transformers.models.kimi_k2",
-           note="remote code (DeepSeek-V3 shaped); transformers has no kimi_k2"),
-    Family("mimo", "MiMoForCausalLM", None, needs="transformers.models.mimo", note="remote code (Qwen2 + MTP)"),
+    Family("bailing_moe_v2", "BailingMoeV2ForCausalLM", "bailing_moe_v2", path="remote", layout="bailing_moe_v2", num_experts=4,
+           note="remote code (Ling 2.0), written by the Bridge's vendored copy of it (bailing/modeling_bailing_moe_v2.py): "
+                "fused query_key_value, QK norm, sigmoid router with expert bias, shared expert, first layer dense"),
+    Family("kimi_k2", "KimiK2ForCausalLM", "kimi_k2", path="remote", layout="deepseek_v3", num_experts=4,
+           overrides=_o(**_MLA, **_DSMOE), remote_fields=_o(scoring_func="sigmoid", topk_method="noaux_tc"),
+           note="remote code in DeepSeek-V3's layout (its hub configuration is DeepSeek-V3's "
+           "under model_type kimi_k2): MLA, sigmoid router with expert bias, shared expert, first layer dense"),
+    Family("mimo", "MiMoForCausalLM", "mimo", path="remote", layout="qwen2", remote_fields=_o(num_nextn_predict_layers=1),
+           note="remote code: Qwen2 (q/k/v biases) plus one MTP layer under model.mtp_layers.0 (MiMoMTPLayers: a Qwen2 "
+                "decoder layer, token/hidden/final norms, input_proj [H, 2H]), as MiMo-7B ships"),
     Family("mimo_v2_flash", "MiMoV2FlashForCausalLM", None, needs="transformers.models.mimo_v2_flash", note="remote code"),
-    Family("llama_nemotron", "DeciLMForCausalLM", None, needs="transformers.models.deci", note="remote code (DeciLM, heterogeneous blocks)"),
-    Family("sarvam_mla", "SarvamMLAForCausalLM", None, needs="transformers.models.sarvam", note="remote code"),
-    Family("sarvam_moe", "SarvamMoEForCausalLM", None, needs="transformers.models.sarvam", note="remote code"),
+    # Llama-3.3-Nemotron-Super's kind of blocks: GQA groups of 2, a block without attention, MLPs of two widths
+    # (ffn_mult 2.625 -> 256, 7.0 -> 512 at hidden 64: harness.models.remote.ffn_width), a block without MLP
+    Family("llama_nemotron", "DeciLMForCausalLM", "nemotron-nas", path="remote", layout="llama",
+           overrides=_o(intermediate_size=256), remote_fields=(("block_configs", Nested(json.dumps([
+               {"attention": {"n_heads_in_group": 2, "no_op": False, "replace_with_linear": False},
+                "ffn": {"ffn_mult": 2.625, "no_op": False, "replace_with_linear": False}},
+               {"attention": {"n_heads_in_group": None, "no_op": True, "replace_with_linear": False},
+                "ffn": {"ffn_mult": 2.625, "no_op": False, "replace_with_linear": False}},
+               {"attention": {"n_heads_in_group": 2, "no_op": False, "replace_with_linear": False},
+                "ffn": {"ffn_mult": 7.0, "no_op": False, "replace_with_linear": False}},
+               {"attention": {"n_heads_in_group": 2, "no_op": False, "replace_with_linear": False},
+                "ffn": {"ffn_mult": None, "no_op": True, "replace_with_linear": False}}]))),),
+           note="remote code (DeciLM, Llama-Nemotron Super/Ultra): Llama blocks made heterogeneous by block_configs "
+                "(a block without attention, MLP widths by ffn_mult, a block without MLP): megatron-core's heterogeneous "
+                "layer spec"),
+    Family("sarvam_mla", "SarvamMLAForCausalLM", "sarvam_mla", path="remote", layout="deepseek_v3", num_experts=4,
+           overrides=_o(**{**_MLA, "q_lora_rank": None}, **_DSMOE),
+           remote_fields=_o(num_experts=4, num_shared_experts=1, rope_theta=10000.0),  # sarvam/common.py:27-40 reads these names
+           note="remote code in DeepSeek-V3's layout without a q LoRA (q_proj): MLA, sigmoid router with expert bias, "
+                "shared expert, first layer dense; its configuration names the experts num_experts / num_shared_experts"),
+    Family("sarvam_moe", "SarvamMoEForCausalLM", "sarvam_moe", path="remote", layout="bailing_moe_v2", num_experts=4,
+           note="remote code in Bailing-MoE-V2's layout (the Bridge maps the same names: word_embeddings, "
+                "attention.query_key_value / dense, query/key_layernorm, gate.expert_bias): GQA, QK norm, shared expert, "
+                "first layer dense"),
     Family("step3p5", "Step3p5ForCausalLM", None, needs="transformers.models.step3p5", note="remote code (the Bridge registers only its config)"),
     Family("nemotron_labs_diffusion", "NemotronLabsDiffusionModel", None, needs="transformers.models.nemotron_labs_diffusion",
            note="remote code; a diffusion LM, not a causal LM"),

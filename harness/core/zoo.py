@@ -117,6 +117,11 @@ class HFModelSpec:
     #: and the output head (model.layers.<L>.embed_tokens, .shared_head.head), as the Hub's DeepSeek-V3 checkpoints
     #: do; False: without them, as an export that maps only what Megatron's MTP layer owns writes it
     mtp_shared_copies: bool = True
+    #: a family whose modeling code is hub remote code (harness.models.remote): the model_type its config.json
+    #: says ("" none: `arch` is transformers' own); `arch` is then the layout the weights are written in
+    remote_type: str = ""
+    #: the remote configuration's own fields (its spelling of what `arch`'s config names otherwise)
+    remote_fields: tuple[tuple[str, Any], ...] = ()
 
     # what Topology.validate reads
     @property
@@ -248,9 +253,10 @@ _SPEC_FIELDS = {"num_key_value_heads": "num_key_value_heads", "num_attention_hea
 def family_model(f: Family) -> HFModelSpec:
     """`hf-<family>`: a tiny fixture of one architecture the Bridge registers (harness.core.families)."""
     fields = {_SPEC_FIELDS[k]: v for k, v in f.overrides if k in _SPEC_FIELDS}
-    return HFModelSpec(f.zoo_name, f"{f.architecture}: {f.note or f.path}", f.model_type or f.name, tied=f.tied,
+    remote = dict(remote_type=f.model_type or f.name, remote_fields=f.remote_fields) if f.path == "remote" else {}
+    return HFModelSpec(f.zoo_name, f"{f.architecture}: {f.note or f.path}", f.layout or f.model_type or f.name, tied=f.tied,
                        num_layers=f.num_layers, num_experts=f.num_experts, overrides=f.overrides, architecture=f.architecture,
-                       **fields)
+                       **fields, **remote)
 
 
 # the four hand-written fixtures keep their names (hf-llama, hf-qwen2, hf-nemotron); every other family is hf-<family>

@@ -87,6 +87,14 @@ def classify(f: Family) -> tuple[str, str]:
         return "vl", f"{f.architecture}: VL/omni/audio, no language-path case here: {f.note}"
     if f.path == "vl-text":
         return _classify_vl_text(f)
+    if f.path == "remote":  # its weights are `layout`'s: that class must ship
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        from harness.models.remote import BRIDGE_VENDORED
+
+        if f.layout not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and f.layout not in BRIDGE_VENDORED:
+            return "missing", f"transformers has no causal-LM class for {f.architecture}'s layout {f.layout!r}"
+        return "remote", f.note
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -146,6 +154,9 @@ def tiny_config(spec: HFModelSpec):
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    from harness.models.remote import layout_classes
+
+    layout_classes(spec.arch)
     cls = CONFIG_MAPPING[spec.arch]
     from harness.models import vl
 
@@ -194,6 +205,11 @@ def cpu_layer_spec(provider: Any, grouped_experts: bool = False):
     def spec(config, vp_stage: int | None = None):
         if name == cpu_spec.HYBRID_BLOCK_SPEC:  # Qwen3-Next, Qwen3.5: gated DeltaNet and attention layers mixed
             return cpu_spec.hybrid_block(config, vp_stage)
+        if name == "heterogeneous_layer_spec":  # Llama-Nemotron (DeciLM): Core's heterogeneous spec, local modules
+            # (the provider asks use_te=True whatever is installed: llama_nemotron_provider.py heterogeneous_layer_spec)
+            from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
+
+            return get_gpt_heterogeneous_layer_spec(config, use_te=False, vp_stage=vp_stage)
         if name in cpu_spec.PROVIDER_SPECS:
             from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -253,7 +269,7 @@ def pipeline_layouts(f: Family) -> list[tuple[str, int, str]]:
                       the interleaved schedule, the export from every chunk);
       tp1 -> pp2, first_stage_layers 1: uneven stages, 1 layer then 3 (megatron-core's
                       num_layers_in_first_pipeline_stage; Megatron-LM's --decoder-first-pipeline-num-layers)."""
-    if f.path != "text" or f.num_layers % 4:
+    if f.path not in ("text", "remote") or f.num_layers % 4:
         return []
     return [("tp1 -> pp2vpp2", 0, "tp1 -> pp2vpp2"), ("tp1 -> pp2", 1, "tp1 -> pp2 uneven")]
 
@@ -267,6 +283,7 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
     family (harness.models.vl) gets its entries as a text one, LoRA on its language path included;
     VL/omni families without a language-path case ("vl") are listed as deferred in a comment."""
     from harness.models.xfails_lora import CANONICAL, LORA, LORA_NOT_GENERATED, NEEDS_CUDA, canonical_pair
+    from harness.models.remote import NO_MODELING
     from harness.models.xfails_roundtrip import ROUNDTRIP
 
     tables = {"hf-roundtrip": ROUNDTRIP if roundtrip is None else roundtrip, "peft-export": LORA if lora is None else lora}
@@ -275,8 +292,8 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
         if f.path == "vl":
             continue
         for case, xfails in tables.items():
-            if case == "peft-export" and f.name in LORA_NOT_GENERATED:
-                continue  # listed below with what the harness lacks
+            if case == "peft-export" and (f.name in LORA_NOT_GENERATED or f.path == "remote"):
+                continue  # listed below with what the harness lacks, or no HF class a PEFT model wraps
             for pair, first, key in [(p, 0, p) for p in pairs_for(f)] + pipeline_layouts(f):
                 lines.append(f"  - case: {case}\n    models: [{f.zoo_name}]\n    pairs: [\"{pair}\"]\n")
                 axes = (["adapter: [lora]"] if case == "peft-export" else []) + ([f"first_stage_layers: [{first}]"] if first else [])
@@ -292,7 +309,7 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
                     or xfails.get(f.name)
                 if x:
                     lines.append("    xfail:\n" + "".join(f"      {k}: {_q(v)}\n" for k, v in x.items()))
-        if f.name not in LORA_NOT_GENERATED:  # CanonicalLoRA (q/k/v and fc1 gate/up adapters apart) at one pair
+        if f.name not in LORA_NOT_GENERATED and f.path != "remote":  # CanonicalLoRA (q/k/v and fc1 gate/up adapters apart) at one pair
             lines.append(f"  - case: peft-export\n    models: [{f.zoo_name}]\n    pairs: [\"{canonical_pair(pairs_for(f))}\"]\n"
                          "    backends: [bridge_peft]\n    markers: [peft, arch]\n    axes: {adapter: [canonical_lora]}\n")
             if f.needs:
@@ -303,6 +320,8 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
     lines.append("# deferred: VL / omni / audio without a language-path case (why: docs/architectures.md): "
                  + ", ".join(f.architecture for f in deferred) + "\n")
     lines += [f"# not generated: peft-export of hf-{name}: {why}\n" for name, why in LORA_NOT_GENERATED.items()]
+    lines += [f"# not generated: peft-export of {f.zoo_name}: {NO_MODELING.format(arch=f.architecture, layout=f.layout)}, "
+              "which PEFT's model would wrap\n" for f in FAMILIES if f.path == "remote"]
     return "".join(lines)
 
 

@@ -127,7 +127,8 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     mamba_stand_ins()  # Core's MambaMixer (Nemotron-H, Falcon-H1) on CPU where mamba_ssm is missing
     seed_model_parallel(spec.seed)
     torch_dtype = HF_DTYPES[dtype]
-    bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=torch_dtype)
+    # a remote-code family's configuration is the fixture's own file (harness.models.remote): loaded as its users load it
+    bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=torch_dtype, trust_remote_code=bool(getattr(spec, "remote_type", "")))
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     from harness.models.cpu_spec import hybrid_stack, stack_spec_field
 
@@ -135,7 +136,7 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
         layer_spec = hybrid_stack(provider, spec_field)
     else:
         spec_field, layer_spec = "transformer_layer_spec", (
-            cpu_layer_spec(provider, grouped_experts=_maps_only_grouped_experts(bridge)) if spec.arch not in HAND_WRITTEN or spec.overrides  # every other family: its own config's spec
+            cpu_layer_spec(provider, grouped_experts=_maps_only_grouped_experts(bridge)) if spec.arch not in HAND_WRITTEN or spec.overrides or getattr(spec, "remote_type", "")  # every other family: its own config's spec
             else zero_centered_local_spec if getattr(provider, "layernorm_zero_centered_gamma", False)
             else get_gpt_layer_local_spec(num_experts=getattr(spec, "num_experts", None), moe_grouped_gemm=False,
                                           qk_layernorm=bool(getattr(provider, "qk_layernorm", False)), normalization="RMSNorm"))
@@ -168,6 +169,11 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
                          moe_grouped_gemm=False, moe_permute_fusion=False)
         if getattr(provider, "moe_token_dispatcher_type", None) == "flex":  # MiniMax-M3: DeepEP/HybridEP, CUDA only
             overrides["moe_token_dispatcher_type"] = "alltoall"
+    if getattr(provider, "recompute_granularity", None) and not torch.cuda.is_available():
+        # Sarvam's providers recompute selectively (layernorm, moe_act, ...): a training-memory knob that saves nothing.
+        # megatron-core's recompute keeps the CUDA RNG state (tensor_parallel/random.py:528) and recomputes the expert
+        # activation only inside grouped GEMM, which a CPU build turns off: off here, as every fusion is
+        overrides.update(recompute_granularity=None, recompute_modules=None)
     if getattr(spec, "pad_vocab", False):  # the Bridge's default (no padding) otherwise
         overrides["should_pad_vocab"] = True
     peft = None

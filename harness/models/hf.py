@@ -160,6 +160,12 @@ def _write_fixture(spec: HFModelSpec, directory: Path, dtype: str, shards: int, 
         cfg = json.loads((directory / "config.json").read_text())
         cfg["architectures"] = [spec.architecture]
         (directory / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if spec.remote_type:  # a family whose modeling is hub remote code: its config.json and configuration file
+        from harness.models.remote import finish_fixture
+
+        drop, add = finish_fixture(spec, directory)
+        if drop or add:
+            rewrite_tensors(directory, drop, {k: v.to(HF_DTYPES[dtype]).contiguous() for k, v in add.items()})
     write_tokenizer(spec, directory)
     return directory
 
@@ -273,6 +279,31 @@ def add_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
         data = json.loads(index.read_text())
         data["weight_map"].update({k: last.name for k in tensors})
         data["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
+        index.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def rewrite_tensors(directory: Path, drop: set[str], add: dict[str, torch.Tensor]) -> None:
+    """Drop `drop` and add (or replace) `add` in an HF checkpoint's safetensors files, in place; the
+    index, if any, follows (weight_map, metadata.total_size as the sum of the tensors' bytes)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    where: dict[str, str] = {}
+    size = 0
+    for i, f in enumerate(files):
+        state = {k: v for k, v in load_file(str(f)).items() if k not in drop and k not in add}
+        if i == len(files) - 1:
+            state.update(add)
+        where.update({k: f.name for k in state})
+        size += sum(t.numel() * t.element_size() for t in state.values())
+        save_file(state, str(f), metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = dict(sorted(where.items()))
+        data["metadata"]["total_size"] = size
         index.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 

@@ -16,6 +16,26 @@ ROUNDTRIP: dict[str, dict[str, Any]] = {
                   "per-layer function (harness.models.cpu_spec.hybrid_block), it raises there (:146)",
         "match": "ValueError: Invalid experimental attention variant: dsv4_hybrid",
         "raised_in": "megatron.core.models.gpt"},
+    "sarvam_mla": {
+        "reason": "megatron-core 0.19.2 cannot build multi-latent attention without a q LoRA (q_lora_rank None, as "
+                  "Sarvam-MLA and DeepSeek-V2-Lite) and with QK norm on anything but Transformer-Engine: the local spec sets "
+                  "the QK norm as q_layernorm whatever q_lora_rank is (models/gpt/gpt_layer_specs.py:428) and MLASelfAttention "
+                  "refuses it as unused (transformer/mla_qk_norm_config.py:172-173, :259); without it the resolver wants the "
+                  "backend's fused norm+linear for linear_q_proj (:147-150, :234-238), which the local backend has not "
+                  "(models/backends.py:114-116). SarvamMLAModelProvider builds the local spec where TE is missing "
+                  "(sarvam/sarvam_provider.py, use_transformer_engine=HAVE_TE): a Sarvam-MLA job runs only on TE",
+        "match": "is non-trivial, but `q_lora_rank is None`",
+        "raised_in": "megatron.core.transformer"},
+    "mimo": {
+        "reason": "Megatron-Bridge 0.6.2 maps MiMo's MTP layer norms only under Transformer-Engine's fused names "
+                  "(mimo/mimo_bridge.py:75-86: mtp.layers.*.mtp_model_layer.self_attention.linear_qkv.layer_norm_weight, "
+                  "...mlp.linear_fc1.layer_norm_weight), and the registry's aliases for separate norms (input_layernorm, "
+                  "pre_mlp_layernorm) apply only where the wildcard directly precedes the module "
+                  "(conversion/mapping_registry.py:97, endswith('*.' + name)): megatron-core's local spec (any build "
+                  "without TE) names the MTP layer's norms apart, no task maps them, and the import raises "
+                  "(model_bridge.py:1100)",
+        "match": "'NoneType' object has no attribute 'megatron_module'",
+        "raised_in": "megatron.bridge.models.conversion"},
     "falcon_h1 tp1 -> tp2": {
         "reason": "Megatron-Bridge 0.6.2 FalconH1Layer.sharded_state_dict passes its pre-norm to megatron-core's "
                   "sharded_state_dict_default without a tp_group (models/falcon_h1/modeling_falconh1/falconh1_layer.py:479), "

@@ -129,3 +129,16 @@ def test_decilm_fixture_is_heterogeneous_as_its_block_configs_say(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["model_type"] == "nemotron-nas" and cfg["auto_map"]["AutoConfig"] == "configuration_nemotron_nas.NemotronNasConfig"
     assert [b["attention"]["no_op"] for b in cfg["block_configs"]] == [False, True, False, False]
+
+
+def test_diffusion_fixture_is_the_text_only_layout_and_needs_its_memory(tmp_path):
+    """NemotronLabsDiffusion's text-only checkpoint: Ministral 3 under encoder.* with a diffusion_head; its cases ask
+    for the host memory its attention's block mask takes, so a small machine says not-run, naming it."""
+    from harness.core import requires
+
+    d = write_fixture(get_model("hf-nemotron_labs_diffusion"), tmp_path / "dlm")
+    keys = _keys(d)
+    assert "diffusion_head.weight" in keys and "encoder.embed_tokens.weight" in keys and "encoder.layers.3.mlp.up_proj.weight" in keys
+    assert not any(k.startswith(("model.", "lm_head.")) for k in keys)
+    small = requires.Machine(0, False, "no transformer_engine", 24.0, None)
+    assert requires.unmet(("host-memory-gib>=96",), 2, machine=small) == ["needs 96 GiB of host memory; this machine has 24.0 GiB"]

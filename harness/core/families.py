@@ -185,8 +185,14 @@ FAMILIES: tuple[Family, ...] = (
                 "attention.query_key_value / dense, query/key_layernorm, gate.expert_bias): GQA, QK norm, shared expert, "
                 "first layer dense"),
     Family("step3p5", "Step3p5ForCausalLM", None, needs="transformers.models.step3p5", note="remote code (the Bridge registers only its config)"),
-    Family("nemotron_labs_diffusion", "NemotronLabsDiffusionModel", None, needs="transformers.models.nemotron_labs_diffusion",
-           note="remote code; a diffusion LM, not a causal LM"),
+    # each attention layer materializes the sbd_block_diff mask over [2S, 2S] at build, S the provider's seq_length 32768
+    # (diffusion/common/dllm.py:181-215 compute_block_mask, create_block_mask uncompiled: a 34 GiB transient per layer,
+    # two ranks at once; the Bridge sets no seq_length from the checkpoint: ministral3_provider.py:90)
+    Family("nemotron_labs_diffusion", "NemotronLabsDiffusionModel", "nemotron_labs_diffusion", path="remote", layout="ministral3",
+           needs="host-memory-gib>=96",
+           note="remote code: a diffusion LM continued from Ministral 3, its text-only checkpoint the Ministral 3 model under "
+                "encoder.* with a diffusion_head (the Bridge's text-only mapping); its attention builds a 34 GiB block mask "
+                "per layer at the provider's seq_length 32768 (diffusion/common/dllm.py:181-215)"),
     # ---- VL / omni / audio, language path ("vl-text"): the fixture is the whole ConditionalGeneration model
     # (vision tower too: import and export see every key), logits on text tokens alone (harness.models.vl)
     # Qwen2.5-VL keeps the real head_dim 128 and M-RoPE sections [16, 24, 24]: the Bridge hard-codes the

@@ -232,9 +232,25 @@ def cpu_layer_spec(provider: Any, grouped_experts: bool = False):
             block = cpu_experts.grouped_expert_names(block)
         if getattr(config, "layernorm_zero_centered_gamma", False):
             cpu_spec.swap_norms(block, set())
+        if wants_layer and len({id(s) for s in block.layer_specs}) == 1:
+            return block.layer_specs[0]
         return block
 
+    wants_layer = _provide_edits_a_layer_spec(provider)
     return spec
+
+
+def _provide_edits_a_layer_spec(provider: Any) -> bool:
+    """The provider's own provide() edits the layer spec it builds (NemotronLabsDiffusion swaps the layer's
+    core attention, nemotron_labs_diffusion_provider.py provide): it needs one layer ModuleSpec, as its own spec
+    function returns, not a block spec."""
+    import inspect
+
+    provide = type(provider).__dict__.get("provide")
+    try:
+        return provide is not None and "submodules.self_attention" in inspect.getsource(provide)
+    except (OSError, TypeError):
+        return False
 
 
 # --------------------------------------------------------------------------- the matrix
@@ -302,7 +318,7 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
                 if axes:
                     lines.append("    axes: {" + ", ".join(axes) + "}\n")
                 if f.needs:
-                    lines.append(f"    requires: [\"module:{f.needs}\"]\n")
+                    lines.append(f"    requires: [\"{_requirement(f.needs)}\"]\n")
                 elif case == "peft-export" and (why := NEEDS_CUDA.get(f"{f.name} {pair}")):
                     lines.append(f"    requires: [cuda]   # {why}\n")
                 x = xfails.get(f"{f.name} {key}") or (key != pair or "vpp" in pair) and xfails.get(f"{f.name} tp1 -> pp2") \
@@ -313,7 +329,7 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
             lines.append(f"  - case: peft-export\n    models: [{f.zoo_name}]\n    pairs: [\"{canonical_pair(pairs_for(f))}\"]\n"
                          "    backends: [bridge_peft]\n    markers: [peft, arch]\n    axes: {adapter: [canonical_lora]}\n")
             if f.needs:
-                lines.append(f"    requires: [\"module:{f.needs}\"]\n")
+                lines.append(f"    requires: [\"{_requirement(f.needs)}\"]\n")
             if x := CANONICAL.get(f.name):
                 lines.append("    xfail:\n" + "".join(f"      {k}: {_q(v)}\n" for k, v in x.items()))
     deferred = [f for f in FAMILIES if f.path == "vl"]
@@ -323,6 +339,11 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
     lines += [f"# not generated: peft-export of {f.zoo_name}: {NO_MODELING.format(arch=f.architecture, layout=f.layout)}, "
               "which PEFT's model would wrap\n" for f in FAMILIES if f.path == "remote"]
     return "".join(lines)
+
+
+def _requirement(needs: str) -> str:
+    """A family's `needs` as a matrix requirement (harness.core.requires): a module, or a machine need as written."""
+    return needs if needs.startswith("host-memory-gib>=") else f"module:{needs}"
 
 
 def _q(v: Any) -> str:

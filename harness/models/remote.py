@@ -137,9 +137,23 @@ def _decilm_blocks(spec: Any, directory: Path, fields: dict[str, Any]) -> tuple[
     return drop, truth.canonical_hf_state(spec, shapes)
 
 
+def _diffusion_names(spec: Any, directory: Path, fields: dict[str, Any]) -> tuple[set[str], dict[str, Any]]:
+    """NemotronLabsDiffusion's text-only checkpoints: the Ministral 3 model under `encoder.*` and its head as
+    `diffusion_head.weight` (the Bridge's text-only mapping reads these: nemotron_labs_diffusion_bridge.py
+    _text_only_mappings); the same tensors, renamed."""
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    renamed = {("diffusion_head.weight" if k == "lm_head.weight" else "encoder." + k[len("model."):] if k.startswith("model.")
+                else k): v.float() for k, v in state.items()}
+    return set(state), renamed
+
+
 #: what a remote family's checkpoint holds otherwise than its layout's model (more tensors, fewer, other
 #: shapes), by remote model_type: (names to drop, fp32 tensors to add)
-EXTRA_TENSORS = {"mimo": _mimo_mtp, "nemotron-nas": _decilm_blocks}
+EXTRA_TENSORS = {"mimo": _mimo_mtp, "nemotron-nas": _decilm_blocks, "nemotron_labs_diffusion": _diffusion_names}
 
 
 def finish_fixture(spec: Any, directory: Path) -> tuple[set[str], dict[str, Any]]:

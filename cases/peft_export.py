@@ -63,9 +63,11 @@ from .shared.peft import (
     config_check,
     hf_target_modules,
     logits_check,
+    logits_tolerance,
     merge_weights_tolerance,
     merged_logits_check,
     peft_load_problems,
+    peft_reference_error,
     peft_views,
 )
 from .shared.peft_resave import resave_check, resave_dir, resaved_logits
@@ -168,9 +170,10 @@ def integrity(derived: dict[str, torch.Tensor], hf_dir: Path, adapters: dict[str
 
 
 def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOut], ex: Exported, dtype: str = "fp32",
-          entries: list | None = None) -> list[Check]:
+          entries: list | None = None, reference_error: float | None = None) -> list[Check]:
     """The export checks at the source topology (`entries`: the layout's target entries,
-    cases.shared.lora_layout; default: the default adapter's)."""
+    cases.shared.lora_layout; default: the default adapter's; `reference_error`: transformers+PEFT's own fp32
+    error, where measured: the logits bound widens to twice it)."""
     problems = ex.peft_problems
     derived = derivation(model, outs, ex.layout)
     peft_merged = ex.peft.merged
@@ -184,11 +187,24 @@ def judge(model: HFModelSpec, asked: dict[str, Any], src: str, outs: list[PeftOu
         config_check(ex.config, asked),
         state_check("merge", peft_merged, ex.bridge_merged, "peft merge_and_unload", "bridge merged export",
                     "merged weights equal peft merge_and_unload()", merge_weights_tolerance(dtype)),
-        logits_check(ex.peft.lora_logits, ex.hf_base_logits, meg, src, dtype, asked["lora_alpha"] / asked["r"]) if meg is not None
+        logits_check(ex.peft.lora_logits, ex.hf_base_logits, meg, src, dtype, asked["lora_alpha"] / asked["r"], reference_error)
+        if meg is not None
         else Check("logits", "failed", "no rank returned Megatron logits"),
         merged_logits_check(ex.peft.merged_logits, ex.peft.lora_logits, meg, src, dtype, asked["lora_alpha"] / asked["r"]),
         *targets_checks(model, entries if entries is not None else PeftOptions().entries(model), megatron_units(derived, model), ex.peft.units),
     ]
+
+
+def lora_reference_error(hf_dir: Path, adapter: Path, ids: torch.Tensor, lora_logits: torch.Tensor, outs: list[PeftOut],
+                         dtype: str, asked: dict[str, Any]) -> float | None:
+    """transformers+PEFT's own fp32 error (cases.shared.peft.peft_reference_error), measured only where the fixed fp32
+    bound does not hold (the verdict is the same as measuring always: the bound is the larger of the two); None else."""
+    meg = next((o.logits for o in outs if o.logits is not None), None)
+    if dtype != "fp32" or meg is None:
+        return None
+    if (lora_logits - meg).abs().max() <= logits_tolerance(dtype, asked["lora_alpha"] / asked["r"]).atol:
+        return None
+    return peft_reference_error(hf_dir, adapter, ids, lora_logits)
 
 
 def judge_resharded(src: str, dst: str, first: list[PeftOut], again: list[PeftOut],
@@ -293,7 +309,8 @@ class PeftExport(Case):
             )
             asked = {"r": opts.dim, "lora_alpha": opts.alpha, "target_modules": hf_target_modules(model, opts),
                      "base_model_name_or_path": str(hf_dir), "task_type": CAUSAL_LM}
-            result.checks.extend(judge(model, asked, src.id, first, ex, dtype, opts.entries(model)))
+            result.checks.extend(judge(model, asked, src.id, first, ex, dtype, opts.entries(model),
+                                       lora_reference_error(hf_dir, direct, ids, ex.peft.lora_logits, first, dtype, asked)))
             result.checks.append(resave_check(direct, resaved, ex.peft.lora_logits, resaved_logits(hf_dir, resaved, ids, dtype)))
             if resharded:
                 result.checks.extend(judge_resharded(src.id, dst.id, first, again, ex.adapter, export.read_full(None, d / "adapter@target"),

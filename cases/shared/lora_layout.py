@@ -193,13 +193,17 @@ class Entry:
     layer: int | None = None
 
 
-def entries(targets: Iterable[str], layers: Iterable[int] = ()) -> list[Entry]:
-    """The Megatron target_modules entries of a layout, in the order the Bridge gets them."""
+def entries(targets: Iterable[str], layers: Iterable[int] = (), within: str = "") -> list[Entry]:
+    """The Megatron target_modules entries of a layout, in the order the Bridge gets them. `within`: a submodule
+    the entries are confined to ("language_model": a VL model's language path, not its Megatron-built ViT),
+    as the Bridge's wildcard patterns name it (`*language_model.*.linear_qkv`)."""
     layers = list(layers)
+    inner = f"*{within}.*." if within else ""
+    outer = f"*{within}." if within else ""
     if not layers:
-        return [Entry(t, t) for t in targets]
-    return ([Entry(f"*.layers.{i}.*.{t}", t, i) for i in layers for t in targets if t not in _OUTSIDE_LAYERS]
-            + [Entry(t, t) for t in targets if t in _OUTSIDE_LAYERS])
+        return [Entry(f"{outer if t in _OUTSIDE_LAYERS else inner}{t}", t) for t in targets]
+    return ([Entry(f"{inner or '*.'}layers.{i}.*.{t}", t, i) for i in layers for t in targets if t not in _OUTSIDE_LAYERS]
+            + [Entry(f"{outer}{t}", t) for t in targets if t in _OUTSIDE_LAYERS])
 
 
 def hf_modules(model: HFModelSpec, target: str) -> tuple[str, ...]:

@@ -65,9 +65,10 @@ def _o(**kw: Any) -> tuple[tuple[str, Any], ...]:
 
 _MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, qk_head_dim=16)
 _DSMOE = dict(n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, moe_intermediate_size=32)
-_TE_VL = ("a Megatron-built ViT and language model on Transformer-Engine only: {c}.provide builds the language layers with "
-          "get_gpt_layer_with_transformer_engine_spec whatever transformer_layer_spec says ({f}) and the ViT with "
-          "get_vit_layer_with_transformer_engine_spec ({v})")
+_TE_VL = ("a Megatron-built ViT and language model from Transformer-Engine specs: {c}.provide builds the language layers "
+          "with get_gpt_layer_with_transformer_engine_spec whatever transformer_layer_spec says ({f}) and the ViT with "
+          "get_vit_layer_with_transformer_engine_spec ({v}); on CPU both built with harness.models.cpu_spec's stand-ins "
+          "under TE's names (harness.models.vl.localize_te_spec_builders)")
 _REMOTE = "modeling code shipped only as hub remote code (trust_remote_code); transformers {v} has no {m}"
 
 FAMILIES: tuple[Family, ...] = (
@@ -201,16 +202,20 @@ FAMILIES: tuple[Family, ...] = (
            overrides=_o(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, intermediate_size=128,
                         rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[16, 24, 24])),
            note="M-RoPE (sections 16/24/24), q/k/v biases, Qwen2.5 ViT (window attention) + merger"),
+    # two DeepStack taps (of the ViT's 2 blocks): the Bridge puts every DeepStack merge on the first pipeline stage,
+    # so a stage must hold at least as many layers as there are taps (modelling_qwen3_vl/model.py:360 asserts)
     Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3_vl", path="vl-text",
            overrides=_o(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
-                        rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True)),
-           needs="transformer_engine", note=_TE_VL.format(c="Qwen3VLModelProvider", f="qwen_vl/qwen3_vl_provider.py:148",
-                                                          v="qwen_vl/modelling_qwen3_vl/model.py:305")),
+                        rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True),
+                        **{"vision.deepstack_visual_indexes": [0, 1]}),
+           note=_TE_VL.format(c="Qwen3VLModelProvider", f="qwen_vl/qwen3_vl_provider.py:148",
+                              v="qwen_vl/modelling_qwen3_vl/model.py:305")),
     Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe", path="vl-text", num_experts=4,
            overrides=_o(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
-                        rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True)),
-           needs="transformer_engine", note=_TE_VL.format(c="Qwen3VLMoEModelProvider", f="qwen_vl/qwen3_vl_provider.py:314",
-                                                          v="qwen_vl/modelling_qwen3_vl/model.py:305")),
+                        rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True),
+                        **{"vision.deepstack_visual_indexes": [0, 1]}),
+           note=_TE_VL.format(c="Qwen3VLMoEModelProvider", f="qwen_vl/qwen3_vl_provider.py:314",
+                              v="qwen_vl/modelling_qwen3_vl/model.py:305")),
     # SigLIP without its pooling head, as Gemma 3 ships (vision_use_head false; modeling_gemma3_vl.py:96 builds none)
     Family("gemma3_vl", "Gemma3ForConditionalGeneration", "gemma3", path="vl-text", tied=True, num_layers=6,
            overrides=_o(sliding_window=8, query_pre_attn_scalar=8, **{"vision.vision_use_head": False}),
@@ -234,17 +239,16 @@ FAMILIES: tuple[Family, ...] = (
                                              max_position_embeddings=262144, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                                              mscale_all_dim=1.0, llama_4_scaling_beta=0.1, truncate=False)),
            note="Ministral 3 text (YaRN, Llama-4 attention scaling) + Pixtral tower + patch-merger projector"),
-    Family("exaone4_5", "Exaone4_5_ForConditionalGeneration", "exaone4_5", path="vl-text", needs="transformer_engine",
+    Family("exaone4_5", "Exaone4_5_ForConditionalGeneration", "exaone4_5", path="vl-text",
            note="EXAONE 4 text + a Megatron-built ViT: its ViT layers are get_vit_layer_with_transformer_engine_spec() "
                 "(exaone/exaone45/modelling_exaone45/model.py:130) and its block spec use_transformer_engine=True "
                 "(exaone45_provider.py:48): Transformer-Engine only"),
-    Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", "qwen3_5", path="vl-text", needs="transformer_engine",
+    Family("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", "qwen3_5", path="vl-text",
            note="gated DeltaNet text (as hf-qwen3_5_text, which runs) + a Megatron-built ViT: the provider's provide() builds "
                 "its language block with megatron-core's TE-only get_transformer_block_with_experimental_attention_variant_spec "
                 "(qwen_vl/qwen35_vl_provider.py:215, :460; experimental_attention_variant_module_specs.py:442-453) and its ViT "
                 "with get_vit_layer_with_transformer_engine_spec() (:507): Transformer-Engine only"),
     Family("qwen3_5_moe_vl", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", path="vl-text", num_experts=4,
-           needs="transformer_engine",
            note="gated DeltaNet MoE text (as hf-qwen3_5_moe_text, which runs) + a Megatron-built ViT: as hf-qwen3_5_vl, "
                 "its language block and ViT specs are Transformer-Engine only (qwen_vl/qwen35_vl_provider.py:419-460, :507)"),
     # RoPE over half the head, as MiniMax-M3 (64 of 128), said both ways: the Bridge reads rotary_dim (rotary_percent =

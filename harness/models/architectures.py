@@ -197,14 +197,14 @@ def cpu_layer_spec(provider: Any, grouped_experts: bool = False):
     experts under TEGroupedMLP's parameter names (a Bridge that maps only those)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from harness.models import cpu_attention, cpu_experts, cpu_spec
+    from harness.models import cpu_attention, cpu_experts, cpu_hybrid, cpu_spec
 
     own = provider.transformer_layer_spec
     name = getattr(getattr(own, "func", own), "__name__", "")
 
     def spec(config, vp_stage: int | None = None):
-        if name == cpu_spec.HYBRID_BLOCK_SPEC:  # Qwen3-Next, Qwen3.5: gated DeltaNet and attention layers mixed
-            return cpu_spec.hybrid_block(config, vp_stage)
+        if name == cpu_hybrid.HYBRID_BLOCK_SPEC:  # Qwen3-Next, Qwen3.5: gated DeltaNet and attention layers mixed
+            return cpu_hybrid.hybrid_block(config, vp_stage)
         if name == "heterogeneous_layer_spec":  # Llama-Nemotron (DeciLM): Core's heterogeneous spec, local modules
             # (the provider asks use_te=True whatever is installed: llama_nemotron_provider.py heterogeneous_layer_spec)
             from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
@@ -298,7 +298,7 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
     harness.models.xfails_roundtrip / xfails_lora, keyed "family" or "family pair". A "vl-text"
     family (harness.models.vl) gets its entries as a text one, LoRA on its language path included;
     VL/omni families without a language-path case ("vl") are listed as deferred in a comment."""
-    from harness.models.xfails_lora import CANONICAL, LORA, LORA_NOT_GENERATED, NEEDS_CUDA, canonical_pair
+    from harness.models.xfails_lora import CANONICAL, LANGUAGE_ONLY_LORA, LORA, LORA_NOT_GENERATED, NEEDS_CUDA, canonical_pair
     from harness.models.remote import NO_MODELING
     from harness.models.xfails_roundtrip import ROUNDTRIP
 
@@ -315,6 +315,8 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
                 axes = (["adapter: [lora]"] if case == "peft-export" else []) + ([f"first_stage_layers: [{first}]"] if first else [])
                 if case == "peft-export":
                     lines.append("    backends: [bridge_peft]\n    markers: [peft, arch]\n")
+                    if f.name in LANGUAGE_ONLY_LORA:
+                        lines.append("    options: {scope: language}   # the Megatron-built ViT without adapters (xfails_lora)\n")
                 if axes:
                     lines.append("    axes: {" + ", ".join(axes) + "}\n")
                 if f.needs:
@@ -327,7 +329,8 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
                     lines.append("    xfail:\n" + "".join(f"      {k}: {_q(v)}\n" for k, v in x.items()))
         if f.name not in LORA_NOT_GENERATED and f.path != "remote":  # CanonicalLoRA (q/k/v and fc1 gate/up adapters apart) at one pair
             lines.append(f"  - case: peft-export\n    models: [{f.zoo_name}]\n    pairs: [\"{canonical_pair(pairs_for(f))}\"]\n"
-                         "    backends: [bridge_peft]\n    markers: [peft, arch]\n    axes: {adapter: [canonical_lora]}\n")
+                         "    backends: [bridge_peft]\n    markers: [peft, arch]\n    axes: {adapter: [canonical_lora]}\n"
+                         + ("    options: {scope: language}\n" if f.name in LANGUAGE_ONLY_LORA else ""))
             if f.needs:
                 lines.append(f"    requires: [\"{_requirement(f.needs)}\"]\n")
             if x := CANONICAL.get(f.name):

@@ -130,7 +130,7 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
     # a remote-code family's configuration is the fixture's own file (harness.models.remote): loaded as its users load it
     bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=torch_dtype, trust_remote_code=bool(getattr(spec, "remote_type", "")))
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    from harness.models.cpu_spec import hybrid_stack, stack_spec_field
+    from harness.models.cpu_hybrid import hybrid_stack, stack_spec_field
 
     if spec_field := stack_spec_field(provider):  # a hybrid Mamba model (Nemotron-H, Falcon-H1): its stack spec on CPU
         layer_spec = hybrid_stack(provider, spec_field)

@@ -30,13 +30,24 @@ _CACHE: dict[str, Any] = {}
 
 
 def _norm(config, hidden_size: int, eps: float | None = None):
-    """TENorm on CPU: RMSNorm/LayerNorm as the config says, (1 + w) where the config zero-centres."""
+    """TENorm on CPU: RMSNorm/LayerNorm as the config says, (1 + w) where the config zero-centres. Under
+    sequence parallelism (Qwen3-VL-MoE's provider turns it on at TP > 1) a norm of the rank's tokens with its
+    weights marked sequence_parallel, as TENorm's are (torch's norm refuses the flag: torch_norm.py:50)."""
+    import copy
+
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     eps = config.layernorm_epsilon if eps is None else eps
     if getattr(config, "layernorm_zero_centered_gamma", False):
         return ZeroCenteredNorm(config, hidden_size, eps=eps)
-    return WrappedTorchNorm(config, hidden_size, eps=eps)
+    if not config.sequence_parallel:
+        return WrappedTorchNorm(config, hidden_size, eps=eps)
+    local = copy.copy(config)
+    local.sequence_parallel = False
+    norm = WrappedTorchNorm(local, hidden_size, eps=eps)
+    for p in norm.parameters():
+        setattr(p, "sequence_parallel", True)
+    return norm
 
 
 def _classes() -> dict[str, type]:
@@ -273,10 +284,9 @@ def apply_swaps(block: Any, swaps: dict[str, Any]) -> Any:
 
 #: Provider specs built as themselves (TE classes localized): Gemma2/Gemma3 (pre+post norms fused
 #: into the linears, soft-capping / local-global attention), EXAONE 4 (pure post-norm).
-PROVIDER_SPECS = ("gemma2_layer_spec", "gemma3_layer_spec", "exaone4_layer_spec")
+PROVIDER_SPECS = ("gemma2_layer_spec", "gemma3_layer_spec", "exaone4_layer_spec", "exaone_45_transformer_layer_spec")
 MODULE_SWAPS = ("olmoe_layer_spec", "minimax_m2_layer_spec")
-#: megatron-core's hybrid block spec (gated DeltaNet / standard attention per layer), TE-only by assertion
-HYBRID_BLOCK_SPEC = "get_transformer_block_with_experimental_attention_variant_spec"
+
 
 
 def swap_norms(node: Any, seen: set[int]) -> None:
@@ -316,61 +326,6 @@ class ZeroCenteredNorm(torch.nn.Module):
             y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
             return (y * (1.0 + self.weight.float())).to(x.dtype)
         return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight + 1, self.bias, self.eps)
-
-
-def hybrid_block(config, vp_stage: int | None = None):
-    """Core's `get_transformer_block_with_experimental_attention_variant_spec` on CPU (it asserts
-    transformer_impl "transformer_engine" first): the per-layer specs from Core's own
-    `get_transformer_layer_with_experimental_attention_variant_spec`, given a backend of local modules
-    under TE's names (`_LocalTEBackend`), sliced to this stage's layers and closed with a CPU norm as
-    the block function does. Its standard-attention layers come from
-    `get_gpt_layer_with_transformer_engine_spec`, which instantiates gpt_layer_specs' own TESpecProvider
-    (None without TE): that name points at the same backend for the duration of the call only. The
-    gated DeltaNet's kernels: harness.models.cpu_gdn."""
-    from unittest import mock
-
-    import megatron.core.models.gpt.gpt_layer_specs as gpt_specs
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-        get_transformer_layer_with_experimental_attention_variant_spec,
-    )
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    backend = _local_te_backend()
-    with mock.patch.object(gpt_specs, "TESpecProvider", backend):
-        layers = get_transformer_layer_with_experimental_attention_variant_spec(config, backend=backend())
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    local = layers[offset:offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
-    return TransformerBlockSubmodules(layer_specs=local, layer_norm=Norm)
-
-
-#: A hybrid provider's stack-spec field -> the Core/Bridge module whose block builds its final norm from TENorm itself
-STACK_SPEC_FIELDS = {"hybrid_stack_spec": "megatron.core.models.hybrid.hybrid_block",  # Nemotron-H (HybridModelProvider)
-                     "falconh1_stack_spec": "megatron.bridge.models.falcon_h1.modeling_falconh1.falconh1_block"}  # Falcon-H1
-
-
-def stack_spec_field(provider: Any) -> str | None:
-    """The stack-spec field of a hybrid (Mamba) provider, None for a GPT provider (`transformer_layer_spec`)."""
-    return next((f for f in STACK_SPEC_FIELDS if hasattr(provider, f)), None)
-
-
-def hybrid_stack(provider: Any, field: str = "hybrid_stack_spec"):
-    """A hybrid provider's stack spec on CPU (Nemotron-H, Falcon-H1): the one the provider would build (its
-    own spec or spec function, else Bridge's default for its config), every TE class localized; its Mamba
-    mixer runs on harness.models.cpu_mamba's kernels where mamba_ssm is missing."""
-    import inspect
-
-    own = getattr(provider, field)
-    if own is None:
-        from megatron.bridge.models.hybrid.hybrid_provider import get_default_hybrid_stack_spec
-
-        own = get_default_hybrid_stack_spec(provider)
-    elif callable(own) and not hasattr(own, "module"):  # a spec function, with or without the provider
-        own = own(provider) if inspect.signature(own).parameters else own()
-    import importlib
-
-    localize_globals(importlib.import_module(STACK_SPEC_FIELDS[field]))  # the block builds its final norm from TENorm itself
-    return localize(_copy_tree(own), lenient=True)
 
 
 def localize_globals(mod: Any) -> list[str]:

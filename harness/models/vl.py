@@ -157,8 +157,63 @@ def localize_te_globals(provider: Any) -> list[str]:
     if getattr(provider, "vision_config", None) is None:
         return []
     package = type(provider).__module__.rsplit(".", 1)[0]
-    return [f"{name}.{key}" for name, mod in list(sys.modules.items())
-            if mod is not None and (name == package or name.startswith(package + ".")) for key in localize_globals(mod)]
+    done = [f"{name}.{key}" for name, mod in list(sys.modules.items())
+            if mod is not None and (name == package or name.startswith(package + "."))
+            for key in localize_globals(mod) + localize_te_spec_builders(mod)]
+    if any(d.rsplit(".", 1)[1] in TE_SPEC_BUILDERS for d in done):
+        import megatron.core.transformer.transformer_block as block
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        from harness.models.cpu_spec import Norm
+
+        if block.LayerNormImpl is WrappedTorchNorm:  # the final norm of a block built from one layer spec: TENorm with TE,
+            block.LayerNormImpl = Norm  # which takes sequence parallelism (Qwen3-VL-MoE turns it on at TP > 1); torch's refuses
+            done.append("megatron.core.transformer.transformer_block.LayerNormImpl")
+    return done
+
+
+#: megatron-core's Transformer-Engine-only spec builders a VL provider's modules call whatever transformer_layer_spec
+#: says (Qwen3-VL: get_gpt_layer_with_transformer_engine_spec for the language layers, qwen3_vl_provider.py:148;
+#: get_vit_layer_with_transformer_engine_spec for the ViT, modelling_qwen3_vl/model.py:305)
+TE_SPEC_BUILDERS = ("get_gpt_layer_with_transformer_engine_spec", "get_vit_layer_with_transformer_engine_spec")
+
+
+def localize_te_spec_builders(mod: Any) -> list[str]:
+    """Each TE_SPEC_BUILDERS function `mod` imported, wrapped (in `mod` only, this process) so that the spec it
+    builds has every TE class swapped for its CPU stand-in under TE's names (harness.models.cpu_spec.localize);
+    the names wrapped. Only where TE is missing: its classes are then placeholders that cannot build."""
+    import functools
+
+    from harness.compat.te import te_importable
+    from harness.models.cpu_spec import localize
+
+    if te_importable():
+        return []
+    done = []
+    from harness.models.cpu_hybrid import HYBRID_BLOCK_SPEC, hybrid_block
+
+    if callable(getattr(mod, HYBRID_BLOCK_SPEC, None)):  # Qwen3.5 VL's language block (qwen35_vl_provider.py:460): TE-only
+        setattr(mod, HYBRID_BLOCK_SPEC, lambda config, vp_stage=None, pp_rank=None: hybrid_block(config, vp_stage))
+        done.append(HYBRID_BLOCK_SPEC)
+    for key in TE_SPEC_BUILDERS:
+        fn = getattr(mod, key, None)
+        if callable(fn) and not getattr(fn, "_ckpt_harness_localized", False):
+            @functools.wraps(fn)
+            def built_on_cpu(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
+                from unittest import mock
+
+                import megatron.core.models.gpt.gpt_layer_specs as specs
+
+                from harness.models.cpu_spec import _local_te_backend
+
+                # None without TE: the GPT builder's backend, for this call only (as cpu_hybrid.hybrid_block does)
+                with mock.patch.object(specs, "TESpecProvider", _local_te_backend()):
+                    return localize(_fn(*args, **kwargs))
+
+            built_on_cpu._ckpt_harness_localized = True
+            setattr(mod, key, built_on_cpu)
+            done.append(key)
+    return done
 
 
 def language_model(module: torch.nn.Module) -> Any:

@@ -122,6 +122,13 @@ LORA_NOT_GENERATED: dict[str, str] = {
                   "against, knows attention, MLP and MoE layouts, not Mamba-2's in_proj / out_proj (z, x, B, C, dt split per "
                   "TP rank) nor Nemotron-H's per-layer `mixer` names: still to write",
 }
+#: VL families whose Megatron model builds its ViT from Megatron layers (vision_model.decoder.layers.N: the same
+#: linear_qkv / linear_proj / linear_fc1 / linear_fc2 names as the language layers): their LoRA cases adapt the language
+#: path only (PeftOptions scope "language"), as the Qwen2.5-VL / Gemma 3 ones do by construction (an HF vision tower)
+LANGUAGE_ONLY_LORA = ("qwen3_vl", "qwen3_vl_moe", "exaone4_5", "qwen3_5_vl", "qwen3_5_moe_vl")
+#: why (docs/architectures.md, the matrix comment)
+LANGUAGE_ONLY_WHY = ("the ViT's adapters are not judged yet: the harness's adapter mapping (harness.models.peft_mapping) "
+                     "has no Megatron-ViT -> HF visual-block layout (fused qkv per head, the mergers' fc1/fc2)")
 #: Pairs whose upstream code path needs CUDA (the matrix entry `requires: [cuda]`: not-run on CPU, run on GPU machines).
 NEEDS_CUDA: dict[str, str] = {
     "minimax_m2 tp1 -> tp2": "Megatron-Bridge 0.6.2 MiniMax-M2's QK-norm import at TP > 1 broadcasts through "
@@ -225,3 +232,28 @@ def canonical_pair(pairs: list[str]) -> str:
 # the VL language paths' CanonicalLoRA meets the LoRA findings (adapter_config targets, Qwen2.5-VL's no-op load)
 CANONICAL.update({f: LORA[f] for f in ("qwen2_5_vl", "gemma3_vl", "mistral3")})
 CANONICAL["minimax_m3_vl"] = LORA["minimax_m3_vl tp1 -> pp2"]
+
+# ---- the VL families with a Megatron-built ViT (LANGUAGE_ONLY_LORA): their language path's findings
+_PER_EXPERT_UNEXPECTED = r"unexpected: base_model\.model\.model\.language_model\.layers\.\d+\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.lora_"
+_QWEN3VL_MOE = ("Megatron-Bridge 0.6.2 save_hf_adapter exports Qwen3-VL-MoE's routed-expert LoRA as per-expert modules "
+                "(model.language_model.layers.N.mlp.experts.E.gate_proj/up_proj/down_proj), while the model holds its experts "
+                "fused, on disk too as the Hub's checkpoints do (experts.gate_up_proj / experts.down_proj 3-D parameters; the "
+                "Bridge's own weight mapping reads them packed: qwen_vl/qwen3_vl_bridge.py:371-377): PEFT has no such modules, "
+                "the keys load as unexpected and every routed expert's LoRA is dropped")
+_QWEN35_MOE_VL = ("peft 0.21.2 looks its MoE config rewrite up by the top-level model_type (peft/utils/"
+                  "transformers_weight_conversion.py:413-416) and the VL model's qwen3_5_moe has none, so target_modules "
+                  "gate_proj/up_proj/down_proj stay module targets; transformers 5.12.1 fuses the language model's experts on "
+                  "load by its text config's qwen3_5_moe_text mapping (conversion_mapping.py:1452-1453): the adapter's per-expert "
+                  "keys load as unexpected and every routed expert's LoRA is dropped (the shared expert's plain Linears keep theirs)")
+for _f, _why in (("qwen3_vl_moe", _QWEN3VL_MOE), ("qwen3_5_moe_vl", _QWEN35_MOE_VL)):
+    LORA[f"{_f} tp1 -> pp2"] = _xfail(_why, _PER_EXPERT_UNEXPECTED, _PEFT_MOE_CHECKS)
+    LORA[f"{_f} tp1 -> tp2"] = _xfail(_why, _PER_EXPERT_UNEXPECTED, _PEFT_MOE_CHECKS, etp=True)
+    LORA[f"{_f} tp1 -> dp2ep2"] = _with_ep(_xfail(_why, _PER_EXPERT_UNEXPECTED, _PEFT_MOE_CHECKS))
+LORA["exaone4_5"] = {"reason": f"{_POST_NORM_LORA['reason']}; and {_VL_TARGETS}", "match": _VL_TARGETS_MATCH,
+                     "checks": [*_VL_TARGETS_CHECKS, *_POST_NORM_LORA["checks"]]}
+CANONICAL["exaone4_5"] = LORA["exaone4_5"]
+CANONICAL["qwen3_vl_moe"] = {"reason": _CANON_GROUPED.replace(
+    "(GPT-OSS's expert mappings are grouped exports, gpt_oss/gpt_oss_bridge.py:253-265)",
+    "(Qwen3-VL-MoE's routed experts map packed, as its checkpoints hold them: qwen_vl/qwen3_vl_bridge.py:371-377)"),
+    "match": "Unsupported adapter configuration for grouped export weight merging", "raised_in": "megatron.bridge.models.conversion"}
+CANONICAL.update({f: CANONICAL["qwen3_5_text"] for f in ("qwen3_5_vl", "qwen3_5_moe_vl")})  # the attention output gate

@@ -13,7 +13,7 @@ ROUNDTRIP: dict[str, dict[str, Any]] = {
                   "with megatron-core's experimental-variant block spec (:403), but megatron-core 0.19.2 knows only "
                   "'gated_delta_net' and 'dsa' (models/gpt/experimental_attention_variant_module_specs.py:142-148 raises "
                   "'Invalid experimental attention variant') and that spec is TE-only (:442): built on CPU from Core's own "
-                  "per-layer function (harness.models.cpu_spec.hybrid_block), it raises there (:146)",
+                  "per-layer function (harness.models.cpu_hybrid.hybrid_block), it raises there (:146)",
         "match": "ValueError: Invalid experimental attention variant: dsv4_hybrid",
         "raised_in": "megatron.core.models.gpt"},
     "sarvam_mla": {

@@ -84,7 +84,7 @@ from harness.judge.checks import state_check
 from harness.judge.hf_integrity import ADAPTER_WEIGHTS, Expected, export_integrity, infos_of, source_infos
 from harness.models import bridge as mb
 from harness.models import peft_mapping
-from harness.models.hf import HF_DTYPES, hf_logits, write_fixture
+from harness.models.hf import HUB_SPELLING, HF_DTYPES, hf_logits, write_fixture
 from harness.models.vl import is_vl_checkpoint
 from harness.models.mcore import DType
 from harness.run.envelope import RunEnv
@@ -303,7 +303,8 @@ class PeftExport(Case):
                 peft_load_problems(hf_dir, direct, dtype), export.read_full(None, direct),
                 json.loads((direct / "adapter_config.json").read_text()),
                 # what save_pretrained writes (the checkpoint's names) where memory's differ: fused experts, a VL layout
-                peft_views(hf_dir, direct, ids, dtype, d / "peft-merged" if model.num_experts or is_vl_checkpoint(hf_dir) else None,
+                peft_views(hf_dir, direct, ids, dtype,
+                           d / "peft-merged" if model.num_experts or is_vl_checkpoint(hf_dir) or model.arch in HUB_SPELLING else None,
                            resave_to=resaved),
                 get_backend("bridge_hf").read_full(None, merged), hf_logits(hf_dir, ids, dtype=dtype), layout,
             )

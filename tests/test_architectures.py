@@ -229,7 +229,7 @@ def test_smoke_holds_one_green_roundtrip_for_at_least_15_families():
     assert smoke_families([]) == set()
 
 
-def test_the_docs_table_counts_only_what_ran_and_names_the_red():
+def test_the_docs_table_counts_only_what_ran_and_names_the_red(monkeypatch):
     """harness.models.arch_table: a family is "real results" only when every case of it passed or was
     its named xfail; a failure anywhere makes it red and named; an empty results.json is refused."""
     from harness.models import arch_table
@@ -274,7 +274,15 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red():
     assert cell("MistralForCausalLM", "round trip tp1->tp2") == "xfail 1.0" and "upstream x.py" in rows["MistralForCausalLM"][-1]
     with pytest.raises(ValueError):
         arch_table.rows({"results": []}, fams)
+    # a remote-code family: LoRA cells say why there is none (no transformers class for PEFT), counted as real
+    kimi = (BY_NAME["kimi_k2"],)
+    doc = {"results": [rec("hf-kimi_k2", "hf-roundtrip", "tp2", "passed")]}
+    assert arch_table.summary(doc, kimi).startswith("1 architectures with real results on every case (1 of them every case "
+                                                    "passed; 1 of them hub remote code")
+    row = arch_table.rows(doc, kimi)[0]
+    assert row[col["LoRA tp1->tp2"]] == arch_table.NO_HF_CLASS and row[col["LoRA tp1->pp2"]] == "-" and "remote code" in row[-1]
     # a family whose LoRA cases the harness does not generate is counted apart, never as "every case"
+    monkeypatch.setattr(arch_table, "LORA_NOT_GENERATED", {"nemotron_h": "the harness's mapping lacks it"})
     nh = (BY_NAME["nemotron_h"],)
     doc = {"results": [rec("hf-nemotron_h", "hf-roundtrip", "tp2", "passed")]}
     assert arch_table.summary(doc, nh).startswith("0 architectures with real results on every case")
@@ -365,3 +373,30 @@ def test_nemotron_h_fixtures_are_spelled_as_the_hub_and_as_transformers_resaves_
 
     assert embedding_keys("hf-nemotron_h") == ["backbone.embeddings.weight"]  # the Hub's, the Bridge's mapping
     assert embedding_keys("hf-nemotron_h-resaved") == ["backbone.embedding.weight"]  # transformers 5.12.1's save_pretrained
+
+
+def test_hybrid_lora_names_follow_their_checkpoints():
+    """Nemotron-H's attention / MLP adapters under its layer's `mixer` (backbone.layers.N in its checkpoints,
+    model.layers.N in transformers' memory), Falcon-H1's MLP as `feed_forward`: the derivation writes the
+    checkpoint's names and the layout checks read both back as the text model's (a Mamba mixer stays apart)."""
+    import torch
+
+    from cases.shared.lora_layout import text_name
+    from harness.models import peft_mapping
+
+    t = torch.ones(4, 64)
+    nh = peft_mapping.to_hf_peft({"decoder.layers.1.self_attention.linear_proj.adapter.linear_in.weight": t,
+                                  "decoder.layers.3.mlp.linear_fc2.adapter.linear_in.weight": t},
+                                 get_model("hf-nemotron_h"), peft_mapping.Layout("backbone.layers.", "lm_head"))
+    assert set(nh) == {"base_model.model.backbone.layers.1.mixer.o_proj.lora_A.weight",
+                       "base_model.model.backbone.layers.3.mixer.down_proj.lora_A.weight"}
+    fh = peft_mapping.to_hf_peft({"decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight": t}, get_model("hf-falcon_h1"))
+    assert set(fh) == {"base_model.model.model.layers.0.feed_forward.down_proj.lora_A.weight"}
+    assert peft_mapping.checkpoint_layout(["backbone.layers.0.mixer.in_proj.weight", "lm_head.weight"]).layers == "backbone.layers."
+    assert text_name("backbone.layers.1.mixer.q_proj") == text_name("model.layers.1.mixer.q_proj") == "model.layers.1.self_attn.q_proj"
+    assert text_name("model.layers.3.mixer.down_proj") == "model.layers.3.mlp.down_proj"
+    assert text_name("model.layers.0.feed_forward.gate_proj") == "model.layers.0.mlp.gate_proj"
+    assert text_name("model.layers.0.mixer.in_proj") == "model.layers.0.mixer.in_proj"  # Mamba: no target entry's
+    # planted: a text family keeps its names
+    assert set(peft_mapping.to_hf_peft({"decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight": t}, get_model("hf-llama"))) == {
+        "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"}

@@ -129,16 +129,25 @@ def model_targets(model: HFModelSpec, targets: Iterable[str]) -> tuple[str, ...]
 
 
 _VL_PREFIX = re.compile(r"^(?:model\.language_model\.|language_model\.model\.)")
+#: hybrid families' decoder modules -> the text model's (Nemotron-H: each layer one `mixer`, attention or MLP, under
+#: `backbone.` in its checkpoints and `model.` in transformers 5's memory;
+#: Falcon-H1: its MLP as `feed_forward`); a Mamba mixer's in_proj / out_proj keeps its name (no target of these)
+_HYBRID_NAMES = ((re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.([qkvo]_proj)$"), r"model.layers.\1.self_attn.\2"),
+                 (re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.((?:up|down|gate)_proj)$"), r"model.layers.\1.mlp.\2"),
+                 (re.compile(r"^model\.layers\.(\d+)\.feed_forward\.((?:up|down|gate)_proj)$"), r"model.layers.\1.mlp.\2"))
 
 
 def text_name(unit: str) -> str:
     """A VL model's language-path module (in memory `model.language_model.layers.N...`, in a
-    checkpoint also `language_model.model.layers.N...`, its head `language_model.lm_head`) under the
-    text model's name (`model.layers.N...`, `lm_head`): the layout checks count decoder units the
-    same way for both; any other module of a VL model (its vision tower, its projector) keeps its
-    name and so belongs to no target entry."""
+    checkpoint also `language_model.model.layers.N...`, its head `language_model.lm_head`), or a hybrid
+    model's attention / MLP module (_HYBRID_NAMES), under the text model's name (`model.layers.N...`,
+    `lm_head`): the layout checks count decoder units the same way for all; any other module (a vision
+    tower, a projector, a Mamba mixer) keeps its name and so belongs to no target entry."""
     if unit == "language_model.lm_head":
         return "lm_head"
+    for pat, repl in _HYBRID_NAMES:
+        if pat.match(unit):
+            return pat.sub(repl, unit)
     return _VL_PREFIX.sub("model.", unit)
 
 
@@ -161,10 +170,11 @@ def mlp_units(model: HFModelSpec) -> dict[int, dict[str, list[str]]]:
             hf = model_class(config).from_config(config)
         out: dict[int, dict[str, list[str]]] = {i: {f"mlp.{m}": [] for m in _MLP_LEAVES} for i in range(model.num_layers)}
         pat = re.compile(r"^model\.layers\.(\d+)\.(mlp\..+)$")
-        linear = re.compile(r"^model\.layers\.(\d+)\.linear_attn$")
+        attention = re.compile(r"^model\.layers\.(\d+)\.self_attn\.[qkvo]_proj$")
+        with_attention: set[int] = set()
         for name, mod in hf.named_modules():
-            if (la := linear.match(text_name(name))) and int(la[1]) in out:  # a hybrid model's linear-attention layer
-                out[int(la[1])][LINEAR_ATTENTION] = []
+            if (at := attention.match(text_name(name))) and int(at[1]) in out:
+                with_attention.add(int(at[1]))
             if not (m := pat.match(name := text_name(name))) or int(m[1]) not in out:
                 continue
             layer, leaf = out[int(m[1])], m[2].rsplit(".", 1)[-1]
@@ -180,6 +190,8 @@ def mlp_units(model: HFModelSpec) -> dict[int, dict[str, list[str]]]:
                     for e in range(p.shape[0]):
                         for hf_name in _FUSED[pname]:
                             layer[f"mlp.{hf_name}"].append(f"{name}.{e}.{hf_name}")
+        for i in set(out) - with_attention:  # a hybrid model's linear-attention (Qwen3-Next), Mamba or MLP-only layer
+            out[i][LINEAR_ATTENTION] = []
         _MLP_UNITS[key] = out
     return _MLP_UNITS[key]
 
@@ -232,7 +244,7 @@ def _units(model: HFModelSpec, target: str, layer: int) -> list[str]:
         elif m.startswith("mlp."):
             out += mlp_units(model)[layer][m]
         elif not (m.startswith("self_attn.") and LINEAR_ATTENTION in mlp_units(model)[layer]):
-            out.append(f"model.layers.{layer}.{m}")  # a linear-attention layer (Qwen3-Next) has no self_attn
+            out.append(f"model.layers.{layer}.{m}")  # a layer without attention (Qwen3-Next's linear attention, Mamba) has none
     return out
 
 

@@ -19,7 +19,10 @@ from harness.core.families import FAMILIES, Family
 from harness.report.grid import ARCH_KINDS as KINDS
 from harness.report.grid import ARCH_TARGETS as TARGETS
 from harness.report.grid import arch_target as _target
-from harness.models.xfails_lora import LORA_NOT_GENERATED
+from harness.models.xfails_lora import LANGUAGE_ONLY_LORA, LANGUAGE_ONLY_WHY, LORA_NOT_GENERATED
+
+#: a remote-code family's LoRA cells: PEFT wraps a transformers model, and none exists for it (harness.models.remote)
+NO_HF_CLASS = "n/a (no HF class)"
 
 SHORT = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "xfailed": "xfail", "xpassed": "XPASS",
          "not-run": "not-run", "not-applicable": "n/a"}
@@ -70,19 +73,25 @@ def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[l
             for tgt in KIND_TARGETS[kind]:
                 r = got.get((f.zoo_name, kind, tgt))
                 if r is None:
-                    line.append("not generated" if kind == "peft-export" and f.name in LORA_NOT_GENERATED
-                                and (f.zoo_name, "hf-roundtrip", tgt) in got else "-" if f.path != "vl" else "deferred")
+                    has_pair = (f.zoo_name, "hf-roundtrip", tgt) in got
+                    line.append("not generated" if kind == "peft-export" and f.name in LORA_NOT_GENERATED and has_pair
+                                else NO_HF_CLASS if kind == "peft-export" and f.path == "remote" and has_pair
+                                else "-" if f.path != "vl" else "deferred")
                     continue
                 line.append(_cell(r))
                 if r["status"] != "passed" and (w := _why(r)) and w not in whys:
                     whys.append(w)
         canon = [got[k] for k in got if k[0] == f.zoo_name and k[1] == CANONICAL]
         line.append(f"{_cell(canon[0])} ({_target(canon[0]['id'])})" if canon else "not generated" if f.name in LORA_NOT_GENERATED
-                    else "-" if f.path != "vl" else "deferred")
+                    else NO_HF_CLASS if f.path == "remote" else "-" if f.path != "vl" else "deferred")
         if canon and canon[0]["status"] != "passed" and (w := _why(canon[0])) and w not in whys:
             whys.append(w)
         if f.name in LORA_NOT_GENERATED:
             whys.append(f"LoRA not generated: {LORA_NOT_GENERATED[f.name]}")
+        if f.name in LANGUAGE_ONLY_LORA:
+            whys.append(f"LoRA on the language path only: {LANGUAGE_ONLY_WHY}")
+        if f.path == "remote":
+            whys.append("hub remote code: round trips without logits, no LoRA case (no transformers class for PEFT to wrap)")
         out.append(line + ["; ".join(whys)])
     return out
 
@@ -124,7 +133,9 @@ def summary(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> str
             holes.append(f.name)
         else:
             red.append(f.name)
-    return (f"{len(real)} architectures with real results on every case ({len(green)} of them every case passed), "
+    remote = [n for n in real if n in {f.name for f in families if f.path == "remote"}]
+    return (f"{len(real)} architectures with real results on every case ({len(green)} of them every case passed"
+            + (f"; {len(remote)} of them hub remote code, round trips without logits: {', '.join(remote)}" if remote else "") + "), "
             + (f"{len(lora_gap)} with real results on every round trip and no LoRA case generated yet ({', '.join(lora_gap)}: "
                "the harness's adapter mapping lacks their layers), " if lora_gap else "")
             + f"{len(holes)} with real results and a not-run case" + (f" ({', '.join(holes)})" if holes else "")

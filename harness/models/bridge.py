@@ -434,9 +434,10 @@ def adapter_state(bm: BridgeModel) -> dict:
 
 
 def load_adapter_state(bm: BridgeModel, state: dict) -> None:
-    """Put a loaded `adapter_state(bm)`-shaped state into the model (non-strict: the base is not in it)."""
+    """Put a loaded `adapter_state(bm)`-shaped state into the model (non-strict: the base is not in it). A stage
+    holding no adapter (Nemotron-H's first stage of Mamba layers only) has no section: the filter drops it."""
     if len(bm.modules) == 1:
-        unwrapped(bm).load_state_dict(state["model"], strict=False)
+        unwrapped(bm).load_state_dict(state.get("model", {}), strict=False)
         return
     for i, c in enumerate(chunks(bm)):
-        c.load_state_dict(state[f"model{i}"], strict=False)
+        c.load_state_dict(state.get(f"model{i}", {}), strict=False)

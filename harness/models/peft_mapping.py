@@ -55,7 +55,7 @@ class Layout:
 
 
 TEXT = Layout()
-_LAYER0 = re.compile(r"^(.*?layers\.)0\.(?:self_attn|mlp|input_layernorm)\.")
+_LAYER0 = re.compile(r"^(.*?layers\.)0\.(?:self_attn|mlp|input_layernorm|mixer|norm|feed_forward)\.")
 
 
 def checkpoint_layout(keys: Iterable[str]) -> Layout:
@@ -64,6 +64,9 @@ def checkpoint_layout(keys: Iterable[str]) -> Layout:
     layers = next((m[1] for k in keys if (m := _LAYER0.match(k)) and "vision" not in k and "visual" not in k), TEXT.layers)
     head = next((k.removesuffix(".weight") for k in keys if k.endswith("lm_head.weight")), TEXT.lm_head)
     return Layout(layers, head)
+#: model_type -> a hybrid family's HF names of a decoder layer's attention / MLP modules (transformers' modeling):
+#: Nemotron-H holds either in its layer's `mixer` (modeling_nemotron_h.py), Falcon-H1 its MLP as `feed_forward`
+MODULE_NAMES = {"nemotron_h": (("self_attn.", "mixer."), ("mlp.", "mixer.")), "falcon_h1": (("mlp.", "feed_forward."),)}
 #: model_type -> the HF module of a layer's shared expert(s) (transformers' modeling code), "mlp.shared_experts" else
 SHARED_MLP = {"hy_v3": "mlp.shared_mlp", "minimax_m3_vl": "block_sparse_moe.shared_experts",
               **{m: "mlp.shared_expert" for m in ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")}}
@@ -135,6 +138,8 @@ def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec, layout: Lay
     out: dict[str, torch.Tensor] = {}
 
     def put(layer: str, module: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        for old, new in MODULE_NAMES.get(spec.arch, ()):
+            module = new + module.removeprefix(old) if module.startswith(old) else module
         prefix = f"base_model.model.{layout.layers}{layer}.{module}"
         if a is not None:
             out[f"{prefix}.lora_A.weight"] = a

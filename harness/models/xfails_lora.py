@@ -116,12 +116,7 @@ _QWEN_VL_NOOP = ("peft 0.21.2 renames an adapter's checkpoint keys for transform
                  "the Bridge's export name them) unmapped: nothing loads, every lora_B stays zero, the adapter is a no-op")
 #: Families whose LoRA case the harness does not generate yet, with what the harness lacks (a gap of the harness's
 #: own derivation, not an upstream finding: listed in matrices/architectures.yaml and docs/architectures.md).
-LORA_NOT_GENERATED: dict[str, str] = {
-    "falcon_h1": "as nemotron_h: the harness's own adapter mapping knows no Mamba-2 in_proj / out_proj layout yet",
-    "nemotron_h": "the harness's own adapter mapping (harness.models.peft_mapping), which every LoRA export is judged "
-                  "against, knows attention, MLP and MoE layouts, not Mamba-2's in_proj / out_proj (z, x, B, C, dt split per "
-                  "TP rank) nor Nemotron-H's per-layer `mixer` names: still to write",
-}
+LORA_NOT_GENERATED: dict[str, str] = {}
 #: VL families whose Megatron model builds its ViT from Megatron layers (vision_model.decoder.layers.N: the same
 #: linear_qkv / linear_proj / linear_fc1 / linear_fc2 names as the language layers): their LoRA cases adapt the language
 #: path only (PeftOptions scope "language"), as the Qwen2.5-VL / Gemma 3 ones do by construction (an HF vision tower)
@@ -232,6 +227,11 @@ def canonical_pair(pairs: list[str]) -> str:
 # the VL language paths' CanonicalLoRA meets the LoRA findings (adapter_config targets, Qwen2.5-VL's no-op load)
 CANONICAL.update({f: LORA[f] for f in ("qwen2_5_vl", "gemma3_vl", "mistral3")})
 CANONICAL["minimax_m3_vl"] = LORA["minimax_m3_vl tp1 -> pp2"]
+
+# ---- the Mamba hybrids: the provider's VPP refusal, as their round trips; Nemotron-H's squared-ReLU MLP as Nemotron's
+for _f in ("nemotron_h", "falcon_h1"):
+    LORA[f"{_f} tp1 -> pp2vpp2"] = ROUNDTRIP[f"{_f} tp1 -> pp2vpp2"]
+CANONICAL["nemotron_h"] = CANONICAL["nemotron"]
 
 # ---- the VL families with a Megatron-built ViT (LANGUAGE_ONLY_LORA): their language path's findings
 _PER_EXPERT_UNEXPECTED = r"unexpected: base_model\.model\.model\.language_model\.layers\.\d+\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.lora_"

@@ -52,7 +52,7 @@ from harness.judge.hf_integrity import Expected, export_integrity, source_infos
 from harness.models import bridge as mb
 from harness.models.hf import config_dtype, reference_attention, write_fixture
 from harness.models.mcore import DType
-from harness.models.remote import NO_MODELING, is_remote
+from harness.models.remote import is_remote, no_modeling
 from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
 
@@ -354,7 +354,7 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
         if is_remote(model):  # no transformers class builds it: weights, reshard and export only
             result.checks += judge_without_logits(dst, worlds, backend.read_full(None, hf_dir), backend.read_full(None, export),
                                                   (config_dtype(hf_dir), config_dtype(export)), dtype,
-                                                  NO_MODELING.format(arch=model.architecture, layout=model.arch))
+                                                  no_modeling(model.architecture, model.arch))
             return
         ids = truth.fixed_input_ids(model)
         ref = reference_logits(hf_dir, ids, dtype=dtype)

@@ -11,7 +11,8 @@ ON (MLA ranks, biases, soft-capping, sliding windows, sinks, shared experts, den
 or the transformers package that would hold modeling code the hub ships as remote code): the
 matrix entry `requires: [module:<needs>]`, so the case is not-run naming it. `path`: "text" (a
 causal LM), "vl-text" (a VL model: the language path of a whole-model fixture, harness.models.vl) or
-"vl" (a VL/omni/audio model without a language-path case: `note` says why) or "remote" (modeling code only
+"vl" (a VL/omni/audio model without a language-path case: `note` says why), "unbuilt" (a text model without a
+case: `note` says what would reach it) or "remote" (modeling code only
 as hub remote code: a fixture of `layout`'s weights under a configuration of the harness's writing,
 harness.models.remote; round trips without a logits check).
 """
@@ -28,7 +29,7 @@ class Family:
     name: str  # the zoo's hf-<name>
     architecture: str  # the HF architecture class name the Bridge registers
     model_type: str | None  # transformers' model_type of the fixture's config (None: transformers has none)
-    path: str = "text"  # "text" | "vl-text" (a VL model's language path runs) | "vl"
+    path: str = "text"  # "text" | "vl-text" (a VL model's language path runs) | "vl" | "unbuilt" | "remote"
     num_layers: int = 4
     num_experts: int | None = None
     tied: bool = False
@@ -160,7 +161,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("mimo", "MiMoForCausalLM", "mimo", path="remote", layout="qwen2", remote_fields=_o(num_nextn_predict_layers=1),
            note="remote code: Qwen2 (q/k/v biases) plus one MTP layer under model.mtp_layers.0 (MiMoMTPLayers: a Qwen2 "
                 "decoder layer, token/hidden/final norms, input_proj [H, 2H]), as MiMo-7B ships"),
-    Family("mimo_v2_flash", "MiMoV2FlashForCausalLM", None, needs="transformers.models.mimo_v2_flash", note="remote code"),
+    Family("mimo_v2_flash", "MiMoV2FlashForCausalLM", "mimo_v2_flash", path="unbuilt",
+           note="remote code; the Bridge's own model needs Transformer-Engine's attention for its sliding-window layers' "
+                "learnable softmax sinks (MiMoV2FlashTEDotProductAttention subclasses TEDotProductAttention, "
+                "mimo_v2_flash/modeling_mimo_v2_flash.py:231, :285), which no harness CPU stand-in computes yet; and no "
+                "HF modeling class (transformers or the Bridge) lays its checkpoint out for a fixture"),
     # Llama-3.3-Nemotron-Super's kind of blocks: GQA groups of 2, a block without attention, MLPs of two widths
     # (ffn_mult 2.625 -> 256, 7.0 -> 512 at hidden 64: harness.models.remote.ffn_width), a block without MLP
     Family("llama_nemotron", "DeciLMForCausalLM", "nemotron-nas", path="remote", layout="llama",
@@ -185,7 +190,12 @@ FAMILIES: tuple[Family, ...] = (
            note="remote code in Bailing-MoE-V2's layout (the Bridge maps the same names: word_embeddings, "
                 "attention.query_key_value / dense, query/key_layernorm, gate.expert_bias): GQA, QK norm, shared expert, "
                 "first layer dense"),
-    Family("step3p5", "Step3p5ForCausalLM", None, needs="transformers.models.step3p5", note="remote code (the Bridge registers only its config)"),
+    Family("step3p5", "Step3p5ForCausalLM", "step3p5", path="unbuilt",
+           note="remote code: the Bridge ships and registers only its configuration (stepfun/configuration_step35.py, "
+                "step35_bridge.py:57); its checkpoint layout (per-layer attention kinds and head counts, the head-wise "
+                "attention gate g_proj, stacked MoE experts moe.gate_proj/up_proj/down_proj, MTP layers with "
+                "transformer.shared_head) has no modeling class in transformers or the Bridge to write a fixture from "
+                "(the harness derives no layout from the mapping under test)"),
     # each attention layer materializes the sbd_block_diff mask over [2S, 2S] at build, S the provider's seq_length 32768
     # (diffusion/common/dllm.py:181-215 compute_block_mask, create_block_mask uncompiled: a 34 GiB transient per layer,
     # two ranks at once; the Bridge sets no seq_length from the checkpoint: ministral3_provider.py:90)
@@ -266,17 +276,19 @@ FAMILIES: tuple[Family, ...] = (
          "ColumnParallelLinear for the fused norm+linear (:78-91), so the Bridge's layer_norm_weight mappings have no "
          "parameter (load: 'NoneType' object has no attribute 'megatron_module', model_bridge.py:1100), and the harness's "
          "generic CPU spec lacks the expert pools: a harness CPU stand-in for this spec is not built yet"),
-        ("kimi_k25_vl", "KimiK25ForConditionalGeneration", None, "remote code: transformers 5.12.1 has no kimi_k25 config"),
-        ("nemotron_vl", "NemotronH_Nano_VL_V2", None, "remote code; its language model is Nemotron-H (Mamba-2: mamba_ssm)"),
-        ("nemotron_omni", "NemotronH_Nano_Omni_Reasoning_V3", None, "remote code; Nemotron-H language model (mamba_ssm)"),
-        ("qwen3_asr", "Qwen3ASRForConditionalGeneration", None, "remote code: transformers 5.12.1 has no qwen3_asr config"),
+        ("kimi_k25_vl", "KimiK25ForConditionalGeneration", None, "remote code; the Bridge builds its vision tower from the checkpoint's own hub code (kimi_vl/modeling_kimi_k25_vl.py:156-160: get_class_from_dynamic_module('modeling_kimi_k25.MoonViT3dPretrainedModel', hf_model_path)), which neither transformers nor the Bridge ships: no fixture can be built without it"),
+        ("nemotron_vl", "NemotronH_Nano_VL_V2", None, "remote code; the Bridge's NemotronVLModel is a language-only stub (nemotron_vl/modeling_nemotron_vl.py:23-28: vision inputs raise NotImplementedError until a reference vision encoder is open-sourced), and no modeling class lays out its RADIO tower and projector for a fixture"),
+        ("nemotron_omni", "NemotronH_Nano_Omni_Reasoning_V3", None, "remote code; its vision and sound towers' checkpoint layout comes only with the hub's modeling code (the Bridge copies it through ADDITIONAL_FILE_PATTERNS, nemotron_omni/nemotron_omni_bridge.py:74), which transformers lacks: no fixture here"),
+        ("qwen3_asr", "Qwen3ASRForConditionalGeneration", None, "remote code (the Bridge vendors it: qwen3_asr/hf_qwen3_asr); an audio (ASR) model: the harness writes image-text-to-text fixtures only, an audio-tower fixture is not built yet (harness gap)"),
         ("qwen2_audio", "Qwen2AudioForConditionalGeneration", "qwen2_audio",
-         "audio-text: no image-text-to-text class in transformers (an audio fixture is not built here)"),
+         "audio-text: transformers ships Qwen2AudioForConditionalGeneration, but the harness writes image-text-to-text fixtures only: an audio-tower (Whisper-like) fixture is not built yet (harness gap)"),
         ("qwen3_omni", "Qwen3OmniMoeForConditionalGeneration", "qwen3_omni_moe",
-         "omni (thinker + talker + audio): no image-text-to-text class in transformers"),
+         "omni (thinker + talker + audio): transformers ships the classes, but the harness writes image-text-to-text fixtures "
+         "only: an omni (audio tower, talker) fixture is not built yet (harness gap)"),
         ("qwen2_5_omni", "Qwen2_5OmniForConditionalGeneration", "qwen2_5_omni",
-         "omni (thinker + talker + audio): no image-text-to-text class in transformers"),
-        ("step3p7_vl", "Step3p7ForConditionalGeneration", None, "remote code: transformers 5.12.1 has no step3p7 config"),
+         "omni (thinker + talker + audio): transformers ships the classes, but the harness writes image-text-to-text fixtures "
+         "only: an omni (audio tower, talker) fixture is not built yet (harness gap)"),
+        ("step3p7_vl", "Step3p7ForConditionalGeneration", None, "remote code: the Bridge ships its configuration only (stepfun/configuration_step37.py, step37_bridge.py:67), no modeling class lays its checkpoint out for a fixture"),
     )),
 )
 

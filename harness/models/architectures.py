@@ -85,6 +85,8 @@ def classify(f: Family) -> tuple[str, str]:
 
     if f.path == "vl":
         return "vl", f"{f.architecture}: VL/omni/audio, no language-path case here: {f.note}"
+    if f.path == "unbuilt":
+        return "unbuilt", f"{f.architecture}: no case here: {f.note}"
     if f.path == "vl-text":
         return _classify_vl_text(f)
     if f.path == "remote":  # its weights are `layout`'s: that class must ship
@@ -299,13 +301,13 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
     family (harness.models.vl) gets its entries as a text one, LoRA on its language path included;
     VL/omni families without a language-path case ("vl") are listed as deferred in a comment."""
     from harness.models.xfails_lora import CANONICAL, LANGUAGE_ONLY_LORA, LORA, LORA_NOT_GENERATED, NEEDS_CUDA, canonical_pair
-    from harness.models.remote import NO_MODELING
+    from harness.models.remote import no_modeling
     from harness.models.xfails_roundtrip import ROUNDTRIP
 
     tables = {"hf-roundtrip": ROUNDTRIP if roundtrip is None else roundtrip, "peft-export": LORA if lora is None else lora}
     lines = [_HEADER]
     for f in FAMILIES:
-        if f.path == "vl":
+        if f.path in ("vl", "unbuilt"):
             continue
         for case, xfails in tables.items():
             if case == "peft-export" and (f.name in LORA_NOT_GENERATED or f.path == "remote"):
@@ -338,8 +340,9 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
     deferred = [f for f in FAMILIES if f.path == "vl"]
     lines.append("# deferred: VL / omni / audio without a language-path case (why: docs/architectures.md): "
                  + ", ".join(f.architecture for f in deferred) + "\n")
+    lines += [f"# not built: {f.architecture}: {f.note}\n" for f in FAMILIES if f.path == "unbuilt"]
     lines += [f"# not generated: peft-export of hf-{name}: {why}\n" for name, why in LORA_NOT_GENERATED.items()]
-    lines += [f"# not generated: peft-export of {f.zoo_name}: {NO_MODELING.format(arch=f.architecture, layout=f.layout)}, "
+    lines += [f"# not generated: peft-export of {f.zoo_name}: {no_modeling(f.architecture, f.layout)}, "
               "which PEFT's model would wrap\n" for f in FAMILIES if f.path == "remote"]
     return "".join(lines)
 

@@ -12,7 +12,7 @@ a user of these models passes it; transformers then imports the file from HF_MOD
 harness keeps in its own cache (`modules_cache`).
 
 No transformers class builds such a checkpoint, so no transformers logits exist for it: a case's
-logits checks are not-run, saying so (`NO_MODELING`).
+logits checks are not-run, saying so (`no_modeling`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,15 @@ from typing import Any
 #: why a remote family's logits (and PEFT) checks are not-run
 NO_MODELING = ("no HF modeling class: {arch} ships its modeling code only as hub remote code (the fixture carries its "
                "configuration, of the harness's writing, and {layout}'s weight layout)")
+#: the same for a layout the Bridge vendors: its copy writes the fixture, but it is the package under test's own code
+NO_MODELING_VENDORED = ("no HF modeling class in transformers: {arch} is hub remote code; the fixture's weights are written by "
+                        "the Bridge's vendored copy of it ({layout}), part of the package under test, so no independent "
+                        "reference logits exist")
+
+
+def no_modeling(architecture: str, layout: str) -> str:
+    """Why a remote family's logits (and PEFT) checks do not run."""
+    return (NO_MODELING_VENDORED if layout in BRIDGE_VENDORED else NO_MODELING).format(arch=architecture, layout=layout)
 
 _CONFIG_PY = '''"""{arch}'s configuration, written by ckpt-harness for a tiny fixture (the hub ships the real one as
 remote code): transformers' {layout} configuration under model_type {model_type!r}, plus the fields the

@@ -118,6 +118,28 @@ def test_te_globals_of_a_vl_package_are_swapped(monkeypatch):
     assert vl.localize_te_globals(provider) == ["fakevl_pkg.modeling.TENorm"] and modeling.TENorm is stand_in
 
 
+def test_te_spec_builders_of_a_vl_module_build_on_cpu_stand_ins(monkeypatch):
+    """A VL modeling module's own TE-only spec builder (Qwen3-VL's ViT spec) is wrapped once so that what it builds
+    holds the CPU stand-ins; with Transformer-Engine importable nothing is touched (planted: the wrap undone)."""
+    from harness.compat import te
+    from harness.models import cpu_spec
+
+    placeholder, stand_in = MagicMock(name="TEDotProductAttention"), object()
+    monkeypatch.setattr(cpu_spec, "replacements", lambda: {id(placeholder): stand_in})
+    modeling = types.ModuleType("fakevl_pkg.modeling_te")
+
+    def get_vit_layer_with_transformer_engine_spec():
+        return [placeholder]
+
+    modeling.get_vit_layer_with_transformer_engine_spec = get_vit_layer_with_transformer_engine_spec
+    monkeypatch.setattr(te, "te_importable", lambda: True)
+    assert vl.localize_te_spec_builders(modeling) == [] and modeling.get_vit_layer_with_transformer_engine_spec() == [placeholder]
+    monkeypatch.setattr(te, "te_importable", lambda: False)
+    assert vl.localize_te_spec_builders(modeling) == ["get_vit_layer_with_transformer_engine_spec"]
+    assert modeling.get_vit_layer_with_transformer_engine_spec() == [stand_in]
+    assert vl.localize_te_spec_builders(modeling) == []  # once
+
+
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "mistral3", "gemma4_vl"])
 def test_vl_families_build_a_vl_config(name):
     assert vl.is_vl(type(arch.tiny_config(get_model(f"hf-{name}"))))

@@ -36,6 +36,7 @@ def no_modeling(architecture: str, layout: str) -> str:
     """Why a remote family's logits (and PEFT) checks do not run."""
     return (NO_MODELING_VENDORED if layout in BRIDGE_VENDORED else NO_MODELING).format(arch=architecture, layout=layout)
 
+
 _CONFIG_PY = '''"""{arch}'s configuration, written by ckpt-harness for a tiny fixture (the hub ships the real one as
 remote code): transformers' {layout} configuration under model_type {model_type!r}, plus the fields the
 remote configuration spells its own way."""

@@ -180,8 +180,9 @@ TE_SPEC_BUILDERS = ("get_gpt_layer_with_transformer_engine_spec", "get_vit_layer
 
 def localize_te_spec_builders(mod: Any) -> list[str]:
     """Each TE_SPEC_BUILDERS function `mod` imported, wrapped (in `mod` only, this process) so that the spec it
-    builds has every TE class swapped for its CPU stand-in under TE's names (harness.models.cpu_spec.localize);
-    the names wrapped. Only where TE is missing: its classes are then placeholders that cannot build."""
+    builds has every TE class swapped for its CPU stand-in under TE's names (harness.models.cpu_spec.localize), and
+    Core's gated-DeltaNet block builder (Qwen3.5-VL's language block) replaced by harness.models.cpu_hybrid's; the
+    names replaced, each once. Only where TE is missing: its classes are then placeholders that cannot build."""
     import functools
 
     from harness.compat.te import te_importable
@@ -192,8 +193,14 @@ def localize_te_spec_builders(mod: Any) -> list[str]:
     done = []
     from harness.models.cpu_hybrid import HYBRID_BLOCK_SPEC, hybrid_block
 
-    if callable(getattr(mod, HYBRID_BLOCK_SPEC, None)):  # Qwen3.5 VL's language block (qwen35_vl_provider.py:460): TE-only
-        setattr(mod, HYBRID_BLOCK_SPEC, lambda config, vp_stage=None, pp_rank=None: hybrid_block(config, vp_stage))
+    own = getattr(mod, HYBRID_BLOCK_SPEC, None)
+    if callable(own) and not getattr(own, "_ckpt_harness_localized", False):  # Qwen3.5 VL (qwen35_vl_provider.py:460): TE-only
+
+        def block_on_cpu(config: Any, vp_stage: int | None = None, pp_rank: int | None = None) -> Any:
+            return hybrid_block(config, vp_stage)
+
+        block_on_cpu._ckpt_harness_localized = True
+        setattr(mod, HYBRID_BLOCK_SPEC, block_on_cpu)
         done.append(HYBRID_BLOCK_SPEC)
     for key in TE_SPEC_BUILDERS:
         fn = getattr(mod, key, None)

@@ -65,3 +65,29 @@ def test_l2norm_matches_and_packed_sequences_are_refused():
     assert _agree(cpu_gdn.l2norm(x), ref.l2norm(x))
     with pytest.raises(NotImplementedError, match="cu_seqlens"):
         cpu_gdn.chunk_gated_delta_rule(*_inputs()[:5], cu_seqlens=torch.tensor([0, 37]))
+
+
+def test_install_leaves_a_core_without_a_gated_delta_net_alone(monkeypatch):
+    """A gate's candidate or a sweep's release with Core before 0.19 has no megatron.core.ssm.gated_delta_net package:
+    install() changes nothing and says so, so every other case of that release still builds (it used to raise in every
+    Bridge build). Planted: the import raising anything else still raises."""
+    import importlib
+
+    real = importlib.import_module
+
+    def without_gdn(name, *a, **kw):
+        if name.startswith("megatron.core.ssm.gated_delta_net"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(importlib, "import_module", without_gdn)
+    assert cpu_gdn.install() is False
+
+    def broken(name, *a, **kw):
+        if name.startswith("megatron.core.ssm.gated_delta_net"):
+            raise ImportError("a broken install")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    with pytest.raises(ImportError, match="broken install"):
+        cpu_gdn.install()

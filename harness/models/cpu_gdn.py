@@ -98,10 +98,14 @@ _CORE_MODULES = ("megatron.core.ssm.gated_delta_net.common", "megatron.core.ssm.
 def install() -> bool:
     """Bind the stand-ins where megatron-core's gated delta net found no fla (its HAVE_FLA False, the
     three names None), so GatedDeltaNet builds and runs on CPU; True when installed, False where fla
-    is there (nothing changed). Detects what it fixes: the names Core left None."""
+    is there or the installed Core has no gated delta net (before 0.19: `megatron.core.ssm.gated_delta_net`
+    is no package), nothing changed. Detects what it fixes: the names Core left None."""
     import importlib
 
-    common = importlib.import_module(_CORE_MODULES[0])
+    try:
+        common = importlib.import_module(_CORE_MODULES[0])
+    except ModuleNotFoundError:  # an older Core (a gate's candidate, a sweep's release): nothing to stand in for
+        return False
     if getattr(common, "HAVE_FLA", True) and common.chunk_gated_delta_rule is not None:
         return False
     names = {"causal_conv1d": causal_conv1d, "l2norm": l2norm, "chunk_gated_delta_rule": chunk_gated_delta_rule}

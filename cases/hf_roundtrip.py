@@ -42,7 +42,7 @@ from harness.backends import BackendRef, get_backend, ref_of, resolve
 from harness.core import truth
 from harness.core.context import RankContext
 from harness.core.memory import track
-from harness.core.parity import EXACT, Tolerance
+from harness.core.parity import EXACT, REFERENCE_ERROR_FACTOR, Tolerance, widened  # noqa: F401 (the factor: its comment, tests)
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
@@ -74,7 +74,7 @@ MEGATRON_HF_TOLERANCE_BF16 = Tolerance(atol=3e-2, rtol=3e-2, why="Megatron vs tr
 # max(atol, REFERENCE_ERROR_FACTOR x e). Measured (CPU, fp32, tp1): e = 1.19e-5 (hf-gemma3), 2.81e-5
 # (hf-gemma4); Megatron's own logits vs that fp64 forward 1.11e-5 and 2.23e-5, i.e. <= e as assumed. A
 # dropped op (hf-gemma2's dropped attention soft-cap: 1.2e-3) or a wrong weight stays far above 2e.
-REFERENCE_ERROR_FACTOR = 2.0
+# (harness.core.parity.REFERENCE_ERROR_FACTOR, `widened`: peft-export's logits bound widens the same way)
 
 
 @dataclass(frozen=True)
@@ -110,12 +110,7 @@ def megatron_tolerance(dtype: str, reference_error: float | None = None) -> Tole
     the reference's own measured fp32 error (`reference_error`) where that is larger, naming both."""
     if dtype == "bf16":
         return MEGATRON_HF_TOLERANCE_BF16
-    if reference_error is None:
-        return MEGATRON_HF_TOLERANCE
-    scaled = REFERENCE_ERROR_FACTOR * reference_error
-    why = (f"{MEGATRON_HF_TOLERANCE.why}; max(atol {MEGATRON_HF_TOLERANCE.atol:g}, {REFERENCE_ERROR_FACTOR:g} x "
-           f"transformers' own fp32 error {reference_error:.3g} vs its fp64 forward)")
-    return Tolerance(atol=max(MEGATRON_HF_TOLERANCE.atol, scaled), rtol=MEGATRON_HF_TOLERANCE.rtol, why=why)
+    return widened(MEGATRON_HF_TOLERANCE, reference_error)
 
 
 @torch.no_grad()

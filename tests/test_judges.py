@@ -367,6 +367,19 @@ def test_bf16_hf_logits_tolerances(bound):
     assert compare_tensors("l", logits, ulp, "a", "b", bound("fp32")) is not None
 
 
+def test_the_peft_logits_bound_widens_to_twice_peft_s_own_fp32_error_and_no_further():
+    """peft-export's fp32 logits bound with transformers+PEFT's measured fp32 error e: max(1e-5, 2e), named; a
+    difference past 2e still fails; bf16 ignores e (its bound already covers rounding)."""
+    logits, base = torch.zeros(1, 2, 4), torch.full((1, 2, 4), 1.0)
+    c = _peft.logits_check(logits, base, logits + 1.76e-5, "tp1", "fp32")
+    assert c.status == "failed"  # the fixed 1e-5
+    c = _peft.logits_check(logits, base, logits + 1.76e-5, "tp1", "fp32", reference_error=2.2e-5)
+    assert c.status == "passed" and c.tolerance.atol == pytest.approx(4.4e-5) and "2.2e-05" in c.tolerance.why
+    assert _peft.logits_check(logits, base, logits + 5e-5, "tp1", "fp32", reference_error=2.2e-5).status == "failed"
+    assert _peft.logits_check(logits, base, logits + 1.76e-5, "tp1", "fp32", reference_error=1e-7).status == "failed"
+    assert _peft.logits_check(logits, base, logits + 0.2, "tp1", "bf16", reference_error=1.0).status == "failed"
+
+
 def test_peft_config_logits_and_reshard_judges():
     asked = {"r": 4, "lora_alpha": 8, "target_modules": ["k_proj", "q_proj"], "base_model_name_or_path": "/x"}
     assert _peft.config_check({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj"],

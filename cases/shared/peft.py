@@ -11,7 +11,7 @@ from typing import Any, Iterable, Literal
 
 import torch
 
-from harness.core.parity import EXACT, Tolerance, compare_tensors, max_abs_diff
+from harness.core.parity import EXACT, Tolerance, compare_tensors, max_abs_diff, widened
 from harness.core.result import Check
 from harness.core.topology import Topology
 from harness.core.zoo import HFModelSpec
@@ -191,20 +191,6 @@ def _scaled(tol: Tolerance, scale: float) -> Tolerance:
     return Tolerance(tol.atol * scale / MEASURED_SCALE, tol.rtol, f"{tol.why}, x alpha/r {scale:g} / 2")
 
 
-#: as hf-roundtrip's: Megatron's fp32 logits may sit up to this many times transformers' own fp32 error (vs its fp64
-#: forward) off transformers' fp32 logits; a dropped op or a wrong weight stays far above it
-REFERENCE_ERROR_FACTOR = 2.0
-
-
-def widened(tol: Tolerance, reference_error: float | None) -> Tolerance:
-    """`tol`, its atol widened to REFERENCE_ERROR_FACTOR x transformers+PEFT's own measured fp32 error where that is larger."""
-    if reference_error is None or REFERENCE_ERROR_FACTOR * reference_error <= tol.atol:
-        return tol
-    return Tolerance(atol=REFERENCE_ERROR_FACTOR * reference_error, rtol=tol.rtol,
-                     why=f"{tol.why}; max(atol {tol.atol:g}, {REFERENCE_ERROR_FACTOR:g} x transformers+peft's own fp32 error "
-                         f"{reference_error:.3g} vs its fp64 forward)")
-
-
 @torch.no_grad()
 def peft_reference_error(base_dir: Path, adapter_dir: Path, input_ids: torch.Tensor, fp32_logits: torch.Tensor) -> float:
     """max |transformers+PEFT fp32 logits - the same adapter's fp64 forward| (the eager experts: torch._grouped_mm
@@ -224,7 +210,7 @@ def peft_reference_error(base_dir: Path, adapter_dir: Path, input_ids: torch.Ten
 def logits_check(hf_lora: torch.Tensor, hf_base: torch.Tensor, megatron: torch.Tensor, src: str, dtype: str = "fp32",
                  scale: float = MEASURED_SCALE, reference_error: float | None = None) -> Check:
     """transformers+PEFT vs Megatron+LoRA within logits_tolerance, widened by `reference_error` (fp32 only: None in bf16)."""
-    tol = widened(logits_tolerance(dtype, scale), reference_error if dtype == "fp32" else None)
+    tol = widened(logits_tolerance(dtype, scale), reference_error if dtype == "fp32" else None, "transformers+peft's")
     m = compare_tensors("logits", hf_lora, megatron, "transformers+peft", f"megatron+lora@{src}", tol)
     effect = max_abs_diff(hf_lora, hf_base)
     if m is None and effect < MIN_ADAPTER_EFFECT:

@@ -94,6 +94,21 @@ class Tolerance:
         return cls(0.0, 0.0, text, "unknown")
 
 
+#: how far an fp32 implementation may sit off a reference whose own fp32 error against its fp64 forward is e:
+#: |other - reference| <= |other - exact| + |reference - exact| ~ 2e (cases/hf_roundtrip.py: the measurements)
+REFERENCE_ERROR_FACTOR = 2.0
+
+
+def widened(tol: Tolerance, reference_error: float | None, whose: str = "transformers'") -> Tolerance:
+    """`tol` with its atol max(tol.atol, REFERENCE_ERROR_FACTOR x `reference_error`), naming both (`whose`: the
+    reference measured); `tol` itself where nothing was measured (None)."""
+    if reference_error is None:
+        return tol
+    why = (f"{tol.why}; max(atol {tol.atol:g}, {REFERENCE_ERROR_FACTOR:g} x {whose} own fp32 error "
+           f"{reference_error:.3g} vs its fp64 forward)")
+    return Tolerance(atol=max(tol.atol, REFERENCE_ERROR_FACTOR * reference_error), rtol=tol.rtol, why=why)
+
+
 BITWISE = Tolerance(0.0, 0.0, "bitwise", "bitwise")
 EXACT = Tolerance(0.0, 0.0, "exact", "exact")
 NOT_COMPARED = Tolerance(0.0, 0.0, "nothing compared", "none")

@@ -201,21 +201,24 @@ def _rank(ctx: RankContext, p: _Phase) -> BridgeOut:
 
 def judge(
     src: Topology, dst: Topology, worlds: list[tuple[str, list[BridgeOut]]], source: dict[str, torch.Tensor],
-    exported: dict[str, torch.Tensor], ref_logits: torch.Tensor, export_logits: torch.Tensor,
-    config_dtypes: tuple[str | None, str | None], dtype: str = "fp32", ref_error: float | None = None,
+    exported: dict[str, torch.Tensor], ref_logits: torch.Tensor | None, export_logits: torch.Tensor | None,
+    config_dtypes: tuple[str | None, str | None], dtype: str = "fp32", ref_error: float | None = None, no_logits: str = "",
 ) -> list[Check]:
     """`worlds`: (topology id, outputs) of each world that built the model (one when S == D);
     `config_dtypes`: the dtype the source's and the export's config.json declare; `ref_error`:
-    transformers' own fp32 error on the source (`reference_error`), None where not measured."""
+    transformers' own fp32 error on the source (`reference_error`), None where not measured. `ref_logits`
+    None: no transformers class builds the checkpoint (harness.models.remote): both logits checks not-run,
+    `no_logits` saying why."""
     bound = megatron_tolerance(dtype, ref_error)
     measured = "" if ref_error is None else f" (transformers' own fp32 error {ref_error:.3g} vs fp64; bound atol {bound.atol:.3g})"
-    checks = [
-        state_check("export-bitwise", source, exported, "hf-source", f"export@{dst.id}",
-                    f"{len(exported)} tensors, keys and dtypes equal the source"),
-        tensor_check("hf-logits", ref_logits, export_logits, "transformers(source)", f"transformers(export@{dst.id})",
-                     "transformers logits equal"),
-    ]
-    for label, outs in worlds:
+    checks = [state_check("export-bitwise", source, exported, "hf-source", f"export@{dst.id}",
+                          f"{len(exported)} tensors, keys and dtypes equal the source")]
+    if ref_logits is None:
+        checks += not_run_checks(("hf-logits", "megatron-logits"), no_logits)
+    else:
+        checks.append(tensor_check("hf-logits", ref_logits, export_logits, "transformers(source)", f"transformers(export@{dst.id})",
+                                   "transformers logits equal"))
+    for label, outs in worlds if ref_logits is not None else ():
         meg = next((o.logits for o in outs if o.logits is not None), None)
         if meg is None:
             checks.append(Check(f"megatron-logits@{label}", "failed", "no rank returned logits"))
@@ -226,19 +229,6 @@ def judge(
                              f"{', '.join(DdpKnobs.__dataclass_fields__)} reach the provider-built DDP; params {dtype}"))
     checks.append(export_dtype_check(*config_dtypes, exported))
     return checks
-
-
-def judge_without_logits(dst: Topology, worlds: list[tuple[str, list[BridgeOut]]], source: dict[str, torch.Tensor],
-                         exported: dict[str, torch.Tensor], config_dtypes: tuple[str | None, str | None], dtype: str,
-                         why: str) -> list[Check]:
-    """judge's checks for a checkpoint no transformers class builds (harness.models.remote): the weights
-    bitwise, propagation and dtype; both logits checks not-run with `why`."""
-    return [state_check("export-bitwise", source, exported, "hf-source", f"export@{dst.id}",
-                        f"{len(exported)} tensors, keys and dtypes equal the source"),
-            *not_run_checks(("hf-logits", "megatron-logits"), why),
-            knob_check("propagation", [(label, [o.propagation for o in outs]) for label, outs in worlds],
-                       f"{', '.join(DdpKnobs.__dataclass_fields__)} reach the provider-built DDP; params {dtype}"),
-            export_dtype_check(*config_dtypes, exported)]
 
 
 class HFRoundtrip(Case):
@@ -347,9 +337,9 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
         result.checks.append(export_integrity([Expected(f"export@{dst.id}", export, source_infos(hf_dir))]))
         backend = get_backend(export_backend)
         if is_remote(model):  # no transformers class builds it: weights, reshard and export only
-            result.checks += judge_without_logits(dst, worlds, backend.read_full(None, hf_dir), backend.read_full(None, export),
-                                                  (config_dtype(hf_dir), config_dtype(export)), dtype,
-                                                  no_modeling(model.architecture, model.arch))
+            result.checks += judge(src, dst, worlds, backend.read_full(None, hf_dir), backend.read_full(None, export), None, None,
+                                   (config_dtype(hf_dir), config_dtype(export)), dtype,
+                                   no_logits=no_modeling(model.architecture, model.arch))
             return
         ids = truth.fixed_input_ids(model)
         ref = reference_logits(hf_dir, ids, dtype=dtype)

@@ -342,6 +342,9 @@ def test_hf_roundtrip_judge():
     assert bad["export-bitwise"] == "failed" and bad["hf-logits"] == "failed"
     far = [hf_roundtrip.BridgeOut(outs[0].propagation, logits + 1e-2)]
     assert _statuses(hf_roundtrip.judge(src, dst, [("a", far)], state, state, logits, logits, dtypes))["megatron-logits@a"] == "failed"
+    # no transformers class (a remote-code family): the logits checks not-run with why, the weights still judged
+    remote = _statuses(hf_roundtrip.judge(src, dst, [("a", outs)], state, flipped, None, None, dtypes, no_logits="no HF class"))
+    assert remote["hf-logits"] == remote["megatron-logits"] == "not-run" and remote["export-bitwise"] == "failed"
 
 
 def test_hf_export_dtype_judge():

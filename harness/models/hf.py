@@ -163,7 +163,9 @@ def _write_fixture(spec: HFModelSpec, directory: Path, dtype: str, shards: int, 
     if spec.remote_type:  # a family whose modeling is hub remote code: its config.json and configuration file
         from harness.models.remote import finish_fixture
 
-        drop, add = finish_fixture(spec, directory)
+        names, drop, add = finish_fixture(spec, directory)
+        if names:
+            respell(directory, names)
         if drop or add:
             rewrite_tensors(directory, drop, {k: v.to(HF_DTYPES[dtype]).contiguous() for k, v in add.items()})
     write_tokenizer(spec, directory)
@@ -204,17 +206,14 @@ def _top_level_mtp(spec: HFModelSpec, directory: Path, config, n: int, dtype: st
     """Qwen3-Next's MTP layout (its Hub checkpoints; transformers drops `^mtp.*` on load): `mtp.layers.<i>.*`
     a full-attention MoE layer as the model's own are written, and mtp.fc, mtp.pre_fc_norm_embedding,
     mtp.pre_fc_norm_hidden, mtp.norm; canonical values by name."""
-    from safetensors import safe_open
-
     from harness.core import truth
+    from harness.judge.hf_integrity import source_infos
 
     full = [i for i, t in enumerate(config.layer_types) if t == "full_attention"][-1]
     prefix, shapes = f"model.layers.{full}.", {}
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            for k in sf.keys():
-                if k.startswith(prefix):
-                    shapes.update({f"mtp.layers.{i}.{k[len(prefix):]}": tuple(sf.get_slice(k).get_shape()) for i in range(n)})
+    for k, info in source_infos(directory).items():
+        if k.startswith(prefix):
+            shapes.update({f"mtp.layers.{i}.{k[len(prefix):]}": info.shape for i in range(n)})
     h = config.hidden_size
     shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,),
                    "mtp.norm.weight": (h,)})

@@ -93,13 +93,10 @@ def modules_cache() -> str:
 
 
 def _shapes(directory: Path) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
+    """The fixture's tensor shapes, from its safetensors headers."""
+    from harness.judge.hf_integrity import source_infos
 
-    out: dict[str, tuple[int, ...]] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            out.update({k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()})
-    return out
+    return {k: info.shape for k, info in source_infos(directory).items()}
 
 
 def _mimo_mtp(spec: Any, directory: Path, fields: dict[str, Any]) -> tuple[set[str], dict[str, Any]]:
@@ -147,29 +144,26 @@ def _decilm_blocks(spec: Any, directory: Path, fields: dict[str, Any]) -> tuple[
     return drop, truth.canonical_hf_state(spec, shapes)
 
 
-def _diffusion_names(spec: Any, directory: Path, fields: dict[str, Any]) -> tuple[set[str], dict[str, Any]]:
+def _diffusion_names(spec: Any, directory: Path, fields: dict[str, Any]) -> dict[str, str]:
     """NemotronLabsDiffusion's text-only checkpoints: the Ministral 3 model under `encoder.*` and its head as
     `diffusion_head.weight` (the Bridge's text-only mapping reads these: nemotron_labs_diffusion_bridge.py
-    _text_only_mappings); the same tensors, renamed."""
-    from safetensors.torch import load_file
-
-    state: dict[str, Any] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    renamed = {("diffusion_head.weight" if k == "lm_head.weight" else "encoder." + k[len("model."):] if k.startswith("model.")
-                else k): v.float() for k, v in state.items()}
-    return set(state), renamed
+    _text_only_mappings): the renames of the layout's tensors."""
+    return {k: "diffusion_head.weight" if k == "lm_head.weight" else "encoder." + k.removeprefix("model.")
+            for k in _shapes(directory) if k == "lm_head.weight" or k.startswith("model.")}
 
 
 #: what a remote family's checkpoint holds otherwise than its layout's model (more tensors, fewer, other
 #: shapes), by remote model_type: (names to drop, fp32 tensors to add)
-EXTRA_TENSORS = {"mimo": _mimo_mtp, "nemotron-nas": _decilm_blocks, "nemotron_labs_diffusion": _diffusion_names}
+EXTRA_TENSORS = {"mimo": _mimo_mtp, "nemotron-nas": _decilm_blocks}
+#: what it names otherwise, by remote model_type: the layout's name -> the remote one
+RENAMES = {"nemotron_labs_diffusion": _diffusion_names}
 
 
-def finish_fixture(spec: Any, directory: Path) -> tuple[set[str], dict[str, Any]]:
+def finish_fixture(spec: Any, directory: Path) -> tuple[dict[str, str], set[str], dict[str, Any]]:
     """Turn the `spec.arch` checkpoint transformers wrote into `directory` into the remote family's:
     config.json under the remote model_type with its auto_map and own fields, and the configuration file.
-    Returns what its tensors need besides (EXTRA_TENSORS): the names to drop, the fp32 tensors to add."""
+    Returns what its tensors need besides: the renames (RENAMES), the names to drop and the fp32 tensors to
+    add (EXTRA_TENSORS)."""
     model_type = spec.remote_type
     cls = class_name(model_type)
     fields = {k: list(v) if isinstance(v, tuple) else v.value() if hasattr(v, "value") else v for k, v in spec.remote_fields}
@@ -180,5 +174,5 @@ def finish_fixture(spec: Any, directory: Path) -> tuple[set[str], dict[str, Any]
     cfg["model_type"] = model_type
     cfg["auto_map"] = {"AutoConfig": f"{module_name(model_type)}.{cls}"}
     (directory / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    extra = EXTRA_TENSORS.get(model_type)
-    return extra(spec, directory, fields) if extra else (set(), {})
+    rename, extra = RENAMES.get(model_type), EXTRA_TENSORS.get(model_type)
+    return (rename(spec, directory, fields) if rename else {}), *(extra(spec, directory, fields) if extra else (set(), {}))

@@ -70,7 +70,6 @@ _TE_VL = ("a Megatron-built ViT and language model from Transformer-Engine specs
           "with get_gpt_layer_with_transformer_engine_spec whatever transformer_layer_spec says ({f}) and the ViT with "
           "get_vit_layer_with_transformer_engine_spec ({v}); on CPU both built with harness.models.cpu_spec's stand-ins "
           "under TE's names (harness.models.vl.localize_te_spec_builders)")
-_REMOTE = "modeling code shipped only as hub remote code (trust_remote_code); transformers {v} has no {m}"
 
 FAMILIES: tuple[Family, ...] = (
     # ---- dense text causal LMs

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.models.cpu_spec import Norm, _copy_tree, _local_te_backend, localize, localize_globals
+from harness.models.cpu_spec import Norm, _copy_tree, local_te_spec_provider, localize, localize_globals
 
 #: megatron-core's hybrid block spec (gated DeltaNet / standard attention per layer), TE-only by assertion
 HYBRID_BLOCK_SPEC = "get_transformer_block_with_experimental_attention_variant_spec"
@@ -21,17 +21,13 @@ def hybrid_block(config, vp_stage: int | None = None):
     `get_gpt_layer_with_transformer_engine_spec`, which instantiates gpt_layer_specs' own TESpecProvider
     (None without TE): that name points at the same backend for the duration of the call only. The
     gated DeltaNet's kernels: harness.models.cpu_gdn."""
-    from unittest import mock
-
-    import megatron.core.models.gpt.gpt_layer_specs as gpt_specs
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_transformer_layer_with_experimental_attention_variant_spec,
     )
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    backend = _local_te_backend()
-    with mock.patch.object(gpt_specs, "TESpecProvider", backend):
+    with local_te_spec_provider() as backend:
         layers = get_transformer_layer_with_experimental_attention_variant_spec(config, backend=backend())
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     local = layers[offset:offset + get_num_layers_to_build(config, vp_stage=vp_stage)]

@@ -20,6 +20,8 @@ Every stand-in's parallelism is what Bridge's `_detect_parallelism_type` reads (
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 from typing import Any
 
@@ -33,8 +35,6 @@ def _norm(config, hidden_size: int, eps: float | None = None):
     """TENorm on CPU: RMSNorm/LayerNorm as the config says, (1 + w) where the config zero-centres. Under
     sequence parallelism (Qwen3-VL-MoE's provider turns it on at TP > 1) a norm of the rank's tokens with its
     weights marked sequence_parallel, as TENorm's are (torch's norm refuses the flag: torch_norm.py:50)."""
-    import copy
-
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     eps = config.layernorm_epsilon if eps is None else eps
@@ -288,7 +288,6 @@ PROVIDER_SPECS = ("gemma2_layer_spec", "gemma3_layer_spec", "exaone4_layer_spec"
 MODULE_SWAPS = ("olmoe_layer_spec", "minimax_m2_layer_spec")
 
 
-
 def swap_norms(node: Any, seen: set[int]) -> None:
     """Every megatron-core local norm (WrappedTorchNorm) in a spec tree -> ZeroCenteredNorm:
     megatron-core 0.19.2's torch_norm.py:44 asserts `not layernorm_zero_centered_gamma` (Gemma's
@@ -353,6 +352,20 @@ def _copy_tree(node: Any) -> Any:
             setattr(new, key, _copy_tree(value))
         return new
     return node
+
+
+@contextlib.contextmanager
+def local_te_spec_provider():
+    """For the duration of a call, megatron-core's GPT TE-spec builders (gpt_layer_specs' TESpecProvider, None without
+    TE) build from `_local_te_backend`: local modules under TE's names (cpu_hybrid.hybrid_block, a VL provider's own
+    builders: harness.models.vl.localize_te_spec_builders)."""
+    from unittest import mock
+
+    import megatron.core.models.gpt.gpt_layer_specs as specs
+
+    backend = _local_te_backend()
+    with mock.patch.object(specs, "TESpecProvider", backend):
+        yield backend
 
 
 def _local_te_backend() -> type:

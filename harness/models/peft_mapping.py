@@ -64,6 +64,8 @@ def checkpoint_layout(keys: Iterable[str]) -> Layout:
     layers = next((m[1] for k in keys if (m := _LAYER0.match(k)) and "vision" not in k and "visual" not in k), TEXT.layers)
     head = next((k.removesuffix(".weight") for k in keys if k.endswith("lm_head.weight")), TEXT.lm_head)
     return Layout(layers, head)
+
+
 #: model_type -> a hybrid family's HF names of a decoder layer's attention / MLP modules (transformers' modeling):
 #: Nemotron-H holds either in its layer's `mixer` (modeling_nemotron_h.py), Falcon-H1 its MLP as `feed_forward`
 MODULE_NAMES = {"nemotron_h": (("self_attn.", "mixer."), ("mlp.", "mixer.")), "falcon_h1": (("mlp.", "feed_forward."),)}

@@ -186,7 +186,7 @@ def localize_te_spec_builders(mod: Any) -> list[str]:
     import functools
 
     from harness.compat.te import te_importable
-    from harness.models.cpu_spec import localize
+    from harness.models.cpu_spec import local_te_spec_provider, localize
 
     if te_importable():
         return []
@@ -207,14 +207,7 @@ def localize_te_spec_builders(mod: Any) -> list[str]:
         if callable(fn) and not getattr(fn, "_ckpt_harness_localized", False):
             @functools.wraps(fn)
             def built_on_cpu(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
-                from unittest import mock
-
-                import megatron.core.models.gpt.gpt_layer_specs as specs
-
-                from harness.models.cpu_spec import _local_te_backend
-
-                # None without TE: the GPT builder's backend, for this call only (as cpu_hybrid.hybrid_block does)
-                with mock.patch.object(specs, "TESpecProvider", _local_te_backend()):
+                with local_te_spec_provider():  # the GPT builder's backend (None without TE), for this call only
                     return localize(_fn(*args, **kwargs))
 
             built_on_cpu._ckpt_harness_localized = True

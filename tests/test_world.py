@@ -283,3 +283,34 @@ def test_ranks_inherit_the_parent_heap_frozen_and_the_parent_collects_as_before(
     counts = launch(_gc_state, None, 2, tmp_path, timeout_s=60)
     assert all(c > 1000 for c in counts), counts
     assert gc.get_freeze_count() == 0
+
+
+def _segfault_on_rank1(ctx, _):
+    if ctx.rank == 1:
+        import ctypes
+        import faulthandler
+
+        faulthandler.enable()  # as pytest's faulthandler plugin leaves it in the parent the ranks fork from
+
+        def deep_in_the_rank():
+            ctypes.string_at(0)  # a native crash: no Python exception, only faulthandler's dump
+
+        deep_in_the_rank()
+    return ctx.rank
+
+
+def test_a_rank_that_crashes_is_reported_with_the_crashing_frame_not_only_the_dump_tail(tmp_path):
+    with pytest.raises(WorldError) as err:
+        launch(_segfault_on_rank1, None, world_size=2, workdir=tmp_path, backend="gloo", timeout_s=60)
+    text = str(err.value)
+    assert "rank 1 of 2 died" in text and "SIGSEGV" in text
+    assert "--- rank 1 crashed ---" in text, text
+    crash = text.split("--- rank 1 crashed ---", 1)[1].split("--- rank 1 output", 1)[0]
+    assert "Fatal Python error: Segmentation fault" in crash
+    assert "Current thread" in crash and "in deep_in_the_rank" in crash and "_segfault_on_rank1" in crash
+
+
+def test_fatal_head_is_empty_without_a_fatal_error():
+    from harness.run.ranklog import fatal_head
+
+    assert fatal_head("") == "" and fatal_head("Traceback (most recent call last):\n  File x\nValueError: y") == ""

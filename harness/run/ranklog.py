@@ -110,15 +110,36 @@ def _flush(stream) -> None:
         pass
 
 
+def fatal_head(text: str, lines: int = 25) -> str:
+    """Where a rank that died by a signal crashed: the "Fatal Python error" line and the crashing
+    thread's frames as faulthandler writes them (most recent call first). They lead the dump, so the
+    log's tail (the other threads, the bottom of the stack, the extension modules) leaves them out;
+    "" when the text has no such error."""
+    rows = text.splitlines()
+    start = next((i for i, row in enumerate(rows) if row.startswith("Fatal Python error:")), None)
+    if start is None:
+        return ""
+    head = [rows[start]]
+    current = next((i for i in range(start + 1, len(rows)) if rows[i].startswith("Current thread ")), None)
+    if current is not None:
+        block = rows[current:]
+        end = next((i for i, row in enumerate(block) if i and not row.startswith("  ")), len(block))
+        head += block[:min(end, lines)]
+    return "\n".join(head)
+
+
 def tail(logs: LogFiles, ranks: list[int] | range, lines: int = 15) -> str:
     """The last `lines` lines of each rank's log, for a failure report (with where the whole file is
-    when it is kept)."""
+    when it is kept); a crash's fatal error and crashing thread (`fatal_head`) come first."""
     out = []
     for r in ranks:
         path = logs.rank(r)
         text = path.read_text(errors="replace").strip() if path.exists() else ""
         if text:
             where = f", all of it in {path}" if logs.kept else ""
+            fatal = fatal_head(text)
+            if fatal:
+                out.append(f"\n--- rank {r} crashed ---\n{fatal}")
             out.append(f"\n--- rank {r} output (last {lines} lines{where}) ---\n" + "\n".join(text.splitlines()[-lines:]))
     return "".join(out)
 

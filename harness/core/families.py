@@ -46,6 +46,12 @@ class Family:
     def zoo_name(self) -> str:
         return f"hf-{self.name}"
 
+    @property
+    def has_cases(self) -> bool:
+        """Whether the matrix builds cases for it: a deferred VL model ("vl") and a model not built
+        ("unbuilt") have none, only their row's reason."""
+        return self.path not in ("vl", "unbuilt")
+
 
 class Nested(str):
     """A nested config value (a dict: DeepSeek-V4's rope_parameters) carried as its JSON text, so a

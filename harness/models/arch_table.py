@@ -76,7 +76,7 @@ def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[l
         line, whys = [f.architecture, f.zoo_name], []
         for kind in KINDS:
             for tgt in KIND_TARGETS[kind]:
-                r = got.get((f.zoo_name, kind, tgt)) if f.path not in ("vl", "unbuilt") else None
+                r = got.get((f.zoo_name, kind, tgt)) if f.has_cases else None
                 if r is None:
                     has_pair = (f.zoo_name, "hf-roundtrip", tgt) in got
                     line.append("not generated" if kind == "peft-export" and f.name in LORA_NOT_GENERATED and has_pair
@@ -86,7 +86,7 @@ def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[l
                 line.append(_cell(r))
                 if r["status"] != "passed" and (w := _why(r)) and w not in whys:
                     whys.append(w)
-        canon = [got[k] for k in got if k[0] == f.zoo_name and k[1] == CANONICAL and f.path not in ("vl", "unbuilt")]
+        canon = [got[k] for k in got if k[0] == f.zoo_name and k[1] == CANONICAL and f.has_cases]
         line.append(f"{_cell(canon[0])} ({_target(canon[0]['id'])})" if canon else "not generated" if f.name in LORA_NOT_GENERATED
                     else NO_HF_CLASS if f.path == "remote" else _absent(f))
         if canon and canon[0]["status"] != "passed" and (w := _why(canon[0])) and w not in whys:
@@ -97,7 +97,7 @@ def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[l
             whys.append(f"LoRA on the language path only: {LANGUAGE_ONLY_WHY}")
         if f.path == "remote":
             whys.append("hub remote code: round trips without logits, no LoRA case (no transformers class for PEFT to wrap)")
-        if f.path in ("vl", "unbuilt"):
+        if not f.has_cases:
             whys.append(f.note)
         out.append(line + ["; ".join(whys)])
     return out
@@ -123,7 +123,7 @@ def summary(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> str
     named xfail); not-run (each names its missing piece); red (a failure, error or XPASS)."""
     got = cells(doc)
     green, real, holes, not_run, red, lora_gap = [], [], [], [], [], []
-    unbuilt = [f.name for f in families if f.path in ("vl", "unbuilt")]
+    unbuilt = [f.name for f in families if not f.has_cases]
     for f in families:
         rs = [got[k] for k in got if k[0] == f.zoo_name]
         if not rs or f.name in unbuilt:  # a family without cases in today's matrix (deferred, not built)

@@ -61,12 +61,14 @@ def require_shims(topo: Topology) -> None:
         FSDP_GLOO_PREMUL_SUM,
         FSDP_GLOO_UNEVEN_ALL_GATHER,
     )
+    from harness.compat.gloo import FSDP_GLOO_SERIAL_COALESCING
     from harness.models.parallel import rank_device
 
     device = rank_device()
     require(FSDP_DEVICE, device)
     require(FSDP_GLOO_PREMUL_SUM, device)
     require(FSDP_GLOO_UNEVEN_ALL_GATHER, device)
+    require(FSDP_GLOO_SERIAL_COALESCING, device)
     if topo.tp > 1 or topo.etp > 1:  # the adapter broadcasts TP rank 0's RNG states, torch.cuda's included
         from harness.compat.bridge_training import CUDA_RNG_STATE
 

@@ -31,17 +31,19 @@ def _gloo(group) -> bool:
 
 
 def _issue(op, group) -> None:
-    """One recorded collective (torch's _CollOp), run now and waited for."""
-    import torch.distributed as dist
+    """One recorded collective (torch's _CollOp), run now and waited for (by torch's current names,
+    the deprecated ones where a torch has no other)."""
     from torch.distributed import distributed_c10d as c10d
 
+    gather = getattr(c10d, "all_gather_single", c10d.all_gather_into_tensor)
+    scatter = getattr(c10d, "reduce_scatter_single", c10d.reduce_scatter_tensor)
     kind = op.op
     if kind is c10d.all_reduce:
-        dist.all_reduce(op.tensor, op=op.redop, group=group)
-    elif kind in (getattr(c10d, "all_gather_single", None), c10d.all_gather_into_tensor):
-        dist.all_gather_into_tensor(op.dst_tensor, op.tensor, group=group)
-    elif kind in (getattr(c10d, "reduce_scatter_single", None), c10d.reduce_scatter_tensor):
-        dist.reduce_scatter_tensor(op.dst_tensor, op.tensor, op=op.redop, group=group)
+        c10d.all_reduce(op.tensor, op=op.redop, group=group)
+    elif kind in (gather, c10d.all_gather_into_tensor):
+        gather(op.dst_tensor, op.tensor, group=group)
+    elif kind in (scatter, c10d.reduce_scatter_tensor):
+        scatter(op.dst_tensor, op.tensor, op=op.redop, group=group)
     else:  # a kind torch's own manager coalesces that this one does not know: say so, never drop it
         raise NotImplementedError(f"ckpt-harness: {FSDP_GLOO_SERIAL_COALESCING}: no serial form of {kind!r}")
 

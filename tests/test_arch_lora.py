@@ -261,3 +261,61 @@ def test_peft_reference_loads_with_the_attention_hf_roundtrip_references(tmp_pat
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "attn_logit_softcapping": cap}))
         assert _peft.load_peft(tmp_path, tmp_path / "adapter") == ("base", tmp_path / "adapter")
         assert seen.pop().get("attn_implementation") == attn
+
+
+# --------------------------------------------------------------------------- the Mamba-2 projections
+
+
+def test_gather_deinterleaves_a_mamba_in_proj_over_tp_by_its_parts():
+    """megatron-core's MambaMixer splits each part of in_proj (z, x, B, C, dt) over TP: rank r holds
+    [z_r; x_r; B_r; C_r; dt_r]. The pieces carry their part sizes; gather puts HF's [z; x; B; C; dt] back.
+    Planted: the plain concatenation (what a gather without the parts does) is not that order."""
+    from harness.models.peft_mapping import gather
+
+    name = "decoder.layers.0.mixer.in_proj.adapter.linear_out.weight"
+    parts = (8, 8, 4, 4, 2)  # global z, x, B, C, dt rows
+    full = torch.arange(float(sum(parts) * 3)).reshape(sum(parts), 3)
+    chunks = full.split(list(parts))
+    shards = [torch.cat([c.chunk(2)[r] for c in chunks]) for r in (0, 1)]
+    local = tuple(p // 2 for p in parts)
+    got = gather([{"name": name, "tp_rank": r, "data": shards[r], "parts": local} for r in (0, 1)])
+    assert torch.equal(got[name], full)
+    assert not torch.equal(torch.cat(shards), full)
+    with pytest.raises(ValueError, match="without its part sizes"):
+        gather([{"name": name, "tp_rank": r, "data": shards[r]} for r in (0, 1)])
+    one = gather([{"name": name, "tp_rank": 0, "data": full}])  # TP 1: as it is, parts or none
+    assert torch.equal(one[name], full)
+
+
+def test_mamba_in_proj_parts_come_from_the_hf_config():
+    from harness.models.peft_mapping import mamba_in_proj_parts
+
+    # the nemotron_h fixture: 8 heads of 8, 2 groups of state 16 (harness/core/families.py)
+    assert mamba_in_proj_parts(get_model("hf-nemotron_h", "hf")) == (64, 64, 32, 32, 8)
+    assert mamba_in_proj_parts(get_model("hf-llama", "hf")) is None
+
+
+def test_mamba_projection_adapters_map_to_the_mixers_hf_modules_in_mamba_layers_only():
+    """in_proj / out_proj adapters name transformers' NemotronH mixer modules; the asked units are the
+    Mamba layers' (the fixture's layers 0 and 2), and the targets are allowed on a model with Mamba
+    layers only, named in the refusal elsewhere."""
+    from cases.shared import lora_layout as ll
+    from harness.models import peft_mapping as pm
+
+    nh = get_model("hf-nemotron_h", "hf")
+    a, b = torch.ones(2, 4), torch.ones(6, 2)
+    out = pm.to_hf_peft({"decoder.layers.2.mixer.in_proj.adapter.linear_in.weight": a,
+                         "decoder.layers.2.mixer.out_proj.adapter.linear_out.weight": b}, nh)
+    assert set(out) == {"base_model.model.model.layers.2.mixer.in_proj.lora_A.weight",
+                        "base_model.model.model.layers.2.mixer.out_proj.lora_B.weight"}
+    asked = ll.asked(nh, ll.entries(["in_proj", "out_proj"]))
+    assert asked == {"in_proj": {"model.layers.0.mixer.in_proj", "model.layers.2.mixer.in_proj"},
+                     "out_proj": {"model.layers.0.mixer.out_proj", "model.layers.2.mixer.out_proj"}}
+    assert ll.text_name("backbone.layers.2.mixer.in_proj") == "model.layers.2.mixer.in_proj"
+    ents = ll.entries(["in_proj"], layers=[2])
+    owners = ll.attribute({"model.layers.2.mixer.in_proj", "model.layers.0.mixer.in_proj"}, nh, ents)
+    assert owners == {ents[0].pattern: {"model.layers.2.mixer.in_proj"}, ll.NO_ENTRY: {"model.layers.0.mixer.in_proj"}}
+    kinds = {"lora": ("linear_qkv",)}
+    ll.validate(nh, "lora", 4, ("in_proj", "linear_qkv"), (), [], kinds)
+    with pytest.raises(ValueError, match=r"\['in_proj'\] not targets of adapter 'lora' on 'hf-llama'"):
+        ll.validate(get_model("hf-llama", "hf"), "lora", 4, ("in_proj",), (), [], kinds)

@@ -400,3 +400,24 @@ def test_hybrid_lora_names_follow_their_checkpoints():
     # planted: a text family keeps its names
     assert set(peft_mapping.to_hf_peft({"decoder.layers.0.mlp.linear_fc2.adapter.linear_in.weight": t}, get_model("hf-llama"))) == {
         "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"}
+
+
+def test_the_mamba_projection_lora_cases_sit_beside_the_grid_and_count():
+    """A Mamba projection LoRA case (tag mamba-*) never fills the grid's LoRA cell of its pair; the row's
+    reasons name it with its status, and its failure makes the family red."""
+    from harness.models import arch_table
+    from harness.report.grid import arch_column
+
+    nh = (BY_NAME["nemotron_h"],)
+    base = "peft-export[bridge_peft-hf-nemotron_h-tp1pp1dp1cp1->tp2pp1dp1cp1-lora"
+    lora = {"id": base + "]", "case": "peft-export", "model": "hf-nemotron_h", "status": "passed", "phases": {"run": 1.0}, "checks": []}
+    mamba = {**lora, "id": base + "-mamba-in-proj]", "status": "failed", "phases": {"run": 2.0},
+             "checks": [{"name": "resharded-export", "status": "failed", "detail": "2 mismatch(es)"}]}
+    rt = {**lora, "id": base.replace("peft-export[bridge_peft", "hf-roundtrip[bridge_hf") + "]", "case": "hf-roundtrip"}
+    doc = {"results": [rt, lora, mamba]}
+    col = {name: i for i, name in enumerate(arch_table.header())}
+    row = arch_table.rows(doc, nh)[0]
+    assert row[col["LoRA tp1->tp2"]] == "pass 1.0"
+    assert "Mamba in_proj/out_proj LoRA: in-proj tp1->tp2 FAIL 2.0" in row[-1] and "resharded-export: 2 mismatch" in row[-1]
+    assert "1 with a red case (nemotron_h)" in arch_table.summary(doc, nh)
+    assert arch_column(mamba) is None and arch_column(lora) == "LoRA tp2"

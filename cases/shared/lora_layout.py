@@ -41,6 +41,9 @@ HF_MODULES: dict[str, tuple[str, ...]] = {
     "linear_fc1_gate": ("mlp.gate_proj",),
     "linear_fc1_up": ("mlp.up_proj",),
     "linear_fc2": ("mlp.down_proj",),
+    # a Mamba-2 mixer's projections (Nemotron-H), in its Mamba layers only
+    "in_proj": ("mixer.in_proj",),
+    "out_proj": ("mixer.out_proj",),
     "output_layer": ("lm_head",),  # not in a decoder layer: a layer filter leaves it one entry
     # multi-latent attention (DeepSeek-V2/V3, GLM-4-MoE-Lite: megatron/bridge/models/deepseek/common.py's mappings)
     "linear_q_down_proj": ("self_attn.q_a_proj",),
@@ -56,20 +59,24 @@ MLA_KV = ("linear_kv_down_proj", "linear_kv_up_proj")
 _QKV = ("linear_qkv", "linear_q", "linear_k", "linear_v")
 #: targets beyond the adapter kinds' defaults (both kinds wrap it with a plain LoRALinear)
 EXTRA_TARGETS = ("output_layer",)
+#: targets a model with Mamba-2 layers has besides (no adapter kind's default: named in `targets`)
+MAMBA_TARGETS = ("in_proj", "out_proj")
 _OUTSIDE_LAYERS = {"output_layer"}
 NO_ENTRY = "(no entry)"
 #: targets on a column-parallel base (their adapter's linear_in splits the rank over TP)
 #: (MLA's down projections too: Megatron's local spec builds them ColumnParallelLinear(gather_output=False),
 #: megatron/core/transformer/multi_latent_attention.py:524-533; under TE they are TELinear 'duplicated')
 COLUMN = frozenset({"linear_qkv", "linear_q", "linear_k", "linear_v", "linear_fc1", "linear_fc1_gate", "linear_fc1_up", "output_layer",
-                    *MLA_Q_LORA, *MLA_Q, *MLA_KV})
-_UNIT = re.compile(r"^(?:model\.layers\.(\d+)\.(self_attn\.\w+|mlp\.(?:(?:shared_experts?|experts\.\d+)\.)?\w+)|(lm_head))$")
+                    "in_proj", *MLA_Q_LORA, *MLA_Q, *MLA_KV})
+_UNIT = re.compile(r"^(?:model\.layers\.(\d+)\.(self_attn\.\w+|mixer\.(?:in|out)_proj|mlp\.(?:(?:shared_experts?|experts\.\d+)\.)?\w+)|(lm_head))$")
 _MOE_PART = re.compile(r"(?:shared_experts?|experts\.\d+)\.")
 #: transformers 5 fused expert parameters (Qwen3-MoE) -> the per-expert HF modules they hold
 _FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 _MLP_LEAVES = ("gate_proj", "up_proj", "down_proj")
 #: mlp_units' marker of a decoder layer whose token mixer is linear attention (no self_attn modules)
 LINEAR_ATTENTION = "linear_attn"
+#: mlp_units' marker of a decoder layer that is a Mamba-2 mixer (its in_proj / out_proj)
+MAMBA = "mamba"
 _MLP_UNITS: dict[str, dict[int, dict[str, list[str]]]] = {}
 
 
@@ -131,8 +138,9 @@ def model_targets(model: HFModelSpec, targets: Iterable[str]) -> tuple[str, ...]
 _VL_PREFIX = re.compile(r"^(?:model\.language_model\.|language_model\.model\.)")
 #: hybrid families' decoder modules -> the text model's (Nemotron-H: each layer one `mixer`, attention or MLP, under
 #: `backbone.` in its checkpoints and `model.` in transformers 5's memory;
-#: Falcon-H1: its MLP as `feed_forward`); a Mamba mixer's in_proj / out_proj keeps its name (no target of these)
+#: Falcon-H1: its MLP as `feed_forward`); a Mamba mixer's in_proj / out_proj keeps `mixer.` (targets in_proj / out_proj)
 _HYBRID_NAMES = ((re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.([qkvo]_proj)$"), r"model.layers.\1.self_attn.\2"),
+                 (re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.((?:in|out)_proj)$"), r"model.layers.\1.mixer.\2"),
                  (re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.((?:up|down|gate)_proj)$"), r"model.layers.\1.mlp.\2"),
                  (re.compile(r"^model\.layers\.(\d+)\.feed_forward\.((?:up|down|gate)_proj)$"), r"model.layers.\1.mlp.\2"))
 
@@ -142,7 +150,7 @@ def text_name(unit: str) -> str:
     checkpoint also `language_model.model.layers.N...`, its head `language_model.lm_head`), or a hybrid
     model's attention / MLP module (_HYBRID_NAMES), under the text model's name (`model.layers.N...`,
     `lm_head`): the layout checks count decoder units the same way for all; any other module (a vision
-    tower, a projector, a Mamba mixer) keeps its name and so belongs to no target entry."""
+    tower, a projector) keeps its name and so belongs to no target entry."""
     if unit == "language_model.lm_head":
         return "lm_head"
     for pat, repl in _HYBRID_NAMES:
@@ -171,10 +179,13 @@ def mlp_units(model: HFModelSpec) -> dict[int, dict[str, list[str]]]:
         out: dict[int, dict[str, list[str]]] = {i: {f"mlp.{m}": [] for m in _MLP_LEAVES} for i in range(model.num_layers)}
         pat = re.compile(r"^model\.layers\.(\d+)\.(mlp\..+)$")
         attention = re.compile(r"^model\.layers\.(\d+)\.self_attn\.[qkvo]_proj$")
+        mamba = re.compile(r"^model\.layers\.(\d+)\.mixer\.in_proj$")
         with_attention: set[int] = set()
         for name, mod in hf.named_modules():
             if (at := attention.match(text_name(name))) and int(at[1]) in out:
                 with_attention.add(int(at[1]))
+            if (mb := mamba.match(text_name(name))) and int(mb[1]) in out:
+                out[int(mb[1])][MAMBA] = []
             if not (m := pat.match(name := text_name(name))) or int(m[1]) not in out:
                 continue
             layer, leaf = out[int(m[1])], m[2].rsplit(".", 1)[-1]
@@ -243,6 +254,8 @@ def _units(model: HFModelSpec, target: str, layer: int) -> list[str]:
             out.append(m)
         elif m.startswith("mlp."):
             out += mlp_units(model)[layer][m]
+        elif m.startswith("mixer."):  # a Mamba-2 layer's projections
+            out += [f"model.layers.{layer}.{m}"] if MAMBA in mlp_units(model)[layer] else []
         elif not (m.startswith("self_attn.") and LINEAR_ATTENTION in mlp_units(model)[layer]):
             out.append(f"model.layers.{layer}.{m}")  # a layer without attention (Qwen3-Next's linear attention, Mamba) has none
     return out
@@ -339,6 +352,8 @@ def validate(model: HFModelSpec, adapter: str, dim: int, targets: tuple[str, ...
     checked here: the run derives it again and fails naming the refusal."""
     try:
         allowed = model_targets(model, kinds[adapter]) + EXTRA_TARGETS
+        if any(MAMBA in layer for layer in mlp_units(model).values()):
+            allowed += MAMBA_TARGETS
     except FixtureUnavailable:
         allowed = None
     bad = [t for t in targets if allowed is not None and t not in allowed]

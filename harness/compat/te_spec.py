@@ -47,6 +47,12 @@ def _norm_linear_class():
                 x = torch.nn.functional.layer_norm(x, (x.shape[-1],), w, self.layer_norm_bias, self.eps)
             return super().forward(x, *args, **kwargs)
 
+        @property
+        def tp_size(self) -> int:
+            """TE's linears keep their TP size as `tp_size` (megatron-core's do not); Megatron-Bridge's
+            Mamba LoRA reads it off the wrapped in_proj (peft/adapter_wrapper.py:55)."""
+            return self.tp_group.size()
+
     return NormColumnParallelLinear
 
 

@@ -11,6 +11,7 @@ Written from results, never by hand, so the table says what a run measured."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from harness.core.families import FAMILIES, Family
 from harness.report.grid import ARCH_KINDS as KINDS
 from harness.report.grid import ARCH_TARGETS as TARGETS
+from harness.report.grid import arch_extra
 from harness.report.grid import arch_target as _target
 from harness.models.xfails_lora import LANGUAGE_ONLY_LORA, LANGUAGE_ONLY_WHY, LORA_NOT_GENERATED
 
@@ -31,6 +33,8 @@ SHORT = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "xfailed": "xfail
 KIND_TARGETS = {"hf-roundtrip": TARGETS, "peft-export": TARGETS}
 #: the CanonicalLoRA peft-export cell (one pair per family: its target named in the cell)
 CANONICAL = "peft-export canonical"
+#: the Mamba-2 projections' LoRA cases (beside the grid, keyed by case id: named in the family's reasons)
+MAMBA = "peft-export mamba"
 
 
 def _absent(f: Family) -> str:
@@ -56,13 +60,26 @@ def _cell(r: dict[str, Any]) -> str:
 
 
 def cells(doc: dict[str, Any]) -> dict[tuple[str, str, str], dict[str, Any]]:
-    """(zoo model, case kind, target "tp2"/"pp2"/"uneven"/"vpp"/"ep2") -> the case record."""
+    """(zoo model, case kind, target "tp2"/"pp2"/"uneven"/"vpp"/"ep2") -> the case record; a Mamba projection
+    LoRA case (zoo model, MAMBA, its id)."""
     out = {}
     for r in doc.get("results") or []:
         if r.get("case") in KINDS:
+            if arch_extra(r["id"]):
+                out[(r.get("model"), MAMBA, r["id"])] = r
+                continue
             kind = CANONICAL if r["case"] == "peft-export" and "-canonical_lora]" in r["id"] else r["case"]
             out[(r.get("model"), kind, _target(r["id"]))] = r
     return out
+
+
+def _mamba_label(case_id: str) -> str:
+    """"in-proj tp1->tp2" from a Mamba projection LoRA case id."""
+    m = re.search(r"-tp(\d+)pp(\d+)\S*?->tp(\d+)pp(\d+)\S*?-lora-mamba-(\S+)\]$", case_id)
+    if not m:
+        return case_id
+    side = lambda tp, pp: f"tp{tp}" if pp == "1" else f"pp{pp}"  # noqa: E731
+    return f"{m[5]} {side(m[1], m[2])}->{side(m[3], m[4])}"
 
 
 def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[list[str]]:
@@ -91,6 +108,11 @@ def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[l
                     else NO_HF_CLASS if f.path == "remote" else _absent(f))
         if canon and canon[0]["status"] != "passed" and (w := _why(canon[0])) and w not in whys:
             whys.append(w)
+        mamba = sorted(k[2] for k in got if k[0] == f.zoo_name and k[1] == MAMBA)
+        if mamba:
+            whys.append("Mamba in_proj/out_proj LoRA: " + ", ".join(f"{_mamba_label(i)} {_cell(got[(f.zoo_name, MAMBA, i)])}" for i in mamba))
+            whys += [w for i in mamba if got[(f.zoo_name, MAMBA, i)]["status"] != "passed"
+                     and (w := _why(got[(f.zoo_name, MAMBA, i)])) and w not in whys]
         if f.name in LORA_NOT_GENERATED:
             whys.append(f"LoRA not generated: {LORA_NOT_GENERATED[f.name]}")
         if f.name in LANGUAGE_ONLY_LORA:

@@ -300,7 +300,7 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
     harness.models.xfails_roundtrip / xfails_lora, keyed "family" or "family pair". A "vl-text"
     family (harness.models.vl) gets its entries as a text one, LoRA on its language path included;
     VL/omni families without a language-path case ("vl") are listed as deferred in a comment."""
-    from harness.models.xfails_lora import CANONICAL, LANGUAGE_ONLY_LORA, LORA, LORA_NOT_GENERATED, NEEDS_CUDA, canonical_pair
+    from harness.models.xfails_lora import CANONICAL, LANGUAGE_ONLY_LORA, LORA, LORA_NOT_GENERATED, MAMBA_LORA, NEEDS_CUDA, canonical_pair
     from harness.models.remote import no_modeling
     from harness.models.xfails_roundtrip import ROUNDTRIP
 
@@ -336,6 +336,12 @@ def matrix_yaml(roundtrip: dict[str, dict[str, Any]] | None = None, lora: dict[s
             if f.needs:
                 lines.append(f"    requires: [\"{_requirement(f.needs)}\"]\n")
             if x := CANONICAL.get(f.name):
+                lines.append("    xfail:\n" + "".join(f"      {k}: {_q(v)}\n" for k, v in x.items()))
+        for pair, targets, tag, x in MAMBA_LORA.get(f.name, ()):  # the Mamba-2 projections' LoRA (xfails_lora)
+            lines.append(f"  - case: peft-export\n    models: [{f.zoo_name}]\n    pairs: [\"{pair}\"]\n"
+                         f"    backends: [bridge_peft]\n    markers: [peft, arch]\n    axes: {{adapter: [lora]}}\n"
+                         f"    options: {{targets: {_q(targets)}}}\n    tag: {tag}\n")
+            if x:
                 lines.append("    xfail:\n" + "".join(f"      {k}: {_q(v)}\n" for k, v in x.items()))
     deferred = [f for f in FAMILIES if f.path == "vl"]
     lines.append("# deferred: VL / omni / audio without a language-path case (why: docs/architectures.md): "

@@ -356,14 +356,21 @@ def fill_adapters(bm: BridgeModel, spec: HFModelSpec, adapter: AdapterSpec) -> i
 
 
 def adapter_pieces(bm: BridgeModel, spec: HFModelSpec) -> list[dict]:
-    """This rank's adapter tensors as they are, with where they sit (global name, (expert-)TP rank)."""
+    """This rank's adapter tensors as they are, with where they sit (global name, (expert-)TP rank); a Mamba
+    in_proj's linear_out with its local part sizes from the HF config (peft_mapping.gather's de-interleave)."""
+    from harness.models.peft_mapping import mamba_in_proj_parts
+
     eoffset = _expert_offset(spec)
-    out = []
+    out, mamba = [], None
     for chunk, offset in _chunk_offsets(bm, spec):
         for n, p in chunk.named_parameters():
             if ".adapter." in n:
                 tp_rank, tp = _tp_of(n)
-                out.append({"name": global_name(n, offset, eoffset), "tp_rank": tp_rank, "tp": tp, "data": p.detach().clone().cpu()})
+                piece = {"name": global_name(n, offset, eoffset), "tp_rank": tp_rank, "tp": tp, "data": p.detach().clone().cpu()}
+                if ".mixer.in_proj.adapter.linear_out." in n:
+                    mamba = mamba or mamba_in_proj_parts(spec)
+                    piece["parts"] = tuple(size // tp for size in mamba)
+                out.append(piece)
     return out
 
 

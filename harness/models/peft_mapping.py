@@ -27,18 +27,20 @@ from harness.core.zoo import HFModelSpec
 # (gather_output=False) too, megatron/core/transformer/multi_latent_attention.py:524-533, :570-580)
 _COLUMN = {"linear_qkv": True, "linear_fc1": True, "linear_proj": False, "linear_fc2": False, "output_layer": True,
            "linear_q_proj": True, "linear_q_down_proj": True, "linear_q_up_proj": True, "linear_kv_down_proj": True,
-           "linear_kv_up_proj": True}
+           "linear_kv_up_proj": True, "in_proj": True, "out_proj": False}
 # groups: layer, self_attention|mlp, the MoE part (experts.local_experts.E | experts | shared_experts), E,
 # base, CanonicalLoRA sub-adapter, linear_in|linear_out
 _NAME = re.compile(
-    r"^(?:language_model\.)?(?:decoder\.layers\.(\d+)\.(self_attention|mlp)\.(?:(experts\.local_experts\.(\d+)|experts|shared_experts)\.)?)?"
+    r"^(?:language_model\.)?(?:decoder\.layers\.(\d+)\.(self_attention|mlp|mixer)\.(?:(experts\.local_experts\.(\d+)|experts|shared_experts)\.)?)?"
     r"(linear_qkv|linear_proj|linear_fc1|linear_fc2|output_layer|linear_q_proj|linear_q_down_proj|linear_q_up_proj|"
-    r"linear_kv_down_proj|linear_kv_up_proj)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
+    r"linear_kv_down_proj|linear_kv_up_proj|in_proj|out_proj)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
 )
 _HF_MODULE = {"linear_proj": "self_attn.o_proj", "linear_fc2": "mlp.down_proj",
               # multi-latent attention (megatron/bridge/models/deepseek/common.py:38-61): one HF module each
               "linear_q_proj": "self_attn.q_proj", "linear_q_down_proj": "self_attn.q_a_proj", "linear_q_up_proj": "self_attn.q_b_proj",
-              "linear_kv_down_proj": "self_attn.kv_a_proj_with_mqa", "linear_kv_up_proj": "self_attn.kv_b_proj"}
+              "linear_kv_down_proj": "self_attn.kv_a_proj_with_mqa", "linear_kv_up_proj": "self_attn.kv_b_proj",
+              # a Mamba-2 mixer's projections (Nemotron-H: transformers' NemotronHMamba2Mixer in_proj / out_proj)
+              "in_proj": "mixer.in_proj", "out_proj": "mixer.out_proj"}
 _CANONICAL = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
 
 
@@ -98,17 +100,36 @@ def memory_name(unit: str, arch: str) -> str:
     return unit
 
 
+def mamba_in_proj_parts(spec: HFModelSpec) -> tuple[int, ...] | None:
+    """The sizes of a Mamba-2 in_proj's output parts (z, x, B, C, dt), from the model's HF config
+    (transformers' NemotronH in_proj: intermediate + conv_dim + num_heads, conv_dim = x, B, C);
+    None for a model without Mamba-2 heads."""
+    from harness.models.hf import hf_config
+
+    cfg = hf_config(spec)
+    heads, head_dim = getattr(cfg, "mamba_num_heads", None), getattr(cfg, "mamba_head_dim", None)
+    if heads is None or head_dim is None:
+        return None
+    bc = cfg.n_groups * cfg.ssm_state_size
+    return (heads * head_dim, heads * head_dim, bc, bc, heads)
+
+
 def gather(pieces: list[dict], gated: bool = True) -> dict[str, torch.Tensor]:
     """Full adapter tensors from every rank's pieces.
 
     linear_in of a column-parallel base is split on its rank dim (0), of a row-parallel base on
     its input dim (1); linear_out is split on its output dim (0). A fused SwiGLU fc1 (`gated`)
     keeps [gate_r; up_r] on each TP rank, so its linear_out is de-interleaved into [gate; up]; a
-    non-gated fc1's linear_out is a plain column-parallel split.
+    non-gated fc1's linear_out is a plain column-parallel split. A Mamba in_proj keeps
+    [z_r; x_r; B_r; C_r; dt_r] on each TP rank (megatron-core's MambaMixer splits each part over TP):
+    its linear_out's pieces carry their part sizes (`parts`) and are de-interleaved part by part.
     Pipeline stages hold disjoint layers; DP/CP replicas must agree bitwise.
     """
     by_name: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    parts_of: dict[str, tuple[int, ...]] = {}
     for p in pieces:
+        if p.get("parts"):
+            parts_of[p["name"]] = tuple(p["parts"])
         held = by_name[p["name"]].get(p["tp_rank"])
         if held is not None and not torch.equal(held, p["data"]):
             raise ValueError(f"{p['name']}: data-parallel replicas of TP rank {p['tp_rank']} differ")
@@ -127,6 +148,11 @@ def gather(pieces: list[dict], gated: bool = True) -> dict[str, torch.Tensor]:
         elif base == "linear_fc1" and sub is None and gated:
             halves = [p.chunk(2, dim=0) for p in parts]
             full[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        elif base == "in_proj":
+            if name not in parts_of:
+                raise ValueError(f"{name}: a Mamba in_proj adapter split over TP without its part sizes")
+            split = [p.split(list(parts_of[name]), dim=0) for p in parts]
+            full[name] = torch.cat([s[i] for i in range(len(parts_of[name])) for s in split], dim=0)
         else:
             full[name] = torch.cat(parts, dim=0)
     return full

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from harness.models.xfails_roundtrip import ROUNDTRIP
+from harness.report.grid import MAMBA_TAG
 
 #: peft drops the LoRA of plain gate/up/down_proj Linears in a model whose experts transformers fuses
 _PEFT_MOE = ("peft 0.21.2 rewrites the LoRA config of every model transformers 5 fuses the experts of (its qwen2_moe "
@@ -232,6 +233,31 @@ CANONICAL["minimax_m3_vl"] = LORA["minimax_m3_vl tp1 -> pp2"]
 for _f in ("nemotron_h", "falcon_h1"):
     LORA[f"{_f} tp1 -> pp2vpp2"] = ROUNDTRIP[f"{_f} tp1 -> pp2vpp2"]
 CANONICAL["nemotron_h"] = CANONICAL["nemotron"]
+
+# ---- the Mamba-2 projections' LoRA (targets in_proj / out_proj: no adapter kind's default, named in `targets`), on the
+#      families whose HF Mamba layer is transformers' `mixer` (Nemotron-H): family -> (pair, targets, tag, xfail or None)
+_MAMBA_IN_PROJ_TP = ("Megatron-Bridge 0.6.2 exports a Mamba in_proj LoRA trained at TP > 1 with lora_B's rows as the TP shards "
+                     "concatenated ([z_0, x_0, B_0, C_0, dt_0, z_1, ...], megatron-core's MambaMixer splits each part over TP), "
+                     "not HF's [z, x, B, C, dt]: the base in_proj's export de-interleaves its parts, the adapter's does not "
+                     "(the harness's own derivation equals the plain concatenation only with its de-interleave switched off); "
+                     "transformers + PEFT on that adapter is off Megatron + LoRA by 1.14 in the logits")
+_MAMBA_OUT_PROJ = ("peft 0.21.2 refuses a LoRA on a Mamba model's out_proj (tuners_utils.py _check_lora_target_modules_mamba: "
+                   "'conv1d' and 'out_proj' are incompatible with Mamba-based models, whose fused kernel reads out_proj.weight "
+                   "directly), while Megatron-Bridge 0.6.2 trains one on Nemotron-H's mixer.out_proj without a word and "
+                   "save_hf_adapter writes it to target_modules: the adapter it exports does not load in PEFT")
+MAMBA_LORA: dict[str, tuple[tuple[str, tuple[str, ...], str, dict[str, Any] | None], ...]] = {
+    "nemotron_h": (
+        ("tp1 -> pp2", ("in_proj", "linear_qkv"), f"{MAMBA_TAG}in-proj", None),
+        ("tp1 -> tp2", ("in_proj", "linear_qkv"), f"{MAMBA_TAG}in-proj",
+         {"reason": _MAMBA_IN_PROJ_TP, "match": r"mixer\.in_proj\.lora_B", "checks": ["resharded-export"]}),
+        ("tp2 -> tp1", ("in_proj", "linear_qkv"), f"{MAMBA_TAG}in-proj",
+         {"reason": _MAMBA_IN_PROJ_TP, "match": r"mixer\.in_proj\.lora_B",
+          "checks": ["adapter-derivation", "logits", "merged-logits", "resharded-export"]}),
+        ("tp1 -> pp2", ("in_proj", "out_proj"), f"{MAMBA_TAG}out-proj",
+         {"reason": _MAMBA_OUT_PROJ, "match": "Module 'out_proj' is incompatible with Mamba-based models",
+          "raised_in": "peft.tuners"}),
+    ),
+}
 
 # ---- the VL families with a Megatron-built ViT (LANGUAGE_ONLY_LORA): their language path's findings
 _PER_EXPERT_UNEXPECTED = r"unexpected: base_model\.model\.model\.language_model\.layers\.\d+\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.lora_"

@@ -22,6 +22,9 @@ RANK = ("failed", "error", "xfailed", "not-applicable", "not-run", "passed")
 ARCH_KINDS = ("hf-roundtrip", "peft-export")
 ARCH_TARGETS = ("tp2", "pp2", "uneven", "vpp", "ep2")
 _ARCH_NAMES = {"hf-roundtrip": "round trip", "peft-export": "LoRA"}
+#: the tag prefix of the architecture matrix's Mamba-2 projection LoRA entries (harness.models.xfails_lora.MAMBA_LORA):
+#: a layout of their own, beside the grid's cells (the family's reasons name them), never in one
+MAMBA_TAG = "mamba-"
 _PAIR = re.compile(r"-(tp\d+pp\d+dp\d+cp\d+\S*?)->(tp\d+pp\d+dp\d+cp\d+[a-z0-9]*)")
 _UNIT_AXIS = re.compile(r"(tp|pp|dp|cp)1(?!\d)")
 
@@ -93,7 +96,14 @@ def arch_column(r: dict[str, Any]) -> str | None:
         return None
     if kind == "peft-export" and "-canonical_lora]" in r["id"]:
         return "LoRA canonical"
+    if arch_extra(r["id"]):
+        return None
     return f"{_ARCH_NAMES[kind]} {arch_target(r['id'])}"
+
+
+def arch_extra(case_id: str) -> bool:
+    """Whether an architecture-matrix case is one of the entries beside the grid (MAMBA_TAG)."""
+    return re.search(rf"-{MAMBA_TAG}[a-z-]+\]$", case_id) is not None
 
 
 def arch_columns() -> list[str]:

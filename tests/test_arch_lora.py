@@ -292,6 +292,7 @@ def test_mamba_in_proj_parts_come_from_the_hf_config():
 
     # the nemotron_h fixture: 8 heads of 8, 2 groups of state 16 (harness/core/families.py)
     assert mamba_in_proj_parts(get_model("hf-nemotron_h", "hf")) == (64, 64, 32, 32, 8)
+    assert mamba_in_proj_parts(get_model("hf-falcon_h1", "hf")) == (64, 64, 32, 32, 8)  # its own spelling: mamba_n_heads, ...
     assert mamba_in_proj_parts(get_model("hf-llama", "hf")) is None
 
 
@@ -308,6 +309,10 @@ def test_mamba_projection_adapters_map_to_the_mixers_hf_modules_in_mamba_layers_
                          "decoder.layers.2.mixer.out_proj.adapter.linear_out.weight": b}, nh)
     assert set(out) == {"base_model.model.model.layers.2.mixer.in_proj.lora_A.weight",
                         "base_model.model.model.layers.2.mixer.out_proj.lora_B.weight"}
+    fh = get_model("hf-falcon_h1", "hf")  # Megatron's mamba_mixer, transformers' `mamba` beside attention in every layer
+    assert set(pm.to_hf_peft({"decoder.layers.3.mamba_mixer.in_proj.adapter.linear_in.weight": a}, fh)) == {
+        "base_model.model.model.layers.3.mamba.in_proj.lora_A.weight"}
+    assert ll.asked(fh, ll.entries(["in_proj"]))["in_proj"] == {f"model.layers.{i}.mixer.in_proj" for i in range(4)}
     asked = ll.asked(nh, ll.entries(["in_proj", "out_proj"]))
     assert asked == {"in_proj": {"model.layers.0.mixer.in_proj", "model.layers.2.mixer.in_proj"},
                      "out_proj": {"model.layers.0.mixer.out_proj", "model.layers.2.mixer.out_proj"}}

@@ -138,9 +138,9 @@ def model_targets(model: HFModelSpec, targets: Iterable[str]) -> tuple[str, ...]
 _VL_PREFIX = re.compile(r"^(?:model\.language_model\.|language_model\.model\.)")
 #: hybrid families' decoder modules -> the text model's (Nemotron-H: each layer one `mixer`, attention or MLP, under
 #: `backbone.` in its checkpoints and `model.` in transformers 5's memory;
-#: Falcon-H1: its MLP as `feed_forward`); a Mamba mixer's in_proj / out_proj keeps `mixer.` (targets in_proj / out_proj)
+#: Falcon-H1: its MLP as `feed_forward`); a Mamba mixer's in_proj / out_proj as `mixer.` (Falcon-H1's `mamba.` too)
 _HYBRID_NAMES = ((re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.([qkvo]_proj)$"), r"model.layers.\1.self_attn.\2"),
-                 (re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.((?:in|out)_proj)$"), r"model.layers.\1.mixer.\2"),
+                 (re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.(?:mixer|mamba)\.((?:in|out)_proj)$"), r"model.layers.\1.mixer.\2"),
                  (re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.((?:up|down|gate)_proj)$"), r"model.layers.\1.mlp.\2"),
                  (re.compile(r"^model\.layers\.(\d+)\.feed_forward\.((?:up|down|gate)_proj)$"), r"model.layers.\1.mlp.\2"))
 

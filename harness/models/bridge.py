@@ -367,7 +367,7 @@ def adapter_pieces(bm: BridgeModel, spec: HFModelSpec) -> list[dict]:
             if ".adapter." in n:
                 tp_rank, tp = _tp_of(n)
                 piece = {"name": global_name(n, offset, eoffset), "tp_rank": tp_rank, "tp": tp, "data": p.detach().clone().cpu()}
-                if ".mixer.in_proj.adapter.linear_out." in n:
+                if "mixer.in_proj.adapter.linear_out." in n:  # Nemotron-H mixer, Falcon-H1 mamba_mixer
                     mamba = mamba or mamba_in_proj_parts(spec)
                     piece["parts"] = tuple(size // tp for size in mamba)
                 out.append(piece)

@@ -117,6 +117,7 @@ def _build_classes() -> dict[str, type]:
 
     class ColumnLinear(ColumnParallelLinear):
         tensor_model_parallel, partition_dim = True, 0
+        tp_size = base.tp_size  # TE's linears keep it; the Bridge's Mamba LoRA reads it (te_spec's NormColumnParallelLinear)
 
         def __init__(self, *args, **kwargs):
             kwargs.pop("name", None)
@@ -124,6 +125,7 @@ def _build_classes() -> dict[str, type]:
 
     class RowLinear(RowParallelLinear):
         tensor_model_parallel, partition_dim = True, 1
+        tp_size = base.tp_size
 
         def __init__(self, *args, **kwargs):
             kwargs.pop("name", None)

@@ -31,7 +31,7 @@ _COLUMN = {"linear_qkv": True, "linear_fc1": True, "linear_proj": False, "linear
 # groups: layer, self_attention|mlp, the MoE part (experts.local_experts.E | experts | shared_experts), E,
 # base, CanonicalLoRA sub-adapter, linear_in|linear_out
 _NAME = re.compile(
-    r"^(?:language_model\.)?(?:decoder\.layers\.(\d+)\.(self_attention|mlp|mixer)\.(?:(experts\.local_experts\.(\d+)|experts|shared_experts)\.)?)?"
+    r"^(?:language_model\.)?(?:decoder\.layers\.(\d+)\.(self_attention|mlp|mixer|mamba_mixer)\.(?:(experts\.local_experts\.(\d+)|experts|shared_experts)\.)?)?"
     r"(linear_qkv|linear_proj|linear_fc1|linear_fc2|output_layer|linear_q_proj|linear_q_down_proj|linear_q_up_proj|"
     r"linear_kv_down_proj|linear_kv_up_proj|in_proj|out_proj)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
 )
@@ -68,9 +68,11 @@ def checkpoint_layout(keys: Iterable[str]) -> Layout:
     return Layout(layers, head)
 
 
-#: model_type -> a hybrid family's HF names of a decoder layer's attention / MLP modules (transformers' modeling):
-#: Nemotron-H holds either in its layer's `mixer` (modeling_nemotron_h.py), Falcon-H1 its MLP as `feed_forward`
-MODULE_NAMES = {"nemotron_h": (("self_attn.", "mixer."), ("mlp.", "mixer.")), "falcon_h1": (("mlp.", "feed_forward."),)}
+#: model_type -> a hybrid family's HF names of a decoder layer's attention / MLP / Mamba modules (transformers' modeling):
+#: Nemotron-H holds each in its layer's `mixer` (modeling_nemotron_h.py), Falcon-H1 its MLP as `feed_forward` and
+#: its Mamba-2 mixer (beside attention in every layer) as `mamba`
+MODULE_NAMES = {"nemotron_h": (("self_attn.", "mixer."), ("mlp.", "mixer.")),
+                "falcon_h1": (("mlp.", "feed_forward."), ("mixer.", "mamba."))}
 #: model_type -> the HF module of a layer's shared expert(s) (transformers' modeling code), "mlp.shared_experts" else
 SHARED_MLP = {"hy_v3": "mlp.shared_mlp", "minimax_m3_vl": "block_sparse_moe.shared_experts",
               **{m: "mlp.shared_expert" for m in ("qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")}}
@@ -107,11 +109,14 @@ def mamba_in_proj_parts(spec: HFModelSpec) -> tuple[int, ...] | None:
     from harness.models.hf import hf_config
 
     cfg = hf_config(spec)
-    heads, head_dim = getattr(cfg, "mamba_num_heads", None), getattr(cfg, "mamba_head_dim", None)
-    if heads is None or head_dim is None:
+    if getattr(cfg, "mamba_num_heads", None) is not None:  # Nemotron-H's spelling
+        heads, inner, bc = cfg.mamba_num_heads, cfg.mamba_num_heads * cfg.mamba_head_dim, cfg.n_groups * cfg.ssm_state_size
+    elif getattr(cfg, "mamba_n_heads", None) is not None:  # Falcon-H1's (modeling_falcon_h1.py: intermediate = mamba_d_ssm)
+        heads, bc = cfg.mamba_n_heads, cfg.mamba_n_groups * cfg.mamba_d_state
+        inner = cfg.mamba_d_ssm or cfg.mamba_n_heads * cfg.mamba_d_head
+    else:
         return None
-    bc = cfg.n_groups * cfg.ssm_state_size
-    return (heads * head_dim, heads * head_dim, bc, bc, heads)
+    return (inner, inner, bc, bc, heads)
 
 
 def gather(pieces: list[dict], gated: bool = True) -> dict[str, torch.Tensor]:

@@ -240,22 +240,31 @@ _MAMBA_IN_PROJ_TP = ("Megatron-Bridge 0.6.2 exports a Mamba in_proj LoRA trained
                      "concatenated ([z_0, x_0, B_0, C_0, dt_0, z_1, ...], megatron-core's MambaMixer splits each part over TP), "
                      "not HF's [z, x, B, C, dt]: the base in_proj's export de-interleaves its parts, the adapter's does not "
                      "(the harness's own derivation equals the plain concatenation only with its de-interleave switched off); "
-                     "transformers + PEFT on that adapter is off Megatron + LoRA by 1.14 in the logits")
+                     "Nemotron-H trained at TP 2: transformers + PEFT on that adapter is off Megatron + LoRA by 1.14 in the logits")
 _MAMBA_OUT_PROJ = ("peft 0.21.2 refuses a LoRA on a Mamba model's out_proj (tuners_utils.py _check_lora_target_modules_mamba: "
-                   "'conv1d' and 'out_proj' are incompatible with Mamba-based models, whose fused kernel reads out_proj.weight "
-                   "directly), while Megatron-Bridge 0.6.2 trains one on Nemotron-H's mixer.out_proj without a word and "
-                   "save_hf_adapter writes it to target_modules: the adapter it exports does not load in PEFT")
+                   "'conv1d' and 'out_proj' are incompatible with Mamba-based models, nemotron_h and falcon_h1 among them, whose "
+                   "fused kernel reads out_proj.weight directly), while Megatron-Bridge 0.6.2 trains one on the Mamba mixer's "
+                   "out_proj without a word and save_hf_adapter writes it to target_modules: the adapter it exports does not load in PEFT")
+_IN_PROJ_LORA_B = r"\.(?:mixer|mamba)\.in_proj\.lora_B"
+_OUT_PROJ = {"reason": _MAMBA_OUT_PROJ, "match": "Module 'out_proj' is incompatible with Mamba-based models", "raised_in": "peft.tuners"}
+_IN_PROJ, _OUT = ("in_proj", "linear_qkv"), ("in_proj", "out_proj")
 MAMBA_LORA: dict[str, tuple[tuple[str, tuple[str, ...], str, dict[str, Any] | None], ...]] = {
     "nemotron_h": (
-        ("tp1 -> pp2", ("in_proj", "linear_qkv"), f"{MAMBA_TAG}in-proj", None),
-        ("tp1 -> tp2", ("in_proj", "linear_qkv"), f"{MAMBA_TAG}in-proj",
-         {"reason": _MAMBA_IN_PROJ_TP, "match": r"mixer\.in_proj\.lora_B", "checks": ["resharded-export"]}),
-        ("tp2 -> tp1", ("in_proj", "linear_qkv"), f"{MAMBA_TAG}in-proj",
-         {"reason": _MAMBA_IN_PROJ_TP, "match": r"mixer\.in_proj\.lora_B",
+        ("tp1 -> pp2", _IN_PROJ, f"{MAMBA_TAG}in-proj", None),
+        ("tp1 -> tp2", _IN_PROJ, f"{MAMBA_TAG}in-proj",
+         {"reason": _MAMBA_IN_PROJ_TP, "match": _IN_PROJ_LORA_B, "checks": ["resharded-export"]}),
+        ("tp2 -> tp1", _IN_PROJ, f"{MAMBA_TAG}in-proj",
+         {"reason": _MAMBA_IN_PROJ_TP, "match": _IN_PROJ_LORA_B,
           "checks": ["adapter-derivation", "logits", "merged-logits", "resharded-export"]}),
-        ("tp1 -> pp2", ("in_proj", "out_proj"), f"{MAMBA_TAG}out-proj",
-         {"reason": _MAMBA_OUT_PROJ, "match": "Module 'out_proj' is incompatible with Mamba-based models",
-          "raised_in": "peft.tuners"}),
+        ("tp1 -> pp2", _OUT, f"{MAMBA_TAG}out-proj", _OUT_PROJ),
+    ),
+    # Falcon-H1's Mamba mixer sits beside attention in every layer (HF `mamba.`, Megatron `mamba_mixer.`); no tp2 -> tp1:
+    # its dist checkpoints do not save at TP > 1 (the round trip's strict xfail)
+    "falcon_h1": (
+        ("tp1 -> pp2", _IN_PROJ, f"{MAMBA_TAG}in-proj", None),
+        ("tp1 -> tp2", _IN_PROJ, f"{MAMBA_TAG}in-proj",
+         {"reason": _MAMBA_IN_PROJ_TP, "match": _IN_PROJ_LORA_B, "checks": ["resharded-export"]}),
+        ("tp1 -> pp2", _OUT, f"{MAMBA_TAG}out-proj", _OUT_PROJ),
     ),
 }
 

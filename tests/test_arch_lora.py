@@ -324,3 +324,25 @@ def test_mamba_projection_adapters_map_to_the_mixers_hf_modules_in_mamba_layers_
     ll.validate(nh, "lora", 4, ("in_proj", "linear_qkv"), (), [], kinds)
     with pytest.raises(ValueError, match=r"\['in_proj'\] not targets of adapter 'lora' on 'hf-llama'"):
         ll.validate(get_model("hf-llama", "hf"), "lora", 4, ("in_proj",), (), [], kinds)
+
+
+def test_layout_validation_asks_for_mamba_layers_only_when_a_mamba_target_is_named(monkeypatch):
+    """Found by the Bridge sweep: validating every LoRA entry built transformers' model of its fixture, and
+    under an older transformers without the family's model_type (0.5.1's 5.8.1: no minimax_m3_vl) the whole
+    architecture matrix failed to load. Default targets never build it; a Mamba target on a model type the
+    installed transformers lacks is left to the run (not checked), never a load-time KeyError."""
+    from cases.shared import lora_layout as ll
+
+    def boom(model):
+        raise KeyError(model.arch)
+
+    monkeypatch.setattr(ll, "mlp_units", boom)
+    kinds = {"lora": ("linear_qkv",)}
+    ll.validate(get_model("hf-llama", "hf"), "lora", 4, ("linear_qkv",), (), [], kinds)  # never asks
+    with pytest.raises(ll.FixtureUnavailable, match="cannot build"):
+        ll.has_mamba(get_model("hf-nemotron_h", "hf"))
+    import transformers.models.auto.configuration_auto as auto
+
+    monkeypatch.setattr(auto, "CONFIG_MAPPING_NAMES", {})  # an older transformers: no such model type
+    assert ll.has_mamba(get_model("hf-nemotron_h", "hf")) is None
+    ll.validate(get_model("hf-nemotron_h", "hf"), "lora", 4, ("in_proj",), (), [], kinds)  # left to the run

@@ -345,6 +345,23 @@ def targets_checks(model: HFModelSpec, ents: list[Entry], megatron: set[str], pe
     ]
 
 
+def has_mamba(model: HFModelSpec) -> bool | None:
+    """Whether transformers' model of the fixture has Mamba-2 layers (in_proj / out_proj targets); None where the
+    installed transformers has no such model_type (a release older than the family), which cannot say."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model.arch not in CONFIG_MAPPING_NAMES:
+        return None
+    try:
+        units = mlp_units(model)
+    except Exception as exc:  # noqa: BLE001 - whatever the config class raises, named
+        import transformers
+
+        raise FixtureUnavailable(f"transformers {transformers.__version__} cannot build {model.name}'s tiny model: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+    return any(MAMBA in layer for layer in units.values())
+
+
 def validate(model: HFModelSpec, adapter: str, dim: int, targets: tuple[str, ...], layers: tuple[int, ...],
              topologies: Iterable[Topology], kinds: dict[str, tuple[str, ...]]) -> None:
     """A layout's options against the model and topologies: ValueError naming the option. Where the
@@ -352,8 +369,9 @@ def validate(model: HFModelSpec, adapter: str, dim: int, targets: tuple[str, ...
     checked here: the run derives it again and fails naming the refusal."""
     try:
         allowed = model_targets(model, kinds[adapter]) + EXTRA_TARGETS
-        if any(MAMBA in layer for layer in mlp_units(model).values()):
-            allowed += MAMBA_TARGETS
+        if set(targets) & set(MAMBA_TARGETS):  # asked only where named: an older transformers may know no such model
+            mamba = has_mamba(model)
+            allowed = None if mamba is None else allowed + MAMBA_TARGETS if mamba else allowed
     except FixtureUnavailable:
         allowed = None
     bad = [t for t in targets if allowed is not None and t not in allowed]

@@ -73,3 +73,19 @@ def test_muon_built_as_adam_fails_propagation():
     r = run_case(_spec(**MUON), RunOptions(rank_hooks=("doubles:muon_built_as_adam",)))
     assert r.check("propagation").status == "failed"
     assert "optimizer_type asked 'muon', built 'AdamW'" in r.check("propagation").detail
+
+
+def test_the_optimizer_config_names_the_layer_wise_field_only_when_it_is_asked(monkeypatch):
+    """Found by the Bridge sweep: every optimizer the harness built passed use_layer_wise_distributed_optimizer,
+    a field megatron-core 0.17 does not have, so no Core-0.17 job could build its optimizer (the golden corpus of
+    Bridge 0.4.2 wrote 2 of 10 artefacts). Megatron-LM names it only for the layer-wise optimizer."""
+    import megatron.core.optimizer as mco
+
+    from harness.models.training import TrainOptions, optimizer_config
+
+    asked: list[dict] = []
+    monkeypatch.setattr(mco, "OptimizerConfig", lambda **kw: asked.append(kw) or kw)
+    optimizer_config(TrainOptions().config)
+    assert "use_layer_wise_distributed_optimizer" not in asked[-1] and asked[-1]["use_distributed_optimizer"]
+    optimizer_config(TrainOptions(optimizer_type="muon").config)
+    assert asked[-1]["use_layer_wise_distributed_optimizer"] is True and asked[-1]["use_distributed_optimizer"] is False

@@ -97,16 +97,18 @@ def optimizer_config(cfg: TrainConfig):
     betas = dict(adam_beta1=float(cfg.betas[0]), adam_beta2=float(cfg.betas[1])) if getattr(cfg, "betas", ()) else {}
     kind = getattr(cfg, "optimizer_type", "adam")
     muon = dict(muon_tp_mode=cfg.muon_tp_mode, muon_fp32_matmul_prec=cfg.muon_fp32_matmul_prec) if kind == "muon" else {}
+    # named only when asked, as Megatron-LM's args do: a Core before the layer-wise optimizer (0.17) has no such field
+    wise = dict(use_layer_wise_distributed_optimizer=True) if layer_wise(cfg) else {}
     return OptimizerConfig(
         optimizer=kind,
         **betas,
         **muon,
+        **wise,
         lr=cfg.lr,
         # the param groups' floor, read by an OptimizerParamScheduler (None without one: unchanged)
         min_lr=cfg.lr / 100 if cfg.lr_schedule != "none" else None,
         weight_decay=cfg.weight_decay,
         use_distributed_optimizer=cfg.use_distributed_optimizer and not layer_wise(cfg),
-        use_layer_wise_distributed_optimizer=layer_wise(cfg),
         bf16=cfg.dtype == "bf16",
         fp16=False,
         params_dtype=TORCH_DTYPES[cfg.dtype],

@@ -228,3 +228,17 @@ def test_a_broken_cuda_driver_is_no_device_with_the_reason_and_other_errors_prop
             requires.probe()
     finally:
         requires.probe.cache_clear()
+
+
+def test_the_harness_looking_up_an_api_the_older_reader_lacks_is_no_refusal():
+    """Found by the architecture sweep: Bridge 0.4.2 reading 0.6.2's fsdp_dtensor corpus failed its
+    'refusal' check with the harness's own AttributeError (no load_fsdp_dtensor_checkpoint in 0.4.2's
+    training.checkpointing): the harness could not drive that reader, a hole, never a failed refusal.
+    The same AttributeError raised inside the older stack's own frames stays a crash."""
+    message = "module 'megatron.bridge.training.checkpointing' has no attribute 'load_fsdp_dtensor_checkpoint'"
+    own = _tb("/work/main/harness/backends/mcore_fsdp.py", 186, "load_fsdp_dtensor",
+              "bridge.load_fsdp_dtensor_checkpoint(...)", f"AttributeError: {message}")
+    assert rollback.refusal_of("AttributeError", message, own, ("CheckpointException",), "dp2 -> dp1") is None
+    theirs = _tb(f"{_SITE}/megatron/bridge/training/checkpointing.py", 2210, "load", "ckpt.load_fsdp_dtensor_checkpoint()",
+                 f"AttributeError: {message}")
+    assert rollback.refusal_of("AttributeError", message, theirs, ("CheckpointException",), "dp2 -> dp1").status == "failed"

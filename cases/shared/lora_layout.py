@@ -41,7 +41,7 @@ HF_MODULES: dict[str, tuple[str, ...]] = {
     "linear_fc1_gate": ("mlp.gate_proj",),
     "linear_fc1_up": ("mlp.up_proj",),
     "linear_fc2": ("mlp.down_proj",),
-    # a Mamba-2 mixer's projections (Nemotron-H), in its Mamba layers only
+    # a Mamba-2 mixer's projections (Nemotron-H, Falcon-H1), in the Mamba layers only
     "in_proj": ("mixer.in_proj",),
     "out_proj": ("mixer.out_proj",),
     "output_layer": ("lm_head",),  # not in a decoder layer: a layer filter leaves it one entry

@@ -4,10 +4,10 @@ Megatron-FSDP batches its parameter all-gathers and gradient reduce-scatters in 
 `_coalescing_manager`; on gloo that runs ProcessGroupGloo's coalesced collectives
 (allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced), the all-gathers asynchronously on
 gloo's worker threads while the next backward's reduce-scatter is issued. Under torch 2.14.1 that
-corrupts the heap now and then: measured, 2 of 5 Megatron-FSDP resume cases of extended.yaml died in one
-run of three under `-n 2` (SIGSEGV in reduce_scatter_single_coalesced, and glibc's "malloc(): unaligned
-tcache chunk detected" abort in a gloo worker thread inside AsyncAllgatherCoalescedWork), a false red
-with no Megatron defect behind it. The shim issues the collectives a coalescing block recorded one at a
+corrupts the heap now and then: measured, 2 of 6 runs of extended.yaml's 7 Megatron-FSDP resume cases under
+`-n 2` lost a case (SIGSEGV in reduce_scatter_single_coalesced, and glibc's "malloc(): unaligned tcache
+chunk detected" abort in a gloo worker thread inside AsyncAllgatherCoalescedWork; CI lost two cases in one
+run), a false red with no Megatron defect behind it; with the shim, 12 runs and no crash. The shim issues the collectives a coalescing block recorded one at a
 time, synchronously, when the block ends: the same collectives in the same order, as NCCL's coalesced
 launch computes them, with nothing left in flight on gloo's threads.
 """
@@ -102,7 +102,7 @@ SHIMS: tuple[Shim, ...] = (
         "asynchronous parameter all-gathers in torch's _coalescing_manager; on gloo, torch 2.14.1's "
         "ProcessGroupGloo coalesced collectives corrupt the heap now and then (SIGSEGV in "
         "reduce_scatter_single_coalesced, 'malloc(): unaligned tcache chunk detected' in a gloo worker thread "
-        "in AsyncAllgatherCoalescedWork; 2 resume cases of 5 in one run of three): the recorded collectives "
+        "in AsyncAllgatherCoalescedWork; 2 of 6 runs of the 7 resume entries): the recorded collectives "
         "are issued one at a time, synchronously, at the block's end",
         probe="Megatron-FSDP's process group is gloo",
         retire_when="never on NCCL; on gloo when torch's coalesced collectives run Megatron-FSDP's resume "

@@ -431,3 +431,17 @@ def test_the_drivers_run_the_gate_steps_once_per_release_set(tmp_path, monkeypat
     # the same writer for another reader: its corpus is reused, not written again
     sweep_driver.cross_driver(["PKG==1"], ["PKG==3"], False, Path("y"), cache=cache)
     assert crossed[-1][-1] == tmp_path / "x" / "written-by-writer"
+
+
+def test_a_label_and_a_path_may_both_hold_equals_signs(tmp_path):
+    """A sweep's own run directories are named r01-megatron-bridge==0.4.2: `--from-results
+    megatron-bridge==0.4.2=<that dir>/results.json` must split before the path, not at its last '='."""
+    from harness.gate.sweep.cli import _cross_labelled, _labelled
+
+    run = tmp_path / "r01-megatron-bridge==0.4.2"
+    run.mkdir()
+    (run / "results.json").write_text("{}")
+    assert _labelled(f"megatron-bridge==0.4.2={run}/results.json") == ("megatron-bridge==0.4.2", run / "results.json")
+    assert _cross_labelled(f"megatron-bridge==0.4.2>megatron-bridge==0.6.2={run}") == (
+        "megatron-bridge==0.4.2", "megatron-bridge==0.6.2", run)
+    assert _labelled("a==1=missing.json") == ("a==1", Path("missing.json"))  # nothing exists: the last '=' as before

@@ -30,8 +30,12 @@ CrossDriver = Callable[[list[str], list[str], bool, Path], Path]
 
 
 def _labelled(value: str) -> tuple[str, Path]:
-    """LABEL=PATH; the PATH is what follows the last '=' (so a label may be megatron-bridge==0.5.0)."""
-    label, sep, path = value.rpartition("=")
+    """LABEL=PATH. Both may hold '=' (the label megatron-bridge==0.5.0, a sweep's own run directory
+    r01-megatron-bridge==0.5.0/): the PATH is what follows the first '=' after which an existing path
+    follows, else what follows the last '=' (the load then names the missing file)."""
+    cuts = [i for i, c in enumerate(value) if c == "="]
+    at = next((i for i in cuts if value[i + 1:].strip() and Path(value[i + 1:].strip()).exists()), cuts[-1] if cuts else -1)
+    label, sep, path = (value[:at], "=", value[at + 1:]) if at >= 0 else (value, "", "")
     if not sep or not label.strip() or not path.strip():
         raise SweepSpecError(f"--from-results: {value!r} is not LABEL=PATH")
     return label.strip(), Path(path.strip())

@@ -8,6 +8,8 @@ through `golden.check(..., allow_refusal=True)` with rank hooks defined here."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from harness.backends import get_backend
@@ -236,7 +238,10 @@ def test_the_harness_looking_up_an_api_the_older_reader_lacks_is_no_refusal():
     training.checkpointing): the harness could not drive that reader, a hole, never a failed refusal.
     The same AttributeError raised inside the older stack's own frames stays a crash."""
     message = "module 'megatron.bridge.training.checkpointing' has no attribute 'load_fsdp_dtensor_checkpoint'"
-    own = _tb("/work/main/harness/backends/mcore_fsdp.py", 186, "load_fsdp_dtensor",
+    import harness
+
+    checkout = Path(harness.__file__).resolve().parent  # this checkout's harness/, wherever it is cloned
+    own = _tb(f"{checkout}/backends/mcore_fsdp.py", 186, "load_fsdp_dtensor",
               "bridge.load_fsdp_dtensor_checkpoint(...)", f"AttributeError: {message}")
     assert rollback.refusal_of("AttributeError", message, own, ("CheckpointException",), "dp2 -> dp1") is None
     theirs = _tb(f"{_SITE}/megatron/bridge/training/checkpointing.py", 2210, "load", "ckpt.load_fsdp_dtensor_checkpoint()",

@@ -91,26 +91,34 @@ class FixtureUnavailable(Exception):
     not-run through a requirement first."""
 
 
+def _from_fixture(model: HFModelSpec, build: Any, what: str) -> Any:
+    """`build()` (the fixture's transformers config or model); None where the installed transformers has no such
+    model_type (remote code only, or a release older than the family: its case is not-run through `requires`, or
+    fails naming it); FixtureUnavailable, saying `what` it did ("refuses hf-x's tiny config"), where it raises."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model.arch not in CONFIG_MAPPING_NAMES:
+        return None
+    try:
+        return build()
+    except Exception as exc:  # noqa: BLE001 - whatever the config class raises, named
+        import transformers
+
+        raise FixtureUnavailable(f"transformers {transformers.__version__} {what}: {type(exc).__name__}: {exc}") from exc
+
+
 def mla_targets(model: HFModelSpec) -> tuple[str, ...] | None:
     """The Megatron MLA linears of the model's attention (None: not multi-latent attention), from its
     HF config: kv_lora_rank set means MLA; q_lora_rank set: q through linear_q_down_proj / linear_q_up_proj
     (HF q_a_proj / q_b_proj), None (DeepSeek-V2-Lite): linear_q_proj (HF q_proj)."""
     key = repr(model)
     if key not in _MLA:
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
         from harness.models.hf import hf_config
 
-        if model.arch not in CONFIG_MAPPING_NAMES:  # remote code only: its case is not-run through `requires`
+        cfg = _from_fixture(model, lambda: hf_config(model), f"refuses {model.name}'s tiny config")
+        if cfg is None:
             _MLA[key] = None
             return None
-        try:
-            cfg = hf_config(model)
-        except Exception as exc:  # noqa: BLE001 - whatever the config class raises, named
-            import transformers
-
-            raise FixtureUnavailable(f"transformers {transformers.__version__} refuses {model.name}'s tiny config: "
-                                     f"{type(exc).__name__}: {exc}") from exc
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         if getattr(cfg, "kv_lora_rank", None) is None:
             _MLA[key] = None
@@ -348,18 +356,8 @@ def targets_checks(model: HFModelSpec, ents: list[Entry], megatron: set[str], pe
 def has_mamba(model: HFModelSpec) -> bool | None:
     """Whether transformers' model of the fixture has Mamba-2 layers (in_proj / out_proj targets); None where the
     installed transformers has no such model_type (a release older than the family), which cannot say."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if model.arch not in CONFIG_MAPPING_NAMES:
-        return None
-    try:
-        units = mlp_units(model)
-    except Exception as exc:  # noqa: BLE001 - whatever the config class raises, named
-        import transformers
-
-        raise FixtureUnavailable(f"transformers {transformers.__version__} cannot build {model.name}'s tiny model: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-    return any(MAMBA in layer for layer in units.values())
+    units = _from_fixture(model, lambda: mlp_units(model), f"cannot build {model.name}'s tiny model")
+    return None if units is None else any(MAMBA in layer for layer in units.values())
 
 
 def validate(model: HFModelSpec, adapter: str, dim: int, targets: tuple[str, ...], layers: tuple[int, ...],
@@ -371,7 +369,10 @@ def validate(model: HFModelSpec, adapter: str, dim: int, targets: tuple[str, ...
         allowed = model_targets(model, kinds[adapter]) + EXTRA_TARGETS
         if set(targets) & set(MAMBA_TARGETS):  # asked only where named: an older transformers may know no such model
             mamba = has_mamba(model)
-            allowed = None if mamba is None else allowed + MAMBA_TARGETS if mamba else allowed
+            if mamba is None:
+                allowed = None
+            elif mamba:
+                allowed += MAMBA_TARGETS
     except FixtureUnavailable:
         allowed = None
     bad = [t for t in targets if allowed is not None and t not in allowed]

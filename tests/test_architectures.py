@@ -421,3 +421,6 @@ def test_the_mamba_projection_lora_cases_sit_beside_the_grid_and_count():
     assert "Mamba in_proj/out_proj LoRA: in-proj tp1->tp2 FAIL 2.0" in row[-1] and "resharded-export: 2 mismatch" in row[-1]
     assert "1 with a red case (nemotron_h)" in arch_table.summary(doc, nh)
     assert arch_column(mamba) is None and arch_column(lora) == "LoRA tp2"
+    back = {**mamba, "id": mamba["id"].replace("tp1pp1dp1cp1->tp2pp1dp1cp1", "tp2pp1dp1cp1->tp1pp1dp1cp1")}
+    row = arch_table.rows({"results": [rt, lora, mamba, back]}, nh)[0]  # two cases of one finding: its reason once
+    assert "in-proj tp2->tp1 FAIL 2.0" in row[-1] and row[-1].count("resharded-export: 2 mismatch") == 1

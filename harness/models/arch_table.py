@@ -19,7 +19,7 @@ from typing import Any
 from harness.core.families import FAMILIES, Family
 from harness.report.grid import ARCH_KINDS as KINDS
 from harness.report.grid import ARCH_TARGETS as TARGETS
-from harness.report.grid import arch_extra
+from harness.report.grid import MAMBA_TAG, arch_extra
 from harness.report.grid import arch_target as _target
 from harness.models.xfails_lora import LANGUAGE_ONLY_LORA, LANGUAGE_ONLY_WHY, LORA_NOT_GENERATED
 
@@ -75,7 +75,7 @@ def cells(doc: dict[str, Any]) -> dict[tuple[str, str, str], dict[str, Any]]:
 
 def _mamba_label(case_id: str) -> str:
     """"in-proj tp1->tp2" from a Mamba projection LoRA case id."""
-    m = re.search(r"-tp(\d+)pp(\d+)\S*?->tp(\d+)pp(\d+)\S*?-lora-mamba-(\S+)\]$", case_id)
+    m = re.search(rf"-tp(\d+)pp(\d+)\S*?->tp(\d+)pp(\d+)\S*?-lora-{MAMBA_TAG}(\S+)\]$", case_id)
     if not m:
         return case_id
     side = lambda tp, pp: f"tp{tp}" if pp == "1" else f"pp{pp}"  # noqa: E731
@@ -108,11 +108,12 @@ def rows(doc: dict[str, Any], families: tuple[Family, ...] = FAMILIES) -> list[l
                     else NO_HF_CLASS if f.path == "remote" else _absent(f))
         if canon and canon[0]["status"] != "passed" and (w := _why(canon[0])) and w not in whys:
             whys.append(w)
-        mamba = sorted(k[2] for k in got if k[0] == f.zoo_name and k[1] == MAMBA)
+        mamba = [got[k] for k in sorted(k for k in got if k[0] == f.zoo_name and k[1] == MAMBA)]
         if mamba:
-            whys.append("Mamba in_proj/out_proj LoRA: " + ", ".join(f"{_mamba_label(i)} {_cell(got[(f.zoo_name, MAMBA, i)])}" for i in mamba))
-            whys += [w for i in mamba if got[(f.zoo_name, MAMBA, i)]["status"] != "passed"
-                     and (w := _why(got[(f.zoo_name, MAMBA, i)])) and w not in whys]
+            whys.append("Mamba in_proj/out_proj LoRA: " + ", ".join(f"{_mamba_label(r['id'])} {_cell(r)}" for r in mamba))
+        for r in mamba:  # one by one: two cases of one finding give its reason once
+            if r["status"] != "passed" and (w := _why(r)) and w not in whys:
+                whys.append(w)
         if f.name in LORA_NOT_GENERATED:
             whys.append(f"LoRA not generated: {LORA_NOT_GENERATED[f.name]}")
         if f.name in LANGUAGE_ONLY_LORA:

@@ -273,6 +273,10 @@ FAMILIES: tuple[Family, ...] = (
            overrides=_o(rotary_dim=4, rope_parameters=dict(rope_type="default", rope_theta=5000000.0, partial_rotary_factor=0.5)),
            note="MiniMax-M3 text (experts, QK norm, partial RoPE, (1 + w) norms) + its vision tower; the Bridge's flex "
                 "(DeepEP HybridEP, CUDA-only) token dispatcher runs as alltoall here (harness.models.bridge)"),
+    # audio-text: transformers' Qwen2-Audio (Whisper-like encoder, avg-pool, linear projector) whole; the Bridge's
+    # Qwen2AudioModel holds the same HF encoder (modeling_qwen2_audio.py:137) beside its Megatron language model
+    Family("qwen2_audio", "Qwen2AudioForConditionalGeneration", "qwen2_audio", path="vl-text",
+           note="Qwen2 text (q/k/v biases) + a Whisper-like audio tower and linear projector, both replicated"),
     # ---- VL / omni / audio without a language-path case here: the reason in the note
     *(Family(n, a, mt, path="vl", note=why) for n, a, mt, why in (
         ("ernie4_5_vl_moe", "Ernie4_5_VLMoeForConditionalGeneration", "ernie4_5_vl_moe",
@@ -285,8 +289,6 @@ FAMILIES: tuple[Family, ...] = (
         ("nemotron_vl", "NemotronH_Nano_VL_V2", None, "remote code; the Bridge's NemotronVLModel is a language-only stub (nemotron_vl/modeling_nemotron_vl.py:23-28: vision inputs raise NotImplementedError until a reference vision encoder is open-sourced), and no modeling class lays out its RADIO tower and projector for a fixture"),
         ("nemotron_omni", "NemotronH_Nano_Omni_Reasoning_V3", None, "remote code; its vision and sound towers' checkpoint layout comes only with the hub's modeling code (the Bridge copies it through ADDITIONAL_FILE_PATTERNS, nemotron_omni/nemotron_omni_bridge.py:74), which transformers lacks: no fixture here"),
         ("qwen3_asr", "Qwen3ASRForConditionalGeneration", None, "remote code (the Bridge vendors it: qwen3_asr/hf_qwen3_asr); an audio (ASR) model: the harness writes image-text-to-text fixtures only, an audio-tower fixture is not built yet (harness gap)"),
-        ("qwen2_audio", "Qwen2AudioForConditionalGeneration", "qwen2_audio",
-         "audio-text: transformers ships Qwen2AudioForConditionalGeneration, but the harness writes image-text-to-text fixtures only: an audio-tower (Whisper-like) fixture is not built yet (harness gap)"),
         ("qwen3_omni", "Qwen3OmniMoeForConditionalGeneration", "qwen3_omni_moe",
          "omni (thinker + talker + audio): transformers ships the classes, but the harness writes image-text-to-text fixtures "
          "only: an omni (audio tower, talker) fixture is not built yet (harness gap)"),

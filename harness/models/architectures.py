@@ -113,15 +113,18 @@ def _classify_vl_text(f: Family) -> tuple[str, str]:
     """A "vl-text" family: its ConditionalGeneration class must ship in transformers (the whole
     model is the fixture); its language path runs on text tokens alone."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
+    )
 
     from harness.core.requires import module_missing
     from harness.models.vl import is_vl
 
     if f.model_type not in CONFIG_MAPPING or not is_vl(CONFIG_MAPPING[f.model_type]):
-        return "missing", f"transformers has no VL config (text + vision) for model_type {f.model_type}"
-    if f.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        return "missing", f"transformers has no image-text-to-text class for model_type {f.model_type}"
+        return "missing", f"transformers has no multimodal config (text + a vision or audio tower) for model_type {f.model_type}"
+    if f.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES | MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES:
+        return "missing", f"transformers has no image-text-to-text or multimodal-LM class for model_type {f.model_type}"
     if f.needs and (why := module_missing(f.needs)):
         return "missing", f"needs the module {f.needs}: {why} ({f.note})"
     return "vl-text", f.note

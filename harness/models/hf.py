@@ -242,7 +242,21 @@ HUB_SPELLING: dict[str, dict[str, str]] = {
     # transformers 5.12.1 conversion_mapping.py:1074-1076: "embedding.weight" -> "embeddings.weight" on load;
     # the Hub's Nemotron-H checkpoints (and Megatron-Bridge's mapping, nemotron_h_bridge.py:399) say `embeddings`
     "nemotron_h": {"backbone.embedding.weight": "backbone.embeddings.weight"},
+    # transformers 5.12.1 saves Qwen2-Audio's text weights under `language_model.model.model.*`: its save reverses
+    # both the qwen2_audio and the Qwen2AudioModel renamings (conversion_mapping.py:567-575), one prefix too many; the
+    # Hub's Qwen2-Audio checkpoints (and the Bridge's mapping, qwen2_audio_bridge.py:122-132) say `language_model.model.*`
+    "qwen2_audio": {"language_model.model.model.": "language_model.model."},
 }
+
+
+def respelled(key: str, names: dict[str, str]) -> str:
+    """`key` renamed by `names`: an exact entry, else an entry ending in "." as a prefix rule."""
+    if key in names:
+        return names[key]
+    for old, new in names.items():
+        if old.endswith(".") and key.startswith(old):
+            return new + key[len(old):]
+    return key
 
 
 def respell(directory: Path, names: dict[str, str]) -> None:
@@ -253,12 +267,12 @@ def respell(directory: Path, names: dict[str, str]) -> None:
 
     for f in sorted(directory.glob("*.safetensors")):
         state = load_file(str(f))
-        if any(k in state for k in names):
-            save_file({names.get(k, k): v for k, v in state.items()}, str(f), metadata={"format": "pt"})
+        if any(respelled(k, names) != k for k in state):
+            save_file({respelled(k, names): v for k, v in state.items()}, str(f), metadata={"format": "pt"})
     index = directory / "model.safetensors.index.json"
     if index.exists():
         data = json.loads(index.read_text())
-        data["weight_map"] = {names.get(k, k): v for k, v in data["weight_map"].items()}
+        data["weight_map"] = {respelled(k, names): v for k, v in data["weight_map"].items()}
         index.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 

@@ -57,13 +57,16 @@ class Layout:
 
 
 TEXT = Layout()
+#: Words naming an encoder tower's keys (a ViT's `visual.blocks.0.mlp`, Qwen2-Audio's `audio_tower.layers.0.self_attn`): the
+#: language path's layers are the other ones
+_TOWER_WORDS = ("vision", "visual", "audio")
 _LAYER0 = re.compile(r"^(.*?layers\.)0\.(?:self_attn|mlp|input_layernorm|mixer|norm|feed_forward)\.")
 
 
 def checkpoint_layout(keys: Iterable[str]) -> Layout:
     """The Layout of an HF checkpoint from its tensor names (headers only)."""
     keys = list(keys)
-    layers = next((m[1] for k in keys if (m := _LAYER0.match(k)) and "vision" not in k and "visual" not in k), TEXT.layers)
+    layers = next((m[1] for k in keys if (m := _LAYER0.match(k)) and not any(t in k for t in _TOWER_WORDS)), TEXT.layers)
     head = next((k.removesuffix(".weight") for k in keys if k.endswith("lm_head.weight")), TEXT.lm_head)
     return Layout(layers, head)
 

@@ -25,6 +25,11 @@ import torch
 #: The vision tower's generic shrink: every key the vision config class has is set so.
 VISION_SHRINK: dict[str, Any] = dict(depth=2, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_heads=2,
                                      num_attention_heads=2, num_key_value_heads=2, fullatt_block_indexes=[1])
+#: The audio tower's generic shrink (Qwen2-Audio's Whisper-like encoder): two layers, width 32; the mel bins and
+#: source positions are the class's (the real checkpoints' input layout).
+AUDIO_SHRINK: dict[str, Any] = dict(encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32)
+#: A tower config's key naming its output width: set to the text width (the projector's or merger's input).
+OUTPUT_WIDTH = ("out_hidden_size", "projection_dim", "output_dim")
 #: The override naming the text sub-config's model_type where the family ships another than the
 #: class default (Mistral3Config defaults to a "mistral" text config, Ministral 3 ships "ministral3").
 TEXT_MODEL_TYPE = "text_model_type"
@@ -33,10 +38,15 @@ TEXT_MODEL_TYPE = "text_model_type"
 PLACEHOLDER_BASE = 1000
 
 
+#: The encoder towers a multimodal config nests beside its text_config, each shrunk by its own table below.
+TOWERS = ("vision_config", "audio_config")
+
+
 def is_vl(config_cls: Any) -> bool:
-    """A config class with nested text_config and vision_config (a ConditionalGeneration model)."""
+    """A config class with a nested text_config and a vision or audio tower's config (a ConditionalGeneration
+    model: Qwen2-Audio's Whisper-like encoder is such a tower, as a ViT is)."""
     subs = getattr(config_cls, "sub_configs", None) or {}
-    return "text_config" in subs and "vision_config" in subs
+    return "text_config" in subs and any(t in subs for t in TOWERS)
 
 
 def _sub_defaults(config_cls: Any, name: str) -> dict[str, Any]:
@@ -67,21 +77,17 @@ def tiny_vl_config(spec: Any, shrink: Callable[[Any, dict[str, Any]], dict[str, 
     top_kw: dict[str, Any] = {"tie_word_embeddings": spec.tied}
     for k, v in spec.overrides:
         v = list(v) if isinstance(v, tuple) else v.value() if isinstance(v, Nested) else v
-        if k.startswith("vision.") or k == TEXT_MODEL_TYPE:
+        if k.startswith(("vision.", "audio.")) or k == TEXT_MODEL_TYPE:
             continue
         (top_kw if k in top and k not in text_defaults else text)[k] = v
-    vision_defaults = _sub_defaults(cls, "vision_config")
-    vision = {k: v for k, v in VISION_SHRINK.items() if k in vision_defaults}
-    for key in ("out_hidden_size", "projection_dim"):
-        if key in vision_defaults:
-            vision[key] = text["hidden_size"]
-    vision.update({k.removeprefix("vision."): (list(v) if isinstance(v, tuple) else v) for k, v in spec.overrides
-                   if k.startswith("vision.")})
+    towers = {name: _tower(cls, name, shrink_table, prefix, spec, text["hidden_size"])
+              for name, shrink_table, prefix in (("vision_config", VISION_SHRINK, "vision."), ("audio_config", AUDIO_SHRINK, "audio."))
+              if name in cls.sub_configs}
     for k, v in top.items():  # a multimodal placeholder id inside the tiny vocab would turn text tokens into image slots
         if (k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and not isinstance(v, bool)
                 and v < text["vocab_size"] and k not in top_kw):
             top_kw[k] = PLACEHOLDER_BASE + v
-    config = AutoConfig.for_model(spec.arch, text_config=text, vision_config=vision, **top_kw)
+    config = AutoConfig.for_model(spec.arch, text_config=text, **towers, **top_kw)
     tc = config.text_config
     tc.tie_word_embeddings = spec.tied
     for name in layer_lists:
@@ -93,12 +99,27 @@ def tiny_vl_config(spec: Any, shrink: Callable[[Any, dict[str, Any]], dict[str, 
     return config
 
 
+def _tower(cls: Any, name: str, table: dict[str, Any], prefix: str, spec: Any, width: int) -> dict[str, Any]:
+    """The tower sub-config `name` of `cls` shrunk by `table` (the keys its class has), its output width the
+    text width, then the family's `prefix`-ed overrides ("vision.deepstack_visual_indexes")."""
+    defaults = _sub_defaults(cls, name)
+    tower = {k: v for k, v in table.items() if k in defaults}
+    tower.update({key: width for key in OUTPUT_WIDTH if key in defaults})
+    tower.update({k.removeprefix(prefix): (list(v) if isinstance(v, tuple) else v) for k, v in spec.overrides
+                  if k.startswith(prefix)})
+    return tower
+
+
 def model_class(config: Any):
     """transformers' auto class building `config`'s whole model: image-text-to-text for a VL
-    config (its vision tower included), the causal LM otherwise."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    config (its vision tower included), the multimodal LM for an audio-text one (Qwen2-Audio,
+    which transformers files there only), the causal LM otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForMultimodalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    return AutoModelForImageTextToText if is_vl(type(config)) else AutoModelForCausalLM
+    if not is_vl(type(config)):
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES else AutoModelForMultimodalLM
 
 
 def is_vl_checkpoint(directory: Any) -> bool:

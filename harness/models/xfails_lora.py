@@ -98,14 +98,15 @@ _M3_MATCH = r"linear_fc1(?:_up|_gate)?: megatron \d+, peft 0 \(only megatron: mo
 _M3_CHECKS = ["peft-load", "lora-targets-matched", "merge", "logits", "merged-logits", "peft-resave"]
 
 
-#: a VL model's exported adapter_config targets the vision tower too
+#: a VL or audio model's exported adapter_config targets the encoder tower too
 _VL_TARGETS = ("Megatron-Bridge 0.6.2 save_hf_adapter writes adapter_config.json's target_modules as bare leaf names "
                "(conversion/peft_bridge.py:1436-1452 infer_target_modules_from_adapter_weights, called at auto_bridge.py:905): "
-               "on a VL model PEFT's suffix match also wraps the vision tower's linears of the same names (Qwen2.5-VL ViT "
-               "mlp.gate/up/down_proj, SigLIP self_attn.q/k/v_proj, Pixtral attention.*_proj and feed_forward.*_proj), for which "
-               "the adapter has no weights: PeftModel.from_pretrained warns of missing adapter keys and the vision tower gets "
+               "on a VL or audio model PEFT's suffix match also wraps the encoder tower's linears of the same names (Qwen2.5-VL ViT "
+               "mlp.gate/up/down_proj, SigLIP self_attn.q/k/v_proj, Pixtral attention.*_proj and feed_forward.*_proj, "
+               "Qwen2-Audio's Whisper encoder self_attn.q/k/v_proj), for which the adapter has no weights: "
+               "PeftModel.from_pretrained warns of missing adapter keys and the tower gets "
                "fresh LoRA layers the adapter never trained (zero lora_B: no effect until trained)")
-_VL_TARGETS_MATCH = r"only peft: model\.(?:visual|vision_tower)\."
+_VL_TARGETS_MATCH = r"only peft: model\.(?:visual|vision_tower|audio_tower)\."
 _VL_TARGETS_CHECKS = ["peft-load", "lora-targets-matched"]
 #: peft applies transformers 5's checkpoint renaming by model_type only
 _QWEN_VL_NOOP = ("peft 0.21.2 renames an adapter's checkpoint keys for transformers 5 only when "
@@ -164,6 +165,7 @@ LORA: dict[str, dict[str, Any]] = {
     "gemma3_vl": {"reason": f"{_POST_NORM_LORA['reason']}; and {_VL_TARGETS}", "match": _VL_TARGETS_MATCH,
                   "checks": [*_VL_TARGETS_CHECKS, *_POST_NORM_LORA["checks"]]},
     "mistral3": {"reason": _VL_TARGETS, "match": _VL_TARGETS_MATCH, "checks": _VL_TARGETS_CHECKS},
+    "qwen2_audio": {"reason": _VL_TARGETS, "match": _VL_TARGETS_MATCH, "checks": _VL_TARGETS_CHECKS},
     # the VL model's provider is the dense one's subclass (gemma_vl/gemma4_vl_provider.py:77 Gemma4DenseVLProvider)
     "gemma4_vl": _GEMMA4,
     "glm4v_moe tp1 -> pp2": _xfail(_PEFT_MOE, _PEFT_MOE_MATCH, _PEFT_MOE_CHECKS),
@@ -226,7 +228,7 @@ def canonical_pair(pairs: list[str]) -> str:
 
 
 # the VL language paths' CanonicalLoRA meets the LoRA findings (adapter_config targets, Qwen2.5-VL's no-op load)
-CANONICAL.update({f: LORA[f] for f in ("qwen2_5_vl", "gemma3_vl", "mistral3")})
+CANONICAL.update({f: LORA[f] for f in ("qwen2_5_vl", "gemma3_vl", "mistral3", "qwen2_audio")})
 CANONICAL["minimax_m3_vl"] = LORA["minimax_m3_vl tp1 -> pp2"]
 
 # ---- the Mamba hybrids: the provider's VPP refusal, as their round trips; Nemotron-H's squared-ReLU MLP as Nemotron's

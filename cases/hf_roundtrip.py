@@ -118,7 +118,7 @@ def reference_logits(directory: Path, input_ids: torch.Tensor, dtype: str = "fp3
     """transformers' logits of the checkpoint (harness.models.hf.hf_logits, with eager attention where
     harness.models.hf.reference_attention says (its SDPA_DROPS)); `precision` float64: its fp64 forward, returned in fp64."""
     from harness.models.hf import HF_DTYPES, quiet_hf
-    from harness.models.vl import auto_class_of
+    from harness.models.vl import auto_class_of, forward_model
 
     quiet_hf()
     attn = reference_attention(directory)
@@ -126,7 +126,7 @@ def reference_logits(directory: Path, input_ids: torch.Tensor, dtype: str = "fp3
     if precision is not None:  # the default grouped_mm experts take no fp64 (torch._grouped_mm): the per-expert loop
         kw["experts_implementation"] = "eager"
     model = auto_class_of(directory).from_pretrained(directory, dtype=precision or HF_DTYPES[dtype], **kw)
-    logits = model.eval()(input_ids=input_ids).logits
+    logits = forward_model(model.eval())(input_ids=input_ids).logits
     return logits if precision is not None else logits.float()
 
 
@@ -203,18 +203,22 @@ def judge(
     src: Topology, dst: Topology, worlds: list[tuple[str, list[BridgeOut]]], source: dict[str, torch.Tensor],
     exported: dict[str, torch.Tensor], ref_logits: torch.Tensor | None, export_logits: torch.Tensor | None,
     config_dtypes: tuple[str | None, str | None], dtype: str = "fp32", ref_error: float | None = None, no_logits: str = "",
+    export_refused: str = "",
 ) -> list[Check]:
     """`worlds`: (topology id, outputs) of each world that built the model (one when S == D);
     `config_dtypes`: the dtype the source's and the export's config.json declare; `ref_error`:
     transformers' own fp32 error on the source (`reference_error`), None where not measured. `ref_logits`
     None: no transformers class builds the checkpoint (harness.models.remote): both logits checks not-run,
-    `no_logits` saying why."""
+    `no_logits` saying why. `export_logits` None with `export_refused`: transformers could not load the export (the
+    error, as a user's from_pretrained meets it): hf-logits fails saying so."""
     bound = megatron_tolerance(dtype, ref_error)
     measured = "" if ref_error is None else f" (transformers' own fp32 error {ref_error:.3g} vs fp64; bound atol {bound.atol:.3g})"
     checks = [state_check("export-bitwise", source, exported, "hf-source", f"export@{dst.id}",
                           f"{len(exported)} tensors, keys and dtypes equal the source")]
     if ref_logits is None:
         checks += not_run_checks(("hf-logits", "megatron-logits"), no_logits)
+    elif export_logits is None:
+        checks.append(Check("hf-logits", "failed", f"transformers cannot load the export@{dst.id}: {export_refused or 'no logits'}"))
     else:
         checks.append(tensor_check("hf-logits", ref_logits, export_logits, "transformers(source)", f"transformers(export@{dst.id})",
                                    "transformers logits equal"))
@@ -349,9 +353,14 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
                 ref_error = reference_error(hf_dir, ids, ref)
             except Exception as exc:  # noqa: BLE001 - no fp64 forward: the fixed (stricter) bound applies, said so
                 result.notes.append(f"transformers' fp64 forward failed ({type(exc).__name__}: {exc}): the fixed fp32 bound applies")
+        export_logits, refused = None, ""
+        try:
+            export_logits = reference_logits(export, ids, dtype=dtype)
+        except Exception as exc:  # noqa: BLE001 - the export a user's from_pretrained refuses: hf-logits fails, naming it
+            refused = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         result.checks.extend(judge(src, dst, worlds, backend.read_full(None, hf_dir), backend.read_full(None, export),
-                                   ref, reference_logits(export, ids, dtype=dtype),
-                                   (config_dtype(hf_dir), config_dtype(export)), dtype, ref_error))
+                                   ref, export_logits, (config_dtype(hf_dir), config_dtype(export)), dtype, ref_error,
+                                   export_refused=refused))
 
 
 CASE = HFRoundtrip()

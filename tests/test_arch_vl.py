@@ -54,11 +54,11 @@ def test_vl_classification_and_matrix():
     assert arch.classify(BY_NAME["qwen2_5_vl"])[0] == "vl-text"
     status, why = arch.classify(BY_NAME["qwen3_vl"])  # its TE-only spec builders run on CPU stand-ins, said in the note
     assert status == "vl-text" and "qwen3_vl_provider.py:148" in why and "localize_te_spec_builders" in why
-    assert arch.classify(BY_NAME["qwen2_audio"])[0] == "vl"
+    assert arch.classify(BY_NAME["qwen3_asr"])[0] == "vl"  # the vendored remote ASR model: no fixture
     text = arch.matrix_yaml()
     runnable = [f for f in FAMILIES if f.path == "vl-text"]
     assert len(runnable) >= 3 and all(f"models: [{f.zoo_name}]" in text for f in runnable)
-    assert "models: [hf-qwen2_audio]" not in text and "Qwen2AudioForConditionalGeneration" in text.split("# deferred")[-1]
+    assert "models: [hf-qwen3_asr]" not in text and "Qwen3ASRForConditionalGeneration" in text.split("# deferred")[-1]
     assert "requires" not in text.split("models: [hf-qwen3_vl]")[1].split("- case")[0]
     # their LoRA adapts the language path only (the ViT's adapters not judged: named in xfails_lora)
     from harness.models.xfails_lora import LANGUAGE_ONLY_LORA

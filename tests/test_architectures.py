@@ -95,7 +95,7 @@ def test_moe_families_route_top_k_of_several(f):
     if arch.classify(f)[0] not in ("text", "vl-text", "remote") and not f.needs:
         pytest.skip(arch.classify(f)[1])
     c = _config(f.name)
-    c = getattr(c, "text_config", None) or c  # a VL family: the experts are its language path's
+    c = c.get_text_config()  # a VL or omni family: the experts are its language path's
     counts = [getattr(c, k) for k in arch.MOE_COUNT if getattr(c, k, None)]
     topk = [getattr(c, k) for k in arch.MOE_TOPK if getattr(c, k, None)]
     assert counts and min(counts) >= 2 and topk and 1 <= min(topk) < min(counts), arch.distinctive(c)
@@ -108,7 +108,9 @@ def test_classification_names_the_missing_module():
     assert arch.classify(BY_NAME["kimi_k2"])[0] == "remote"  # harness.models.remote (tests/test_remote.py)
     assert arch.classify(BY_NAME["mimo_v2_flash"])[0] == "unbuilt" and "modeling_mimo_v2_flash.py:231" in arch.classify(BY_NAME["mimo_v2_flash"])[1]
     assert arch.classify(BY_NAME["gemma2"])[0] == "text"
-    assert arch.classify(BY_NAME["qwen2_audio"])[0] == "vl"
+    # audio and omni language paths (harness.models.vl's audio towers, an omni model's thinker)
+    assert {arch.classify(BY_NAME[n])[0] for n in ("qwen2_audio", "qwen2_5_omni", "qwen3_omni")} == {"vl-text"}
+    assert arch.classify(BY_NAME["qwen3_asr"])[0] == "vl"
 
 
 # ---------------------------------------------------------------- a planted mapping defect

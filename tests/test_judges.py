@@ -345,6 +345,13 @@ def test_hf_roundtrip_judge():
     # no transformers class (a remote-code family): the logits checks not-run with why, the weights still judged
     remote = _statuses(hf_roundtrip.judge(src, dst, [("a", outs)], state, flipped, None, None, dtypes, no_logits="no HF class"))
     assert remote["hf-logits"] == remote["megatron-logits"] == "not-run" and remote["export-bitwise"] == "failed"
+    # transformers refuses the export (a file its from_pretrained needs is missing): hf-logits fails naming the error,
+    # Megatron's logits are still judged against the source's
+    refused = hf_roundtrip.judge(src, dst, [("a", outs)], state, dict(state), logits, None, dtypes,
+                                 export_refused="OSError: no file named spk_dict.pt")
+    checks = {c.name: c for c in refused}
+    assert checks["hf-logits"].status == "failed" and "spk_dict.pt" in checks["hf-logits"].detail
+    assert checks["megatron-logits@a"].status == "passed"
 
 
 def test_hf_export_dtype_judge():

@@ -143,7 +143,7 @@ def model_targets(model: HFModelSpec, targets: Iterable[str]) -> tuple[str, ...]
     return tuple(out)
 
 
-_VL_PREFIX = re.compile(r"^(?:model\.language_model\.|language_model\.model\.)")
+_VL_PREFIX = re.compile(r"^(?:model\.language_model\.|language_model\.model\.|thinker\.model\.)")  # an omni model: its thinker
 #: hybrid families' decoder modules -> the text model's (Nemotron-H: each layer one `mixer`, attention or MLP, under
 #: `backbone.` in its checkpoints and `model.` in transformers 5's memory;
 #: Falcon-H1: its MLP as `feed_forward`); a Mamba mixer's in_proj / out_proj as `mixer.` (Falcon-H1's `mamba.` too)
@@ -155,11 +155,12 @@ _HYBRID_NAMES = ((re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.([qkvo
 
 def text_name(unit: str) -> str:
     """A VL model's language-path module (in memory `model.language_model.layers.N...`, in a
-    checkpoint also `language_model.model.layers.N...`, its head `language_model.lm_head`), or a hybrid
+    checkpoint also `language_model.model.layers.N...`, its head `language_model.lm_head`; an omni model's
+    `thinker.model.layers.N...`, `thinker.lm_head`), or a hybrid
     model's attention / MLP module (_HYBRID_NAMES), under the text model's name (`model.layers.N...`,
     `lm_head`): the layout checks count decoder units the same way for all; any other module (a vision
     tower, a projector) keeps its name and so belongs to no target entry."""
-    if unit == "language_model.lm_head":
+    if unit in ("language_model.lm_head", "thinker.lm_head"):
         return "lm_head"
     for pat, repl in _HYBRID_NAMES:
         if pat.match(unit):

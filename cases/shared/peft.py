@@ -18,6 +18,7 @@ from harness.core.zoo import HFModelSpec
 from harness.models import bridge as mb
 from harness.models.hf import HF_DTYPES, quiet_hf, reference_attention
 from harness.models.mcore import DType
+from harness.models.vl import forward_model
 
 PEFT_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-5, why="Megatron+LoRA vs transformers+PEFT fp32 kernels")
 # bf16: MEGATRON_HF_TOLERANCE_BF16's reasons plus the LoRA branch, which the two sides compute in
@@ -152,9 +153,9 @@ def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32", i
         if input_ids is None:
             vocab = int(model.get_base_model().config.get_text_config().vocab_size)
             input_ids = (torch.arange(16) * 7 % vocab).reshape(2, 8)
-        adapted = model(input_ids=input_ids).logits.float()
+        adapted = forward_model(model)(input_ids=input_ids).logits.float()
         with model.disable_adapter():
-            base = model(input_ids=input_ids).logits.float()
+            base = forward_model(model)(input_ids=input_ids).logits.float()
     r.effect = max_abs_diff(adapted, base)
     result = model.load_adapter(adapter_dir, adapter_name="recheck")
     r.missing, r.unexpected = list(result.missing_keys), list(result.unexpected_keys)
@@ -203,7 +204,7 @@ def peft_reference_error(base_dir: Path, adapter_dir: Path, input_ids: torch.Ten
     attn = reference_attention(base_dir)
     kw: dict[str, Any] = {"attn_implementation": attn} if attn else {}
     base = auto_class_of(base_dir).from_pretrained(base_dir, dtype=torch.float64, experts_implementation="eager", **kw)
-    exact = PeftModel.from_pretrained(base, adapter_dir).eval()(input_ids=input_ids).logits
+    exact = forward_model(PeftModel.from_pretrained(base, adapter_dir).eval())(input_ids=input_ids).logits
     return float((fp32_logits.double() - exact).abs().max())
 
 
@@ -254,11 +255,11 @@ def peft_views(base_dir: Path, adapter_dir: Path, input_ids: torch.Tensor, dtype
     model = load_peft(base_dir, adapter_dir, dtype)
     model.eval()
     units = peft_units(model)
-    lora = model(input_ids=input_ids).logits.float()
+    lora = forward_model(model)(input_ids=input_ids).logits.float()
     if resave_to is not None:
         model.save_pretrained(resave_to)
     merged_model = model.merge_and_unload()
-    merged_logits = merged_model(input_ids=input_ids).logits.float()
+    merged_logits = forward_model(merged_model)(input_ids=input_ids).logits.float()
     if save_merged_to is not None:
         merged_model.save_pretrained(save_merged_to, safe_serialization=True)
         merged = read_safetensors(save_merged_to)

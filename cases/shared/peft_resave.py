@@ -41,6 +41,7 @@ from harness.core.parity import BITWISE, Mismatch, compare_state, max_abs_diff
 from harness.core.result import Check
 from harness.judge.hf_integrity import ADAPTER_WEIGHTS
 from harness.models.hf import quiet_hf
+from harness.models.vl import forward_model
 
 NAME = "peft-resave"
 CONFIG_NAME = "adapter_config.json"
@@ -65,7 +66,7 @@ def resaved_logits(base_dir: Path, resaved: Path, input_ids: torch.Tensor, dtype
     quiet_hf()
     model = load_peft(base_dir, resaved, dtype)
     model.eval()
-    return model(input_ids=input_ids).logits.float()
+    return forward_model(model)(input_ids=input_ids).logits.float()
 
 
 def _tensors(directory: Path, problems: list[str]) -> dict[str, torch.Tensor]:

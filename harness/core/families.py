@@ -277,6 +277,18 @@ FAMILIES: tuple[Family, ...] = (
     # Qwen2AudioModel holds the same HF encoder (modeling_qwen2_audio.py:137) beside its Megatron language model
     Family("qwen2_audio", "Qwen2AudioForConditionalGeneration", "qwen2_audio", path="vl-text",
            note="Qwen2 text (q/k/v biases) + a Whisper-like audio tower and linear projector, both replicated"),
+    # omni: the thinker (text + ViT + audio encoder) of a thinker-only checkpoint (enable_audio_output false, as
+    # Qwen3-Omni-30B-A3B-Thinking ships): the Bridge maps the thinker alone (qwen25_omni_bridge.py:101-150); text as
+    # Qwen2.5-VL's / Qwen3-VL-MoE's (M-RoPE sections the Bridge reads or defaults)
+    Family("qwen2_5_omni", "Qwen2_5OmniForConditionalGeneration", "qwen2_5_omni", path="vl-text",
+           overrides=_o(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, intermediate_size=128,
+                        rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[16, 24, 24])),
+           note="omni thinker: Qwen2.5 text (M-RoPE 16/24/24, q/k/v biases) + Qwen2.5 ViT + audio encoder; no talker"),
+    Family("qwen3_omni", "Qwen3OmniMoeForConditionalGeneration", "qwen3_omni_moe", path="vl-text", num_experts=4,
+           overrides=_o(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+                        rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True),
+                        **{"vision.deepstack_visual_indexes": [0, 1]}),
+           note="omni thinker: Qwen3 MoE text (M-RoPE, QK norm) + Qwen3 ViT (DeepStack) + audio encoder; no talker"),
     # ---- VL / omni / audio without a language-path case here: the reason in the note
     *(Family(n, a, mt, path="vl", note=why) for n, a, mt, why in (
         ("ernie4_5_vl_moe", "Ernie4_5_VLMoeForConditionalGeneration", "ernie4_5_vl_moe",
@@ -289,12 +301,6 @@ FAMILIES: tuple[Family, ...] = (
         ("nemotron_vl", "NemotronH_Nano_VL_V2", None, "remote code; the Bridge's NemotronVLModel is a language-only stub (nemotron_vl/modeling_nemotron_vl.py:23-28: vision inputs raise NotImplementedError until a reference vision encoder is open-sourced), and no modeling class lays out its RADIO tower and projector for a fixture"),
         ("nemotron_omni", "NemotronH_Nano_Omni_Reasoning_V3", None, "remote code; its vision and sound towers' checkpoint layout comes only with the hub's modeling code (the Bridge copies it through ADDITIONAL_FILE_PATTERNS, nemotron_omni/nemotron_omni_bridge.py:74), which transformers lacks: no fixture here"),
         ("qwen3_asr", "Qwen3ASRForConditionalGeneration", None, "remote code (the Bridge vendors it: qwen3_asr/hf_qwen3_asr); an audio (ASR) model: the harness writes image-text-to-text fixtures only, an audio-tower fixture is not built yet (harness gap)"),
-        ("qwen3_omni", "Qwen3OmniMoeForConditionalGeneration", "qwen3_omni_moe",
-         "omni (thinker + talker + audio): transformers ships the classes, but the harness writes image-text-to-text fixtures "
-         "only: an omni (audio tower, talker) fixture is not built yet (harness gap)"),
-        ("qwen2_5_omni", "Qwen2_5OmniForConditionalGeneration", "qwen2_5_omni",
-         "omni (thinker + talker + audio): transformers ships the classes, but the harness writes image-text-to-text fixtures "
-         "only: an omni (audio tower, talker) fixture is not built yet (harness gap)"),
         ("step3p7_vl", "Step3p7ForConditionalGeneration", None, "remote code: the Bridge ships its configuration only (stepfun/configuration_step37.py, step37_bridge.py:67), no modeling class lays its checkpoint out for a fixture"),
     )),
 )

@@ -14,6 +14,7 @@ from harness.core import truth
 from harness.core.topology import Topology
 from harness.core.zoo import HFModelSpec
 from harness.models.mcore import FUSIONS
+from harness.models.vl import TextOnly, language_model, localize_te_globals
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 CANONICAL_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate", "linear_fc2")
@@ -185,8 +186,6 @@ def build(hf_dir: str | Path, spec: HFModelSpec, topo: Topology, *, load_weights
 
         provider.register_pre_wrap_hook(lora_reads_normed_input)
     finalize_provider(provider, torch_dtype, overrides)
-    from harness.models.vl import localize_te_globals
-
     localize_te_globals(provider)  # a VL model's own TE names (its projector's norm) -> CPU stand-ins
     # built where the rank runs (as harness.models.mcore.build_gpt moves its models): on an NCCL rank the
     # provider moves the model to its GPU itself unless told to initialise on CPU (the lent H200 showed
@@ -274,7 +273,7 @@ def chunks(bm: BridgeModel) -> list:
 
 
 def _decoder_of(chunk: Any) -> Any:
-    return (getattr(chunk, "language_model", None) or chunk).decoder
+    return (language_model(chunk) or chunk).decoder
 
 
 def _stage_layers_asked(provider: Any) -> int:
@@ -310,11 +309,12 @@ _EXPERT = ".mlp.experts.local_experts."
 
 
 def global_name(local: str, offset: int, expert_offset: int = 0) -> str:
-    """decoder.layers.<local>.… -> decoder.layers.<global>.… (a VL model's language_model.decoder… too),
+    """decoder.layers.<local>.… -> decoder.layers.<global>.… (a VL model's language_model.decoder…, an omni one's
+    thinker.language_model.decoder… too),
     and an expert's mlp.experts.local_experts.<local>.… -> its global expert index (EP rank x experts
     per rank + local)."""
     parts = local.split(".")
-    at = 1 if parts[:1] == ["language_model"] else 0
+    at = 2 if parts[:2] == ["thinker", "language_model"] else 1 if parts[:1] == ["language_model"] else 0
     if len(parts) > at + 2 and parts[at] == "decoder" and parts[at + 1] == "layers" and parts[at + 2].isdigit():
         parts[at + 2] = str(int(parts[at + 2]) + offset)
     if _EXPERT in local:
@@ -413,7 +413,6 @@ def ddp_propagation(bm: BridgeModel, asked: dict[str, Any], dtype: str = "fp32")
 
 def megatron_logits(bm: BridgeModel, spec: HFModelSpec, device) -> torch.Tensor | None:
     from harness.models.mcore import forward_logits
-    from harness.models.vl import TextOnly, language_model
 
     if len(bm.modules) > 1:  # vpp: every chunk through the interleaved schedule
         module = [forward_module(bm, i) for i in range(len(bm.modules))]

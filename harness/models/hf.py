@@ -24,11 +24,12 @@ SDPA_DROPS = ("attn_logit_softcapping",)
 
 
 def reference_attention(directory: Path) -> str | None:
-    """"eager" where the checkpoint's config (a VL config: its text_config) sets an option of
-    SDPA_DROPS, else None (transformers' default)."""
+    """"eager" where the checkpoint's config (a VL config: its text_config; an omni one: its thinker's) sets an option
+    of SDPA_DROPS, else None (transformers' default)."""
     import json
 
     cfg = json.loads((Path(directory) / "config.json").read_text())
+    cfg = cfg.get("thinker_config", cfg) if isinstance(cfg.get("thinker_config"), dict) else cfg
     cfg = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
     return "eager" if any(cfg.get(k) for k in SDPA_DROPS) else None
 
@@ -168,6 +169,9 @@ def _write_fixture(spec: HFModelSpec, directory: Path, dtype: str, shards: int, 
             respell(directory, names)
         if drop or add:
             rewrite_tensors(directory, drop, {k: v.to(HF_DTYPES[dtype]).contiguous() for k, v in add.items()})
+    from harness.models.vl import write_side_files
+
+    write_side_files(config, directory)
     write_tokenizer(spec, directory)
     return directory
 
@@ -323,7 +327,7 @@ def rewrite_tensors(directory: Path, drop: set[str], add: dict[str, torch.Tensor
 @torch.no_grad()
 def hf_logits(directory: Path, input_ids: torch.Tensor, adapter: Path | None = None, dtype: str = "fp32") -> torch.Tensor:
     """Logits of transformers (optionally + a PEFT adapter) on CPU in `dtype`, returned as fp32."""
-    from harness.models.vl import auto_class_of
+    from harness.models.vl import auto_class_of, forward_model
 
     quiet_hf()
     # a VL checkpoint: its ConditionalGeneration model, on text tokens alone
@@ -333,7 +337,7 @@ def hf_logits(directory: Path, input_ids: torch.Tensor, adapter: Path | None = N
 
         model = PeftModel.from_pretrained(model, adapter)
     model.eval()
-    return model(input_ids=input_ids).logits.float()
+    return forward_model(model)(input_ids=input_ids).logits.float()
 
 
 def config_dtype(directory: Path) -> str | None:

@@ -31,7 +31,7 @@ _COLUMN = {"linear_qkv": True, "linear_fc1": True, "linear_proj": False, "linear
 # groups: layer, self_attention|mlp, the MoE part (experts.local_experts.E | experts | shared_experts), E,
 # base, CanonicalLoRA sub-adapter, linear_in|linear_out
 _NAME = re.compile(
-    r"^(?:language_model\.)?(?:decoder\.layers\.(\d+)\.(self_attention|mlp|mixer|mamba_mixer)\.(?:(experts\.local_experts\.(\d+)|experts|shared_experts)\.)?)?"
+    r"^(?:(?:thinker\.)?language_model\.)?(?:decoder\.layers\.(\d+)\.(self_attention|mlp|mixer|mamba_mixer)\.(?:(experts\.local_experts\.(\d+)|experts|shared_experts)\.)?)?"
     r"(linear_qkv|linear_proj|linear_fc1|linear_fc2|output_layer|linear_q_proj|linear_q_down_proj|linear_q_up_proj|"
     r"linear_kv_down_proj|linear_kv_up_proj|in_proj|out_proj)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
 )

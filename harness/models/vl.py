@@ -40,12 +40,17 @@ PLACEHOLDER_BASE = 1000
 
 #: The encoder towers a multimodal config nests beside its text_config, each shrunk by its own table below.
 TOWERS = ("vision_config", "audio_config")
+#: An omni config's sub-config holding the text and towers (Qwen2.5-Omni, Qwen3-Omni: the thinker, beside its talker
+#: and vocoder, which the fixture leaves out as a thinker-only checkpoint does: enable_audio_output false)
+THINKER = "thinker_config"
 
 
 def is_vl(config_cls: Any) -> bool:
     """A config class with a nested text_config and a vision or audio tower's config (a ConditionalGeneration
-    model: Qwen2-Audio's Whisper-like encoder is such a tower, as a ViT is)."""
+    model: Qwen2-Audio's Whisper-like encoder is such a tower, as a ViT is), or an omni config whose thinker is one."""
     subs = getattr(config_cls, "sub_configs", None) or {}
+    if THINKER in subs:
+        return is_vl(subs[THINKER])
     return "text_config" in subs and any(t in subs for t in TOWERS)
 
 
@@ -59,12 +64,25 @@ def tiny_vl_config(spec: Any, shrink: Callable[[Any, dict[str, Any]], dict[str, 
     """The VL config of `spec`: the text sub-config shrunk by `shrink` (the text families' shrink)
     plus the family's overrides (a key of the top-level config only, e.g. image_token_id, goes
     there), the vision sub-config by VISION_SHRINK with its output width the text width."""
-    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[spec.arch]
+    if THINKER in cls.sub_configs:  # omni: the thinker shrunk as a VL config, the talker and vocoder off
+        thinker = _tiny_multimodal(cls.sub_configs[THINKER], spec, shrink, layer_lists)
+        thinker.architectures = None  # the architecture is the whole model's, below
+        config = cls(**{THINKER: thinker.to_dict()}, enable_audio_output=False)
+        if spec.architecture:
+            config.architectures = [spec.architecture]
+        return config
+    return _tiny_multimodal(cls, spec, shrink, layer_lists)
+
+
+def _tiny_multimodal(cls: Any, spec: Any, shrink: Callable[[Any, dict[str, Any]], dict[str, Any]], layer_lists: tuple[str, ...]):
+    """tiny_vl_config for the config class `cls` holding text_config and the towers."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from harness.core.families import Nested
 
-    cls = CONFIG_MAPPING[spec.arch]
     top = cls().to_dict()
     text_type = dict(spec.overrides).get(TEXT_MODEL_TYPE)  # another text config than the class's default (Ministral 3)
     text_defaults = CONFIG_MAPPING[text_type]().to_dict() if text_type else _sub_defaults(cls, "text_config")
@@ -87,7 +105,7 @@ def tiny_vl_config(spec: Any, shrink: Callable[[Any, dict[str, Any]], dict[str, 
         if (k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and not isinstance(v, bool)
                 and v < text["vocab_size"] and k not in top_kw):
             top_kw[k] = PLACEHOLDER_BASE + v
-    config = AutoConfig.for_model(spec.arch, text_config=text, **towers, **top_kw)
+    config = cls(text_config=text, **towers, **top_kw)
     tc = config.text_config
     tc.tie_word_embeddings = spec.tied
     for name in layer_lists:
@@ -120,6 +138,26 @@ def model_class(config: Any):
     if not is_vl(type(config)):
         return AutoModelForCausalLM
     return AutoModelForImageTextToText if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES else AutoModelForMultimodalLM
+
+
+def write_side_files(config: Any, directory: Any) -> list[str]:
+    """Files beside the weights that the model's own from_pretrained reads (the names written): Qwen2.5-Omni's
+    `spk_dict.pt` (its speakers, loaded whether or not the talker is on: modeling_qwen2_5_omni.py:3739-3751),
+    written as the Hub's checkpoints hold it, one speaker of zero tensors."""
+    from pathlib import Path
+
+    if getattr(config, "model_type", None) != "qwen2_5_omni":
+        return []
+    mel = getattr(config.token2wav_config.dit_config, "mel_dim", 80)
+    speakers = {"Chelsie": {"bos_token": 0, "cond": torch.zeros(1, 192), "ref_mel": torch.zeros(1, 8, mel)}}
+    torch.save(speakers, Path(directory) / "spk_dict.pt")
+    return ["spk_dict.pt"]
+
+
+def forward_model(model: Any) -> Any:
+    """The module whose forward gives a multimodal model's text logits: an omni model's thinker (the whole model only
+    generates), else the model (a PEFT-wrapped one too: PEFT resolves the attribute on the model it wraps)."""
+    return getattr(model, "thinker", model)
 
 
 def is_vl_checkpoint(directory: Any) -> bool:
@@ -175,8 +213,8 @@ def localize_te_globals(provider: Any) -> list[str]:
 
     from harness.models.cpu_spec import localize_globals
 
-    if getattr(provider, "vision_config", None) is None:
-        return []
+    if getattr(provider, "vision_config", None) is None and getattr(provider, "thinker_config", None) is None:
+        return []  # a text provider (an omni one carries its towers in the thinker's config)
     package = type(provider).__module__.rsplit(".", 1)[0]
     done = [f"{name}.{key}" for name, mod in list(sys.modules.items())
             if mod is not None and (name == package or name.startswith(package + "."))
@@ -238,8 +276,9 @@ def localize_te_spec_builders(mod: Any) -> list[str]:
 
 
 def language_model(module: torch.nn.Module) -> Any:
-    """The GPT language model inside a Megatron VL model (None for a plain GPTModel)."""
-    return getattr(module, "language_model", None)
+    """The GPT language model inside a Megatron VL model, or inside an omni model's thinker (None for a plain
+    GPTModel)."""
+    return getattr(getattr(module, "thinker", module), "language_model", None)
 
 
 def bias_as_mask(core_attention: type) -> type:

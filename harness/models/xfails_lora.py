@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.models.xfails_roundtrip import ROUNDTRIP
+from harness.models.xfails_roundtrip import QWEN25_OMNI_ROPE, ROUNDTRIP
 from harness.report.grid import MAMBA_TAG
 
 #: peft drops the LoRA of plain gate/up/down_proj Linears in a model whose experts transformers fuses
@@ -106,7 +106,7 @@ _VL_TARGETS = ("Megatron-Bridge 0.6.2 save_hf_adapter writes adapter_config.json
                "Qwen2-Audio's Whisper encoder self_attn.q/k/v_proj), for which the adapter has no weights: "
                "PeftModel.from_pretrained warns of missing adapter keys and the tower gets "
                "fresh LoRA layers the adapter never trained (zero lora_B: no effect until trained)")
-_VL_TARGETS_MATCH = r"only peft: model\.(?:visual|vision_tower|audio_tower)\."
+_VL_TARGETS_MATCH = r"only peft: (?:model|thinker)\.(?:visual|vision_tower|audio_tower)\."
 _VL_TARGETS_CHECKS = ["peft-load", "lora-targets-matched"]
 #: peft applies transformers 5's checkpoint renaming by model_type only
 _QWEN_VL_NOOP = ("peft 0.21.2 renames an adapter's checkpoint keys for transformers 5 only when "
@@ -289,6 +289,16 @@ for _f, _why in (("qwen3_vl_moe", _QWEN3VL_MOE), ("qwen3_5_moe_vl", _QWEN35_MOE_
 LORA["exaone4_5"] = {"reason": f"{_POST_NORM_LORA['reason']}; and {_VL_TARGETS}", "match": _VL_TARGETS_MATCH,
                      "checks": [*_VL_TARGETS_CHECKS, *_POST_NORM_LORA["checks"]]}
 CANONICAL["exaone4_5"] = LORA["exaone4_5"]
+# Qwen3-Omni's thinker: its audio encoder targeted (_VL_TARGETS); at tp2 (expert TP 2) the expert fc1 LoRA-B cut, at dp2ep2
+# the EP export defect
+LORA.update({"qwen3_omni tp1 -> pp2": _xfail(_VL_TARGETS, _VL_TARGETS_MATCH, _VL_TARGETS_CHECKS),
+             "qwen3_omni tp1 -> tp2": _xfail(_VL_TARGETS, _VL_TARGETS_MATCH, _VL_TARGETS_CHECKS, etp=True),
+             "qwen3_omni tp1 -> dp2ep2": _with_ep(_xfail(_VL_TARGETS, _VL_TARGETS_MATCH, _VL_TARGETS_CHECKS))})
+CANONICAL["qwen3_omni"] = LORA["qwen3_omni tp1 -> pp2"]
+# Qwen2.5-Omni's thinker: its audio encoder targeted (_VL_TARGETS), and Megatron's text-only logits off at the last position
+LORA["qwen2_5_omni"] = {"reason": f"{_VL_TARGETS}; and {QWEN25_OMNI_ROPE}", "match": _VL_TARGETS_MATCH,
+                        "checks": [*_VL_TARGETS_CHECKS, "logits", "merged-logits"]}
+CANONICAL["qwen2_5_omni"] = LORA["qwen2_5_omni"]
 CANONICAL["qwen3_vl_moe"] = {"reason": _CANON_GROUPED.replace(
     "(GPT-OSS's expert mappings are grouped exports, gpt_oss/gpt_oss_bridge.py:253-265)",
     "(Qwen3-VL-MoE's routed experts map packed, as its checkpoints hold them: qwen_vl/qwen3_vl_bridge.py:371-377)"),

@@ -7,6 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 #: Named upstream defects per family (strict xfails): filled from the triage (docs/architectures.md).
+#: the Qwen2.5-Omni thinker's text-only rotary positions read a Megatron attention mask as HF's (measured on the tiny fixture)
+QWEN25_OMNI_ROPE = ("Megatron-Bridge 0.6.2 Qwen2.5-Omni's thinker derives text-only M-RoPE positions from the attention mask it is "
+                    "given (modeling_qwen25_omni/thinker_model.py:313-331 always calls get_rope_index) and reads Megatron's "
+                    "[b, 1, s, s] mask (True = masked) as HF's keep-mask: rope.py:312-316 collapses it with any(dim=-1), "
+                    "rope.py:318-319 then put the last token at position 1 instead of s - 1, so its logits are 0.52 off "
+                    "transformers' (every other position within 1.7e-6; with position_ids = arange the whole output is); "
+                    "Qwen3-Omni builds text-only positions without the mask (modeling_qwen3_omni/thinker_model.py:394-400)")
+
 ROUNDTRIP: dict[str, dict[str, Any]] = {
     "deepseek_v4": {
         "reason": "Megatron-Bridge 0.6.2 sets experimental_attention_variant='dsv4_hybrid' (deepseek/deepseek_v4_bridge.py:397) "
@@ -76,6 +84,12 @@ ROUNDTRIP: dict[str, dict[str, Any]] = {
                   "expert bias only with sigmoid/sqrtsoftplus (transformer/moe/moe_utils.py:839-870, the bias only at :862): the expert weights "
                   "differ (with transformers' router patched to sigmoid both pairs pass at 7.2e-07)",
         "checks": ["megatron-logits"]},
+    "qwen2_5_omni": {
+        "reason": QWEN25_OMNI_ROPE + "; and Megatron-Bridge 0.6.2's Qwen2.5-Omni export omits the checkpoint's spk_dict.pt "
+                  "(Qwen25OmniBridge sets no ADDITIONAL_FILE_PATTERNS, model_bridge.py:425), which transformers 5.12.1's "
+                  "Qwen2_5OmniForConditionalGeneration.from_pretrained requires even with the talker off "
+                  "(modeling_qwen2_5_omni.py:3739-3752): transformers cannot load the export",
+        "checks": ["hf-logits", "megatron-logits"]},
     "gemma4 tp1 -> pp2": {
         "reason": "Megatron-Bridge 0.6.2: Gemma4DenseProvider.provide raises for pipeline_model_parallel_size != 1 "
                   "(models/gemma/gemma4_provider.py:199-200)",

@@ -226,3 +226,61 @@ def test_a_fused_shared_expert_counts_as_the_gate_and_up_units_its_checkpoint_ho
     assert "model.layers.0.mlp.shared_experts.gate_proj" in layer["mlp.gate_proj"]
     assert "model.layers.0.mlp.shared_experts.up_proj" in layer["mlp.up_proj"]
     assert not any("gate_up_proj" in u for units in layer.values() for u in units)
+
+
+def test_audio_and_omni_configs_shrink_their_towers_and_thinker():
+    """Qwen2-Audio: the Whisper-like tower shrunk, its projector's input the audio width; the omni families: the
+    thinker holds text, ViT and audio encoder (its output width the text width), the talker off."""
+    audio = arch.tiny_config(get_model("hf-qwen2_audio"))
+    assert audio.audio_config.encoder_layers == 2 and audio.audio_config.d_model == 32
+    assert audio.text_config.hidden_size == get_model("hf-qwen2_audio").hidden_size
+    for name in ("hf-qwen2_5_omni", "hf-qwen3_omni"):
+        c = arch.tiny_config(get_model(name))
+        t = c.thinker_config
+        assert c.enable_audio_output is False and vl.is_vl(type(c))
+        assert t.audio_config.output_dim == t.text_config.hidden_size == 256 and t.audio_config.encoder_layers == 2
+        assert c.get_text_config() is t.text_config
+
+
+def test_the_vendored_qwen3_asr_cannot_build_under_the_pinned_transformers():
+    """families.py names why Qwen3-ASR has no fixture: the Bridge's vendored HF modeling fails under transformers 5.
+    When this goes red the vendored model builds: give the family a fixture (path "vl-text")."""
+    from harness.compat.te import import_megatron_bridge
+
+    import_megatron_bridge()
+    from transformers import AutoModel
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=32, rope_scaling=dict(rope_type="default", mrope_section=[8, 4, 4]))
+    audio = dict(encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=32, output_dim=64)
+    cls = CONFIG_MAPPING["qwen3_asr"]
+    with pytest.raises(AttributeError, match="pad_token_id"):
+        AutoModel.from_config(cls(thinker_config=dict(text_config=text, audio_config=audio)))
+    with pytest.raises(KeyError, match="default"):
+        AutoModel.from_config(cls(thinker_config=dict(text_config={**text, "pad_token_id": 0}, audio_config=audio)))
+    assert "hf_qwen3_asr" in BY_NAME["qwen3_asr"].note and BY_NAME["qwen3_asr"].path == "vl"
+
+
+def test_the_qwen2_audio_fixture_is_spelled_as_the_hub_and_every_key_is_mapped(tmp_path):
+    """transformers 5.12.1 saves Qwen2-Audio's text weights one `model.` too deep; the fixture is respelled to the Hub's
+    `language_model.model.*` (hf.HUB_SPELLING), which the Bridge maps, every key."""
+    from safetensors import safe_open
+
+    from harness.compat.te import import_megatron_bridge
+    from harness.models.hf import respelled, write_fixture
+
+    assert respelled("language_model.model.model.norm.weight", {"language_model.model.model.": "language_model.model."}) \
+        == "language_model.model.norm.weight"
+    assert respelled("audio_tower.conv1.weight", {"language_model.model.model.": "x."}) == "audio_tower.conv1.weight"
+    import_megatron_bridge()
+    from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+
+    spec = get_model("hf-qwen2_audio")
+    d = write_fixture(spec, tmp_path / "a")
+    with safe_open(str(d / "model.safetensors"), "pt") as fh:
+        keys = list(fh.keys())
+    assert "language_model.model.embed_tokens.weight" in keys and not any(".model.model." in k for k in keys)
+    assert any(k.startswith("audio_tower.layers.") for k in keys)
+    registry = get_model_bridge(spec.architecture).mapping_registry()
+    assert [k for k in keys if registry.hf_to_megatron_lookup(k) is None] == []

@@ -300,7 +300,12 @@ FAMILIES: tuple[Family, ...] = (
         ("kimi_k25_vl", "KimiK25ForConditionalGeneration", None, "remote code; the Bridge builds its vision tower from the checkpoint's own hub code (kimi_vl/modeling_kimi_k25_vl.py:156-160: get_class_from_dynamic_module('modeling_kimi_k25.MoonViT3dPretrainedModel', hf_model_path)), which neither transformers nor the Bridge ships: no fixture can be built without it"),
         ("nemotron_vl", "NemotronH_Nano_VL_V2", None, "remote code; the Bridge's NemotronVLModel is a language-only stub (nemotron_vl/modeling_nemotron_vl.py:23-28: vision inputs raise NotImplementedError until a reference vision encoder is open-sourced), and no modeling class lays out its RADIO tower and projector for a fixture"),
         ("nemotron_omni", "NemotronH_Nano_Omni_Reasoning_V3", None, "remote code; its vision and sound towers' checkpoint layout comes only with the hub's modeling code (the Bridge copies it through ADDITIONAL_FILE_PATTERNS, nemotron_omni/nemotron_omni_bridge.py:74), which transformers lacks: no fixture here"),
-        ("qwen3_asr", "Qwen3ASRForConditionalGeneration", None, "remote code (the Bridge vendors it: qwen3_asr/hf_qwen3_asr); an audio (ASR) model: the harness writes image-text-to-text fixtures only, an audio-tower fixture is not built yet (harness gap)"),
+        ("qwen3_asr", "Qwen3ASRForConditionalGeneration", None, "remote code the Bridge vendors (qwen3_asr/hf_qwen3_asr, "
+         "registered with transformers' Auto classes at hf_qwen3_asr/__init__.py:39-50), which cannot build its HF model under "
+         "the transformers Megatron-Bridge 0.6.2 requires (>=5.8, <=5.12.1): Qwen3ASRThinkerTextModel reads config.pad_token_id, "
+         "which transformers 5's PretrainedConfig no longer defines (modeling_qwen3_asr.py:970, AttributeError), and with it "
+         "given, its rotary embedding looks up ROPE_INIT_FUNCTIONS['default'] (modeling_qwen3_asr.py:794), which transformers "
+         "5.12.1 lacks (KeyError): no fixture can be written from it"),
         ("step3p7_vl", "Step3p7ForConditionalGeneration", None, "remote code: the Bridge ships its configuration only (stepfun/configuration_step37.py, step37_bridge.py:67), no modeling class lays its checkpoint out for a fixture"),
     )),
 )

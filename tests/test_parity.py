@@ -35,6 +35,14 @@ def test_negative_zero_is_not_bitwise_equal():
     assert not bitwise_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
 
 
+def test_a_scalar_is_compared_bitwise_too():
+    """A checkpoint's 0-dim tensors (Gemma 4's audio tower clip bounds) compare by their bytes, as any tensor."""
+    assert bitwise_equal(torch.tensor(1.5), torch.tensor(1.5))
+    assert not bitwise_equal(torch.tensor(0.0), torch.tensor(-0.0)) and not bitwise_equal(torch.tensor(1.5), torch.tensor([1.5]))
+    (m,) = compare_state({"s": torch.tensor(1.5)}, {"s": torch.tensor(1.25)}, "e", "a")
+    assert m.kind == "value"
+
+
 def test_max_abs_diff_reported():
     e, a = _state(), _state()
     a["b.bias"][2] += 0.5

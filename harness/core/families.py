@@ -289,14 +289,15 @@ FAMILIES: tuple[Family, ...] = (
                         rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[24, 20, 20], mrope_interleaved=True),
                         **{"vision.deepstack_visual_indexes": [0, 1]}),
            note="omni thinker: Qwen3 MoE text (M-RoPE, QK norm) + Qwen3 ViT (DeepStack) + audio encoder; no talker"),
+    # ERNIE-4.5-VL: its language block is the provider's own (ernie_decoder_layer_spec.py:219: a dense first layer, then
+    # text and vision expert pools and shared experts), built on CPU where its TE-or-local picker is swapped for the
+    # stand-ins (harness.models.vl TE_PICKER)
+    Family("ernie4_5_vl_moe", "Ernie4_5_VLMoeForConditionalGeneration", "ernie4_5_vl_moe", path="vl-text", num_experts=4,
+           tied=True, overrides=_o(hidden_size=256, num_attention_heads=2, num_key_value_heads=2),  # head_dim 128: its 3-D RoPE
+           note="ERNIE 4.5 MoE text with text and vision expert pools (the text pool on text tokens), shared experts, "
+                "3-D RoPE; its own heterogeneous block on the CPU stand-ins (vl.TE_PICKER)"),
     # ---- VL / omni / audio without a language-path case here: the reason in the note
     *(Family(n, a, mt, path="vl", note=why) for n, a, mt, why in (
-        ("ernie4_5_vl_moe", "Ernie4_5_VLMoeForConditionalGeneration", "ernie4_5_vl_moe",
-         "its language layers need the provider's own heterogeneous block (dense + text/vision expert pools, "
-         "ernie_vl/modeling_ernie45_vl/ernie_decoder_layer_spec.py:219); without TE that spec builds a plain "
-         "ColumnParallelLinear for the fused norm+linear (:78-91), so the Bridge's layer_norm_weight mappings have no "
-         "parameter (load: 'NoneType' object has no attribute 'megatron_module', model_bridge.py:1100), and the harness's "
-         "generic CPU spec lacks the expert pools: a harness CPU stand-in for this spec is not built yet"),
         ("kimi_k25_vl", "KimiK25ForConditionalGeneration", None, "remote code; the Bridge builds its vision tower from the checkpoint's own hub code (kimi_vl/modeling_kimi_k25_vl.py:156-160: get_class_from_dynamic_module('modeling_kimi_k25.MoonViT3dPretrainedModel', hf_model_path)), which neither transformers nor the Bridge ships: no fixture can be built without it"),
         ("nemotron_vl", "NemotronH_Nano_VL_V2", None, "remote code; the Bridge's NemotronVLModel is a language-only stub (nemotron_vl/modeling_nemotron_vl.py:23-28: vision inputs raise NotImplementedError until a reference vision encoder is open-sourced), and no modeling class lays out its RADIO tower and projector for a fixture"),
         ("nemotron_omni", "NemotronH_Nano_Omni_Reasoning_V3", None, "remote code; its vision and sound towers' checkpoint layout comes only with the hub's modeling code (the Bridge copies it through ADDITIONAL_FILE_PATTERNS, nemotron_omni/nemotron_omni_bridge.py:74), which transformers lacks: no fixture here"),

@@ -128,7 +128,8 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.detach().contiguous().view(torch.uint8), b.detach().contiguous().view(torch.uint8))
+    # reshape(-1): a 0-dim tensor (a checkpoint's scalar, e.g. a layer's scale) has no byte view of its own
+    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
 def compare_tensors(

@@ -151,6 +151,14 @@ def _build_classes() -> dict[str, type]:
             "row": RowLinear, "attention": DotProductAttention, "sliding_attention": SlidingDotProductAttention}
 
 
+def te_linear_stand_ins() -> tuple[type, ...]:
+    """The stand-ins of (TEColumnParallelLinear, TERowParallelLinear, TEDotProductAttention,
+    TELayerNormColumnParallelLinear, TENorm), in that order: what a spec builder that picks TE's classes
+    itself returns with TE (ERNIE-4.5-VL's `_get_linear_modules`, ernie_decoder_layer_spec.py:60-89)."""
+    c = _classes()
+    return c["column"], c["row"], c["attention"], c["norm_linear"], Norm
+
+
 def replacements() -> dict[int, Any]:
     """id(TE placeholder or TE class) -> its CPU stand-in."""
     if "map" in _CACHE:

@@ -235,13 +235,17 @@ def localize_te_globals(provider: Any) -> list[str]:
 #: says (Qwen3-VL: get_gpt_layer_with_transformer_engine_spec for the language layers, qwen3_vl_provider.py:148;
 #: get_vit_layer_with_transformer_engine_spec for the ViT, modelling_qwen3_vl/model.py:305)
 TE_SPEC_BUILDERS = ("get_gpt_layer_with_transformer_engine_spec", "get_vit_layer_with_transformer_engine_spec")
+#: A VL provider's own spec module's TE-or-local class picker (ERNIE-4.5-VL, ernie_decoder_layer_spec.py:60-89): without
+#: TE it returns plain ColumnParallelLinear for the fused norm + linear, so the Bridge's `layer_norm_weight` mappings meet
+#: no parameter; swapped (where the module found no TE) for the CPU stand-ins under TE's names, TE's order
+TE_PICKER = "_get_linear_modules"
 
 
 def localize_te_spec_builders(mod: Any) -> list[str]:
     """Each TE_SPEC_BUILDERS function `mod` imported, wrapped (in `mod` only, this process) so that the spec it
     builds has every TE class swapped for its CPU stand-in under TE's names (harness.models.cpu_spec.localize), and
-    Core's gated-DeltaNet block builder (Qwen3.5-VL's language block) replaced by harness.models.cpu_hybrid's; the
-    names replaced, each once. Only where TE is missing: its classes are then placeholders that cannot build."""
+    Core's gated-DeltaNet block builder (Qwen3.5-VL's language block) replaced by harness.models.cpu_hybrid's, and a
+    module's own TE-or-local picker (TE_PICKER) made to pick the CPU stand-ins; the names replaced, each once. Only where TE is missing: its classes are then placeholders that cannot build."""
     import functools
 
     from harness.compat.te import te_importable
@@ -261,6 +265,16 @@ def localize_te_spec_builders(mod: Any) -> list[str]:
         block_on_cpu._ckpt_harness_localized = True
         setattr(mod, HYBRID_BLOCK_SPEC, block_on_cpu)
         done.append(HYBRID_BLOCK_SPEC)
+    picker = getattr(mod, TE_PICKER, None)
+    if callable(picker) and getattr(mod, "HAVE_TE", True) is False and not getattr(picker, "_ckpt_harness_localized", False):
+        from harness.models.cpu_spec import te_linear_stand_ins
+
+        def picked_on_cpu() -> tuple[type, ...]:
+            return te_linear_stand_ins()
+
+        picked_on_cpu._ckpt_harness_localized = True
+        setattr(mod, TE_PICKER, picked_on_cpu)
+        done.append(TE_PICKER)
     for key in TE_SPEC_BUILDERS:
         fn = getattr(mod, key, None)
         if callable(fn) and not getattr(fn, "_ckpt_harness_localized", False):

@@ -443,6 +443,27 @@ def test_expert_adapters_get_global_expert_indices_and_per_expert_hf_names():
     assert set(hf) == {f"{prefix}.gate_proj.lora_B.weight", f"{prefix}.up_proj.lora_B.weight", f"{prefix}.down_proj.lora_A.weight"}
 
 
+def test_pooled_expert_adapters_number_the_vision_pool_after_the_text_pool():
+    """ERNIE-4.5-VL: Megatron's text_moe_layer / vision_moe_layer experts are one HF list (text 0..N-1, vision
+    N..2N-1) in the checkpoint, and two pools from 0 in transformers' memory (peft_mapping.memory_name)."""
+    from harness.models import peft_mapping
+    from harness.models.bridge import global_name
+
+    spec = get_model("hf-ernie4_5_vl_moe")
+    n = spec.num_experts
+    local = "language_model.decoder.layers.1.mlp.vision_moe_layer.experts.local_experts.0.linear_fc2.adapter.linear_in.weight"
+    name = global_name(local, offset=0, expert_offset=1)  # EP rank 1 of ep2 with 2 local experts would give 2; here 1
+    assert ".vision_moe_layer.experts.local_experts.1." in name
+    hf = peft_mapping.to_hf_peft({name: torch.ones(4, 2), name.replace("vision_moe_layer", "text_moe_layer"): torch.zeros(4, 2)}, spec)
+    assert set(hf) == {f"base_model.model.model.layers.1.mlp.experts.{n + 1}.down_proj.lora_A.weight",
+                       "base_model.model.model.layers.1.mlp.experts.1.down_proj.lora_A.weight"}
+    assert torch.equal(hf[f"base_model.model.model.layers.1.mlp.experts.{n + 1}.down_proj.lora_A.weight"], torch.ones(4, 2))
+    memory = peft_mapping.memory_name
+    assert memory(f"model.layers.1.mlp.experts.{n + 1}.down_proj", spec.arch, n) == "model.layers.1.mlp.vision_moe.experts.1.down_proj"
+    assert memory("model.layers.1.mlp.experts.1.down_proj", spec.arch, n) == "model.layers.1.mlp.text_moe.experts.1.down_proj"
+    assert memory("model.layers.1.mlp.experts.1.down_proj", "qwen3_moe", 4) == "model.layers.1.mlp.experts.1.down_proj"
+
+
 @pytest.mark.parametrize("name", ["hf-llama", "hf-qwen2"])
 def test_truth_is_a_pure_function_of_seeds(name):
     model = get_model(name)

@@ -68,8 +68,10 @@ NO_ENTRY = "(no entry)"
 #: megatron/core/transformer/multi_latent_attention.py:524-533; under TE they are TELinear 'duplicated')
 COLUMN = frozenset({"linear_qkv", "linear_q", "linear_k", "linear_v", "linear_fc1", "linear_fc1_gate", "linear_fc1_up", "output_layer",
                     "in_proj", *MLA_Q_LORA, *MLA_Q, *MLA_KV})
-_UNIT = re.compile(r"^(?:model\.layers\.(\d+)\.(self_attn\.\w+|mixer\.(?:in|out)_proj|mlp\.(?:(?:shared_experts?|experts\.\d+)\.)?\w+)|(lm_head))$")
-_MOE_PART = re.compile(r"(?:shared_experts?|experts\.\d+)\.")
+# an expert may sit in a pool (ERNIE-4.5-VL in memory: mlp.text_moe.experts.E / mlp.vision_moe.experts.E)
+_UNIT = re.compile(r"^(?:model\.layers\.(\d+)\.(self_attn\.\w+|mixer\.(?:in|out)_proj|"
+                   r"mlp\.(?:(?:shared_experts?|(?:\w+_moe\.)?experts\.\d+)\.)?\w+)|(lm_head))$")
+_MOE_PART = re.compile(r"(?:shared_experts?|(?:\w+_moe\.)?experts\.\d+)\.")
 #: transformers 5 fused expert parameters (Qwen3-MoE) -> the per-expert HF modules they hold
 _FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 _MLP_LEAVES = ("gate_proj", "up_proj", "down_proj")
@@ -298,7 +300,8 @@ def megatron_units(derived: dict[str, Any], model: HFModelSpec | None = None) ->
     renames them on load, harness.models.peft_mapping.memory_name)."""
     from harness.models.peft_mapping import memory_name
 
-    return {text_name(memory_name(re.sub(r"\.lora_[AB]\.weight$", "", k).removeprefix("base_model.model."), model.arch if model else ""))
+    return {text_name(memory_name(re.sub(r"\.lora_[AB]\.weight$", "", k).removeprefix("base_model.model."), model.arch if model else "",
+                                     (model.num_experts or 0) if model else 0))
             for k in derived}
 
 

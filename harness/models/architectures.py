@@ -193,6 +193,11 @@ def distinctive(config) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the CPU layer spec
 
 
+#: Providers' own block specs run as they are on CPU once harness.models.vl swaps their TE-or-local class picker
+#: (ERNIE-4.5-VL: a dense first layer, then text and vision expert pools, ernie_decoder_layer_spec.py:219)
+OWN_BLOCK_SPECS = ("get_ernie45_vl_decoder_block_spec",)
+
+
 def cpu_layer_spec(provider: Any, grouped_experts: bool = False):
     """A family's layer spec on CPU. The provider's own spec where harness.models.cpu_spec builds it
     (PROVIDER_SPECS: its TE classes localized, the block's final norm a CPU norm; MODULE_SWAPS: the
@@ -210,6 +215,13 @@ def cpu_layer_spec(provider: Any, grouped_experts: bool = False):
     def spec(config, vp_stage: int | None = None):
         if name == cpu_hybrid.HYBRID_BLOCK_SPEC:  # Qwen3-Next, Qwen3.5: gated DeltaNet and attention layers mixed
             return cpu_hybrid.hybrid_block(config, vp_stage)
+        if name in OWN_BLOCK_SPECS:  # the provider's own block, its TE-or-local picks made on the CPU stand-ins
+            import sys
+
+            from harness.models.vl import localize_te_spec_builders
+
+            localize_te_spec_builders(sys.modules[own.__module__])
+            return own(config)
         if name == "heterogeneous_layer_spec":  # Llama-Nemotron (DeciLM): Core's heterogeneous spec, local modules
             # (the provider asks use_te=True whatever is installed: llama_nemotron_provider.py heterogeneous_layer_spec)
             from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec

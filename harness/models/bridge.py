@@ -305,7 +305,7 @@ def _layer_offset(spec: HFModelSpec) -> int:
     return parallel_state.get_pipeline_model_parallel_rank() * (spec.num_layers // parallel_state.get_pipeline_model_parallel_world_size())
 
 
-_EXPERT = ".mlp.experts.local_experts."
+_EXPERT = ".experts.local_experts."  # ERNIE-4.5-VL's pools: .mlp.text_moe_layer.experts.local_experts.
 
 
 def global_name(local: str, offset: int, expert_offset: int = 0) -> str:

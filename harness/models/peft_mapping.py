@@ -28,10 +28,12 @@ from harness.core.zoo import HFModelSpec
 _COLUMN = {"linear_qkv": True, "linear_fc1": True, "linear_proj": False, "linear_fc2": False, "output_layer": True,
            "linear_q_proj": True, "linear_q_down_proj": True, "linear_q_up_proj": True, "linear_kv_down_proj": True,
            "linear_kv_up_proj": True, "in_proj": True, "out_proj": False}
-# groups: layer, self_attention|mlp, the MoE part (experts.local_experts.E | experts | shared_experts), E,
+# groups: layer, self_attention|mlp, an expert pool (ERNIE-4.5-VL's text_moe_layer | vision_moe_layer), the MoE part
+# (experts.local_experts.E | experts | shared_experts), E,
 # base, CanonicalLoRA sub-adapter, linear_in|linear_out
 _NAME = re.compile(
-    r"^(?:(?:thinker\.)?language_model\.)?(?:decoder\.layers\.(\d+)\.(self_attention|mlp|mixer|mamba_mixer)\.(?:(experts\.local_experts\.(\d+)|experts|shared_experts)\.)?)?"
+    r"^(?:(?:thinker\.)?language_model\.)?(?:decoder\.layers\.(\d+)\.(self_attention|mlp|mixer|mamba_mixer)\.(?:(text_moe_layer|vision_moe_layer)\.)?"
+    r"(?:(experts\.local_experts\.(\d+)|experts|shared_experts)\.)?)?"
     r"(linear_qkv|linear_proj|linear_fc1|linear_fc2|output_layer|linear_q_proj|linear_q_down_proj|linear_q_up_proj|"
     r"linear_kv_down_proj|linear_kv_up_proj|in_proj|out_proj)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
 )
@@ -97,11 +99,21 @@ def expert_leaf(leaf: str, arch: str) -> str:
     return EXPERT_NAMES.get(arch, _EXPERT_DEFAULT)[1][leaf.removesuffix("_proj")]
 
 
-def memory_name(unit: str, arch: str) -> str:
+#: model_type -> (text pool, vision pool): ERNIE-4.5-VL's checkpoint numbers its experts as one list (the text pool's
+#: 0..N-1, the vision pool's N..2N-1: ernie45_vl_bridge.py:42-44), transformers holds two pools (mlp.text_moe.experts,
+#: mlp.vision_moe.experts, each numbered from 0: conversion_mapping.py's ernie4_5_vl_moe split)
+POOLED_EXPERTS = {"ernie4_5_vl_moe": ("text_moe", "vision_moe")}
+_EXPERT_UNIT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+def memory_name(unit: str, arch: str, experts: int = 0) -> str:
     """An HF module name as the checkpoint (and the adapter file) spells it -> as transformers'
-    model names it in memory (what PEFT wraps)."""
+    model names it in memory (what PEFT wraps); `experts`: the experts per pool, for POOLED_EXPERTS."""
     for pat, repl in MEMORY_RENAMES.get(arch, ()):
         unit = re.sub(pat, repl, unit)
+    if arch in POOLED_EXPERTS and experts and (m := _EXPERT_UNIT.search(unit)):
+        j = int(m[1])
+        unit = f"{unit[: m.start()]}.mlp.{POOLED_EXPERTS[arch][j >= experts]}.experts.{j % experts}.{unit[m.end():]}"
     return unit
 
 
@@ -147,7 +159,7 @@ def gather(pieces: list[dict], gated: bool = True) -> dict[str, torch.Tensor]:
         m = _NAME.match(name)
         if not m:
             raise ValueError(f"unrecognised adapter parameter {name}")
-        base, sub, which = m.group(5), m.group(6), m.group(7)
+        base, sub, which = m.group(6), m.group(7), m.group(8)
         parts = [shards[r] for r in sorted(shards)]
         if len(parts) == 1:
             full[name] = parts[0]
@@ -199,7 +211,9 @@ def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec, layout: Lay
             put(layer, f"{prefix}.{names['up']}", None, up.contiguous())
 
     for name, t in megatron.items():
-        layer, _, moe, expert, base, sub, which = _NAME.match(name).groups()
+        layer, _, pool, moe, expert, base, sub, which = _NAME.match(name).groups()
+        if expert is not None and pool == "vision_moe_layer":  # ERNIE-4.5-VL: HF numbers the vision pool after the text one
+            expert = str(int(expert) + (spec.num_experts or 0))
         is_a = which == "linear_in"
         if base == "output_layer":  # lm_head; a padded vocab's extra rows carry no token
             out[f"base_model.model.{layout.lm_head}.lora_{'A' if is_a else 'B'}.weight"] = t if is_a else t[: spec.vocab_size].contiguous()

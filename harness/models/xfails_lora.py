@@ -299,6 +299,20 @@ CANONICAL["qwen3_omni"] = LORA["qwen3_omni tp1 -> pp2"]
 LORA["qwen2_5_omni"] = {"reason": f"{_VL_TARGETS}; and {QWEN25_OMNI_ROPE}", "match": _VL_TARGETS_MATCH,
                         "checks": [*_VL_TARGETS_CHECKS, "logits", "merged-logits"]}
 CANONICAL["qwen2_5_omni"] = LORA["qwen2_5_omni"]
+# ERNIE-4.5-VL: transformers fuses its experts into two pools on load, peft does not know the model_type (as MiniMax-M3
+# VL); its logits meet the router finding too (xfails_roundtrip "ernie4_5_vl_moe")
+_ERNIE_VL = ("transformers 5.12.1 fuses ERNIE-4.5-VL's per-expert checkpoint keys on load into text and vision pools "
+             "(conversion_mapping.py:903-954: experts.* -> text_moe.experts / vision_moe.experts gate_up_proj, down_proj) "
+             "but does not list ernie4_5_vl_moe in _MODEL_TO_CONVERSION_PATTERN (conversion_mapping.py:39-132), which peft "
+             "0.21.2's _convert_peft_config_moe reads (peft/utils/transformers_weight_conversion.py:413-416 returns for an "
+             "unlisted model_type): target_modules gate_proj/up_proj/down_proj wrap the dense layer and the shared experts "
+             "only, and every routed expert's LoRA (both pools) loads as unexpected keys and is dropped; and, for the logits, "
+             + ROUNDTRIP["ernie4_5_vl_moe"]["reason"])
+_ERNIE_VL_MATCH = r"unexpected: base_model\.model\.model\.language_model\.layers\.\d+\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.lora_"
+LORA.update({"ernie4_5_vl_moe tp1 -> pp2": _xfail(_ERNIE_VL, _ERNIE_VL_MATCH, _PEFT_MOE_CHECKS),
+             "ernie4_5_vl_moe tp1 -> tp2": _xfail(_ERNIE_VL, _ERNIE_VL_MATCH, _PEFT_MOE_CHECKS, etp=True),
+             "ernie4_5_vl_moe tp1 -> dp2ep2": _with_ep(_xfail(_ERNIE_VL, _ERNIE_VL_MATCH, _PEFT_MOE_CHECKS))})
+CANONICAL["ernie4_5_vl_moe"] = LORA["ernie4_5_vl_moe tp1 -> pp2"]
 CANONICAL["qwen3_vl_moe"] = {"reason": _CANON_GROUPED.replace(
     "(GPT-OSS's expert mappings are grouped exports, gpt_oss/gpt_oss_bridge.py:253-265)",
     "(Qwen3-VL-MoE's routed experts map packed, as its checkpoints hold them: qwen_vl/qwen3_vl_bridge.py:371-377)"),

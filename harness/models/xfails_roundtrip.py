@@ -90,6 +90,13 @@ ROUNDTRIP: dict[str, dict[str, Any]] = {
                   "Qwen2_5OmniForConditionalGeneration.from_pretrained requires even with the talker off "
                   "(modeling_qwen2_5_omni.py:3739-3752): transformers cannot load the export",
         "checks": ["hf-logits", "megatron-logits"]},
+    "ernie4_5_vl_moe": {
+        "reason": "Megatron-Bridge 0.6.2 maps ERNIE-4.5-VL's text and vision routers as sigmoid + expert bias "
+                  "(ernie_vl/ernie45_vl_bridge.py:484-495: moe_router_score_function 'sigmoid', expert bias on); transformers "
+                  "5.12.1's Ernie4_5_VLMoeMoeTopKRouter is softmax, top-k by softmax + e_score_correction_bias, renormalized "
+                  "(models/ernie4_5_vl_moe/modeling_ernie4_5_vl_moe.py:360-366): the expert weights differ (logits 0.26 off; "
+                  "with transformers' router patched to sigmoid the tp2 pair passes within 1e-5), as ERNIE-4.5-MoE's",
+        "checks": ["megatron-logits"]},
     "gemma4 tp1 -> pp2": {
         "reason": "Megatron-Bridge 0.6.2: Gemma4DenseProvider.provide raises for pipeline_model_parallel_size != 1 "
                   "(models/gemma/gemma4_provider.py:199-200)",

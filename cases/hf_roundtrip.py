@@ -357,6 +357,12 @@ def run_roundtrip(model: HFModelSpec, src: Topology, dst: Topology, export_backe
         try:
             export_logits = reference_logits(export, ids, dtype=dtype)
         except Exception as exc:  # noqa: BLE001 - the export a user's from_pretrained refuses: hf-logits fails, naming it
+            import traceback
+
+            from harness.core.frames import raised_in_own_code
+
+            if raised_in_own_code(traceback.format_exc()) is not False:  # the harness's own error stays an error
+                raise
             refused = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         result.checks.extend(judge(src, dst, worlds, backend.read_full(None, hf_dir), backend.read_full(None, export),
                                    ref, export_logits, (config_dtype(hf_dir), config_dtype(export)), dtype, ref_error,

@@ -1,13 +1,16 @@
-"""The language path of VL / omni families (path "vl-text" in harness.core.families): a tiny
-fixture of the FULL ConditionalGeneration model (vision tower too, so the Bridge's import and
+"""The language path of VL / audio / omni families (path "vl-text" in harness.core.families): a tiny
+fixture of the FULL ConditionalGeneration model (vision and audio towers too, so the Bridge's import and
 export meet every key a real checkpoint has), and the Megatron VL model driven on a text-only
-input (no pixel values) for logits compared with transformers'.
+input (no pixel values, no audio features) for logits compared with transformers'.
 
-- `is_vl(config_cls)`: a config with nested text and vision configs.
+- `is_vl(config_cls)`: a config with nested text and vision or audio configs, or an omni config
+  whose thinker holds them.
 - `tiny_vl_config(spec, shrink)`: the text config shrunk as a text family's (the same
-  harness.models.architectures shrink, then the family's overrides) and the vision config by
-  `VISION_SHRINK` (two blocks, width 32, its output width the text width).
-- `model_class(config)`: the transformers auto class that builds the whole model.
+  harness.models.architectures shrink, then the family's overrides), the vision config by
+  `VISION_SHRINK` and the audio config by `AUDIO_SHRINK` (two blocks, width 32, the output width the
+  text width); an omni config's thinker so, its talker and vocoder off.
+- `model_class(config)`: the transformers auto class that builds the whole model; `forward_model`:
+  the module whose forward gives the text logits (an omni model's thinker).
 - `TextOnly`: a Megatron VL model behind GPTModel's positional forward (input_ids, position_ids,
   attention_mask): the VL models take (input_ids, attention_mask, position_ids, ...) and derive
   their own (M-)RoPE positions; harness.models.mcore.forward_logits calls chunks positionally.
@@ -63,7 +66,8 @@ def _sub_defaults(config_cls: Any, name: str) -> dict[str, Any]:
 def tiny_vl_config(spec: Any, shrink: Callable[[Any, dict[str, Any]], dict[str, Any]], layer_lists: tuple[str, ...]):
     """The VL config of `spec`: the text sub-config shrunk by `shrink` (the text families' shrink)
     plus the family's overrides (a key of the top-level config only, e.g. image_token_id, goes
-    there), the vision sub-config by VISION_SHRINK with its output width the text width."""
+    there), each tower sub-config by its table with its output width the text width; an omni
+    config's thinker (THINKER) built so, with the talker and vocoder off."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[spec.arch]

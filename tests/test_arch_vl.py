@@ -140,6 +140,56 @@ def test_te_spec_builders_of_a_vl_module_build_on_cpu_stand_ins(monkeypatch):
     assert vl.localize_te_spec_builders(modeling) == []  # once
 
 
+def test_a_te_or_local_picker_picks_the_stand_ins_only_where_its_module_found_no_te(monkeypatch):
+    """ERNIE-4.5-VL's spec module picks its classes itself (`_get_linear_modules`, on its HAVE_TE): without TE it
+    would give a plain ColumnParallelLinear for the fused norm + linear. Swapped once, for the stand-ins in TE's
+    order; a module that found TE is left alone."""
+    from harness.compat import te
+    from harness.models import cpu_spec
+
+    local = ("Column", "Row", "Attention", "Column", "TorchNorm")
+    monkeypatch.setattr(te, "te_importable", lambda: False)
+    for have_te, swapped in ((True, False), (False, True)):
+        modeling = types.ModuleType(f"fakevl_pkg.ernie_spec_{have_te}")
+        modeling.HAVE_TE = have_te
+        modeling._get_linear_modules = lambda: local
+        done = vl.localize_te_spec_builders(modeling)
+        assert (done == [vl.TE_PICKER]) is swapped
+        picked = modeling._get_linear_modules()
+        assert (picked == cpu_spec.te_linear_stand_ins()) is swapped and (picked == local) is not swapped
+        assert vl.localize_te_spec_builders(modeling) == []  # once
+    norm_linear = cpu_spec.te_linear_stand_ins()[3]
+    assert norm_linear.__name__ == "LayerNormColumnParallelLinear"  # the Bridge's layer_norm_weight lives there
+
+
+def test_the_stand_in_table_builds_without_the_bridge_s_shared_te_layers(monkeypatch):
+    """Megatron-Bridge 0.5.x has no megatron.bridge.models.common.te_layers: the stand-in table leaves its entries out
+    instead of failing every VL case of the release (a sweep's coverage hole)."""
+    import importlib
+
+    from harness.models import cpu_spec
+
+    real = importlib.import_module
+
+    def no_te_layers(name, *a, **k):
+        if name == "megatron.bridge.models.common.te_layers":
+            raise ImportError(f"cannot import name 'te_layers' ({name})")
+        return real(name, *a, **k)
+
+    saved = cpu_spec._CACHE.pop("map", None)
+    post_ln = cpu_spec._classes()["row_post_ln"]  # the stand-in of te_layers.TERowParallelLinearLayerNorm
+    try:
+        assert post_ln in cpu_spec.replacements().values()  # with te_layers (the pins)
+        cpu_spec._CACHE.pop("map", None)
+        monkeypatch.setattr(importlib, "import_module", no_te_layers)
+        table = cpu_spec.replacements()
+        assert post_ln not in table.values() and cpu_spec.te_linear_stand_ins()[3] in table.values()
+    finally:
+        cpu_spec._CACHE.pop("map", None)
+        if saved is not None:
+            cpu_spec._CACHE["map"] = saved
+
+
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "mistral3", "gemma4_vl"])
 def test_vl_families_build_a_vl_config(name):
     assert vl.is_vl(type(arch.tiny_config(get_model(f"hf-{name}"))))

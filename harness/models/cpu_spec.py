@@ -163,16 +163,22 @@ def replacements() -> dict[int, Any]:
     """id(TE placeholder or TE class) -> its CPU stand-in."""
     if "map" in _CACHE:
         return _CACHE["map"]
+    import importlib
+
     import megatron.core.extensions.transformer_engine as te
-    from megatron.bridge.models.common import te_layers
     from megatron.bridge.models.gemma import gemma3_provider
 
+    try:  # Megatron-Bridge 0.6's shared TE layers; 0.5.x keeps them elsewhere (its Gemma provider's own)
+        te_layers = importlib.import_module("megatron.bridge.models.common.te_layers")
+    except ImportError:
+        te_layers = None
     c = _classes()
     pairs = [(getattr(te, "TELayerNormColumnParallelLinear", None), c["norm_linear"]),
              (getattr(te, "TEColumnParallelLinear", None), c["column"]), (getattr(te, "TERowParallelLinear", None), c["row"]),
              (getattr(te, "TEDotProductAttention", None), c["attention"]), (getattr(te, "TENorm", None), Norm),
-             (te_layers.TERowParallelLinearLayerNorm, c["row_post_ln"]), (te_layers.TENorm, Norm),
-             (gemma3_provider.Gemma3TEDotProductAttention, c["sliding_attention"]), (getattr(gemma3_provider, "TENorm", None), Norm)]
+             (getattr(te_layers, "TERowParallelLinearLayerNorm", None), c["row_post_ln"]), (getattr(te_layers, "TENorm", None), Norm),
+             (getattr(gemma3_provider, "Gemma3TEDotProductAttention", None), c["sliding_attention"]),
+             (getattr(gemma3_provider, "TENorm", None), Norm)]
     _CACHE["map"] = {id(a): b for a, b in pairs if a is not None}
     return _CACHE["map"]
 

@@ -106,7 +106,8 @@ _VL_TARGETS = ("Megatron-Bridge 0.6.2 save_hf_adapter writes adapter_config.json
                "Qwen2-Audio's Whisper encoder self_attn.q/k/v_proj), for which the adapter has no weights: "
                "PeftModel.from_pretrained warns of missing adapter keys and the tower gets "
                "fresh LoRA layers the adapter never trained (zero lora_B: no effect until trained)")
-_VL_TARGETS_MATCH = r"only peft: (?:model|thinker)\.(?:visual|vision_tower|audio_tower)\."
+# the tower in transformers' memory: `model.audio_tower.` (5.12.1), `audio_tower.` (5.8.1), an omni thinker's `thinker.`
+_VL_TARGETS_MATCH = r"only peft: (?:(?:model|thinker)\.)?(?:visual|vision_tower|audio_tower)\."
 _VL_TARGETS_CHECKS = ["peft-load", "lora-targets-matched"]
 #: peft applies transformers 5's checkpoint renaming by model_type only
 _QWEN_VL_NOOP = ("peft 0.21.2 renames an adapter's checkpoint keys for transformers 5 only when "

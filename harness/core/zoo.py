@@ -290,11 +290,12 @@ ZOO.update({f"hf-gpt_oss-mem{s}": replace(ZOO["hf-gpt_oss"], name=f"hf-gpt_oss-m
             for s, ffn in (("", 512), ("-x4", 2048))})
 
 #: Models shaped on purpose not to split evenly (LoRA layouts, the explorer's finds, hf-gemma3(_vl)'s 6
-#: layers: one whole 5-local/1-global sliding-window period, and the VL fixtures that keep the real
-#: head_dim 128 under M-RoPE's sections: 2 heads at hidden 256): they fit the topologies their matrix
+#: layers: one whole 5-local/1-global sliding-window period, and the VL / omni fixtures that keep the real
+#: head_dim 128 under M-RoPE's sections or ERNIE-4.5-VL's 3-D RoPE: 2 heads at hidden 256): they fit the topologies their matrix
 #: entries name, not every small one (tests/test_topology.py checks both).
 ODD_SHAPES: frozenset[str] = frozenset({"hf-llama-odd", "hf-llama-ffn23", "hf-qwen3moe-ffn6", "hf-gemma3", "hf-gemma3_vl",
                                         "hf-qwen2_5_vl", "hf-qwen3_vl", "hf-qwen3_vl_moe", "hf-glm4v_moe",
+                                        "hf-qwen2_5_omni", "hf-qwen3_omni", "hf-ernie4_5_vl_moe",
                                         # issue 35's 2-layer memory models (more layers dilute the grouped gather per shard)
                                         "gpt-moe-mem", "gpt-moe-mem-e16", "hf-gpt_oss-mem", "hf-gpt_oss-mem-x4"})
 

@@ -295,14 +295,14 @@ def pairs_for(f: Family) -> list[str]:
 
 def pipeline_layouts(f: Family) -> list[tuple[str, int, str]]:
     """The pipeline layouts beyond pairs_for's even stages, as (pair, first-stage layers (0: even), the
-    xfail key), for a text family whose 4 layers allow them; each's xfails are its family's tp1 -> pp2
+    xfail key), for a text, remote or VL language-path family whose 4 layers allow them; each's xfails are its family's tp1 -> pp2
     ones unless it has its own (the same two stages, laid out otherwise). The source world is
     tp1 -> tp2's, shared:
       tp1 -> pp2vpp2: 2 stages x 2 virtual chunks (the checkpoint loaded into a chunk list, logits through
                       the interleaved schedule, the export from every chunk);
       tp1 -> pp2, first_stage_layers 1: uneven stages, 1 layer then 3 (megatron-core's
                       num_layers_in_first_pipeline_stage; Megatron-LM's --decoder-first-pipeline-num-layers)."""
-    if f.path not in ("text", "remote") or f.num_layers % 4:
+    if f.path not in ("text", "remote", "vl-text") or f.num_layers % 4:
         return []
     return [("tp1 -> pp2vpp2", 0, "tp1 -> pp2vpp2"), ("tp1 -> pp2", 1, "tp1 -> pp2 uneven")]
 

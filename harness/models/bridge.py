@@ -414,8 +414,9 @@ def ddp_propagation(bm: BridgeModel, asked: dict[str, Any], dtype: str = "fp32")
 def megatron_logits(bm: BridgeModel, spec: HFModelSpec, device) -> torch.Tensor | None:
     from harness.models.mcore import forward_logits
 
-    if len(bm.modules) > 1:  # vpp: every chunk through the interleaved schedule
+    if len(bm.modules) > 1:  # vpp: every chunk through the interleaved schedule (a VL model's each behind TextOnly)
         module = [forward_module(bm, i) for i in range(len(bm.modules))]
+        module = [TextOnly(m) for m in module] if language_model(unwrapped(bm, 0)) is not None else module
     else:
         module = forward_module(bm)
         if language_model(unwrapped(bm)) is not None:  # a VL model: keyword forward, text tokens alone (harness.models.vl)

@@ -294,7 +294,8 @@ def test_the_docs_table_counts_only_what_ran_and_names_the_red(monkeypatch):
 
 
 def test_vpp_and_uneven_stages_for_every_text_family_whose_layers_allow_them():
-    """tp1 -> pp2vpp2 and tp1 -> pp2 with an uneven first stage for each 4-layer text family's round trip and LoRA."""
+    """tp1 -> pp2vpp2 and tp1 -> pp2 with an uneven first stage for each 4-layer text, remote and VL language-path
+    family's round trip and LoRA (a remote family: no LoRA)."""
     import yaml
 
     entries = yaml.safe_load((ROOT / "matrices" / "architectures.yaml").read_text())["entries"]
@@ -302,9 +303,9 @@ def test_vpp_and_uneven_stages_for_every_text_family_whose_layers_allow_them():
     uneven = {(e["case"], e["models"][0]) for e in entries if (e.get("axes") or {}).get("first_stage_layers") == [1]}
     from harness.models.xfails_lora import LORA_NOT_GENERATED
 
-    want = {(case, f.zoo_name) for f in FAMILIES if f.path in ("text", "remote") and f.num_layers % 4 == 0
+    want = {(case, f.zoo_name) for f in FAMILIES if f.path in ("text", "remote", "vl-text") and f.num_layers % 4 == 0
             for case in ("hf-roundtrip", "peft-export")
-            if case == "hf-roundtrip" or (f.name not in LORA_NOT_GENERATED and f.path == "text")}
+            if case == "hf-roundtrip" or (f.name not in LORA_NOT_GENERATED and f.path != "remote")}
     assert want and vpp == want and uneven == want
 
 

@@ -15,6 +15,12 @@ QWEN25_OMNI_ROPE = ("Megatron-Bridge 0.6.2 Qwen2.5-Omni's thinker derives text-o
                     "transformers' (every other position within 1.7e-6; with position_ids = arange the whole output is); "
                     "Qwen3-Omni builds text-only positions without the mask (modeling_qwen3_omni/thinker_model.py:394-400)")
 
+#: a VL provider that does not hand vp_stage down: megatron-core then refuses virtual pipeline stages by an assert
+VP_STAGE_DROPPED = ("Megatron-Bridge 0.6.2 drops vp_stage on the way to the language model's decoder: {where}, so megatron-core's "
+                    "get_transformer_layer_offset asserts (transformer/transformer_layer.py:190): the model cannot be built with "
+                    "virtual pipeline stages")
+_VP_MATCH = "vp_stage must be provided if virtual pipeline model parallel size is set"
+
 ROUNDTRIP: dict[str, dict[str, Any]] = {
     "deepseek_v4": {
         "reason": "Megatron-Bridge 0.6.2 sets experimental_attention_variant='dsv4_hybrid' (deepseek/deepseek_v4_bridge.py:397) "
@@ -97,6 +103,26 @@ ROUNDTRIP: dict[str, dict[str, Any]] = {
                   "(models/ernie4_5_vl_moe/modeling_ernie4_5_vl_moe.py:360-366): the expert weights differ (logits 0.26 off; "
                   "with transformers' router patched to sigmoid the tp2 pair passes within 1e-5), as ERNIE-4.5-MoE's",
         "checks": ["megatron-logits"]},
+    # the VL language paths at the pipeline layouts: providers that drop vp_stage, and Qwen3-VL's DeepStack taps
+    **{f"{f} tp1 -> pp2vpp2": {"reason": VP_STAGE_DROPPED.format(where=where), "match": _VP_MATCH, "raised_in": raised}
+       for f, where, raised in (
+           ("qwen3_vl", "Qwen3VLModelProvider.provide builds Qwen3VLModel without it (qwen_vl/qwen3_vl_provider.py:155-166)",
+            "megatron.bridge.models.qwen_vl"),
+           ("qwen3_vl_moe", "Qwen3VLMoEModelProvider.provide builds Qwen3VLModel without it (qwen_vl/qwen3_vl_provider.py:322-333)",
+            "megatron.bridge.models.qwen_vl"),
+           ("qwen2_5_omni", "the Qwen2.5-Omni thinker builds its Qwen3VLGPTModel without it (qwen_omni/modeling_qwen25_omni/"
+            "thinker_model.py:100, :112-125)", "megatron.bridge.models.qwen_vl"),
+           ("qwen3_omni", "the Qwen3-Omni thinker builds its Qwen3VLGPTModel without it (qwen_omni/modeling_qwen3_omni/"
+            "thinker_model.py:218)", "megatron.bridge.models.qwen_vl"),
+           ("ernie4_5_vl_moe", "get_ernie45_vl_decoder_block_spec slices the layers by get_transformer_layer_offset(config) "
+            "without it (ernie_vl/modeling_ernie45_vl/ernie_decoder_layer_spec.py:267-268)", "megatron.bridge.models.ernie_vl"))},
+    **{f"{f} tp1 -> pp2 uneven": {
+        "reason": "Megatron-Bridge 0.6.2 puts every Qwen3-VL DeepStack merge on the first pipeline stage and asserts that stage "
+                  "holds at least as many language layers as there are taps (qwen_vl/modelling_qwen3_vl/model.py:358-362): "
+                  "with num_layers_in_first_pipeline_stage 1 and the fixture's 2 taps (the real checkpoints have 3) the "
+                  "model is not built, so a first stage lightened for the ViT must still hold every tap's layer",
+        "match": "the deepstack_visual_embeds should on the first pp-stage of language model",
+        "raised_in": "megatron.bridge.models.qwen_vl"} for f in ("qwen3_vl", "qwen3_vl_moe")},
     "gemma4 tp1 -> pp2": {
         "reason": "Megatron-Bridge 0.6.2: Gemma4DenseProvider.provide raises for pipeline_model_parallel_size != 1 "
                   "(models/gemma/gemma4_provider.py:199-200)",

@@ -168,7 +168,7 @@ def replacements() -> dict[int, Any]:
     import megatron.core.extensions.transformer_engine as te
     from megatron.bridge.models.gemma import gemma3_provider
 
-    try:  # Megatron-Bridge 0.6's shared TE layers; 0.5.x keeps them elsewhere (its Gemma provider's own)
+    try:  # Megatron-Bridge 0.6's shared TE layers; 0.5.x has no such module
         te_layers = importlib.import_module("megatron.bridge.models.common.te_layers")
     except ImportError:
         te_layers = None

@@ -73,12 +73,12 @@ def tiny_vl_config(spec: Any, shrink: Callable[[Any, dict[str, Any]], dict[str, 
     cls = CONFIG_MAPPING[spec.arch]
     if THINKER in cls.sub_configs:  # omni: the thinker shrunk as a VL config, the talker and vocoder off
         thinker = _tiny_multimodal(cls.sub_configs[THINKER], spec, shrink, layer_lists)
-        thinker.architectures = None  # the architecture is the whole model's, below
         config = cls(**{THINKER: thinker.to_dict()}, enable_audio_output=False)
-        if spec.architecture:
-            config.architectures = [spec.architecture]
-        return config
-    return _tiny_multimodal(cls, spec, shrink, layer_lists)
+    else:
+        config = _tiny_multimodal(cls, spec, shrink, layer_lists)
+    if spec.architecture:  # the whole model's (an omni thinker's own config keeps none)
+        config.architectures = [spec.architecture]
+    return config
 
 
 def _tiny_multimodal(cls: Any, spec: Any, shrink: Callable[[Any, dict[str, Any]], dict[str, Any]], layer_lists: tuple[str, ...]):
@@ -116,8 +116,6 @@ def _tiny_multimodal(cls: Any, spec: Any, shrink: Callable[[Any, dict[str, Any]]
         value = getattr(tc, name, None)
         if isinstance(value, list) and len(value) != spec.num_layers:
             setattr(tc, name, (list(text_defaults.get(name) or value) * spec.num_layers)[: spec.num_layers])
-    if spec.architecture:
-        config.architectures = [spec.architecture]
     return config
 
 
@@ -257,40 +255,37 @@ def localize_te_spec_builders(mod: Any) -> list[str]:
 
     if te_importable():
         return []
-    done = []
+    done: list[str] = []
     from harness.models.cpu_hybrid import HYBRID_BLOCK_SPEC, hybrid_block
+    from harness.models.cpu_spec import te_linear_stand_ins
 
-    own = getattr(mod, HYBRID_BLOCK_SPEC, None)
-    if callable(own) and not getattr(own, "_ckpt_harness_localized", False):  # Qwen3.5 VL (qwen35_vl_provider.py:460): TE-only
+    def block_on_cpu(config: Any, vp_stage: int | None = None, pp_rank: int | None = None) -> Any:
+        return hybrid_block(config, vp_stage)  # Qwen3.5 VL's own block builder (qwen35_vl_provider.py:460): TE-only
 
-        def block_on_cpu(config: Any, vp_stage: int | None = None, pp_rank: int | None = None) -> Any:
-            return hybrid_block(config, vp_stage)
+    def built_on_cpu(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with local_te_spec_provider():  # the GPT builder's backend (None without TE), for this call only
+                return localize(fn(*args, **kwargs))
 
-        block_on_cpu._ckpt_harness_localized = True
-        setattr(mod, HYBRID_BLOCK_SPEC, block_on_cpu)
-        done.append(HYBRID_BLOCK_SPEC)
-    picker = getattr(mod, TE_PICKER, None)
-    if callable(picker) and getattr(mod, "HAVE_TE", True) is False and not getattr(picker, "_ckpt_harness_localized", False):
-        from harness.models.cpu_spec import te_linear_stand_ins
+        return wrapped
 
-        def picked_on_cpu() -> tuple[type, ...]:
-            return te_linear_stand_ins()
-
-        picked_on_cpu._ckpt_harness_localized = True
-        setattr(mod, TE_PICKER, picked_on_cpu)
-        done.append(TE_PICKER)
+    _replace_once(mod, HYBRID_BLOCK_SPEC, lambda _own: block_on_cpu, done)
+    if getattr(mod, "HAVE_TE", True) is False:  # the picker's module found no TE: its local branch lacks the fused norm
+        _replace_once(mod, TE_PICKER, lambda _picker: lambda: te_linear_stand_ins(), done)
     for key in TE_SPEC_BUILDERS:
-        fn = getattr(mod, key, None)
-        if callable(fn) and not getattr(fn, "_ckpt_harness_localized", False):
-            @functools.wraps(fn)
-            def built_on_cpu(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
-                with local_te_spec_provider():  # the GPT builder's backend (None without TE), for this call only
-                    return localize(_fn(*args, **kwargs))
-
-            built_on_cpu._ckpt_harness_localized = True
-            setattr(mod, key, built_on_cpu)
-            done.append(key)
+        _replace_once(mod, key, built_on_cpu, done)
     return done
+
+
+def _replace_once(mod: Any, key: str, make: Callable[[Any], Any], done: list[str]) -> None:
+    """mod.`key` (a callable) replaced by make(it), marked so that a second pass leaves it; `key` added to `done`."""
+    held = getattr(mod, key, None)
+    if callable(held) and not getattr(held, "_ckpt_harness_localized", False):
+        new = make(held)
+        new._ckpt_harness_localized = True
+        setattr(mod, key, new)
+        done.append(key)
 
 
 def language_model(module: torch.nn.Module) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.models.xfails_roundtrip import QWEN25_OMNI_ROPE, ROUNDTRIP
+from harness.models.xfails_roundtrip import QWEN25_OMNI_ROPE, ROUNDTRIP, VL_LAYOUT_REFUSALS
 from harness.report.grid import MAMBA_TAG
 
 #: peft drops the LoRA of plain gate/up/down_proj Linears in a model whose experts transformers fuses
@@ -315,9 +315,7 @@ LORA.update({"ernie4_5_vl_moe tp1 -> pp2": _xfail(_ERNIE_VL, _ERNIE_VL_MATCH, _P
              "ernie4_5_vl_moe tp1 -> dp2ep2": _with_ep(_xfail(_ERNIE_VL, _ERNIE_VL_MATCH, _PEFT_MOE_CHECKS))})
 CANONICAL["ernie4_5_vl_moe"] = LORA["ernie4_5_vl_moe tp1 -> pp2"]
 # the VL language paths at the pipeline layouts: blocked at build as their round trips (xfails_roundtrip)
-LORA.update({f"{f} {layout}": ROUNDTRIP[f"{f} {layout}"]
-             for f, layout in [(f, "tp1 -> pp2vpp2") for f in ("qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni", "qwen3_omni", "ernie4_5_vl_moe")]
-             + [(f, "tp1 -> pp2 uneven") for f in ("qwen3_vl", "qwen3_vl_moe")]})
+LORA.update(VL_LAYOUT_REFUSALS)
 CANONICAL["qwen3_vl_moe"] = {"reason": _CANON_GROUPED.replace(
     "(GPT-OSS's expert mappings are grouped exports, gpt_oss/gpt_oss_bridge.py:253-265)",
     "(Qwen3-VL-MoE's routed experts map packed, as its checkpoints hold them: qwen_vl/qwen3_vl_bridge.py:371-377)"),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-#: Named upstream defects per family (strict xfails): filled from the triage (docs/architectures.md).
 #: the Qwen2.5-Omni thinker's text-only rotary positions read a Megatron attention mask as HF's (measured on the tiny fixture)
 QWEN25_OMNI_ROPE = ("Megatron-Bridge 0.6.2 Qwen2.5-Omni's thinker derives text-only M-RoPE positions from the attention mask it is "
                     "given (modeling_qwen25_omni/thinker_model.py:313-331 always calls get_rope_index) and reads Megatron's "
@@ -21,6 +20,31 @@ VP_STAGE_DROPPED = ("Megatron-Bridge 0.6.2 drops vp_stage on the way to the lang
                     "virtual pipeline stages")
 _VP_MATCH = "vp_stage must be provided if virtual pipeline model parallel size is set"
 
+#: The VL language paths at the pipeline layouts whose model is not built: providers that drop vp_stage, and Qwen3-VL's
+#: DeepStack taps; their LoRA cases meet the same refusal (harness.models.xfails_lora)
+VL_LAYOUT_REFUSALS: dict[str, dict[str, Any]] = {
+    **{f"{f} tp1 -> pp2vpp2": {"reason": VP_STAGE_DROPPED.format(where=where), "match": _VP_MATCH, "raised_in": raised}
+       for f, where, raised in (
+           ("qwen3_vl", "Qwen3VLModelProvider.provide builds Qwen3VLModel without it (qwen_vl/qwen3_vl_provider.py:155-166)",
+            "megatron.bridge.models.qwen_vl"),
+           ("qwen3_vl_moe", "Qwen3VLMoEModelProvider.provide builds Qwen3VLModel without it (qwen_vl/qwen3_vl_provider.py:322-333)",
+            "megatron.bridge.models.qwen_vl"),
+           ("qwen2_5_omni", "the Qwen2.5-Omni thinker builds its Qwen3VLGPTModel without it (qwen_omni/modeling_qwen25_omni/"
+            "thinker_model.py:100, :112-125)", "megatron.bridge.models.qwen_vl"),
+           ("qwen3_omni", "the Qwen3-Omni thinker builds its Qwen3VLGPTModel without it (qwen_omni/modeling_qwen3_omni/"
+            "thinker_model.py:218)", "megatron.bridge.models.qwen_vl"),
+           ("ernie4_5_vl_moe", "get_ernie45_vl_decoder_block_spec slices the layers by get_transformer_layer_offset(config) "
+            "without it (ernie_vl/modeling_ernie45_vl/ernie_decoder_layer_spec.py:267-268)", "megatron.bridge.models.ernie_vl"))},
+    **{f"{f} tp1 -> pp2 uneven": {
+        "reason": "Megatron-Bridge 0.6.2 puts every Qwen3-VL DeepStack merge on the first pipeline stage and asserts that stage "
+                  "holds at least as many language layers as there are taps (qwen_vl/modelling_qwen3_vl/model.py:358-362): "
+                  "with num_layers_in_first_pipeline_stage 1 and the fixture's 2 taps (the real checkpoints have 3) the "
+                  "model is not built, so a first stage lightened for the ViT must still hold every tap's layer",
+        "match": "the deepstack_visual_embeds should on the first pp-stage of language model",
+        "raised_in": "megatron.bridge.models.qwen_vl"} for f in ("qwen3_vl", "qwen3_vl_moe")},
+}
+
+#: Named upstream defects per family (strict xfails): filled from the triage (docs/architectures.md).
 ROUNDTRIP: dict[str, dict[str, Any]] = {
     "deepseek_v4": {
         "reason": "Megatron-Bridge 0.6.2 sets experimental_attention_variant='dsv4_hybrid' (deepseek/deepseek_v4_bridge.py:397) "
@@ -103,26 +127,7 @@ ROUNDTRIP: dict[str, dict[str, Any]] = {
                   "(models/ernie4_5_vl_moe/modeling_ernie4_5_vl_moe.py:360-366): the expert weights differ (logits 0.26 off; "
                   "with transformers' router patched to sigmoid the tp2 pair passes within 1e-5), as ERNIE-4.5-MoE's",
         "checks": ["megatron-logits"]},
-    # the VL language paths at the pipeline layouts: providers that drop vp_stage, and Qwen3-VL's DeepStack taps
-    **{f"{f} tp1 -> pp2vpp2": {"reason": VP_STAGE_DROPPED.format(where=where), "match": _VP_MATCH, "raised_in": raised}
-       for f, where, raised in (
-           ("qwen3_vl", "Qwen3VLModelProvider.provide builds Qwen3VLModel without it (qwen_vl/qwen3_vl_provider.py:155-166)",
-            "megatron.bridge.models.qwen_vl"),
-           ("qwen3_vl_moe", "Qwen3VLMoEModelProvider.provide builds Qwen3VLModel without it (qwen_vl/qwen3_vl_provider.py:322-333)",
-            "megatron.bridge.models.qwen_vl"),
-           ("qwen2_5_omni", "the Qwen2.5-Omni thinker builds its Qwen3VLGPTModel without it (qwen_omni/modeling_qwen25_omni/"
-            "thinker_model.py:100, :112-125)", "megatron.bridge.models.qwen_vl"),
-           ("qwen3_omni", "the Qwen3-Omni thinker builds its Qwen3VLGPTModel without it (qwen_omni/modeling_qwen3_omni/"
-            "thinker_model.py:218)", "megatron.bridge.models.qwen_vl"),
-           ("ernie4_5_vl_moe", "get_ernie45_vl_decoder_block_spec slices the layers by get_transformer_layer_offset(config) "
-            "without it (ernie_vl/modeling_ernie45_vl/ernie_decoder_layer_spec.py:267-268)", "megatron.bridge.models.ernie_vl"))},
-    **{f"{f} tp1 -> pp2 uneven": {
-        "reason": "Megatron-Bridge 0.6.2 puts every Qwen3-VL DeepStack merge on the first pipeline stage and asserts that stage "
-                  "holds at least as many language layers as there are taps (qwen_vl/modelling_qwen3_vl/model.py:358-362): "
-                  "with num_layers_in_first_pipeline_stage 1 and the fixture's 2 taps (the real checkpoints have 3) the "
-                  "model is not built, so a first stage lightened for the ViT must still hold every tap's layer",
-        "match": "the deepstack_visual_embeds should on the first pp-stage of language model",
-        "raised_in": "megatron.bridge.models.qwen_vl"} for f in ("qwen3_vl", "qwen3_vl_moe")},
+    **VL_LAYOUT_REFUSALS,  # the VL language paths at the pipeline layouts (defined above)
     "gemma4 tp1 -> pp2": {
         "reason": "Megatron-Bridge 0.6.2: Gemma4DenseProvider.provide raises for pipeline_model_parallel_size != 1 "
                   "(models/gemma/gemma4_provider.py:199-200)",

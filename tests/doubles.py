@@ -20,6 +20,7 @@ import torch
 from harness.backends.bridge_hf import BridgeHF
 from harness.backends.bridge_peft import BridgePeft
 from harness.backends.bridge_training import BridgeTraining
+from harness.backends.hf_peft import HfPeft
 from harness.backends.mcore_dist import McoreDist
 from harness.core.context import RankContext
 
@@ -355,6 +356,43 @@ class LoseAlpha(BridgePeft):
             cfg = json.loads((directory / "adapter_config.json").read_text())
             cfg["lora_alpha"] = 0
             (directory / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+class PeftSwapsLoraB(HfPeft):
+    """PEFT's adapter file with two layers' q_proj lora_B values swapped under their keys (a renaming slip)."""
+
+    def save(self, ctx, model, directory):
+        super().save(ctx, model, directory)
+        from safetensors.torch import load_file, save_file
+
+        f = Path(directory) / "adapter_model.safetensors"
+        state = load_file(str(f))
+        a, b = sorted(k for k in state if k.endswith("q_proj.lora_B.weight"))[:2]
+        state[a], state[b] = state[b], state[a]
+        save_file(state, str(f), metadata={"format": "pt"})
+
+
+class PeftDropsEmbedding(HfPeft):
+    """save_pretrained without the base embeddings PEFT's "auto" rule saves (save_embedding_layers=False)."""
+
+    def save(self, ctx, model, directory):
+        model.save_pretrained(str(directory), save_embedding_layers=False)
+
+
+class PeftLoadsIntoNothing(HfPeft):
+    """The adapter loaded under a name the model never activates: from_pretrained's adapter is 'other'."""
+
+    def load(self, ctx, model, directory, adapter="default"):
+        from peft import PeftModel
+
+        if isinstance(model, PeftModel):
+            return super().load(ctx, model, directory, adapter)
+        loaded = PeftModel.from_pretrained(model, str(directory), adapter_name=adapter)
+        with torch.no_grad():
+            for n, t in loaded.named_parameters():
+                if "lora_A" in n:
+                    t.zero_()
+        return loaded
 
 
 # ------------------------------------------------------------------ rank hooks

@@ -301,7 +301,7 @@ def test_include_refuses_a_case_that_differs_between_files_and_a_cycle(tmp_path)
         load_matrix(_files(tmp_path, gone="name: g\ninclude: [nowhere.yaml]\n")["gone"])
 
 
-def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_and_verls_trees():
+def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_verls_trees_and_peft_io():
     m = load_matrix(ROOT / "matrices" / "gate.yaml")
     ids = {c.id for c in m.cases}
     smoke = {c.id for c in load_matrix(ROOT / "matrices" / "smoke.yaml").cases}
@@ -309,7 +309,7 @@ def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_and_verls_
     shown = {c.id for f in ("extended.yaml", "verl.yaml") for c in load_matrix(ROOT / "matrices" / f).cases
              if c.tag.startswith(("defect-fsdp-", "verl-F", "verl-hf-moe", "verl-weight-sync", "verify-integrity",
                                                                   "deprecated-optimizer-formats", "torch-format", "transformers-resave",
-                                                                  "verl-merger", "verl-lora-lifecycle", "mtp"))}
+                                                                  "verl-merger", "verl-lora-lifecycle", "mtp", "peft-io"))}
     faults = {c.id for c in load_matrix(ROOT / "matrices" / "faults.yaml").cases}
     assert smoke and arch and faults and smoke | arch | faults < ids <= smoke | arch | faults | shown and len(ids) == len(m.cases)
     assert sum(c.tag == "verify-integrity" for c in m.cases) == 5  # 2 good checkpoints, 3 damaged ones refused

@@ -35,6 +35,8 @@ case needs):
   read_plain      `read_full`: every tensor unsharded, with no model (an independent reader)
   hf_export       write an HF checkpoint from a Bridge model (`save`); `hf_import` reads one (`load`)
   adapter_export  write an HF PEFT adapter from a Bridge model with LoRA (`save`)
+  adapter_io      save a transformers + PEFT model's adapters in PEFT's own format and load them
+                  into a transformers model (`save`, `load`): PEFT's save_pretrained / from_pretrained
   manager         a training-checkpoint *manager* (verl's MegatronCheckpointManager): besides
                   training_state it lays out step directories and a tracker file a resume reads,
                   writes a contents manifest, keeps max_ckpt_to_keep, and saves the LR scheduler
@@ -59,7 +61,8 @@ import torch
 from harness.core.context import RankContext
 from harness.core.options import NoOptions, parse_options
 
-CAPABILITIES = frozenset({"weights", "training_state", "finetune", "peft_training", "read_plain", "hf_export", "hf_import", "adapter_export", "manager"})
+CAPABILITIES = frozenset({"weights", "training_state", "finetune", "peft_training", "read_plain", "hf_export", "hf_import", "adapter_export",
+                          "adapter_io", "manager"})
 ENTRY_POINT_GROUP = "ckpt_harness.backends"
 
 

@@ -101,7 +101,7 @@ def send_shards(args: argparse.Namespace) -> list[int | None]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from harness.gate import mutate_report, mutate_triage
+    from harness.gate import mutate_callers, mutate_report, mutate_triage
 
     targets = [t.strip() for t in args.target.split(",") if t.strip()]
     out = args.out.resolve()
@@ -139,6 +139,7 @@ def run_cli(args: argparse.Namespace) -> int:
         earlier = json.loads((before / "confirm.json").read_text()) if (before / "confirm.json").exists() else {}
         stable = {**earlier, **stable} if stable is not None else None
         records = mutate_results.union(records, mutate_results.records_of(before)[0], before)
+    records = mutate_callers.mark(records)
     summary = mutate_report.write(records, out, targets, missing, stable, whole, triage)
     print((out / "mutate.md").read_text().split("\n## ")[0])
     return 0 if summary["covered"] else 2

@@ -23,11 +23,14 @@ def rates(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     covered = n["killed"] + n["killed-timeout"] + n["survived"] + n["unconfirmed"]
     sampled = len(records) - n["equivalent"]
     beyond = sum(r["outcome"] == "not-covered" and bool(r.get("reach")) for r in records)  # GPU-only code (mutate_triage)
+    dead = sum(r["outcome"] == "not-covered" and bool(r.get("uncalled")) and not r.get("reach") for r in records)  # mutate_callers
     return {"sampled": len(records), **n, "covered": covered,
             "kill_rate": round((n["killed"] + n["killed-timeout"]) / covered, 4) if covered else None,
             "coverage_rate": round(covered / sampled, 4) if sampled else None,
             "not-covered-out-of-reach": beyond,
-            "cpu_coverage_rate": round(covered / (sampled - beyond), 4) if sampled - beyond else None}
+            "cpu_coverage_rate": round(covered / (sampled - beyond), 4) if sampled - beyond else None,
+            "not-covered-uncalled": dead,
+            "reachable_coverage_rate": round(covered / (sampled - beyond - dead), 4) if sampled - beyond - dead else None}
 
 
 def _pct(x: float | None) -> str:
@@ -98,6 +101,10 @@ def write(records: list[dict[str, Any]], out: Path, targets: list[str],
         lines += [f"Of the {overall['not-covered']} not covered, {overall['not-covered-out-of-reach']} are in code only a GPU "
                   "reaches (mutant_triage.yaml, each with what would reach it), still counted as not covered: the "
                   f"coverage of the rest, what CPU cases could still close, is {_pct(overall['cpu_coverage_rate'])}.", ""]
+    if overall["not-covered-uncalled"]:
+        lines += [f"{overall['not-covered-uncalled']} of the not covered lie in functions nothing installed calls "
+                  "(mutate_callers: no file of the stacks names them outside themselves), still counted as not covered: "
+                  f"the coverage of what a user's stack can reach on CPU is {_pct(overall['reachable_coverage_rate'])}.", ""]
     capped = [r for r in records if r["outcome"] == "survived" and r.get("unrun")]
     if capped:
         lines += [f"{len(capped)} survivor(s) stopped at --max-cases with {sum(r['unrun'] for r in capped)} covering case "
@@ -130,7 +137,8 @@ def write(records: list[dict[str, Any]], out: Path, targets: list[str],
             of = f" of {every} covering" if len(shown) < every else ""
             ran = f"; ran by {len(shown)} case(s){of}: {', '.join(shown[:4])}{' ...' if len(shown) > 4 else ''}" if every else ""
             why = (f" **Judged equivalent**: {r['judged']}." if r.get("judged") else "") + (
-                f" **Out of reach on CPU**: {r['reach']}." if r.get("reach") else "")
+                f" **Out of reach on CPU**: {r['reach']}." if r.get("reach") else "") + (
+                f" **No caller**: {r['uncalled']}." if r.get("uncalled") and not r.get("reach") else "")
             lines += ["", f"- `{r['id']}` {r['operator']} in {r['function'] or '<module>'}, {r['path']}:{r['line']}{ran}{why}",
                       "", "```diff", r["diff"].rstrip(), "```"]
     (out / "mutate.md").write_text("\n".join(lines) + "\n")

@@ -1,0 +1,72 @@
+"""mutate_callers: a not-covered mutant in a module-level function nothing installed names (outside the
+function itself) is marked uncalled; anything else is not, and the report keeps it in the coverage rate."""
+
+from pathlib import Path
+
+from harness.gate import mutate_callers, mutate_report
+
+UTIL = '''
+def used(x):
+    return x
+
+
+def lonely(x, depth=0):
+    """Like more_itertools' lonely; calls lonely again."""
+    return lonely(x, depth + 1) if depth < 2 else x
+
+
+def in_a_string(x):
+    return x
+
+
+class Holder:
+    def method(self):
+        return 1
+'''
+CALLER = '''
+from pkg.util import used
+
+NAME = "in_a_string"  # a getattr by name is a caller too
+
+
+def go():
+    return used(1)
+'''
+
+
+def _tree(tmp_path: Path) -> tuple[Path, Path]:
+    root = tmp_path / "pkg"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "util.py").write_text(UTIL)
+    (root / "caller.py").write_text(CALLER)
+    return root, root / "util.py"
+
+
+def _record(path: Path, function: str, outcome: str = "not-covered") -> dict:
+    return {"id": f"pkg.util:1:drop-statement:{function}", "module": "pkg.util", "path": str(path), "function": function,
+            "outcome": outcome}
+
+
+def test_only_a_function_named_nowhere_else_is_uncalled(tmp_path):
+    mutate_callers._references.cache_clear()
+    root, util = _tree(tmp_path)
+    records = [_record(util, f) for f in ("used", "lonely", "in_a_string", "Holder.method", "")]
+    found = mutate_callers.uncalled(records, (root,))
+    assert list(found) == ["pkg.util:1:drop-statement:lonely"]
+    assert "pkg.util.lonely has no caller" in found["pkg.util:1:drop-statement:lonely"]
+
+
+def test_a_covered_mutant_and_an_empty_campaign_are_never_marked(tmp_path):
+    mutate_callers._references.cache_clear()
+    root, util = _tree(tmp_path)
+    assert mutate_callers.uncalled([_record(util, "lonely", "survived")], (root,)) == {}
+    assert mutate_callers.uncalled([], (root,)) == {}
+
+
+def test_the_report_keeps_uncalled_mutants_in_the_coverage_rate(tmp_path):
+    mutate_callers._references.cache_clear()
+    root, util = _tree(tmp_path)
+    records = mutate_callers.mark([_record(util, "lonely"), _record(util, "used"), _record(util, "used", "killed")], (root,))
+    r = mutate_report.rates(records)
+    assert r["coverage_rate"] == round(1 / 3, 4) and r["not-covered-uncalled"] == 1 and r["reachable_coverage_rate"] == 0.5

@@ -192,7 +192,7 @@ def test_a_shard_job_runs_the_same_campaign_with_its_own_shard():
 
     parser = argparse.ArgumentParser()
     mutate_cli.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["mutate", "--target", "a.b:f*|g,c.d", "--sample", "30", "--seed", "4", "-k", "mcore resume",
+    args = parser.parse_args(["mutate", "--target", "a.b:f*|g,c.d", "--sample", "30", "--seed", "4", "-k=->tp2pp1dp1cp1 resume",
                               "--jobs", "2", "--max-cases", "8", "--cold", "--no-corpus", "--shards", "3", "--out", "/x/c"])
     argv = mutate_cli.shard_argv(args, 2, 3)
     assert argv[1:4] == ["-m", "harness.cli", "mutate"]

@@ -156,7 +156,7 @@ def step(tree: Path, matrix: str, k: str | None, cache: Path, report: Path, exac
         return None
     report.mkdir(parents=True, exist_ok=True)
     subprocess.run([str(venv / "bin" / "python"), "-m", "harness.cli", "run", matrix, "--report", str(report),
-                    *(["-k", k] if k else [])], cwd=ROOT, check=False)
+                    *([f"-k={k}"] if k else [])], cwd=ROOT, check=False)
     if not (report / "results.json").exists():
         return None
     sig = signature(report / "results.json")
@@ -201,7 +201,7 @@ def run_cli(args: argparse.Namespace) -> int:
         else:
             cache = (args.cache or envspec._default_cache()).resolve()
             base = [sys.executable, "-m", "harness.gate.bisect", "--tree", str(out / "worktree"), "--matrix", args.matrix,
-                    "--cache", str(cache), "--report", str(out / "runs"), *(["-k", args.k] if args.k else []),
+                    "--cache", str(cache), "--report", str(out / "runs"), *([f"-k={args.k}"] if args.k else []),
                     *(["--exact"] if args.exact else [])]
             good_sig = out / "good-signature.json"
             # the outcomes at GOOD and BAD first: nothing to look for when they agree

@@ -104,7 +104,7 @@ def run_matrix(side: Side, matrix: Path, k: str | None, out: Path, jobs: int = 2
     progress.start(side.name, None)
     try:
         rc = _harness(side, ["run", str(matrix), "--report", str(out), "--jobs", str(jobs), "--probe-imports",
-                             *(["-k", k] if k else []), *([] if reuse else ["--no-reuse"])],
+                             *([f"-k={k}"] if k else []), *([] if reuse else ["--no-reuse"])],
                       out / "run.log", on_line=lambda line: progress.case_line(side.name, line))
     finally:
         progress.finish(side.name)

@@ -74,7 +74,7 @@ def shard_argv(args: argparse.Namespace, index: int, total: int) -> list[str]:
             "--shard", f"{index}/{total}", "--out", str(args.out.resolve())]
     for flag, value in (("--sample", args.sample), ("-k", args.k), ("--max-cases", args.max_cases)):
         if value is not None:
-            argv += [flag, str(value)]
+            argv.append(f"{flag}={value}")  # `=`: a value may start with "-" (-k "->tp2pp1dp1cp1")
     return argv + (["--cold"] if args.cold else []) + (["--no-corpus"] if args.no_corpus else [])
 
 

@@ -81,7 +81,7 @@ def shard_argv(matrix: Path, index: int, total: int, part: Path, opts: ClusterOp
                durations: Path | None = None) -> list[str]:
     """The command one shard job runs: `ckpt-harness run` on part `index` of `total`."""
     argv = [sys.executable, "-m", "harness.cli", "run", str(matrix), "--shard", f"{index}/{total}", "--report", str(part)]
-    argv += ["-k", k] if k else []
+    argv += [f"-k={k}"] if k else []  # `=`: a -k may start with "-"
     argv += ["--durations", str(durations)] if durations else []
     argv += ["--max-world", str(max_world)] if max_world else []
     argv += ["--workdir", str(workdir)] if workdir else []

@@ -37,7 +37,10 @@ def start_process() -> None:
     cov = coverage.Coverage(data_file=str(Path(cfg["dir"]) / ".coverage"), data_suffix=True,
                             include=list(cfg["include"]), config_file=False)
     cov.set_option("run:patch", ["fork", "_exit"])
-    cov.set_option("run:disable_warnings", ["no-data-collected", "module-not-measured", "module-not-imported"])
+    # sys.monitoring where this Python has it (3.12+): the same lines and contexts, a measured run 13% faster
+    # (docs/measurements.md); coverage.py falls back to its C tracer by itself where it cannot
+    cov.set_option("run:core", "sysmon")
+    cov.set_option("run:disable_warnings", ["no-data-collected", "module-not-measured", "module-not-imported", "no-sysmon"])
     if os.environ.get(CONTEXT_ENV):
         cov.set_option("run:context", os.environ[CONTEXT_ENV])
     cov.start()

@@ -101,8 +101,11 @@ def measured(cov: Path, files: list[str]) -> dict[str, str]:
     return {**_clean_env(), coverage_hook.ENV: json.dumps({"dir": str(cov), "include": files})}
 
 
-def clean_run(matrix: Path, k: str | None, files: list[str], out: Path) -> dict[str, Any]:
-    """The unmutated outcomes of the slice, measured: DIR/clean/results.json and DIR/coverage."""
+def clean_run(matrix: Path, k: str | None, files: list[str], out: Path, jobs: int = 1) -> dict[str, Any]:
+    """The unmutated outcomes of the slice, measured: DIR/clean/results.json and DIR/coverage. `jobs`
+    cases at once (the pool's forked workers: each measures itself, and names each case it runs as
+    that case's coverage context, as the serial parent does; lines the pool's parent runs before it forks
+    are every case's)."""
     report, cov = out / "clean", out / "coverage"
     if (report / "results.json").exists():
         doc = compare.load(report)
@@ -110,9 +113,8 @@ def clean_run(matrix: Path, k: str | None, files: list[str], out: Path) -> dict[
             return doc
     env = measured(cov, files)
     say(f"mutate: the clean run of {matrix}{f' -k {k!r}' if k else ''}, measured (log: {report / 'run.log'})")
-    # one case at a time in the parent: each case's lines carry its own name (coverage_hook.case)
-    code, _ = _run(["run", str(matrix), *(["-k", k] if k else []), "--report", str(report), "--jobs", "1"], env,
-                   report / "run.log")
+    code, _ = _run(["run", str(matrix), *([f"-k={k}"] if k else []), "--report", str(report), "--jobs", str(max(1, jobs))],
+                   env, report / "run.log")
     if code not in (0, 1) or not (report / "results.json").exists():
         raise MutateError(f"the clean run failed (exit {code}); see {report / 'run.log'}")
     return compare.load(report)
@@ -334,7 +336,7 @@ def campaign(targets: list[str], matrix: Path, k: str | None, out: Path, n: int 
     files = sorted({m.path for m in mutants})
     if shard and not clean_done(out):
         raise MutateError(f"--shard: {out / 'clean'} holds no complete clean run; run the same command with --prepare first")
-    clean = clean_run(matrix, k, files, out)
+    clean = clean_run(matrix, k, files, out, jobs)
     read = clean_corpus(files, out) if corpus else None
     if prepare_only:
         return []

@@ -6,9 +6,37 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 from harness.run.events import each_event
+
+
+def manifest_problems(directory: Path) -> list[str]:
+    """Megatron-Core's integrity manifest (integrity.json) against the checkpoint it describes, each file
+    hashed here with hashlib: a manifest whose hashes are wrong but agree with the same code's own
+    verification (a changed chunk size, algorithm or file list) passes every load yet refuses the
+    checkpoint under another release's verification, or protects nothing."""
+    import hashlib
+    import json
+
+    manifest = Path(directory) / "integrity.json"
+    try:
+        doc = json.loads(manifest.read_text())
+        algorithm, files = doc["algorithm"], doc["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"{manifest} is not a manifest of algorithm and files: {type(exc).__name__}: {exc}"]
+    if algorithm != "sha256":
+        return [f"algorithm {algorithm!r}, megatron-core's documented manifest is sha256"]
+    here = sorted(f.name for f in Path(directory).iterdir() if f.is_file() and f.name != manifest.name)
+    out = [f"{name}: in the checkpoint, not in the manifest" for name in here if name not in files]
+    out += [f"{name}: in the manifest, not in the checkpoint" for name in sorted(files) if name not in here]
+    if not here:
+        out.append(f"{directory} holds no file besides the manifest")
+    for name in here:
+        if name in files and files[name] != hashlib.sha256((Path(directory) / name).read_bytes()).hexdigest():
+            out.append(f"{name}: the manifest's sha256 {str(files[name])[:16]}... is not the file's")
+    return out
 
 
 def event_problems(o: Any, ev: dict) -> list[str]:
@@ -40,6 +68,7 @@ def event_problems(o: Any, ev: dict) -> list[str]:
             out.append(f"plan cache in use (level {ev['plan_reuse']}) without cache_metadata")
         if ev.get("manifest") is False:
             out.append("the save wrote no integrity manifest (integrity.json), though verify_integrity asked for one")
+        out += [f"integrity manifest: {p}" for p in ev.get("manifest_problems") or []]
         if ev["async"] != o.async_save:
             out.append(f"async_save {ev['async']}, asked {o.async_save}")
     else:

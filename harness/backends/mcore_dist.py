@@ -81,7 +81,7 @@ import torch
 import torch.distributed as dist
 
 from harness.backends import Backend
-from harness.backends._mcore_events import tracked_exchange
+from harness.backends._mcore_events import manifest_problems, tracked_exchange
 from harness.backends._megatron_lm import common_state, iteration_dir, restore_scheduler, write_tracker
 from harness.core.context import RankContext
 from harness.core.result import missing_api
@@ -305,6 +305,8 @@ class McoreDist(Backend):
                 dist_checkpointing.save(sharded_state, str(directory), strategy, **kwargs)
             if o.verify_integrity:  # written by rank 0 before the save's last barrier
                 event["manifest"] = (directory / "integrity.json").is_file()
+                if event["manifest"] and ctx.is_rank0:  # its hashes against the files, read here with hashlib
+                    event["manifest_problems"] = manifest_problems(directory)
             if then is not None:
                 dist.barrier()
                 then()

@@ -18,7 +18,7 @@ Options (matrix `backend_options`):
 from __future__ import annotations
 
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -58,11 +58,12 @@ class HfPeft(Backend):
         from peft import PeftModel
 
         kwargs: dict[str, Any] = {"adapter_name": adapter, "low_cpu_mem_usage": self.options.low_cpu_mem_usage}
+        hub = self.options.source == "hub-cache"
         where = str(directory)
-        with _offline() if self.options.source == "hub-cache" else _nothing():
-            if self.options.source == "hub-cache":
-                where, more = hub_cache(Path(directory))
-                kwargs.update(more)
+        if hub:
+            where, more = hub_cache(Path(directory))
+            kwargs.update(more)
+        with _offline() if hub else nullcontext():
             if isinstance(model, PeftModel):
                 model.load_adapter(where, **kwargs)
                 return model
@@ -109,11 +110,6 @@ def _offline() -> Iterator[None]:
         yield
     finally:
         hub.HF_HUB_OFFLINE = before
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 BACKEND = HfPeft()

@@ -33,8 +33,10 @@ def manifest_problems(directory: Path) -> list[str]:
     out += [f"{name}: in the manifest, not in the checkpoint" for name in sorted(files) if name not in here]
     if not here:
         out.append(f"{directory} holds no file besides the manifest")
-    for name in here:
-        if name in files and files[name] != hashlib.sha256((Path(directory) / name).read_bytes()).hexdigest():
+    for name in (n for n in here if n in files):
+        with open(Path(directory) / name, "rb") as f:  # streamed: a checkpoint file may be larger than host memory
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if files[name] != digest:
             out.append(f"{name}: the manifest's sha256 {str(files[name])[:16]}... is not the file's")
     return out
 

@@ -44,7 +44,7 @@ from typing import Any, Literal
 import torch
 
 from .contract import Case
-from .ranks.peft_adapter_io import ADAPTERS, Phase, load_rank, save_rank
+from .ranks.peft_adapter_io import ADAPTERS, Phase, load_rank, of_adapters, save_rank
 from harness.core.parity import EXACT, compare_tensors
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
@@ -231,9 +231,9 @@ class PeftAdapterIo(Case):
             extras = expected_extras(opts, saved["plain"])
             for i, a in enumerate(names):
                 where = out if i == 0 else out / a
-                mine = {n: t for n, t in saved["params"].items() if a in n.split(".")}
+                mine = {n: t for n, t in saved["params"].items() if of_adapters(n, (a,))}
                 result.checks.append(file_check(a, mine, backend.read_full(None, where), extras))
-                result.checks.append(load_check(a, mine, {n: t for n, t in loaded["params"].items() if a in n.split(".")}))
+                result.checks.append(load_check(a, mine, {n: t for n, t in loaded["params"].items() if of_adapters(n, (a,))}))
                 result.checks.append(logits_check(f"logits@{a}", saved["logits"][a], loaded["logits"].get(a), "the loaded model"))
                 cfg = where / "adapter_config.json"
                 result.checks.append(config_check(a, json.loads(cfg.read_text()) if cfg.is_file() else None, opts,

@@ -52,10 +52,15 @@ def lora_config(opts: Any, second: bool = False) -> Any:
                       trainable_token_indices=list(opts.trainable_token_indices) or None)
 
 
+def of_adapters(name: str, names: tuple[str, ...]) -> bool:
+    """Whether parameter `name` belongs to one of the adapters `names`: a segment of it is the adapter's
+    name (LoRA's A/B, DoRA's magnitude, a modules_to_save copy, a trainable-tokens delta)."""
+    return not set(name.split(".")).isdisjoint(names)
+
+
 def adapter_params(model: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Every parameter that belongs to one of the adapters `names` (a name segment is the adapter's:
-    LoRA's A/B, DoRA's magnitude, a modules_to_save copy, a trainable-tokens delta), detached copies."""
-    return {n: t.detach().clone() for n, t in model.named_parameters() if set(n.split(".")) & set(names)}
+    """Every parameter of the adapters `names` (of_adapters), detached copies."""
+    return {n: t.detach().clone() for n, t in model.named_parameters() if of_adapters(n, names)}
 
 
 def input_ids(vocab: int) -> torch.Tensor:
@@ -87,7 +92,7 @@ def save_rank(ctx: RankContext, p: Phase) -> dict[str, Any]:
         model.add_adapter(names[1], lora_config(p.opts, second=True))
     g = torch.Generator().manual_seed(p.seed)
     with torch.no_grad():  # every adapter tensor its own random values: a moved or swapped tensor shows
-        for n, t in sorted((n, t) for n, t in model.named_parameters() if set(n.split(".")) & set(names)):
+        for n, t in sorted((n, t) for n, t in model.named_parameters() if of_adapters(n, names)):
             t.copy_(torch.randn(t.shape, generator=g) * 0.05)
     logits = logits_of(model, names)
     with model.disable_adapter():

@@ -61,6 +61,7 @@ def _references(names: frozenset[str], where: tuple[Path, ...]) -> dict[str, lis
     return found
 
 
+@lru_cache(maxsize=None)
 def _own_span(path: str, name: str) -> range:
     """The lines of the module-level function `name` in `path` (its decorators, def, body): a name used
     there (recursion, its docstring) is not a caller."""

@@ -30,6 +30,16 @@ Checks:
                    the loader never read), crashed (a rank died without a Python exception, or the
                    world hung: fails)
   loaded-canonical (silent only) what was loaded, assembled to full tensors, against the truth
+
+With option `mismatch: tolerate` (other-tied / other-bias loaded with a strictness that tolerates keys one
+side lacks, backend.strict log_all or return_all: a job with new or removed params started from an
+old checkpoint) the load must return instead (cases/shared/mismatch_load.py), and the truth of which
+keys each side lacks comes from the files (the job's own model is saved beside the foreign one):
+  outcome          the load returned (a refusal or crash fails) and loaded-canonical passed
+  loaded-canonical every tensor the checkpoint holds is its model's, bitwise; every one it lacks keeps
+                   the job's own pre-load value
+  mismatch-keys    (a strictness whose load returns the keys: return_all) every rank returned the
+                   missing keys the files give, and the ranks' unexpected keys together are the files'
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ from .shared.damaged_load import (
     rank_dist,
     refused,
 )
+from .shared.mismatch_load import expected_state, judge_tolerated, mismatch_truth
 from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of
 from harness.core import truth
@@ -70,6 +81,8 @@ DamageKind = Literal[
     "other-hidden", "other-layers", "other-vocab", "other-groups", "other-tied", "other-bias", "empty-dir",
     "truncate-safetensors", "missing-indexed-shard", "adapter-no-config", "adapter-config-mismatch", "adapter-config-targets",
 ]
+#: foreign checkpoints whose keys differ from the job's (not their shapes): a non-raising strictness may load them
+KEY_MISMATCH = frozenset({"other-tied", "other-bias"})
 HF_EXPORT_KINDS = frozenset({"truncate-safetensors", "missing-indexed-shard"})
 ADAPTER_KINDS = frozenset({"adapter-no-config", "adapter-config-mismatch", "adapter-config-targets"})
 #: kind -> (model kind, backend capabilities): the artefact each damage belongs to.
@@ -91,6 +104,10 @@ class CorruptOptions:
     damage: DamageKind = "truncate-shard"
     #: the exceptions the load may refuse with (refusal_check's `allowed`); empty: the backend's `refusals`
     refuse_with: tuple[str, ...] = ()
+    #: refuse: the load must refuse. tolerate (a key-mismatch damage, loaded with a strictness that
+    #: tolerates it, e.g. backend.strict log_all): it must return the checkpoint's tensors and keep the
+    #: job's own where the checkpoint lacks them (cases/shared/mismatch_load.py)
+    mismatch: Literal["refuse", "tolerate"] = "refuse"
 
 
 @dataclass(frozen=True)
@@ -150,7 +167,7 @@ class CorruptLoad(Case):
     description = "a good checkpoint damaged one named way: the load must refuse (clearly), never return damaged data"
     Options = CorruptOptions
     model_kind, needs = ARTEFACT["truncate-shard"]  # the default damage's; requirements() decides per damage
-    checks = ("outcome", "loaded-canonical")
+    checks = ("outcome", "loaded-canonical", "mismatch-keys")
 
     def requirements(self, opts: CorruptOptions) -> tuple[str, frozenset[str], str]:
         kind, needs = ARTEFACT[opts.damage]
@@ -162,6 +179,9 @@ class CorruptLoad(Case):
         if crashes:
             raise ValueError(f"option 'refuse_with': {crashes} is a crash inside the loader, never a refusal; a load that "
                              "fails through it is an upstream finding: a strict xfail naming the raising frame")
+        if opts.mismatch == "tolerate" and kind not in KEY_MISMATCH:
+            raise ValueError(f"option 'mismatch: tolerate' needs a damage of keys one side lacks ({sorted(KEY_MISMATCH)}), "
+                             f"not {kind!r}: any other damage must be refused")
         if kind == "missing-common" and not _mcore_writes_common_pt():
             raise ValueError(
                 f"damage 'missing-common': megatron-core {metadata.version('megatron-core')} torch_dist writes no common.pt "
@@ -177,7 +197,9 @@ class CorruptLoad(Case):
 
     def run(self, spec: CaseSpec, opts: CorruptOptions, env: RunEnv, result: CaseResult) -> None:
         allowed = opts.refuse_with or get_backend(ref_of(spec)).refusals
-        if ARTEFACT[opts.damage][0] == "gpt":
+        if opts.mismatch == "tolerate":
+            checks = self._run_tolerated(spec, opts.damage, env)
+        elif ARTEFACT[opts.damage][0] == "gpt":
             checks = self._run_dist(spec, opts.damage, env, result, allowed)
         else:
             checks = self._run_hf(spec, opts.damage, env, result, allowed)
@@ -206,6 +228,30 @@ class CorruptLoad(Case):
             full, problems = assembled(outs, "shards", dst.id)
             canonical = {k: truth.canonical_tensor(model, k, tuple(v.shape), v.dtype) for k, v in full.items()}
             return judge(dmg, Outcome("silent"), canonical, full, problems, dst.id)
+
+    def _run_tolerated(self, spec: CaseSpec, kind: str, env: RunEnv) -> list[Check]:
+        """The foreign checkpoint and the job's own (saved only for its key set), then the load at D."""
+        model = get_model(spec.model, "gpt")
+        backend, ckpt, own = ref_of(spec), env.case_dir / "ckpt", env.case_dir / "ckpt-job"
+        saved = damage.other_model(model, kind)
+        env.launch("save", rank_dist, DistPhase(saved, spec.source, backend, save_to=str(ckpt)), spec.source)
+        env.launch("save-job", rank_dist, DistPhase(model, spec.source, backend, save_to=str(own)), spec.source)
+        with env.timed("damage"):
+            dmg = damage.foreign(ckpt, kind, saved, model)
+            missing, unexpected = mismatch_truth(ckpt, own)
+        what = f"{dmg.kind} ({dmg.detail})"
+        try:
+            outs = env.launch("load", rank_dist, DistPhase(model, spec.target, backend, load_from=str(ckpt)), spec.target)
+        except WorldError as exc:
+            outcome = outcome_of(exc)
+            if outcome is None:
+                raise
+            return judge_tolerated(what, outcome, missing, unexpected)
+        with env.timed("compare"):
+            full, problems = assembled(outs, "shards", spec.target.id)
+            expected = expected_state(full, saved, model, unexpected)
+            return judge_tolerated(what, Outcome("silent"), missing, unexpected, expected, full, problems,
+                                   env.record.backend_events, spec.target.id)
 
     def _run_hf(self, spec: CaseSpec, kind: str, env: RunEnv, result: CaseResult, allowed: tuple[str, ...]) -> list[Check]:
         from peft import PeftModel, get_peft_model_state_dict

@@ -41,6 +41,26 @@ def manifest_problems(directory: Path) -> list[str]:
     return out
 
 
+#: megatron-core's strictness flags whose `load` returns (state, missing keys, unexpected keys)
+RETURNING = frozenset({"return_all", "return_unexpected"})
+#: the flags under which the dist load leaves out the keys the checkpoint lacks instead of failing
+TOLERATING = RETURNING | {"log_all", "log_unexpected", "ignore_all"}
+
+
+def returned_keys(out: Any, strict: str, event: dict) -> Any:
+    """The loaded state of a `dist_checkpointing.load` result; under a returning strictness, the
+    missing keys (the checkpoint holds, no rank asked) and unexpected keys (this rank asked, the
+    checkpoint lacks) it returned go into the load's `event`, for the case to hold to its truth."""
+    if strict not in RETURNING:
+        return out
+    if not (isinstance(out, tuple) and len(out) == 3):
+        event["returned_keys"] = False  # the strategy check names it
+        return out
+    state, missing, unexpected = out
+    event.update(returned_keys=True, missing_keys=sorted(missing), unexpected_keys=sorted(unexpected))
+    return state
+
+
 def event_problems(o: Any, ev: dict) -> list[str]:
     """What in one recorded save or load differs from what options `o` ask."""
     out = []
@@ -86,6 +106,8 @@ def event_problems(o: Any, ev: dict) -> list[str]:
                 out.append(f"exchanged with {', '.join(ev['exchange_algos'])}, asked {asked}")
         if o.cache_metadata and not ev.get("metadata_cached"):
             out.append("the load strategy cached no checkpoint metadata")
+        if o.strict in RETURNING and not ev.get("returned_keys"):
+            out.append(f"strict {o.strict}: the load returned no missing and unexpected keys beside the state")
     return out
 
 
@@ -106,7 +128,7 @@ def strategy_check(o: Any, default: Any, events: dict[str, dict[str, list[dict]]
 
     flat = each_event(events, backend=backend)
     read_back = any(e["op"] == "content_metadata" for _, _, e in flat)
-    if o == default and not read_back:
+    if o == default and not read_back and o.strict not in RETURNING:
         return None
     problems: list[str] = []
     seen: dict[str, set] = {"save": set(), "load": set(), "content_metadata": set()}
@@ -116,7 +138,7 @@ def strategy_check(o: Any, default: Any, events: dict[str, dict[str, list[dict]]
         seen[ev["op"]].add(phase)
     if not seen["save"] and o != default:
         problems.append("no save ran through this backend")
-    if o.load_strategy != "default" and not seen["load"]:
+    if (o.load_strategy != "default" or o.strict in RETURNING) and not seen["load"]:
         problems.append("no load ran through this backend")
     asked = ", ".join(f"{k}={v}" for k, v in vars(o).items())
     if problems:

@@ -38,11 +38,11 @@ megatron/training/checkpointing.py wires it (save_checkpoint / _load_global_dist
                   ...) as `save(content_metadata=)`, and a load builds the model's and optimizer's sharded
                   state dicts from what `load_content_metadata` reads back, as Megatron-LM's load does;
                   false: written as before Core 0.13 (no content metadata), and read with the job's own
-  strict          raise_all (the harness's: a key the job asks for that the checkpoint lacks, or one
-                  the checkpoint holds that the job does not ask for, is an error); assume_ok_unexpected
-                  (Megatron-LM's `--dist-ckpt-strictness` default, Bridge's `dist_ckpt_strictness`) or
-                  log_all: what users load with, e.g. a Megatron-Bridge training checkpoint whose RNG and
-                  rerun-state keys a plain job does not ask for
+  strict          the string Megatron-LM passes (`--dist-ckpt-strictness`). raise_all (the harness's: a key
+                  the job asks for that the checkpoint lacks, or the reverse, is an error); assume_ok_unexpected
+                  (Megatron-LM's default, Bridge's `dist_ckpt_strictness`), log_all: what users load with (a
+                  Bridge checkpoint's RNG keys, an old checkpoint into a job with new params); return_all: the
+                  load also returns the missing and unexpected keys, recorded in the load's event
 
   load_template   how a client builds the training load's sharded state (the template the load fills):
                   megatron-lm (default): `sharded_state_dict(..., is_loading=True, metadata=<the
@@ -81,7 +81,7 @@ import torch
 import torch.distributed as dist
 
 from harness.backends import Backend
-from harness.backends._mcore_events import manifest_problems, tracked_exchange
+from harness.backends._mcore_events import TOLERATING, manifest_problems, returned_keys, tracked_exchange
 from harness.backends._megatron_lm import common_state, iteration_dir, restore_scheduler, write_tracker
 from harness.core.context import RankContext
 from harness.core.result import missing_api
@@ -108,7 +108,7 @@ class McoreDistOptions:
     async_save: Literal["none", "mcore", "nvrx"] = "none"
     cache_metadata: bool = False
     content_metadata: bool = True
-    strict: Literal["raise_all", "assume_ok_unexpected", "log_all"] = "raise_all"
+    strict: Literal["raise_all", "assume_ok_unexpected", "log_all", "return_all"] = "raise_all"
     layout: Literal["plain", "megatron-lm"] = "plain"
     load_template: Literal["megatron-lm", "no-is-loading", "no-metadata"] = "megatron-lm"
     verify_integrity: bool = False
@@ -124,10 +124,8 @@ def is_complete(directory: Path) -> bool:
 
 
 def _dp_cp_group():
-    """The group Megatron-LM's fully-parallel save and load distribute over ('dp': the data
-    parallel group with context parallel)."""
+    """The group Megatron-LM's fully-parallel save and load distribute over: DP with CP."""
     from megatron.core import parallel_state
-
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
@@ -408,7 +406,6 @@ class McoreDist(Backend):
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (
             FullyParallelLoadStrategyWrapper,
         )
-        from megatron.core.dist_checkpointing.validation import StrictHandling
 
         strategy = self._load_strategy_obj()
         group = getattr(strategy, "parallelization_group", None)
@@ -416,7 +413,8 @@ class McoreDist(Backend):
         event = {"op": "load", "directory": str(directory), "strategy": "fully_parallel" if fully else "default",
                  "group": dist.get_world_size(group) if group is not None else None,
                  "dp_cp": parallel_state.get_data_parallel_world_size(with_context_parallel=True)}
-        kwargs = {"strict": StrictHandling(self.strategy.strict), **self._integrity(dist_checkpointing.load)}
+        # the flag as a string, as Megatron-LM passes args.dist_ckpt_strictness: megatron-core parses it
+        kwargs = {"strict": self.strategy.strict, **self._integrity(dist_checkpointing.load)}
         if strategy is None:
             state = dist_checkpointing.load(sharded_state, str(directory), **kwargs)
         else:
@@ -427,6 +425,7 @@ class McoreDist(Backend):
             event["exchange_algos"] = sorted({str(c) for c in calls})
             base = getattr(strategy, "base_strategy", strategy)
             event["metadata_cached"] = getattr(base, "cached_global_metadata", None) is not None
+        state = returned_keys(state, self.strategy.strict, event)
         record_event(event, self.name)
         return state
 
@@ -438,7 +437,8 @@ class McoreDist(Backend):
     def load(self, ctx: RankContext, model: Any, directory: Path) -> None:
         from harness.models.mcore import load_state_dict, sharded_state_dict
 
-        load_state_dict(model, self.load_state(ctx, sharded_state_dict(model), directory))
+        state = self.load_state(ctx, sharded_state_dict(model), directory)
+        load_state_dict(model, state, retry_non_strict=self.strategy.strict in TOLERATING)
 
     def read_full(self, ctx: RankContext | None, directory: Path) -> dict[str, torch.Tensor]:
         from megatron.core import dist_checkpointing

@@ -213,14 +213,20 @@ def sharded_state_dict(model: Any, metadata: dict | None = None) -> dict:
     return {f"model{i}": c.sharded_state_dict(**kw) for i, c in enumerate(chunks)}
 
 
-def load_state_dict(model: Any, state: dict) -> None:
-    """Put a loaded `sharded_state_dict(model)`-shaped state into every chunk (strict)."""
+def load_state_dict(model: Any, state: dict, retry_non_strict: bool = False) -> None:
+    """Put a loaded `sharded_state_dict(model)`-shaped state into every chunk (strict). With
+    `retry_non_strict`, a chunk whose strict load raises is loaded again non-strict, as Megatron-LM's
+    load_model_state_dict does (megatron/training/checkpointing.py): what a dist load that dropped the
+    keys the checkpoint lacks (a log_all / return_all strictness) leaves keeps the job's own values."""
     chunks = as_chunks(model)
-    if len(chunks) == 1:
-        chunks[0].load_state_dict(state, strict=True)
-        return
-    for i, c in enumerate(chunks):
-        c.load_state_dict(state[f"model{i}"], strict=True)
+    states = [state] if len(chunks) == 1 else [state[f"model{i}"] for i in range(len(chunks))]
+    for chunk, st in zip(chunks, states):
+        try:
+            chunk.load_state_dict(st, strict=True)
+        except RuntimeError:
+            if not retry_non_strict:
+                raise
+            chunk.load_state_dict(st, strict=False)
 
 
 def _expand(sharded: dict) -> tuple[dict, dict]:

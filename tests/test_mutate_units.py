@@ -324,3 +324,15 @@ def test_the_case_that_runs_the_files_rare_lines_goes_first():
     got = mutate_cases.order(ids, clean, {f"reshard-weights[mcore_dist-{c}]": v for c, v in rare.items()})
     assert got[0] == "reshard-weights[mcore_dist-d]", got  # slower, but the only one reaching lines 40-41
     assert mutate_cases.order(ids, clean)[0] == "reshard-weights[mcore_dist-a]"  # without rarity: the fastest
+
+
+def test_a_kind_runs_its_clean_passes_before_its_named_xfails():
+    """c5's EP2 survivor: five GPT-OSS exports that fail as their named xfail in the source world (the
+    target's EP2 export never runs) went before the passing OLMoE EP2 export that kills it."""
+    xfails = [f"peft-export[bridge_peft-hf-gpt_oss-tp1pp1dp1cp1->{t}-lora]" for t in ("tp2pp1dp1cp1", "tp1pp2dp1cp1")]
+    green = "peft-export[bridge_peft-hf-olmoe-tp1pp1dp1cp1->tp1pp1dp2cp1ep2-lora]"
+    cases = xfails + [green]
+    clean = {"results": [_result(c, status="xfailed") for c in xfails] + [_result(green, total=9.0)]}
+    rare = {xfails[0]: 5.0, xfails[1]: 4.0, green: 1.0}  # the xfails even run more of the file
+    assert mutate_cases.order(cases, clean, rare)[0] == green
+    assert mutate_cases.order(cases, {"results": [_result(c) for c in cases]}, rare)[0] == xfails[0]  # all green: rarity leads

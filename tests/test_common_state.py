@@ -22,6 +22,8 @@ def test_the_warning_judge_passes_only_a_warning_naming_every_differing_path():
         "rank 0 warned": [[GOOD], [GOOD]],
         "does not name ('harness_common', 'tensor')": [[], [GOOD.split(", (('harness_common', 'tensor')")[0]]],
         "names ('harness_common', 'tag'), which does not differ": [[], [GOOD + " ('harness_common', 'tag')"]],
+        # an index past the end of a list (dict_utils' range off by one) is no differing entry either
+        "names ('harness_common', 'history', 3), which does not differ": [[], [GOOD + " ('harness_common', 'history', 3)"]],
         "no rank to differ from rank 0": [[]],
     }
     for why, warnings in cases.items():

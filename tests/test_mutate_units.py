@@ -326,13 +326,21 @@ def test_the_case_that_runs_the_files_rare_lines_goes_first():
     assert mutate_cases.order(ids, clean)[0] == "reshard-weights[mcore_dist-a]"  # without rarity: the fastest
 
 
-def test_a_kind_runs_its_clean_passes_before_its_named_xfails():
-    """c5's EP2 survivor: five GPT-OSS exports that fail as their named xfail in the source world (the
-    target's EP2 export never runs) went before the passing OLMoE EP2 export that kills it."""
+def test_one_case_per_named_defect_goes_before_the_defects_repeats():
+    """c5's EP2 survivor: five GPT-OSS exports of one named defect (the merged export raises in the source
+    world, the target's EP2 export never runs) went before the passing OLMoE EP2 export that kills it.
+    One of them still leads: a mutant that changes the defect is asked by one case as well as by five."""
+    reason = "Bridge 0.6.2 GPT-OSS merged export"
     xfails = [f"peft-export[bridge_peft-hf-gpt_oss-tp1pp1dp1cp1->{t}-lora]" for t in ("tp2pp1dp1cp1", "tp1pp2dp1cp1")]
+    other = "peft-export[bridge_peft-hf-glm4_moe-tp1pp1dp1cp1->tp1pp2dp1cp1-lora]"
     green = "peft-export[bridge_peft-hf-olmoe-tp1pp1dp1cp1->tp1pp1dp2cp1ep2-lora]"
-    cases = xfails + [green]
-    clean = {"results": [_result(c, status="xfailed") for c in xfails] + [_result(green, total=9.0)]}
-    rare = {xfails[0]: 5.0, xfails[1]: 4.0, green: 1.0}  # the xfails even run more of the file
-    assert mutate_cases.order(cases, clean, rare)[0] == green
-    assert mutate_cases.order(cases, {"results": [_result(c) for c in cases]}, rare)[0] == xfails[0]  # all green: rarity leads
+    cases = xfails + [other, green]
+
+    def res(c, status="xfailed", why=reason):
+        return {**_result(c, status=status), "xfail_reason": why if status == "xfailed" else None}
+
+    clean = {"results": [res(c) for c in xfails] + [res(other, why="another defect"), res(green, status="passed")]}
+    rare = {xfails[0]: 5.0, xfails[1]: 4.0, other: 3.0, green: 1.0}  # the xfails even run more of the file
+    got = mutate_cases.order(cases, clean, rare)
+    assert got == [xfails[0], other, green, xfails[1]], got  # the repeat of a defect last, each defect's first in place
+    assert mutate_cases.order(cases, {"results": [_result(c) for c in cases]}, rare) == cases  # all green: rarity only

@@ -15,10 +15,13 @@ selection: running all of them for each mutant is hours. Two things keep a campa
   follow-up campaign's integrity-manifest chunk size and strict-flag survivors sat behind ten cases
   that never hash a file nor load a foreign checkpoint). Then the case whose id brings the most
   words no case before it had (a model, a topology, an optimizer, a variant), the fastest among equals.
-  Before all of that, a kind's cases that passed clean go before its named xfails: an xfailed case
-  stops where its defect strikes (Bridge's GPT-OSS merged export raises in the source world, so its EP2
-  export at the target never runs) and can tell only a mutant that changes that defect (c5's
-  `ep_size <= 2` survivor sat behind five such cases; the passing EP2 exports it never ran kill it).
+  Before all of that, one case per named defect: an xfailed case stops where its defect strikes
+  (Bridge's GPT-OSS merged export raises in the source world, so its EP2 export at the target never
+  runs) and tells only a mutant that changes that defect, which one case of it asks as well as five
+  (c5's `ep_size <= 2` survivor sat behind five GPT-OSS cases of one defect; the passing EP2 exports it
+  never ran kill it). So a case whose clean run did not pass and whose defect (xfail reason, or status)
+  an earlier-ranked case already carries goes after every other case of its kind; the first of each
+  defect stays in place (Lion's layer-wise xfail is what a mutant of optimizer_state_keys changes).
 
 `--max-cases N` caps the list: a mutant that kept its outcome through N cases is recorded as
 survived with the count of covering cases it never ran, never as killed; the kill rate can only be
@@ -57,17 +60,21 @@ def rarity(by_line: dict[int, set[str]]) -> dict[str, float]:
 
 def order(cases: list[str], clean: dict[str, Any], rare: dict[str, float] | None = None) -> list[str]:
     """`cases` round-robin over their kinds (kinds by their rarest case, then their first case's order);
-    from each kind in turn a case that passed clean before one that did not, then the highest `rare` score (rarity of the mutant's file; none:
+    from each kind in turn a case before another case of a defect already asked, then the highest `rare` score (rarity of the mutant's file; none:
     all equal), then the most words not seen in any case before it (the very first: the fastest), then
     the fastest by its clean run's seconds, then the earlier; deterministic for the same inputs."""
     seconds = {r["id"]: float((r.get("phases") or {}).get("total") or 0.0) for r in clean.get("results", [])}
-    stopped = {r["id"] for r in clean.get("results", []) if r.get("status") != "passed"}
+    defect = {r["id"]: r.get("xfail_reason") or r.get("status") for r in clean.get("results", []) if r.get("status") != "passed"}
     at = {c: i for i, c in enumerate(cases)}
     kinds: dict[tuple[str, str], list[str]] = {}
     for c in cases:
         kinds.setdefault(kind(c), []).append(c)
     rare = rare or {}
     score = {c: round(rare.get(c, 0.0), 6) for c in cases}
+    firsts: dict[str, str] = {}  # defect -> its case that asks first: the rarest, then the fastest, then the earlier
+    for c in sorted((c for c in cases if c in defect), key=lambda c: (-score[c], seconds.get(c, 0.0), at[c])):
+        firsts.setdefault(defect[c], c)
+    repeat = {c for c in cases if c in defect and firsts[defect[c]] != c}
     queues = sorted(kinds.values(), key=lambda q: -max(score[c] for c in q))  # stable: ties keep first-case order
     said = {c: words(c) for c in cases}
     seen: set[str] = set()
@@ -75,7 +82,7 @@ def order(cases: list[str], clean: dict[str, Any], rare: dict[str, float] | None
     while any(queues):
         for q in queues:
             if q:
-                best = min(q, key=lambda c: (c in stopped, -score[c], -len(said[c] - seen) if seen else 0,
+                best = min(q, key=lambda c: (c in repeat, -score[c], -len(said[c] - seen) if seen else 0,
                                              seconds.get(c, 0.0), at[c]))
                 q.remove(best)
                 seen |= said[best]

@@ -8,7 +8,10 @@ checkpoint. The damage kinds are harness/faults/damage.py (`damage`, a matrix ax
     other-hidden / other-layers / other-vocab / other-groups (the checkpoint of the same model with
     that dimension changed, harness.faults.damage.OTHER_MODEL), other-tied / other-bias (tied embeddings
     or linear biases flipped: keys one side lacks, which megatron-core's strict key check refuses), missing-common (refused at matrix load on
-    megatron-core >= 0.19: its torch_dist format writes no common.pt, there is nothing to delete)
+    megatron-core >= 0.19: its torch_dist format writes no common.pt, there is nothing to delete),
+    claimed-whole (save time, source TP > 1: every TP rank claims its vocabulary shard of the word
+    embeddings as the whole tensor and the main replica, the defect class of a sharded_state_dict built
+    without its tp_group; the save must refuse it, and a save that does not is loaded at D and judged)
   HF export (an HF fixture, backend bridge_hf; exported at S by the backend, loaded with
   transformers AutoModelForCausalLM.from_pretrained in the parent, as users do; S == D):
     truncate-safetensors, missing-indexed-shard (the tiny export is one file: split into two shards
@@ -52,6 +55,8 @@ from typing import Literal, get_args
 import torch
 
 from .shared.damaged_load import (
+    CLAIMED_KEY,
+    SAVE_PLANTS,
     DistPhase,
     Outcome,
     judge,
@@ -69,6 +74,7 @@ from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.core.zoo import HFModelSpec, get_model
 from harness.faults import damage
+from harness.faults.damage import Damage
 from harness.judge.checks import assembled
 from harness.models import bridge as mb
 from harness.models import peft_mapping
@@ -77,7 +83,7 @@ from harness.run.envelope import RunEnv
 from harness.run.world import WorldError
 
 DamageKind = Literal[
-    "truncate-shard", "missing-shard", "missing-metadata", "missing-metadata-json", "missing-common", "flip-byte",
+    "claimed-whole", "truncate-shard", "missing-shard", "missing-metadata", "missing-metadata-json", "missing-common", "flip-byte",
     "other-hidden", "other-layers", "other-vocab", "other-groups", "other-tied", "other-bias", "empty-dir",
     "truncate-safetensors", "missing-indexed-shard", "adapter-no-config", "adapter-config-mismatch", "adapter-config-targets",
 ]
@@ -150,6 +156,12 @@ def _hf_outcome(load) -> tuple[Outcome, object]:
 # --------------------------------------------------------------------------- the case
 
 
+def _planted(kind: str) -> Damage:
+    """The record of a save-time plant (the save must refuse it; a save that does not is loaded and judged)."""
+    return Damage(kind, (), (CLAIMED_KEY,), f"every TP rank claimed its vocabulary shard of {CLAIMED_KEY} whole, as the main "
+                  "replica (a sharded_state_dict built without its tp_group, as Falcon-H1's pre-norm)")
+
+
 def _mcore_writes_common_pt() -> bool:
     """Whether megatron-core's dist_checkpointing.save writes common.pt beside the .distcp files:
     read from what its `save` does (it calls the common strategy's `save_common`, as releases before
@@ -182,6 +194,8 @@ class CorruptLoad(Case):
         if opts.mismatch == "tolerate" and kind not in KEY_MISMATCH:
             raise ValueError(f"option 'mismatch: tolerate' needs a damage of keys one side lacks ({sorted(KEY_MISMATCH)}), "
                              f"not {kind!r}: any other damage must be refused")
+        if kind in SAVE_PLANTS and spec.source.tp < 2:
+            raise ValueError(f"damage {kind!r} claims a TP shard whole: it needs a source with TP > 1, not {spec.source.id}")
         if kind == "missing-common" and not _mcore_writes_common_pt():
             raise ValueError(
                 f"damage 'missing-common': megatron-core {metadata.version('megatron-core')} torch_dist writes no common.pt "
@@ -214,9 +228,17 @@ class CorruptLoad(Case):
         backend = ref_of(spec)
         ckpt = env.case_dir / "ckpt"
         saved = damage.other_model(model, kind) if kind in damage.OTHER_MODEL else model
-        env.launch("save", rank_dist, DistPhase(saved, src, backend, save_to=str(ckpt)), src)
+        plant = kind if kind in SAVE_PLANTS else None
+        try:
+            env.launch("save", rank_dist, DistPhase(saved, src, backend, save_to=str(ckpt), plant=plant), src)
+        except WorldError as exc:
+            outcome = outcome_of(exc) if plant else None
+            if outcome is None:
+                raise
+            return judge(_planted(kind), outcome, allowed=allowed)
         with env.timed("damage"):
-            dmg = damage.foreign(ckpt, kind, saved, model) if kind in damage.OTHER_MODEL else damage.FUNCTIONS[kind](ckpt)
+            dmg = (damage.foreign(ckpt, kind, saved, model) if kind in damage.OTHER_MODEL
+                   else _planted(kind) if plant else damage.FUNCTIONS[kind](ckpt))
         try:
             outs = env.launch("load", rank_dist, DistPhase(model, dst, backend, load_from=str(ckpt)), dst)
         except WorldError as exc:

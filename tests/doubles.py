@@ -126,6 +126,21 @@ class SwallowLoadErrors(McoreDist):
         _swallowing(super().load, ctx, model, directory)
 
 
+class SaveUnvalidated(McoreDist):
+    """A save that skips megatron-core's sharding validation (`validate_access_integrity=False`, what
+    a release that lost the check would do): corrupt-load's claimed-whole must go red, not refused."""
+
+    def save_state(self, ctx, sharded_state, directory, *args, **kwargs):
+        from megatron.core import dist_checkpointing
+
+        original = dist_checkpointing.save
+        dist_checkpointing.save = lambda *a, **k: original(*a, **{**k, "validate_access_integrity": False})
+        try:
+            return super().save_state(ctx, sharded_state, directory, *args, **kwargs)
+        finally:
+            dist_checkpointing.save = original
+
+
 class CorruptOptimizerAfterLoad(McoreDist):
     """One bit of the first exp_avg flipped on rank 0 after a training-state load."""
 

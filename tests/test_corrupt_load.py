@@ -15,7 +15,7 @@ from harness.orchestration.runner import run_case
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 # this module's fault-injecting backends, registered only while its tests run
-_doubles = use_doubles(test_swallow_load_errors="doubles:SwallowLoadErrors")
+_doubles = use_doubles(test_swallow_load_errors="doubles:SwallowLoadErrors", test_save_unvalidated="doubles:SaveUnvalidated")
 
 
 def _dcp(directory):
@@ -99,6 +99,8 @@ def test_adapter_config_edits(tmp_path):
      "give source == target"),
     ("{case: corrupt-load, models: [gpt-gqa], pairs: ['tp1 -> tp1'], options: {damage: missing-common}}",
      "writes no common.pt"),
+    ("{case: corrupt-load, models: [gpt-gqa], pairs: ['tp1 -> tp2'], options: {damage: claimed-whole}}",
+     "needs a source with TP > 1"),
     ("{case: corrupt-load, models: [gpt-gqa], pairs: ['tp1 -> tp1'], options: {damage: bit-rot}}",
      "option 'damage': expected one of"),
     ("{case: corrupt-load, models: [gpt-gqa], pairs: ['tp1 -> tp1'], options: {damage: empty-dir}, xfail: {reason: r, checks: [logits]}}",
@@ -143,3 +145,16 @@ def test_a_refusal_through_an_exception_the_entry_does_not_allow_fails():
     r = run_case(_spec("mcore_dist", "missing-metadata"))
     assert r.status == "failed" and "but with CheckpointException" in r.check("outcome").detail
     assert "torch/distributed/checkpoint/" in r.check("outcome").detail  # the raising frame
+
+
+def test_a_misdescribed_shard_is_refused_at_save_and_a_save_without_the_check_goes_red():
+    """claimed-whole: every TP rank claims its vocabulary rows of the word embeddings whole. megatron-core's
+    save validation refuses it, naming the key; a save that skips the check writes one rank's rows as
+    the whole tensor, and the load at D shows it as data corruption."""
+    refused = run_case(_spec("mcore_dist", "claimed-whole"))
+    assert refused.status == "passed", refused.failure_text()
+    assert refused.check("outcome").detail.startswith("refused (clear, names embedding.word_embeddings.weight)")
+    assert "load" not in refused.phases  # nothing was written to load
+    lost = run_case(_spec("test_save_unvalidated", "claimed-whole"))
+    assert lost.status == "failed" and lost.check("outcome").detail.startswith("silent:")
+    assert "embedding.word_embeddings.weight" in lost.check("outcome").detail

@@ -103,6 +103,7 @@ class DistPhase:
     backend: BackendRef  # import path + options
     save_to: str | None = None
     load_from: str | None = None
+    plant: str | None = None  # a save-time damage of the model's sharded state dict (SAVE_PLANTS)
 
 
 @dataclass
@@ -111,12 +112,47 @@ class LoadOut:
     shard_bytes: int
 
 
+#: the tensor a save-time plant misdescribes: TP-sharded by vocabulary rows on the first PP stage
+CLAIMED_KEY = "embedding.word_embeddings.weight"
+
+
+def claim_whole(model) -> None:
+    """Plant Falcon-H1's kind of defect (a module's sharded_state_dict built without its tp_group):
+    every TP rank describes its vocabulary shard of the word embeddings as the whole tensor and as
+    the main replica. megatron-core's save validation must refuse the overlapping claims; without it
+    one rank's rows are written as the whole embedding and the others' are lost."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    chunk = models.as_chunks(model)[0]
+    original = chunk.sharded_state_dict
+
+    def planted(*args, **kwargs):
+        state = original(*args, **kwargs)
+        if CLAIMED_KEY in state:
+            state[CLAIMED_KEY] = ShardedTensor.from_rank_offsets(CLAIMED_KEY, state[CLAIMED_KEY].data, replica_id=0)
+        return state
+
+    chunk.sharded_state_dict = planted
+
+
+SAVE_PLANTS = {"claimed-whole": claim_whole}
+
+
 def rank_dist(ctx: RankContext, p: DistPhase) -> LoadOut:
     backend = get_backend(p.backend)
     model = models.build_gpt(p.model, p.topo)
     if p.load_from is None:
         models.fill_canonical(model, p.model)
-        backend.save(ctx, model, Path(p.save_to))
+        if p.plant is None:
+            backend.save(ctx, model, Path(p.save_to))
+        else:
+            SAVE_PLANTS[p.plant](model)
+            try:
+                backend.save(ctx, model, Path(p.save_to))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # the save refusing the planted state is the outcome under judgement
+                raise RefusedLoadError(refusal_message(exc)) from exc
     else:
         models.fill_canonical(model, p.model.with_seed(p.model.seed + truth.DECOY_SEED_OFFSET))
         try:
@@ -155,7 +191,7 @@ def judge(
     a crash, not a refusal) fails naming its raising frame, and so does one raised in the harness."""
     what = f"{dmg.kind} ({dmg.detail})"
     if outcome.kind == "refused":
-        not_loaded = Check("loaded-canonical", "not-run", "the load refused: nothing was loaded", tolerance=NOT_COMPARED)
+        not_loaded = Check("loaded-canonical", "not-run", "refused: nothing was loaded", tolerance=NOT_COMPARED)
         if outcome.frame is not None and outcome.frame.own:
             return [Check("outcome", "failed", f"raised in the harness's own code at {outcome.frame}: a harness error, not the "
                                                f"loader's refusal: {quote(outcome.text)} [damage: {what}]", tolerance=NOT_COMPARED),

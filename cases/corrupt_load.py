@@ -31,7 +31,9 @@ Checks:
                    was loaded differs from the canonical truth, the corruption the case exists to
                    find; passes as silent-but-intact when bitwise equal, naming the damaged files
                    the loader never read), crashed (a rank died without a Python exception, or the
-                   world hung: fails)
+                   world hung: fails); other-tied / other-bias: a refusal that lists a key under the
+                   wrong label of megatron-core's key check (`Missing keys` for one the checkpoint
+                   lacks, or the reverse; the job's own checkpoint, saved beside, gives the sides) fails
   loaded-canonical (silent only) what was loaded, assembled to full tensors, against the truth
 
 With option `mismatch: tolerate` (other-tied / other-bias loaded with a strictness that tolerates keys one
@@ -64,11 +66,12 @@ from .shared.damaged_load import (
     rank_dist,
     refused,
 )
-from .shared.mismatch_load import expected_state, judge_tolerated, mismatch_truth
+from .shared.mismatch_load import expected_state, judge_tolerated, mismatch_truth, wrong_sides
 from .contract import Case
 from harness.backends import BackendRef, get_backend, ref_of
 from harness.core import truth
 from harness.core.context import RankContext
+from harness.core.parity import NOT_COMPARED
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
@@ -236,6 +239,9 @@ class CorruptLoad(Case):
             if outcome is None:
                 raise
             return judge(_planted(kind), outcome, allowed=allowed)
+        if kind in KEY_MISMATCH:  # the job's own checkpoint: which keys each side lacks, from the files
+            own = env.case_dir / "ckpt-job"
+            env.launch("save-job", rank_dist, DistPhase(model, src, backend, save_to=str(own)), src)
         with env.timed("damage"):
             dmg = (damage.foreign(ckpt, kind, saved, model) if kind in damage.OTHER_MODEL
                    else _planted(kind) if plant else damage.FUNCTIONS[kind](ckpt))
@@ -245,7 +251,12 @@ class CorruptLoad(Case):
             outcome = outcome_of(exc)
             if outcome is None:
                 raise
-            return judge(dmg, outcome, allowed=allowed)
+            checks = judge(dmg, outcome, allowed=allowed)
+            wrong = wrong_sides(outcome.text, *mismatch_truth(ckpt, own)) if kind in KEY_MISMATCH else []
+            if wrong and not checks[0].failed:
+                checks[0] = Check("outcome", "failed", f"refused, but on the wrong side of the key check: {'; '.join(wrong)} "
+                                                       f"(the files give the sides) -- {checks[0].detail}", tolerance=NOT_COMPARED)
+            return checks
         with env.timed("compare"):
             full, problems = assembled(outs, "shards", dst.id)
             canonical = {k: truth.canonical_tensor(model, k, tuple(v.shape), v.dtype) for k, v in full.items()}

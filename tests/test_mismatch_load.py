@@ -104,3 +104,16 @@ def test_an_old_checkpoint_loads_into_a_job_with_an_untied_output_layer():
     assert r.status == "passed", r.failure_text()
     assert "unexpected ['output_layer.weight']" in r.check("mismatch-keys").detail
     assert {"save", "save-job", "load"} <= set(r.phases)
+
+
+def test_a_refusal_that_sends_the_user_to_the_wrong_side_is_named():
+    """megatron-core's key check labels the keys the checkpoint holds and the job does not ask for
+    `Missing keys` and the reverse `Unexpected keys`; a label swapped is a refusal that misleads."""
+    right = ("CheckpointingException: Unexpected keys (not found in the checkpoint) encountered in the provided sharded "
+             "state dict. \nUnexpected keys (for this rank): {'output_layer.weight'}. ")
+    swapped = ("CheckpointingException: Some keys found in the checkpoint are missing in the provided sharded state dict. "
+               "\nMissing keys (for all ranks): {'output_layer.weight'}. ")
+    assert ml.wrong_sides(right, set(), {"output_layer.weight"}) == []
+    assert ml.wrong_sides(swapped, set(), {"output_layer.weight"}) == ["'output_layer.weight' listed as missing"]
+    assert ml.wrong_sides("CheckpointException: KeyError: 'output_layer.weight'", set(), {"output_layer.weight"}) == []
+    assert ml.wrong_sides("", set(), set()) == []

@@ -9,6 +9,7 @@ neighbour's rows); and a returning strictness names exactly the keys each side l
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -37,6 +38,23 @@ def mismatch_truth(ckpt: Path, job_ckpt: Path) -> tuple[set[str], set[str]]:
     that the job's own checkpoint does not (no rank asks for them), and the reverse."""
     held, asked = checkpoint_keys(ckpt), checkpoint_keys(job_ckpt)
     return held - asked, asked - held
+
+
+#: how megatron-core's key check labels the two sides (validation.py maybe_report_missing_and_unexpected_keys)
+_SIDES = {"missing": r"Missing keys \(for all ranks\): (\{[^}]*\}|set\(\))",
+          "unexpected": r"Unexpected keys \(for this rank\): (\{[^}]*\}|set\(\))"}
+
+
+def wrong_sides(text: str, missing: set[str], unexpected: set[str]) -> list[str]:
+    """The keys a refusal lists under the wrong side of megatron-core's key check: a key the job asks
+    for and the checkpoint lacks called missing, or the reverse (the user is sent to the wrong side to
+    fix it). Empty when the text has no such labelled lists (another wording says nothing here)."""
+    truth = {"missing": missing, "unexpected": unexpected}
+    out = []
+    for side, pattern in _SIDES.items():
+        for listed in re.findall(pattern, text):
+            out += [f"{k!r} listed as {side}" for k in re.findall(r"'([^']+)'", listed) if k not in truth[side]]
+    return sorted(set(out))
 
 
 def expected_state(loaded: dict[str, torch.Tensor], saved: ModelSpec, job: ModelSpec, unexpected: set[str]) -> dict[str, torch.Tensor]:

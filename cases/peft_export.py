@@ -1,4 +1,4 @@
-"""peft-export: LoRA / CanonicalLoRA on a Bridge model, exported as an HF PEFT adapter.
+"""peft-export: LoRA / CanonicalLoRA / DoRA on a Bridge model, exported as an HF PEFT adapter.
 
 S == D: export at S. S != D: the adapter-only dist checkpoint (the state harness.models.bridge.adapter_state
 selects, as verl saves it) goes from S to D through mcore_dist, and the adapter exported at D must
@@ -8,9 +8,11 @@ Checks:
   peft-load          PeftModel.from_pretrained loads the adapter into the HF base without a
                      missing-key warning; load_adapter reports no missing or unexpected keys
   adapter-derivation every exported tensor equals the harness's own derivation from the Megatron
-                     adapter parameters (TP gather, QKV split per query group, fc1 gate/up halves)
-  adapter-config     r, lora_alpha, target_modules, base_model_name_or_path and task_type (CAUSAL_LM: what
-                     AutoPeftModelForCausalLM and peft's task classes read) are what was asked
+                     adapter parameters (TP gather, QKV split per query group, fc1 gate/up halves; DoRA's
+                     magnitude per output row as lora_magnitude_vector, split as lora_B's rows)
+  adapter-config     r, lora_alpha, target_modules, base_model_name_or_path, task_type (CAUSAL_LM: what
+                     AutoPeftModelForCausalLM and peft's task classes read) and use_dora (true for dora,
+                     false or absent else: peft's default) are what was asked
   merge              the Bridge's merged export equals peft's merge_and_unload() weights (fp32: within
                      MERGE_WEIGHTS_TOLERANCE, the Bridge multiplies B@A on the fused qkv/fc1 lora_B; bf16 bitwise)
   logits             Megatron+LoRA logits equal transformers+PEFT logits (PEFT_TOLERANCE, its fp32 atol
@@ -36,7 +38,8 @@ Checks:
                      logits torch.equal the first load's; what peft writes in its own layout (merged MoE experts,
                      extra tensors) judged by those logits (cases.shared.peft_resave)
 
-Layout options (cases.shared.peft.PeftOptions, docs/explore-lora.md): `adapter`, `dim` (any rank its
+Layout options (cases.shared.peft.PeftOptions, docs/explore-lora.md): `adapter` (lora | canonical_lora | dora:
+Megatron-Bridge's DoRA config where LoRA's goes, its magnitudes seeded too: harness.core.truth.magnitude_tensor), `dim` (any rank its
 column-parallel targets' TP divides), `alpha`, `targets` (a subset of the kind's base linears) and
 `layers` (global layer indices: the Bridge's wildcard entries `*.layers.N.*.<target>`).
 
@@ -51,7 +54,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -110,6 +113,8 @@ class _Phase:
 
 @dataclass(frozen=True)
 class PeftExportOptions(PeftOptions):
+    #: dora: Megatron-Bridge's DoRA (megatron.bridge.peft.dora), LoRA's targets with a trained magnitude per output row
+    adapter: Literal["lora", "canonical_lora", "dora"] = "lora"
     #: > 0: the first pipeline stage of a side with PP > 1 holds this many layers (uneven stages; harness.models.bridge.build)
     first_stage_layers: int = 0
 
@@ -265,7 +270,7 @@ def load_step(env: RunEnv, result: CaseResult, model: HFModelSpec, hf_dir: Path,
 
 class PeftExport(Case):
     name = "peft-export"
-    description = "Megatron-Bridge LoRA/CanonicalLoRA -> HF PEFT adapter, checked against peft and an independent derivation"
+    description = "Megatron-Bridge LoRA/CanonicalLoRA/DoRA -> HF PEFT adapter, checked against peft and an independent derivation"
     model_kind = "hf"
     Options = PeftExportOptions
     needs = frozenset({"adapter_export", "read_plain"})
@@ -309,7 +314,7 @@ class PeftExport(Case):
                 get_backend("bridge_hf").read_full(None, merged), hf_logits(hf_dir, ids, dtype=dtype), layout,
             )
             asked = {"r": opts.dim, "lora_alpha": opts.alpha, "target_modules": hf_target_modules(model, opts),
-                     "base_model_name_or_path": str(hf_dir), "task_type": CAUSAL_LM}
+                     "base_model_name_or_path": str(hf_dir), "task_type": CAUSAL_LM, "use_dora": opts.adapter == "dora"}
             result.checks.extend(judge(model, asked, src.id, first, ex, dtype, opts.entries(model),
                                        lora_reference_error(hf_dir, direct, ids, ex.peft.lora_logits, first, dtype, asked)))
             result.checks.append(resave_check(direct, resaved, ex.peft.lora_logits, resaved_logits(hf_dir, resaved, ids, dtype)))

@@ -300,9 +300,13 @@ def megatron_units(derived: dict[str, Any], model: HFModelSpec | None = None) ->
     renames them on load, harness.models.peft_mapping.memory_name)."""
     from harness.models.peft_mapping import memory_name
 
-    return {text_name(memory_name(re.sub(r"\.lora_[AB]\.weight$", "", k).removeprefix("base_model.model."), model.arch if model else "",
+    return {text_name(memory_name(_ADAPTER_PART.sub("", k).removeprefix("base_model.model."), model.arch if model else "",
                                      (model.num_experts or 0) if model else 0))
             for k in derived}
+
+
+#: an HF PEFT key's adapter part after its module: a LoRA factor, or DoRA's magnitude vector
+_ADAPTER_PART = re.compile(r"\.(?:lora_[AB]\.weight|lora_magnitude_vector)$")
 
 
 def peft_units(peft_model: Any) -> set[str]:

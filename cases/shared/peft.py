@@ -46,7 +46,8 @@ MERGE_TOLERANCE_BF16 = Tolerance(atol=6e-2, rtol=3e-2, why="merged bf16 weights 
 # max |diff| 2.98e-8 over 60 tensors; a lost or mis-sliced adapter moves a merged weight by its delta (~1e-2).
 MERGE_WEIGHTS_TOLERANCE = Tolerance(atol=1e-6, rtol=1e-6, why="Bridge B@A on the fused qkv/fc1 lora_B vs peft's per module")
 MIN_ADAPTER_EFFECT = 1e-3  # max |logits(lora) - logits(base)| below this means the adapter did nothing
-ADAPTERS = {"lora": mb.LORA_TARGETS, "canonical_lora": mb.CANONICAL_TARGETS}  # kind -> Megatron targets
+#: kind -> Megatron targets (DoRA: LoRA's, each with a magnitude per output row; peft-export's PeftExportOptions alone offers it)
+ADAPTERS = {"lora": mb.LORA_TARGETS, "canonical_lora": mb.CANONICAL_TARGETS, "dora": mb.LORA_TARGETS}
 
 
 def hf_target_modules(model: HFModelSpec, opts: "PeftOptions | None" = None) -> list[str]:
@@ -103,6 +104,8 @@ class PeftOptions:
 
         if self.experts == "shared-outer" and self.adapter != "lora":
             raise ValueError(f"option experts: shared-outer is LoRA's layout only (Megatron-Bridge experts_shared_outer_loras), not {self.adapter}'s")
+        if self.adapter == "dora" and self.experts != "shared":
+            raise ValueError(f"option experts: {self.experts} is not DoRA's (Megatron-Bridge's DoRA has no expert-layout fields)")
         validate(model, self.adapter, self.dim, self.targets, self.layers, topologies, ADAPTERS)
 
 
@@ -167,8 +170,13 @@ def peft_load_problems(base_dir: Path, adapter_dir: Path, dtype: str = "fp32", i
 CAUSAL_LM = "CAUSAL_LM"
 
 
+#: what peft's LoraConfig reads when adapter_config.json leaves a key out: a LoRA export may omit use_dora
+CONFIG_DEFAULTS: dict[str, Any] = {"use_dora": False}
+
+
 def config_check(cfg: dict[str, Any], asked: dict[str, Any]) -> Check:
-    got = {k: sorted(cfg.get(k) or []) if k == "target_modules" else cfg.get(k) for k in asked}
+    """adapter_config.json's `asked` keys (a missing one as peft reads it: CONFIG_DEFAULTS) equal what was asked."""
+    got = {k: sorted(cfg.get(k) or []) if k == "target_modules" else cfg.get(k, CONFIG_DEFAULTS.get(k)) for k in asked}
     bad = [f"{k}: asked {asked[k]!r}, exported {got[k]!r}" for k in asked if asked[k] != got[k]]
     return Check("adapter-config", "failed" if bad else "passed",
                  "; ".join(bad) or f"r={got.get('r')} lora_alpha={got.get('lora_alpha')}", tolerance=EXACT)

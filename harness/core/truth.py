@@ -147,6 +147,13 @@ def adapter_tensor(seed: int, global_name: str, tp_rank: int, shape: tuple[int, 
     return 0.1 * _noise(shape, seed, global_name, tp_rank)
 
 
+def magnitude_tensor(seed: int, global_name: str, tp_rank: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A DoRA magnitude vector's values (one per output row) on one TP rank: positive and in the HF
+    fixtures' row-norm range (0.3..0.6, canonical_hf_state's 0.05 * noise rows), as a trained magnitude is,
+    yet off every row's ||W + s*B@A|| (what PEFT re-initialises a missing magnitude to) by up to ~50%."""
+    return 0.45 + 0.15 * torch.tanh(_noise(shape, seed, global_name, tp_rank))
+
+
 def causal_mask(seq_length: int) -> torch.Tensor:
     """An explicit boolean causal mask [1, 1, s, s] (megatron builds its default one on CUDA)."""
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool), diagonal=1)[None, None]

@@ -1,9 +1,9 @@
 """Rank side of the Megatron-Bridge cases: build a Bridge model at a topology on CPU, give its
-LoRA adapters known weights, and hand out raw adapter shards for an independent derivation.
-"""
+LoRA/DoRA adapters known weights, and hand out raw adapter shards for an independent derivation."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -19,11 +19,16 @@ from harness.models.vl import TextOnly, language_model, localize_te_globals
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 CANONICAL_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_up", "linear_fc1_gate", "linear_fc2")
 EXPERT_LAYOUTS = ("shared", "per-expert", "shared-outer")  # AdapterSpec.experts
+#: AdapterSpec.kind -> the Bridge's PEFT config class, built as users build it and handed where LoRA's goes
+ADAPTER_CLASSES = {"lora": ("megatron.bridge.peft.lora", "LoRA"), "canonical_lora": ("megatron.bridge.peft.canonical_lora", "CanonicalLoRA"),
+                   "dora": ("megatron.bridge.peft.dora", "DoRA")}
+_EXPERT_KW = {"per-expert": {"share_expert_adapters": False}, "shared-outer": {"experts_shared_outer_loras": True}}
+_NO_LAYOUT = {("canonical_lora", "shared-outer"), ("dora", "shared-outer"), ("dora", "per-expert")}
 
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    kind: str = "lora"  # lora | canonical_lora
+    kind: str = "lora"  # ADAPTER_CLASSES: lora | canonical_lora | dora
     dim: int = 4
     alpha: int = 8
     targets: tuple[str, ...] = field(default=LORA_TARGETS)
@@ -33,20 +38,13 @@ class AdapterSpec:
     experts: str = "shared"
 
     def make(self):
-        if self.experts not in EXPERT_LAYOUTS or (self.kind != "lora" and self.experts == "shared-outer"):
-            raise ValueError(f"expert adapter layout {self.experts!r} on {self.kind}: expected one of {EXPERT_LAYOUTS} "
-                             "(shared-outer is LoRA's only)")
-        layout = {"per-expert": {"share_expert_adapters": False}, "shared-outer": {"experts_shared_outer_loras": True}}
-        kw = layout.get(self.experts, {})
-        if self.kind == "lora":
-            from megatron.bridge.peft.lora import LoRA
-
-            return LoRA(target_modules=list(self.targets), dim=self.dim, alpha=self.alpha, dropout=0.0, **kw)
-        if self.kind == "canonical_lora":
-            from megatron.bridge.peft.canonical_lora import CanonicalLoRA
-
-            return CanonicalLoRA(target_modules=list(self.targets), dim=self.dim, alpha=self.alpha, dropout=0.0, **kw)
-        raise ValueError(f"adapter kind must be lora or canonical_lora, got {self.kind!r}")
+        """The Bridge PEFT config (DoRA has no expert-layout fields: the shared layout only)."""
+        if self.kind not in ADAPTER_CLASSES or self.experts not in EXPERT_LAYOUTS or (self.kind, self.experts) in _NO_LAYOUT:
+            raise ValueError(f"adapter {self.kind!r} with expert layout {self.experts!r}: kinds {sorted(ADAPTER_CLASSES)}, layouts "
+                             f"{EXPERT_LAYOUTS} (shared-outer is LoRA's only; DoRA has the shared one only)")
+        module, name = ADAPTER_CLASSES[self.kind]
+        return getattr(importlib.import_module(module), name)(target_modules=list(self.targets), dim=self.dim, alpha=self.alpha,
+                                                              dropout=0.0, **_EXPERT_KW.get(self.experts, {}))
 
 
 class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
@@ -301,7 +299,6 @@ def _chunk_offsets(bm: BridgeModel, spec: HFModelSpec) -> list[tuple[Any, int]]:
 
 def _layer_offset(spec: HFModelSpec) -> int:
     from megatron.core import parallel_state
-
     return parallel_state.get_pipeline_model_parallel_rank() * (spec.num_layers // parallel_state.get_pipeline_model_parallel_world_size())
 
 
@@ -345,13 +342,16 @@ def _tp_of(name: str) -> tuple[int, int]:
 @torch.no_grad()
 def fill_adapters(bm: BridgeModel, spec: HFModelSpec, adapter: AdapterSpec) -> int:
     """Give every adapter parameter its truth.adapter_tensor values (non-zero, per TP rank; an
-    expert's per expert-TP rank, under its global expert index)."""
+    expert's per expert-TP rank, under its global expert index), a DoRA magnitude truth.magnitude_tensor's."""
     eoffset, n = _expert_offset(spec), 0
     for chunk, offset in _chunk_offsets(bm, spec):
         for name, p in chunk.named_parameters():
-            if ".adapter." in name:
+            if name.endswith(".weight_magnitude"):  # DoRA: a row-parallel base's is replicated over TP (dora_layers.py)
+                tp_rank = 0 if chunk.get_submodule(name.rsplit(".", 1)[0]).input_is_parallel else _tp_of(name)[0]
+                p.copy_(truth.magnitude_tensor(adapter.seed, global_name(name, offset, eoffset), tp_rank, tuple(p.shape)))
+            elif ".adapter." in name:
                 p.copy_(truth.adapter_tensor(adapter.seed, global_name(name, offset, eoffset), _tp_of(name)[0], tuple(p.shape)))
-                n += 1
+            n += ".adapter." in name
     return n
 
 

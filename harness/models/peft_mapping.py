@@ -35,7 +35,8 @@ _NAME = re.compile(
     r"^(?:(?:thinker\.)?language_model\.)?(?:decoder\.layers\.(\d+)\.(self_attention|mlp|mixer|mamba_mixer)\.(?:(text_moe_layer|vision_moe_layer)\.)?"
     r"(?:(experts\.local_experts\.(\d+)|experts|shared_experts)\.)?)?"
     r"(linear_qkv|linear_proj|linear_fc1|linear_fc2|output_layer|linear_q_proj|linear_q_down_proj|linear_q_up_proj|"
-    r"linear_kv_down_proj|linear_kv_up_proj|in_proj|out_proj)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out)\.weight$"
+    r"linear_kv_down_proj|linear_kv_up_proj|in_proj|out_proj)\.adapter\.(?:adapter_(\w+)\.)?(linear_in|linear_out|weight_magnitude)"
+    r"(?:(?<=magnitude)|(?<!magnitude)\.weight)$"  # DoRA's weight_magnitude is a bare parameter (dora_layers.py)
 )
 _HF_MODULE = {"linear_proj": "self_attn.o_proj", "linear_fc2": "mlp.down_proj",
               # multi-latent attention (megatron/bridge/models/deepseek/common.py:38-61): one HF module each
@@ -138,8 +139,10 @@ def gather(pieces: list[dict], gated: bool = True) -> dict[str, torch.Tensor]:
     """Full adapter tensors from every rank's pieces.
 
     linear_in of a column-parallel base is split on its rank dim (0), of a row-parallel base on
-    its input dim (1); linear_out is split on its output dim (0). A fused SwiGLU fc1 (`gated`)
-    keeps [gate_r; up_r] on each TP rank, so its linear_out is de-interleaved into [gate; up]; a
+    its input dim (1); linear_out is split on its output dim (0), and so is a column-parallel base's
+    DoRA weight_magnitude (one per output row; a row-parallel base's is replicated, its output whole).
+    A fused SwiGLU fc1 (`gated`) keeps [gate_r; up_r] on each TP rank, so its linear_out and magnitude
+    are de-interleaved into [gate; up]; a
     non-gated fc1's linear_out is a plain column-parallel split. A Mamba in_proj keeps
     [z_r; x_r; B_r; C_r; dt_r] on each TP rank (megatron-core's MambaMixer splits each part over TP):
     its linear_out's pieces carry their part sizes (`parts`) and are de-interleaved part by part.
@@ -163,6 +166,10 @@ def gather(pieces: list[dict], gated: bool = True) -> dict[str, torch.Tensor]:
         parts = [shards[r] for r in sorted(shards)]
         if len(parts) == 1:
             full[name] = parts[0]
+        elif which == "weight_magnitude" and not _COLUMN[base]:  # a row-parallel base's output is whole: replicated over TP
+            if any(not torch.equal(parts[0], q) for q in parts[1:]):
+                raise ValueError(f"{name}: a row-parallel DoRA magnitude differs across TP ranks (it is replicated)")
+            full[name] = parts[0]
         elif which == "linear_in":
             full[name] = torch.cat(parts, dim=0 if _COLUMN[base] else 1)
         elif base == "linear_fc1" and sub is None and gated:
@@ -180,7 +187,9 @@ def gather(pieces: list[dict], gated: bool = True) -> dict[str, torch.Tensor]:
 
 def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec, layout: Layout = TEXT) -> dict[str, torch.Tensor]:
     """HF PEFT keys (base_model.model.<layout.layers>N.<module>.lora_{A,B}.weight) -> tensors; a VL
-    model's adapter (Megatron `language_model.decoder...`) under its checkpoint's `layout`."""
+    model's adapter (Megatron `language_model.decoder...`) under its checkpoint's `layout`. A DoRA
+    weight_magnitude is PEFT's <module>.lora_magnitude_vector (1-D, no `.weight`: what peft's own
+    save_pretrained writes), its rows split onto the HF modules exactly as lora_B's."""
     hd, ng = spec.head_dim, spec.num_key_value_heads
     q_per_group = spec.num_attention_heads // ng
     out: dict[str, torch.Tensor] = {}
@@ -191,7 +200,9 @@ def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec, layout: Lay
         prefix = f"base_model.model.{layout.layers}{layer}.{module}"
         if a is not None:
             out[f"{prefix}.lora_A.weight"] = a
-        if b is not None:
+        if b is not None and magnitude:
+            out[f"{prefix}.lora_magnitude_vector"] = b[:, 0].contiguous()
+        elif b is not None:
             out[f"{prefix}.lora_B.weight"] = b
 
     experts_module, proj = EXPERT_NAMES.get(spec.arch, _EXPERT_DEFAULT)
@@ -214,9 +225,12 @@ def to_hf_peft(megatron: dict[str, torch.Tensor], spec: HFModelSpec, layout: Lay
         layer, _, pool, moe, expert, base, sub, which = _NAME.match(name).groups()
         if expert is not None and pool == "vision_moe_layer":  # ERNIE-4.5-VL: HF numbers the vision pool after the text one
             expert = str(int(expert) + (spec.num_experts or 0))
-        is_a = which == "linear_in"
+        is_a, magnitude = which == "linear_in", which == "weight_magnitude"
+        t = t[:, None] if magnitude else t  # a column of lora_B's rows: every split below cuts it as it cuts lora_B
         if base == "output_layer":  # lm_head; a padded vocab's extra rows carry no token
-            out[f"base_model.model.{layout.lm_head}.lora_{'A' if is_a else 'B'}.weight"] = t if is_a else t[: spec.vocab_size].contiguous()
+            key = "lora_magnitude_vector" if magnitude else f"lora_{'A' if is_a else 'B'}.weight"
+            rows = t[: spec.vocab_size]
+            out[f"base_model.model.{layout.lm_head}.{key}"] = t if is_a else (rows[:, 0] if magnitude else rows).contiguous()
         elif expert is not None:  # a routed expert (global index): HF's per-expert modules
             mlp(layer, f"{experts_module}.{expert}", proj, base, sub, is_a, t)
         elif moe == "experts":  # a grouped expert linear: one adapter, every expert's

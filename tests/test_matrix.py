@@ -105,8 +105,8 @@ def test_pairs_and_cross_product_expand(tmp_path):
          "unknown option(s) ['refuse_with']"),
         ("entries: [{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], options: {refuse_with: [KeyError]}}]",
          "'refuse_with' only means something with expect: refuse"),
-        ("entries: [{case: peft-export, models: [hf-llama], backends: [bridge_peft], pairs: ['tp1 -> tp1'], options: {adapter: dora}}]",
-         "option 'adapter': expected one of 'lora', 'canonical_lora'"),
+        ("entries: [{case: peft-export, models: [hf-llama], backends: [bridge_peft], pairs: ['tp1 -> tp1'], options: {adapter: ia3}}]",
+         "option 'adapter': expected one of 'lora', 'canonical_lora', 'dora'"),
         ("entries: [{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], xfail: {reason: r, checks: [stepp]}}]",
          "xfail.checks names ['stepp'], which case reshard-optimizer never records"),
         ("entries: [{case: reshard-optimizer, models: [gpt-gqa], pairs: ['dp2 -> dp1'], xfail: {reason: r, checks: ['memory-budget:save@rank0']}}]",
@@ -309,7 +309,7 @@ def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_verls_tree
     shown = {c.id for f in ("extended.yaml", "verl.yaml") for c in load_matrix(ROOT / "matrices" / f).cases
              if c.tag.startswith(("defect-fsdp-", "verl-F", "verl-hf-moe", "verl-weight-sync", "verify-integrity",
                                                                   "deprecated-optimizer-formats", "torch-format", "transformers-resave",
-                                                                  "verl-merger", "verl-lora-lifecycle", "mtp", "peft-io"))}
+                                                                  "verl-merger", "verl-lora-lifecycle", "mtp", "peft-io", "defect-dora-magnitude"))}
     faults = {c.id for c in load_matrix(ROOT / "matrices" / "faults.yaml").cases}
     assert smoke and arch and faults and smoke | arch | faults < ids <= smoke | arch | faults | shown and len(ids) == len(m.cases)
     assert sum(c.tag == "verify-integrity" for c in m.cases) == 5  # 2 good checkpoints, 3 damaged ones refused

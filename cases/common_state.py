@@ -16,7 +16,8 @@ axis), then loads the checkpoint at D:
 Checks:
   warned         every rank but 0 logged megatron-core's common-state warning, naming each differing
                  entry by its whole key path (e.g. `('harness_common', 'step')`), and no other path of the
-                 entry (a list index that is not the extra element included); rank 0 logged none (the harness knows what it made differ: the expectation is its own)
+                 entry (a list index that is not the extra element included); rank 0 logged none (the
+                 harness knows what it made differ: the expectation is its own)
   loaded-common  the common state loaded at D is rank 0's on every rank (what the checkpoint keeps)
 """
 

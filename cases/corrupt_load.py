@@ -214,10 +214,8 @@ class CorruptLoad(Case):
 
     def run(self, spec: CaseSpec, opts: CorruptOptions, env: RunEnv, result: CaseResult) -> None:
         allowed = opts.refuse_with or get_backend(ref_of(spec)).refusals
-        if opts.mismatch == "tolerate":
-            checks = self._run_tolerated(spec, opts.damage, env)
-        elif ARTEFACT[opts.damage][0] == "gpt":
-            checks = self._run_dist(spec, opts.damage, env, result, allowed)
+        if ARTEFACT[opts.damage][0] == "gpt":
+            checks = self._run_dist(spec, opts.damage, env, result, allowed, tolerate=opts.mismatch == "tolerate")
         else:
             checks = self._run_hf(spec, opts.damage, env, result, allowed)
         result.checks.extend(checks)
@@ -225,7 +223,11 @@ class CorruptLoad(Case):
         if detail.startswith("refused (unclear"):
             result.notes.append(f"unclear refusal: the message names no damaged file or key: {detail}")
 
-    def _run_dist(self, spec: CaseSpec, kind: str, env: RunEnv, result: CaseResult, allowed: tuple[str, ...]) -> list[Check]:
+    def _run_dist(self, spec: CaseSpec, kind: str, env: RunEnv, result: CaseResult, allowed: tuple[str, ...],
+                  tolerate: bool = False) -> list[Check]:
+        """Save at S (a save-time plant: the save is what must refuse), damage, load at D. A key-mismatch
+        damage saves the job's own model beside (its key sets are the truth of which side lacks what);
+        `tolerate` judges the load as one told to tolerate those keys (cases/shared/mismatch_load.py)."""
         model = get_model(spec.model, "gpt")
         src, dst = spec.source, spec.target
         backend = ref_of(spec)
@@ -239,52 +241,35 @@ class CorruptLoad(Case):
             if outcome is None:
                 raise
             return judge(_planted(kind), outcome, allowed=allowed)
-        if kind in KEY_MISMATCH:  # the job's own checkpoint: which keys each side lacks, from the files
+        if kind in KEY_MISMATCH:
             own = env.case_dir / "ckpt-job"
             env.launch("save-job", rank_dist, DistPhase(model, src, backend, save_to=str(own)), src)
         with env.timed("damage"):
             dmg = (damage.foreign(ckpt, kind, saved, model) if kind in damage.OTHER_MODEL
                    else _planted(kind) if plant else damage.FUNCTIONS[kind](ckpt))
+            missing, unexpected = mismatch_truth(ckpt, own) if kind in KEY_MISMATCH else (set(), set())
+        what = f"{dmg.kind} ({dmg.detail})"
         try:
             outs = env.launch("load", rank_dist, DistPhase(model, dst, backend, load_from=str(ckpt)), dst)
         except WorldError as exc:
             outcome = outcome_of(exc)
             if outcome is None:
                 raise
+            if tolerate:
+                return judge_tolerated(what, outcome, missing, unexpected)
             checks = judge(dmg, outcome, allowed=allowed)
-            wrong = wrong_sides(outcome.text, *mismatch_truth(ckpt, own)) if kind in KEY_MISMATCH else []
+            wrong = wrong_sides(outcome.text, missing, unexpected) if kind in KEY_MISMATCH else []
             if wrong and not checks[0].failed:
                 checks[0] = Check("outcome", "failed", f"refused, but on the wrong side of the key check: {'; '.join(wrong)} "
                                                        f"(the files give the sides) -- {checks[0].detail}", tolerance=NOT_COMPARED)
             return checks
         with env.timed("compare"):
             full, problems = assembled(outs, "shards", dst.id)
+            if tolerate:
+                return judge_tolerated(what, Outcome("silent"), missing, unexpected, expected_state(full, saved, model, unexpected),
+                                       full, problems, env.record.backend_events, dst.id)
             canonical = {k: truth.canonical_tensor(model, k, tuple(v.shape), v.dtype) for k, v in full.items()}
             return judge(dmg, Outcome("silent"), canonical, full, problems, dst.id)
-
-    def _run_tolerated(self, spec: CaseSpec, kind: str, env: RunEnv) -> list[Check]:
-        """The foreign checkpoint and the job's own (saved only for its key set), then the load at D."""
-        model = get_model(spec.model, "gpt")
-        backend, ckpt, own = ref_of(spec), env.case_dir / "ckpt", env.case_dir / "ckpt-job"
-        saved = damage.other_model(model, kind)
-        env.launch("save", rank_dist, DistPhase(saved, spec.source, backend, save_to=str(ckpt)), spec.source)
-        env.launch("save-job", rank_dist, DistPhase(model, spec.source, backend, save_to=str(own)), spec.source)
-        with env.timed("damage"):
-            dmg = damage.foreign(ckpt, kind, saved, model)
-            missing, unexpected = mismatch_truth(ckpt, own)
-        what = f"{dmg.kind} ({dmg.detail})"
-        try:
-            outs = env.launch("load", rank_dist, DistPhase(model, spec.target, backend, load_from=str(ckpt)), spec.target)
-        except WorldError as exc:
-            outcome = outcome_of(exc)
-            if outcome is None:
-                raise
-            return judge_tolerated(what, outcome, missing, unexpected)
-        with env.timed("compare"):
-            full, problems = assembled(outs, "shards", spec.target.id)
-            expected = expected_state(full, saved, model, unexpected)
-            return judge_tolerated(what, Outcome("silent"), missing, unexpected, expected, full, problems,
-                                   env.record.backend_events, spec.target.id)
 
     def _run_hf(self, spec: CaseSpec, kind: str, env: RunEnv, result: CaseResult, allowed: tuple[str, ...]) -> list[Check]:
         from peft import PeftModel, get_peft_model_state_dict

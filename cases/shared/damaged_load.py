@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import re
 import traceback
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Iterator, Literal, Sequence
 
 import torch
 
@@ -138,29 +139,31 @@ def claim_whole(model) -> None:
 SAVE_PLANTS = {"claimed-whole": claim_whole}
 
 
+@contextmanager
+def judged_refusal() -> Iterator[None]:
+    """Around the one call under judgement (a load, or a planted save): whatever it raises becomes a
+    RefusedLoadError, so the parent tells its refusal from a harness error elsewhere in the rank."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # torch DCP's CheckpointException is a BaseException
+        raise RefusedLoadError(refusal_message(exc)) from exc
+
+
 def rank_dist(ctx: RankContext, p: DistPhase) -> LoadOut:
     backend = get_backend(p.backend)
     model = models.build_gpt(p.model, p.topo)
     if p.load_from is None:
         models.fill_canonical(model, p.model)
-        if p.plant is None:
-            backend.save(ctx, model, Path(p.save_to))
-        else:
+        if p.plant is not None:
             SAVE_PLANTS[p.plant](model)
-            try:
-                backend.save(ctx, model, Path(p.save_to))
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as exc:  # the save refusing the planted state is the outcome under judgement
-                raise RefusedLoadError(refusal_message(exc)) from exc
+        with judged_refusal() if p.plant is not None else nullcontext():  # a planted save's refusal is the outcome
+            backend.save(ctx, model, Path(p.save_to))
     else:
         models.fill_canonical(model, p.model.with_seed(p.model.seed + truth.DECOY_SEED_OFFSET))
-        try:
+        with judged_refusal():
             backend.load(ctx, model, Path(p.load_from))
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # torch DCP's CheckpointException is a BaseException
-            raise RefusedLoadError(refusal_message(exc)) from exc
     shards = models.local_shards(model)
     return LoadOut(shards, sum(s.data.numel() * s.data.element_size() for s in shards))
 

@@ -60,9 +60,10 @@ def rarity(by_line: dict[int, set[str]]) -> dict[str, float]:
 
 def order(cases: list[str], clean: dict[str, Any], rare: dict[str, float] | None = None) -> list[str]:
     """`cases` round-robin over their kinds (kinds by their rarest case, then their first case's order);
-    from each kind in turn a case before another case of a defect already asked, then the highest `rare` score (rarity of the mutant's file; none:
-    all equal), then the most words not seen in any case before it (the very first: the fastest), then
-    the fastest by its clean run's seconds, then the earlier; deterministic for the same inputs."""
+    from each kind in turn a case before another case of a defect already asked, then the highest
+    `rare` score (rarity of the mutant's file; none: all equal), then the most words not seen in any
+    case before it (the very first: the fastest), then the fastest by its clean run's seconds, then the
+    earlier; deterministic for the same inputs."""
     seconds = {r["id"]: float((r.get("phases") or {}).get("total") or 0.0) for r in clean.get("results", [])}
     defect = {r["id"]: r.get("xfail_reason") or r.get("status") for r in clean.get("results", []) if r.get("status") != "passed"}
     at = {c: i for i, c in enumerate(cases)}

@@ -11,7 +11,9 @@ checkpoint. The damage kinds are harness/faults/damage.py (`damage`, a matrix ax
     megatron-core >= 0.19: its torch_dist format writes no common.pt, there is nothing to delete),
     claimed-whole (save time, source TP > 1: every TP rank claims its vocabulary shard of the word
     embeddings as the whole tensor and the main replica, the defect class of a sharded_state_dict built
-    without its tp_group; the save must refuse it, and a save that does not is loaded at D and judged)
+    without its tp_group; the save must refuse it, and a save that does not is loaded at D and judged),
+    duplicate-object (save time, source TP > 1: every rank claims each layer's QKV `_extra_state`
+    ShardedObject as the main replica; the save must refuse the duplicates, a save that writes them fails)
   HF export (an HF fixture, backend bridge_hf; exported at S by the backend, loaded with
   transformers AutoModelForCausalLM.from_pretrained in the parent, as users do; S == D):
     truncate-safetensors, missing-indexed-shard (the tiny export is one file: split into two shards
@@ -58,6 +60,8 @@ import torch
 
 from .shared.damaged_load import (
     CLAIMED_KEY,
+    CLAIMED_OBJECT,
+    SAVE_ONLY,
     SAVE_PLANTS,
     DistPhase,
     Outcome,
@@ -86,7 +90,7 @@ from harness.run.envelope import RunEnv
 from harness.run.world import WorldError
 
 DamageKind = Literal[
-    "claimed-whole", "truncate-shard", "missing-shard", "missing-metadata", "missing-metadata-json", "missing-common", "flip-byte",
+    "claimed-whole", "duplicate-object", "truncate-shard", "missing-shard", "missing-metadata", "missing-metadata-json", "missing-common", "flip-byte",
     "other-hidden", "other-layers", "other-vocab", "other-groups", "other-tied", "other-bias", "empty-dir",
     "truncate-safetensors", "missing-indexed-shard", "adapter-no-config", "adapter-config-mismatch", "adapter-config-targets",
 ]
@@ -160,7 +164,11 @@ def _hf_outcome(load) -> tuple[Outcome, object]:
 
 
 def _planted(kind: str) -> Damage:
-    """The record of a save-time plant (the save must refuse it; a save that does not is loaded and judged)."""
+    """The record of a save-time plant (the save must refuse it; a save that does not is loaded and judged,
+    or, for a plant no load can show, fails as it is)."""
+    if kind == "duplicate-object":
+        return Damage(kind, (), (CLAIMED_OBJECT,), f"every rank claimed each layer's {CLAIMED_OBJECT} as the main replica "
+                      "(a ShardedObject built with replica_id=0 instead of one per TP and DP rank)")
     return Damage(kind, (), (CLAIMED_KEY,), f"every TP rank claimed its vocabulary shard of {CLAIMED_KEY} whole, as the main "
                   "replica (a sharded_state_dict built without its tp_group, as Falcon-H1's pre-norm)")
 
@@ -198,7 +206,8 @@ class CorruptLoad(Case):
             raise ValueError(f"option 'mismatch: tolerate' needs a damage of keys one side lacks ({sorted(KEY_MISMATCH)}), "
                              f"not {kind!r}: any other damage must be refused")
         if kind in SAVE_PLANTS and spec.source.tp < 2:
-            raise ValueError(f"damage {kind!r} claims a TP shard whole: it needs a source with TP > 1, not {spec.source.id}")
+            raise ValueError(f"damage {kind!r} claims a TP rank's state as the only main replica: it needs a source with TP > 1, "
+                             f"not {spec.source.id}")
         if kind == "missing-common" and not _mcore_writes_common_pt():
             raise ValueError(
                 f"damage 'missing-common': megatron-core {metadata.version('megatron-core')} torch_dist writes no common.pt "
@@ -241,6 +250,9 @@ class CorruptLoad(Case):
             if outcome is None:
                 raise
             return judge(_planted(kind), outcome, allowed=allowed)
+        if kind in SAVE_ONLY:
+            return [Check("outcome", "failed", f"silent save: the save wrote {_planted(kind).detail}; megatron-core's "
+                          "sharding validation (validate_sharding_integrity) must refuse duplicate main replicas")]
         if kind in KEY_MISMATCH:
             own = env.case_dir / "ckpt-job"
             env.launch("save-job", rank_dist, DistPhase(model, src, backend, save_to=str(own)), src)

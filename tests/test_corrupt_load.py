@@ -158,3 +158,17 @@ def test_a_misdescribed_shard_is_refused_at_save_and_a_save_without_the_check_go
     lost = run_case(_spec("test_save_unvalidated", "claimed-whole"))
     assert lost.status == "failed" and lost.check("outcome").detail.startswith("silent:")
     assert "embedding.word_embeddings.weight" in lost.check("outcome").detail
+
+
+def test_duplicate_main_replicas_of_an_object_are_refused_at_save_and_a_save_without_the_check_goes_red():
+    """duplicate-object: every rank claims each layer's QKV extra state as the main replica. megatron-core's
+    save validation refuses the duplicate ShardedObject keys, naming them; a save that skips the check
+    writes them, and no load could show it (the copies hold the same bytes): the save itself fails."""
+    refused = run_case(_spec("mcore_dist", "duplicate-object"))
+    assert refused.status == "passed", refused.failure_text()
+    assert refused.check("outcome").detail.startswith("refused (clear, names self_attention.linear_qkv._extra_state)")
+    assert "Duplicate ShardedObject keys" in refused.check("outcome").detail
+    assert "load" not in refused.phases
+    written = run_case(_spec("test_save_unvalidated", "duplicate-object"))
+    assert written.status == "failed" and written.check("outcome").detail.startswith("silent save:")
+    assert "load" not in written.phases

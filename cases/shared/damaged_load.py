@@ -136,7 +136,37 @@ def claim_whole(model) -> None:
     chunk.sharded_state_dict = planted
 
 
-SAVE_PLANTS = {"claimed-whole": claim_whole}
+#: the objects a save-time plant duplicates: every layer's QKV extra state (a ShardedObject per layer)
+CLAIMED_OBJECT = "self_attention.linear_qkv._extra_state"
+
+
+def claim_object(model) -> None:
+    """Plant the object form of that defect (a module's extra state built as a ShardedObject without its
+    replica id, e.g. `replica_id=0` passed where `make_sharded_object_for_checkpoint` computes one per TP and
+    DP rank): every rank describes each layer's QKV `_extra_state` as the main replica. The save's sharding
+    validation must refuse the duplicate objects; without it each rank's copy is written under one key and
+    the last one wins, so an extra state that differs per rank (fp8 scales) is lost silently."""
+    import dataclasses
+
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    chunk = models.as_chunks(model)[0]
+    original = chunk.sharded_state_dict
+
+    def planted(*args, **kwargs):
+        state = original(*args, **kwargs)
+        for k, v in state.items():
+            if isinstance(v, ShardedObject) and v.key.endswith(CLAIMED_OBJECT):
+                state[k] = dataclasses.replace(v, replica_id=0)
+        return state
+
+    chunk.sharded_state_dict = planted
+
+
+SAVE_PLANTS = {"claimed-whole": claim_whole, "duplicate-object": claim_object}
+#: the plants whose damage a load cannot show (the duplicated objects hold the same bytes): a save that
+#: writes them is itself the failure
+SAVE_ONLY = frozenset({"duplicate-object"})
 
 
 @contextmanager

@@ -12,6 +12,8 @@ axis), then loads the checkpoint at D:
   key          rank 0 holds `only_rank0`, the others `only_here` instead
   list-length  the others' list (`history`) has one element more
   list-shorter the others' list (`history`) has one element less
+  tensor-shape the others' tensor (`tensor`) has one element more (a per-rank buffer that grew): torch
+               cannot compare it elementwise, and diff must still call it a mismatch
 
 Checks:
   warned         every rank but 0 logged megatron-core's common-state warning, naming each differing
@@ -42,7 +44,7 @@ from harness.core.zoo import ModelSpec, get_model
 from harness.models import mcore as models
 from harness.run.envelope import RunEnv
 
-Divergence = Literal["value", "key", "list-length", "list-shorter"]
+Divergence = Literal["value", "key", "list-length", "list-shorter", "tensor-shape"]
 KEY = "harness_common"
 PATH = r"\('harness_common'(?:, [^()]*)?\)"  # a key path of the entry as megatron-core's warning writes it (a tuple)
 #: the logger megatron-core's common-state check writes to, and the words of its warning
@@ -65,6 +67,8 @@ def common_of(rank: int, divergence: str) -> dict[str, Any]:
         out["history"] = [1, 2, 3]
     elif off and divergence == "list-shorter":
         out["history"] = [1]
+    elif off and divergence == "tensor-shape":
+        out["tensor"] = torch.arange(5, dtype=torch.float32)
     if divergence == "key":
         out["only_here" if off else "only_rank0"] = rank
     return out
@@ -75,6 +79,8 @@ def expected_paths(divergence: str) -> dict[str, set[tuple]]:
     and present on both with other values."""
     if divergence == "value":
         return {"only_rank0": set(), "only_here": set(), "mismatch": {(KEY, "step"), (KEY, "tensor")}}
+    if divergence == "tensor-shape":
+        return {"only_rank0": set(), "only_here": set(), "mismatch": {(KEY, "tensor")}}
     if divergence == "key":
         return {"only_rank0": {(KEY, "only_rank0")}, "only_here": {(KEY, "only_here")}, "mismatch": set()}
     if divergence == "list-shorter":

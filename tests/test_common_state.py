@@ -53,3 +53,18 @@ def test_a_core_that_stops_comparing_the_common_state_fails_warned_only(monkeypa
     r = run_case(_spec("key"))
     assert r.status == "failed" and r.check("warned").status == "failed" and r.check("loaded-common").status == "passed"
     assert "rank 1 differs from rank 0 (key) and logged no common-state warning" in r.check("warned").detail
+
+
+def test_a_tensor_of_another_shape_must_be_named_as_a_mismatch():
+    """tensor-shape: the others' tensor has one element more; torch cannot compare it elementwise, so the
+    warning must still list the tensor's path among the mismatched keys (and name no other path)."""
+    shaped = ("Rank 1 common state dict differs from rank 0 common state dict. Keys only on rank 0: [], Keys only on 1: [], "
+              "Mismatched keys: [(('harness_common', 'tensor'), <class 'torch.Tensor'>, <class 'torch.Tensor'>, torch.Size([4]), "
+              "torch.Size([5]))]")
+    assert judge_warned([[], [shaped]], "tensor-shape").status == "passed"
+    silent = shaped.replace("(('harness_common', 'tensor'), <class 'torch.Tensor'>, <class 'torch.Tensor'>, torch.Size([4]), "
+                            "torch.Size([5]))", "")
+    c = judge_warned([[], [silent]], "tensor-shape")
+    assert c.status == "failed" and "does not name ('harness_common', 'tensor')" in c.detail
+    c = judge_warned([[], [GOOD]], "tensor-shape")  # the step never differed here
+    assert c.status == "failed" and "names ('harness_common', 'step'), which does not differ" in c.detail

@@ -17,6 +17,13 @@ Every artefact is the same adapter:
                     (logits_tolerance), and moves the logits off the base's
   logits-resumed    Megatron+LoRA at D equals Megatron+LoRA at S (RESUME_TOLERANCE: a topology change
                     reorders fp32 reductions)
+  ref-logits        Megatron at D inside verl's `disable_adapter()` (its reference policy of a LoRA job:
+                    the engine's context is Bridge's PEFT.disable_adapter over the job's modules, verl
+                    workers/engine/megatron/transformer_impl.py:1127-1128, engine_workers.py:425) equals
+                    transformers on the base (logits_tolerance), off the adapter's logits: an adapter
+                    that stays on makes the KL to the reference silently zero
+  adapter-restored  Megatron at D after that context equals Megatron+LoRA before it, bitwise: an adapter
+                    left off trains and rolls out the base
   merger-adapter    verl's model_merger on D's checkpoint writes the model and a PEFT adapter
                     (`<target>/lora_adapter`, base_model_merger.py save_lora_adapter) equal to S's,
                     its lora_alpha included
@@ -56,6 +63,8 @@ class Options:
 class ResumeOut:
     step: int = 0
     logits: torch.Tensor | None = None  # Megatron+LoRA at D, on the rank that has them
+    ref_logits: torch.Tensor | None = None  # inside verl's disable_adapter(): the reference policy
+    restored_logits: torch.Tensor | None = None  # after it
     stream: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0: the rollout's adapter stream
 
 
@@ -81,6 +90,9 @@ def resume_rank(ctx: RankContext, r: _Resume) -> ResumeOut:
     load_training(ctx, backend, job, Path(p.ckpt), p.opts.workarounds)
     out = ResumeOut(step=r.step)
     out.logits = mb.megatron_logits(job.bridge, p.model, ctx.device)
+    with job.bridge.peft.disable_adapter(job.bridge.modules):  # what verl's Megatron engine's disable_adapter() returns
+        out.ref_logits = mb.megatron_logits(job.bridge, p.model, ctx.device)
+    out.restored_logits = mb.megatron_logits(job.bridge, p.model, ctx.device)
     for name, w in job.bridge.bridge.export_adapter_weights(job.bridge.modules, show_progress=False):  # every rank: collective
         if ctx.rank == 0:
             out.stream[name] = w.detach().cpu().clone()
@@ -137,7 +149,7 @@ class VerlLoraLifecycle(Case):
     model_kind = "hf"
     Options = Options
     needs = frozenset({"manager"})
-    checks = ("adapter-resaved", "adapter-stream", "logits", "logits-resumed", "merger-adapter")
+    checks = ("adapter-resaved", "adapter-stream", "logits", "logits-resumed", "ref-logits", "adapter-restored", "merger-adapter")
 
     def validate(self, spec: CaseSpec) -> Any:
         opts = super().validate(spec)
@@ -184,7 +196,38 @@ class VerlLoraLifecycle(Case):
             else:
                 result.checks.append(logits_check(hf_logits(hf_dir, ids, adapter=adapter_d), hf_logits(hf_dir, ids), at_d, dst))
             result.checks.append(resumed_logits_check(at_s, at_d, src, dst))
+            at_d_ref = next((o.ref_logits for o in resumed if o.ref_logits is not None), None)
+            at_d_after = next((o.restored_logits for o in resumed if o.restored_logits is not None), None)
+            result.checks.extend(disabled_adapter_checks(hf_logits(hf_dir, ids), at_d, at_d_ref, at_d_after, dst))
             result.checks.append(merger_adapter_check(first, merged_dir, merge_error, dst))
+
+
+def disabled_adapter_checks(hf_base: torch.Tensor, lora: torch.Tensor | None, ref: torch.Tensor | None,
+                            after: torch.Tensor | None, dst: str) -> list[Check]:
+    """ref-logits (verl's reference policy, the adapter disabled, against transformers on the base) and
+    adapter-restored (the adapter back after the context, bitwise)."""
+    from .shared.peft import MEASURED_SCALE, MIN_ADAPTER_EFFECT, logits_tolerance
+    from harness.core.parity import compare_tensors, max_abs_diff
+
+    if lora is None or ref is None or after is None:
+        missing = "no Megatron logits at D " + ("with the adapter" if lora is None else "inside disable_adapter()" if ref is None
+                                                  else "after disable_adapter()")
+        return [Check("ref-logits", "failed", missing, tolerance=EXACT), Check("adapter-restored", "failed", missing, tolerance=EXACT)]
+    tol = logits_tolerance("fp32", MEASURED_SCALE)
+    m = compare_tensors("logits", hf_base, ref, "transformers (base)", f"megatron@{dst} in disable_adapter()", tol)
+    off = max_abs_diff(ref, lora)
+    if off < MIN_ADAPTER_EFFECT:
+        ref_check = Check("ref-logits", "failed", f"disable_adapter() left the logits within {off:.2e} of the adapter's: the "
+                          "adapter stayed on, the reference policy is the actor", off, tol)
+    else:
+        ref_check = Check("ref-logits", "failed" if m else "passed",
+                          str(m) if m else f"the base's logits inside disable_adapter(), {off:.3f} off the adapter's",
+                          max_abs_diff(hf_base, ref), tol, [m] if m else [])
+    back = compare_tensors("logits", lora, after, f"megatron+lora@{dst}", f"megatron@{dst} after disable_adapter()", EXACT)
+    restored = Check("adapter-restored", "failed" if back else "passed",
+                     str(back) if back else "the adapter's logits again after disable_adapter(), bitwise",
+                     max_abs_diff(lora, after), EXACT, [back] if back else [])
+    return [ref_check, restored]
 
 
 def merger_adapter_check(first: tuple[dict, dict], merged_dir: Path, error: tuple[str | None, str] | None, dst: str) -> Check:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.cases.verl_lora_lifecycle import merger_adapter_check, resaved_check, stream_check
+from harness.cases.verl_lora_lifecycle import disabled_adapter_checks, merger_adapter_check, resaved_check, stream_check
 from harness.core.spec import CaseSpec
 from harness.core.topology import Topology
 from harness.orchestration.runner import RunOptions, run_case
@@ -49,6 +49,22 @@ def test_a_merger_adapter_with_alpha_0_fails_and_a_merger_error_is_named(tmp_pat
     assert merger_adapter_check((TENSORS, CONFIG), tmp_path, None, "D").status == "passed"
     error = merger_adapter_check((TENSORS, CONFIG), tmp_path, ("KeyError", "'x' from model not in state dict"), "D")
     assert error.status == "failed" and "KeyError" in error.detail
+
+
+def test_the_reference_policy_must_be_the_base_and_the_adapter_must_come_back():
+    """verl's disable_adapter(): inside it the base's logits (an adapter left on is the actor as its own
+    reference), after it the adapter's logits bitwise (an adapter left off trains the base)."""
+    base = torch.linspace(-1.0, 1.0, 24).reshape(1, 4, 6)
+    lora = base + 0.5
+    ok = disabled_adapter_checks(base, lora, base.clone(), lora.clone(), "D")
+    assert [c.status for c in ok] == ["passed", "passed"], [c.detail for c in ok]
+    stayed_on = disabled_adapter_checks(base, lora, lora.clone(), lora.clone(), "D")
+    assert stayed_on[0].status == "failed" and "the adapter stayed on" in stayed_on[0].detail
+    left_off = disabled_adapter_checks(base, lora, base.clone(), base.clone(), "D")
+    assert left_off[0].status == "passed" and left_off[1].status == "failed"
+    other = disabled_adapter_checks(base, lora, base + 0.1, lora.clone(), "D")  # neither the base nor the adapter
+    assert other[0].status == "failed" and "transformers (base)" in other[0].detail
+    assert [c.status for c in disabled_adapter_checks(base, lora, None, lora, "D")] == ["failed", "failed"]
 
 
 def _spec(src: str, dst: str) -> CaseSpec:

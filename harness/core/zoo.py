@@ -165,6 +165,10 @@ ZOO: dict[str, AnyModel] = {
         # gpt-gqa with 8 layers: virtual pipelines with more than one layer per chunk or more chunks
         # than pp2vpp2 (pp2vpp4, pp4vpp2, pp2vpp2 with 2 layers per chunk); the 4-layer models keep their ids.
         ModelSpec("gpt-gqa-8l", "gpt-gqa with 8 layers (virtual pipelines: pp2vpp4, pp4vpp2)", num_layers=8),
+        # parameters off the distributed optimizer's 64-element alignment (param_and_grad_buffer pads each param's
+        # start): the buckets hold gaps between params, which dp_reshardable fills with padding tensors
+        ModelSpec("gpt-odd", "gpt-gqa with hidden 48 (6 heads, 2 query groups), ffn 40, vocab 100: params off the 64-element "
+                  "alignment", hidden_size=48, num_attention_heads=6, num_query_groups=2, ffn_hidden_size=40, vocab_size=100),
         # Heavier models for memory budgets and the save-memory benchmark (not in the smoke matrix).
         ModelSpec(
             "gpt-25m", "gpt-gqa shape at ~25M params: memory-tier cases",
@@ -293,7 +297,7 @@ ZOO.update({f"hf-gpt_oss-mem{s}": replace(ZOO["hf-gpt_oss"], name=f"hf-gpt_oss-m
 #: layers: one whole 5-local/1-global sliding-window period, and the VL / omni fixtures that keep the real
 #: head_dim 128 under M-RoPE's sections or ERNIE-4.5-VL's 3-D RoPE: 2 heads at hidden 256): they fit the topologies their matrix
 #: entries name, not every small one (tests/test_topology.py checks both).
-ODD_SHAPES: frozenset[str] = frozenset({"hf-llama-odd", "hf-llama-ffn23", "hf-qwen3moe-ffn6", "hf-gemma3", "hf-gemma3_vl",
+ODD_SHAPES: frozenset[str] = frozenset({"gpt-odd", "hf-llama-odd", "hf-llama-ffn23", "hf-qwen3moe-ffn6", "hf-gemma3", "hf-gemma3_vl",
                                         "hf-qwen2_5_vl", "hf-qwen3_vl", "hf-qwen3_vl_moe", "hf-glm4v_moe",
                                         "hf-qwen2_5_omni", "hf-qwen3_omni", "hf-ernie4_5_vl_moe",
                                         # issue 35's 2-layer memory models (more layers dilute the grouped gather per shard)

@@ -1,5 +1,6 @@
-"""mutate_callers: a not-covered mutant in a module-level function nothing installed names (outside the
-function itself) is marked uncalled; anything else is not, and the report keeps it in the coverage rate."""
+"""mutate_callers: a not-covered mutant in a function or method nothing installed names (outside its own
+body, or only inside functions of its file that are uncalled themselves) is marked uncalled; anything else
+is not, and the report keeps it in the coverage rate."""
 
 from pathlib import Path
 
@@ -19,9 +20,31 @@ def in_a_string(x):
     return x
 
 
+def only_via_dead(x):
+    return x
+
+
+def dead_caller():
+    return only_via_dead(1)
+
+
+def ping(n):
+    return pong(n - 1) if n else 0
+
+
+def pong(n):
+    return ping(n)
+
+
 class Holder:
     def method(self):
         return 1
+
+    def called(self):
+        return 2
+
+    def __call__(self):
+        return 3
 '''
 CALLER = '''
 from pkg.util import used
@@ -30,7 +53,7 @@ NAME = "in_a_string"  # a getattr by name is a caller too
 
 
 def go():
-    return used(1)
+    return used(1) + Holder().called()
 '''
 
 
@@ -51,9 +74,13 @@ def _record(path: Path, function: str, outcome: str = "not-covered") -> dict:
 def test_only_a_function_named_nowhere_else_is_uncalled(tmp_path):
     mutate_callers._references.cache_clear()
     root, util = _tree(tmp_path)
-    records = [_record(util, f) for f in ("used", "lonely", "in_a_string", "Holder.method", "")]
-    found = mutate_callers.uncalled(records, (root,))
-    assert list(found) == ["pkg.util:1:drop-statement:lonely"]
+    names = ("used", "lonely", "in_a_string", "only_via_dead", "dead_caller", "ping", "pong", "Holder.method",
+             "Holder.called", "Holder.__call__", "Holder", "")
+    found = mutate_callers.uncalled([_record(util, f) for f in names], (root,))
+    # named only inside uncalled functions (dead_caller; ping and pong only each other) is uncalled too; a
+    # method is found by its attribute name; a dunder is never said uncalled (the runtime calls it)
+    assert sorted(k.rsplit(":", 1)[1] for k in found) == ["Holder.method", "dead_caller", "lonely", "only_via_dead",
+                                                          "ping", "pong"]
     assert "pkg.util.lonely has no caller" in found["pkg.util:1:drop-statement:lonely"]
 
 

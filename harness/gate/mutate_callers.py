@@ -1,16 +1,20 @@
 """Not-covered mutants in functions nothing installed calls (issue 41's blind-spot list).
 
 A mutant no selected case runs asks for a case that runs it, unless no code a user runs reaches it.
-A module-level function whose name appears nowhere in the installed stacks the gate serves (Megatron-Core,
-Megatron-Bridge, Megatron-LM's training, peft, transformers, verl, mbridge, and the targets' own packages)
-but on its own `def` line is such code: Megatron-Core 0.19.2's dist_checkpointing.dict_utils has four
-(`inspect_types`, `nested_items_iter`, `dict_map_with_key`, `map_reduce`). A case could only call it
-directly, which tests the utility, not a checkpoint path.
+A function or method whose name appears nowhere in the installed stacks the gate serves (Megatron-Core,
+Megatron-Bridge, Megatron-LM's training, peft, transformers, verl, mbridge, torch, and the targets' own
+packages) outside its own body, or only inside other functions that are themselves uncalled, is such
+code: Megatron-Core 0.19.2's dist_checkpointing.dict_utils has `inspect_types`, `map_reduce`, and
+`dict_map` / `dict_map_with_key` with the `nested_items_iter` only they call; mapping.py has
+`ShardedTensor.max_allowed_chunks`. A case could only call it directly, which tests the utility, not a
+checkpoint path.
 
-The scan is textual: the name anywhere else (a call, an import, a getattr string, a docstring, a comment)
-counts as a caller, so it can only under-state what is uncalled. Methods and nested functions are never
-called uncalled (their name is reached through an object). A user's own code may still call such a
-function: the report keeps these mutants in the coverage rate and gives the rate without them beside it.
+The scan is textual: the name anywhere else (a call, an attribute, an import, a getattr string, a
+docstring, a comment) counts as a caller, so it can only under-state what is uncalled; torch is scanned
+because it calls modules' methods by name (`state_dict`, `forward`). Dunder methods are never said
+uncalled, nor a name bound other than by a def of the mutant's file. A name built at run time
+(`getattr(obj, f"_{kind}")`) would escape the scan; the report therefore keeps these mutants in the
+coverage rate and gives the rate without them beside it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 #: the installed packages a caller is looked for in, besides the targets' own top-level packages
-STACKS = ("megatron", "peft", "transformers", "verl", "mbridge", "nemo", "accelerate", "trl", "torchtitan")
+STACKS = ("megatron", "peft", "transformers", "verl", "mbridge", "nemo", "accelerate", "trl", "torchtitan", "torch")
 
 
 def roots(modules: Iterable[str]) -> tuple[Path, ...]:
@@ -62,36 +66,75 @@ def _references(names: frozenset[str], where: tuple[Path, ...]) -> dict[str, lis
 
 
 @lru_cache(maxsize=None)
-def _own_span(path: str, name: str) -> range:
-    """The lines of the module-level function `name` in `path` (its decorators, def, body): a name used
-    there (recursion, its docstring) is not a caller."""
+def _defs(path: str) -> dict[str, range]:
+    """The lines (decorators, def, body) of each module-level function and each method of a module-level
+    class in `path`, by qualified name: a name used inside its own span (recursion, its docstring) is no caller."""
     import ast
 
+    out: dict[str, range] = {}
+
+    def span(node: ast.AST) -> range:
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        return range(first, (node.end_lineno or node.lineno) + 1)
+
     for node in ast.parse(Path(path).read_text()).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-            return range(first, (node.end_lineno or node.lineno) + 1)
-    return range(0)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[node.name] = span(node)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out[f"{node.name}.{item.name}"] = span(item)
+    return out
+
+
+def _enclosing(path: str, line: int) -> str | None:
+    """The function or method of `path` whose span holds `line` (None: module or class level)."""
+    inside = [(len(r), q) for q, r in _defs(path).items() if line in r]
+    return min(inside)[1] if inside else None
+
+
+def _short(qualname: str) -> str | None:
+    name = qualname.rsplit(".", 1)[-1]
+    return name if name.isidentifier() and not (name.startswith("__") and name.endswith("__")) else None
 
 
 def uncalled(records: list[dict[str, Any]], where: tuple[Path, ...]) -> dict[str, str]:
-    """{mutant id: why} for each not-covered mutant in a module-level function no file under `where`
-    names outside the function itself."""
-    def top_level(r: dict[str, Any]) -> str | None:
-        f = r.get("function") or ""
-        return f if f and "." not in f and f.isidentifier() else None
+    """{mutant id: why} for each not-covered mutant in a function or method that no file under `where`
+    names outside its own body, except inside functions of its file that are uncalled themselves."""
+    candidates = [r for r in records if r["outcome"] == "not-covered" and r.get("function")
+                  and r["function"] in _defs(str(Path(r["path"]).resolve())) and _short(r["function"])]
+    refs: dict[str, list[tuple[str, int]]] = {}
+    asked = {(str(Path(r["path"]).resolve()), r["function"]) for r in candidates}
+    while True:  # the names, then the functions of their files that name them, and so on (usually two scans)
+        new = frozenset(n for _, q in asked if (n := _short(q)) and n not in refs)
+        if not new:
+            break
+        refs.update(_references(new, tuple(where)))
+        for path, q in list(asked):
+            for f, n in refs.get(_short(q) or "", []):
+                caller = _enclosing(path, n) if f == path else None
+                if caller is not None:
+                    asked.add((path, caller))
 
-    candidates = [r for r in records if r["outcome"] == "not-covered" and top_level(r)]
-    refs = _references(frozenset(top_level(r) for r in candidates), tuple(where))
+    def dead(path: str, qual: str, seen: frozenset[str]) -> bool:
+        name, own = _short(qual), _defs(path).get(qual)
+        if not name or own is None:
+            return False
+        for f, n in refs.get(name, []):
+            if f == path and n in own:
+                continue
+            caller = _enclosing(f, n) if f == path else None
+            if caller is not None and (caller in seen or dead(path, caller, seen | {qual})):
+                continue  # named only inside a function nothing calls either
+            return False
+        return True
+
     out = {}
     for r in candidates:
-        name, path = top_level(r), str(Path(r["path"]).resolve())
-        span = _own_span(path, name)
-        if not span:  # not a module-level def of this file (a name bound otherwise): never said uncalled
-            continue
-        if not [(f, n) for f, n in refs[name] if not (f == path and n in span)]:
-            out[r["id"]] = (f"{r['module']}.{name} has no caller: no installed file of {', '.join(sorted({p.name for p in where}))} "
-                            "names it outside the function itself")
+        path, qual = str(Path(r["path"]).resolve()), r["function"]
+        if dead(path, qual, frozenset({qual})):
+            out[r["id"]] = (f"{r['module']}.{qual} has no caller: no installed file of {', '.join(sorted({p.name for p in where}))} "
+                            "names it outside its own body and functions that are uncalled themselves")
     return out
 
 

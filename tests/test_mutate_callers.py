@@ -57,12 +57,25 @@ def go():
 '''
 
 
+#: another module with its own function named like one of util's: its calls are to its own
+NAMESAKE = '''
+def lonely(x):
+    return x
+
+
+def run():
+    return lonely(2)
+'''
+
+
 def _tree(tmp_path: Path) -> tuple[Path, Path]:
     root = tmp_path / "pkg"
     root.mkdir()
     (root / "__init__.py").write_text("")
     (root / "util.py").write_text(UTIL)
     (root / "caller.py").write_text(CALLER)
+    (root / "namesake.py").write_text(NAMESAKE)
+    (root / "template.py").write_text("def {{ name }}():\n    used(1)\n")  # not Python: the scan must go on
     return root, root / "util.py"
 
 
@@ -82,6 +95,7 @@ def test_only_a_function_named_nowhere_else_is_uncalled(tmp_path):
     assert sorted(k.rsplit(":", 1)[1] for k in found) == ["Holder.method", "dead_caller", "lonely", "only_via_dead",
                                                           "ping", "pong"]
     assert "pkg.util.lonely has no caller" in found["pkg.util:1:drop-statement:lonely"]
+    assert mutate_callers._defs(str(root / "template.py")) == {}  # an unparsable file defines nothing, and raises nothing
 
 
 def test_a_covered_mutant_and_an_empty_campaign_are_never_marked(tmp_path):

@@ -77,7 +77,11 @@ def _defs(path: str) -> dict[str, range]:
         first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
         return range(first, (node.end_lineno or node.lineno) + 1)
 
-    for node in ast.parse(Path(path).read_text()).body:
+    try:
+        body = ast.parse(Path(path).read_text(errors="replace")).body
+    except (SyntaxError, ValueError, OSError):  # a template or another Python's file among the scanned
+        return out
+    for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             out[node.name] = span(node)
         elif isinstance(node, ast.ClassDef):
@@ -91,6 +95,20 @@ def _enclosing(path: str, line: int) -> str | None:
     """The function or method of `path` whose span holds `line` (None: module or class level)."""
     inside = [(len(r), q) for q, r in _defs(path).items() if line in r]
     return min(inside)[1] if inside else None
+
+
+def _own_namesake(path: str, line: int, name: str) -> bool:
+    """Whether line `line` of `path` names `name` as that file's own module-level function (the file defines
+    one of that name and the line neither imports it nor reaches it as an attribute, `mod.name`)."""
+    if name not in _defs(path):
+        return False
+    text = _lines(path)[line - 1] if line <= len(_lines(path)) else ""
+    return not re.search(rf"\bimport\b|\.\s*{re.escape(name)}\b", text)
+
+
+@lru_cache(maxsize=256)
+def _lines(path: str) -> list[str]:
+    return Path(path).read_text(errors="replace").splitlines()
 
 
 def _short(qualname: str) -> str | None:
@@ -123,6 +141,8 @@ def uncalled(records: list[dict[str, Any]], where: tuple[Path, ...]) -> dict[str
         for f, n in refs.get(name, []):
             if f == path and n in own:
                 continue
+            if f != path and "." not in qual and _own_namesake(f, n, name):
+                continue  # another module's own function of that name (transformers' ESM has a dict_map)
             caller = _enclosing(f, n) if f == path else None
             if caller is not None and (caller in seen or dead(path, caller, seen | {qual})):
                 continue  # named only inside a function nothing calls either

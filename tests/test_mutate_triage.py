@@ -64,7 +64,7 @@ def test_a_function_wide_out_of_reach_entry_marks_its_not_covered_mutants_and_th
     assert (out["not-covered"], out["not-covered-out-of-reach"], out["covered"]) == (2, 1, 2)
     assert out["coverage_rate"] == 0.5 and out["cpu_coverage_rate"] == round(2 / 3, 4)
     md = (tmp_path / "mutate.md").read_text()
-    assert "Of the 2 not covered, 1 are in code only a GPU reaches" in md and md.count("**Out of reach on CPU**: fp8 only.") == 2
+    assert "Of the 2 not covered, 1 are in code the CPU harness cannot reach" in md and md.count("**Out of reach on CPU**: fp8 only.") == 2
     plain = mutate_report.write(records, tmp_path, ["mutation_target"])
     assert plain["not-covered-out-of-reach"] == 0 and plain["cpu_coverage_rate"] == plain["coverage_rate"]
 

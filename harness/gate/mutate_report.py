@@ -98,8 +98,9 @@ def write(records: list[dict[str, Any]], out: Path, targets: list[str],
         lines += [f"Judged by a person (mutant_triage.yaml): {judged} survivor(s) equivalent, left out of both rates; "
                   f"{len(reach)} survivor(s) out of the CPU harness's reach, still counted as survived.", ""]
     if overall["not-covered-out-of-reach"]:
-        lines += [f"Of the {overall['not-covered']} not covered, {overall['not-covered-out-of-reach']} are in code only a GPU "
-                  "reaches (mutant_triage.yaml, each with what would reach it), still counted as not covered: the "
+        lines += [f"Of the {overall['not-covered']} not covered, {overall['not-covered-out-of-reach']} are in code the CPU "
+                  "harness cannot reach (a GPU, Transformer-Engine; mutant_triage.yaml names what would reach each), still "
+                  "counted as not covered: the "
                   f"coverage of the rest, what CPU cases could still close, is {_pct(overall['cpu_coverage_rate'])}.", ""]
     if overall["not-covered-uncalled"]:
         lines += [f"{overall['not-covered-uncalled']} of the not covered lie in functions nothing installed calls "

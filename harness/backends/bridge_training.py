@@ -55,6 +55,8 @@ class BridgeTrainingOptions:
     load_optim: bool = True
     load_rng: bool = True
     finetune: bool = False
+    #: CheckpointConfig.load_main_params_from_ckpt (with load_optim false): bf16 main params from the loaded state dict
+    load_main_params_from_ckpt: bool = False
     #: CheckpointConfig.async_save (async_strategy mcore): the save returns before the checkpoint is
     #: complete; Bridge's maybe_finalize_async_save completes it (Backend.finalize_saves)
     async_save: bool = False
@@ -374,7 +376,8 @@ class BridgeTraining(Backend):
 
         o = self.options
         self._prepare(job)
-        state = self._state(job, save=None, load_optim=o.load_optim, load_rng=o.load_rng, finetune=o.finetune, **checkpoint)
+        state = self._state(job, save=None, load_optim=o.load_optim, load_rng=o.load_rng, finetune=o.finetune,
+                            load_main_params_from_ckpt=o.load_main_params_from_ckpt, **checkpoint)
         state.train_state = TrainState()
         self._train_state_before = _train_state(state)
         self._decoy = RngDecoy(job.seed + DECOY_SEED_OFFSET + 1000 * torch.distributed.get_rank())

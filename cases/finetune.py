@@ -18,6 +18,11 @@ Checks:
   losses, lr, grad-norm, final-weights  the finetune's k steps vs the reference's: per-step losses,
                       LRs (exact) and grad norms, and the final weights (bitwise at S == D, the
                       resume case's tolerances across a topology change)
+  main-params         (dtype bf16) every fp32 main param right after the start is the saved bf16 weight
+                      widened to fp32, bitwise, whichever way the start reloads them: from the model
+                      params, or from the loaded state dict (the loader's option
+                      load_main_params_from_ckpt, Bridge's CheckpointConfig field: what that state
+                      dict holds, harness.judge.main_params)
   refusal             (expect: refuse; option `pretrained`: missing, empty or foreign) the start
                       raised one of `refuse_with`; a job that starts from its random init fails.
                       The detail says whether the error names the directory.
@@ -37,6 +42,7 @@ from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
 from harness.core.zoo import get_model
 from harness.judge.checks import assembled, refusal_check, state_check
+from harness.judge.main_params import MAIN_PARAMS, main_params_check
 from harness.models.training import TrainOptions, cp_rule, untrainable, workaround_notes
 from harness.run.envelope import RunEnv
 from harness.run.world import WorldError, exception_of
@@ -74,9 +80,23 @@ def fresh_check(tuned: list[TrainOut], reference: list[TrainOut], dst: str) -> C
                  f"LR {want.get('lrs')} as the restarted reference", tolerance=EXACT)
 
 
-def judge(k: int, src: str, dst: str, reference: list[TrainOut], tuned: list[TrainOut], dtype: str = "fp32") -> list[Check]:
+def main_check(src: str, dst: str, reference: list[TrainOut], tuned: list[TrainOut], path: str) -> Check:
+    """main-params: the finetune's fp32 main params at its start against the pretrain's saved bf16
+    weights (and, in the detail only, against the pretrain's own fp32 main params at its save)."""
+    if not any(o.main_shards is not None for o in tuned):
+        return Check(MAIN_PARAMS, "not-run", "the finetune's optimizer is not megatron-core's distributed optimizer "
+                     "(use_distributed_optimizer: false): its main params are not viewed")
+    w_saved, p_saved = assembled(reference, "model_shards", f"pretrain@{src}")
+    mains, p_mains = assembled(tuned, "main_shards", f"finetune@{dst}")
+    saved_mains, _ = assembled(reference, "optimizer_shards", f"pretrain@{src}")
+    return main_params_check(w_saved, mains, src, dst, saved_mains, path, p_saved + p_mains)
+
+
+def judge(k: int, src: str, dst: str, reference: list[TrainOut], tuned: list[TrainOut], dtype: str = "fp32",
+          path: str = "") -> list[Check]:
     """The finetune at `dst` against the pretrain job at `src`: weights at the start, a fresh
-    optimizer and schedule, and the k-step trajectory after the restart."""
+    optimizer and schedule, the k-step trajectory after the restart, and (bf16) the main params
+    at the start, reloaded as `path` says."""
     loss_tol, weight_tol = resume_tolerances(src, dst, dtype)
     w_saved, p_saved = assembled(reference, "model_shards", f"pretrain@{src}")
     w_start, p_start = assembled(tuned, "model_shards", f"finetune@{dst}")
@@ -90,6 +110,7 @@ def judge(k: int, src: str, dst: str, reference: list[TrainOut], tuned: list[Tra
         *schedule_checks(k, 0, reference, tuned, src, dst, grad_norm_tolerance(src, dst, dtype), ("restarted", "finetune")),
         state_check("final-weights", w_ref, w_end, f"restarted@{src}", f"finetune@{dst}",
                     f"{len(w_end)} weights after {k} finetune steps agree", weight_tol, problems=p_ref + p_end),
+        *([main_check(src, dst, reference, tuned, path)] if dtype == "bf16" else []),
     ]
 
 
@@ -98,7 +119,7 @@ class Finetune(Case):
     description = "train at S, save; a finetune at D starts from its weights only (pretrained_checkpoint)"
     Options = Options
     needs = frozenset({"training_state"})
-    checks = ("pretrained-weights", "fresh-start", "losses", "lr", "grad-norm", "final-weights", "refusal")
+    checks = ("pretrained-weights", "fresh-start", "losses", "lr", "grad-norm", "final-weights", MAIN_PARAMS, "refusal")
     refusable = True
 
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
@@ -118,19 +139,20 @@ class Finetune(Case):
         model, saver = get_model(spec.model, "gpt"), ref_of(spec)
         loader = parse_ref(opts.load_with) if opts.load_with else saver
         result.notes += workaround_notes(opts, spec.source, spec.target)
+        mains = opts.dtype == "bf16" and opts.use_distributed_optimizer  # main-params: both jobs' main params viewed
         reference: list[TrainOut] = []
         if opts.pretrained in ("saved", "foreign"):
             saved = opts.pretrained == "saved"
             reference = env.launch("pretrain", train_phase, phase_of(
                 model if saved else get_model(opts.foreign_model, "gpt"), opts, saver, topo=spec.source, save_to=str(pre),
                 steps_before_save=k, steps_after=k if saved else 0, restart_after_save=saved,
-                views=("weights", "fresh", "final")), spec.source)
+                views=("weights", "fresh", "final") + (("optimizer",) if mains and saved else ())), spec.source)
         elif opts.pretrained == "empty":
             pre.mkdir(parents=True)
         try:
             tuned = env.launch("finetune", train_phase, phase_of(
                 model, opts, loader, topo=spec.target, pretrained_from=str(pre), run_dir=str(own), steps_after=k,
-                views=("weights", "fresh", "final")), spec.target)
+                views=("weights", "fresh", "final") + (("main",) if mains else ())), spec.target)
             error = None
         except WorldError as exc:
             tuned, error = [], exc
@@ -144,7 +166,10 @@ class Finetune(Case):
         if error is not None:
             raise error
         with env.timed("compare"):
-            result.checks.extend(judge(k, spec.source.id, spec.target.id, reference, tuned, opts.dtype))
+            from_sd = getattr(get_backend(loader).options, "load_main_params_from_ckpt", False)
+            path = (" (load_main_params_from_ckpt: reload_model_params(state_dict), the loaded model section)" if from_sd
+                    else " (reload_model_params(): from the loaded model params)")
+            result.checks.extend(judge(k, spec.source.id, spec.target.id, reference, tuned, opts.dtype, path))
 
 
 CASE = Finetune()

@@ -52,6 +52,9 @@ class TrainOut:
     #: step past a save or a load: resume's next-step check)
     next_model: list[Shard] | None = None
     next_optimizer: list[Shard] | None = None
+    #: view "main": the distributed optimizer's fp32 main params alone, where "optimizer" is viewed
+    #: (training.main_params_view: a job started without Adam state has no moments to view)
+    main_shards: list[Shard] | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ def train_phase(ctx: RankContext, p: TrainPhase) -> TrainOut:
     out = TrainOut(propagated, before, [], steps_as_loaded=as_loaded)
     if "optimizer" in p.views:
         out.optimizer_shards, out.steps = build.optimizer_view(ddp, optimizer)
+    if "main" in p.views:
+        out.main_shards = training.main_params_view(ddp, optimizer)
     if "optimizer" in p.views or "weights" in p.views:
         out.model_shards = build.model_shards(ddp)
     if p.save_to is not None:

@@ -129,6 +129,20 @@ def optimizer_view(ddp, optimizer) -> tuple[list[Shard], dict[str, Any]]:
     return shards, adam_steps(optimizer)
 
 
+def main_params_view(ddp, optimizer) -> list[Shard]:
+    """The distributed optimizer's fp32 main params alone, in model space (`optimizer.state.param.<key>`
+    shards, as `optimizer_view`): readable where the optimizer holds no Adam state yet (a job started
+    without its optimizer state), which `optimizer_view` is not."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    leaves = leaf_optimizers(optimizer)
+    if not leaves or not all(isinstance(o, DistributedOptimizer) for o in leaves):
+        raise ValueError("main_params_view reads the distributed optimizer's main params (use_distributed_optimizer: true)")
+    sd = {i: _distributed_model_space(ddp, o, ("param",)) for i, o in enumerate(leaves)}
+    return shards_of(sd, lambda sh: isinstance(sh, ShardedTensor) and sh.key.startswith("optimizer.state.param."))
+
+
 def state_kinds(keys) -> str:
     """The optimizer-state kinds among `keys` (`optimizer.state.<kind>.<param>`): "exp_avg, exp_avg_sq,
     param" for Adam, momentum_buffer too where Muon steps the matrices."""
@@ -153,7 +167,7 @@ def adam_steps(optimizer) -> dict[str, Any]:
     return {"values": sorted(steps), "shared_step_tensors": shared}
 
 
-def _distributed_model_space(ddp, opt) -> dict:
+def _distributed_model_space(ddp, opt, kinds: tuple[str, ...] | None = None) -> dict:
     """A DistributedOptimizer's state in model space, independently of its own checkpoint code:
     every DP rank's (param-local range, main param and moments) gathered, each model param's full
     state rebuilt from those ranges, and wrapped in the param's own sharded metadata (factories
@@ -169,7 +183,7 @@ def _distributed_model_space(ddp, opt) -> dict:
 
     model_sd, _ = extract_sharded_tensors_and_factories(model_sharded_state(ddp))
     metadata = {sh.data: sh for sh in nested_values(model_sd)}
-    keys: tuple[str, ...] | None = None  # ('param', *optimizer_state_keys), read once from the first state
+    keys = kinds  # ('param', *optimizer_state_keys), read once from the first state where not given
     order = [p for buffer in opt.buffers for p in buffer.param_index_map]  # the same on every DP rank
     position = {id(p): i for i, p in enumerate(order)}  # by identity: tensors compare elementwise
     index: dict[int, tuple[int, int, dict[str, int]]] = {}  # param position -> (start, end, {key: offset in flat})

@@ -310,7 +310,7 @@ def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_verls_tree
              if c.tag.startswith(("defect-fsdp-", "verl-F", "verl-hf-moe", "verl-weight-sync", "verify-integrity",
                                                                   "deprecated-optimizer-formats", "torch-format", "transformers-resave",
                                                                   "verl-merger", "verl-lora-lifecycle", "mtp", "peft-io", "defect-dora-magnitude",
-                                                                  "shared-outer", "odd-alignment", "pruned-export"))}
+                                                                  "shared-outer", "odd-alignment", "pruned-export", "load-main-params"))}
     faults = {c.id for c in load_matrix(ROOT / "matrices" / "faults.yaml").cases}
     assert smoke and arch and faults and smoke | arch | faults < ids <= smoke | arch | faults | shown and len(ids) == len(m.cases)
     assert sum(c.tag == "verify-integrity" for c in m.cases) == 5  # 2 good checkpoints, 3 damaged ones refused
@@ -322,5 +322,6 @@ def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_verls_tree
     assert sum(c.tag == "verl-lora-lifecycle" for c in m.cases) == 6
     assert sum(c.tag == "shared-outer" for c in m.cases) == 4  # Bridge #6076: OLMoE and GLM-4.5, tp1 and ep2
     assert sum(c.tag == "odd-alignment" for c in m.cases) == 2  # the distributed optimizer's padded buckets
+    assert sum(c.tag == "load-main-params" for c in m.cases) == 3  # load_main_params_from_ckpt: dp2, a TP change, into VPP
     assert sum(c.tag == "pruned-export" for c in m.cases) == 6  # from_auto_config exports: fp32 both ways, bf16 (a named xfail)
     assert sum(c.tag == "mtp" for c in m.cases) == 15  # DeepSeek-V3, GLM-4.5, Qwen3-Next: the owned layouts and the Hub's

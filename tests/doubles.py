@@ -410,6 +410,35 @@ class PeftLoadsIntoNothing(HfPeft):
         return loaded
 
 
+class PeftTpFirstShardEverywhere(HfPeft):
+    """On a TP model, every rank's q_proj lora_B is the file's first slice (rank 0's): a sharder that slices
+    for the wrong rank."""
+
+    def load(self, ctx, model, directory, adapter="default"):
+        from safetensors.torch import load_file
+
+        loaded = super().load(ctx, model, directory, adapter)
+        state = load_file(str(Path(directory) / "adapter_model.safetensors"))
+        with torch.no_grad():
+            for n, t in loaded.named_parameters():
+                if "q_proj.lora_B" in n:
+                    full = state[n.replace(f".{adapter}.", ".")]
+                    t.copy_(full[:t.shape[0]])
+        return loaded
+
+
+class PeftTpLoadsAsNoop(HfPeft):
+    """The adapter left at its init on load (every lora_B zero), as PEFT leaves one whose keys did not match."""
+
+    def load(self, ctx, model, directory, adapter="default"):
+        loaded = super().load(ctx, model, directory, adapter)
+        with torch.no_grad():
+            for n, t in loaded.named_parameters():
+                if "lora_B" in n:
+                    t.zero_()
+        return loaded
+
+
 # ------------------------------------------------------------------ rank hooks
 
 

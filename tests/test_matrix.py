@@ -309,7 +309,7 @@ def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_verls_tree
     shown = {c.id for f in ("extended.yaml", "verl.yaml") for c in load_matrix(ROOT / "matrices" / f).cases
              if c.tag.startswith(("defect-fsdp-", "verl-F", "verl-hf-moe", "verl-weight-sync", "verify-integrity",
                                                                   "deprecated-optimizer-formats", "torch-format", "transformers-resave",
-                                                                  "verl-merger", "verl-lora-lifecycle", "mtp", "peft-io", "defect-dora-magnitude",
+                                                                  "verl-merger", "verl-lora-lifecycle", "mtp", "peft-io", "peft-tp-load", "defect-dora-magnitude",
                                                                   "shared-outer", "odd-alignment", "pruned-export", "load-main-params"))}
     faults = {c.id for c in load_matrix(ROOT / "matrices" / "faults.yaml").cases}
     assert smoke and arch and faults and smoke | arch | faults < ids <= smoke | arch | faults | shown and len(ids) == len(m.cases)
@@ -325,3 +325,4 @@ def test_the_gate_matrix_is_smoke_architectures_faults_hidden_defects_verls_tree
     assert sum(c.tag == "load-main-params" for c in m.cases) == 3  # load_main_params_from_ckpt: dp2, a TP change, into VPP
     assert sum(c.tag == "pruned-export" for c in m.cases) == 6  # from_auto_config exports: fp32 both ways, bf16 (a named xfail)
     assert sum(c.tag == "mtp" for c in m.cases) == 15  # DeepSeek-V3, GLM-4.5, Qwen3-Next: the owned layouts and the Hub's
+    assert sum(c.tag == "peft-tp-load" for c in m.cases) == 1  # an adapter onto transformers' own TP (tp_plan="auto")

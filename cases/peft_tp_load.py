@@ -38,7 +38,7 @@ from harness.core.spec import CaseSpec
 from harness.core.zoo import HFModelSpec, get_model
 from harness.run.envelope import RunEnv
 
-#: measured max 4.8e-7 (hf-llama, tp2, fp32, every projection targeted): a rowwise layer (o_proj, down_proj)
+#: measured max 6.8e-7 (hf-llama, tp2, fp32, every projection targeted): a rowwise layer (o_proj, down_proj)
 #: all-reduces each rank's partial fp32 sum, one process sums the whole row in another order
 TP_LOGITS_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-5, why="transformers TP vs one process: rowwise layers all-reduce partial fp32 sums")
 #: which LoRA tensor a TP style splits, on which dim (lora_A is (r, in), lora_B (out, r)): colwise splits a

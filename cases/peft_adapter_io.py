@@ -31,6 +31,12 @@ Checks, each per adapter (the saved model is the truth; nothing here reads PEFT'
                    modules_to_save and trainable_token_indices are the ones the adapter was made with
   base-state       (base_state) PEFT's get_base_model_state_dict gives the base's own keys and values,
                    and set_base_model_state_dict with them restores the logits after the base was disturbed
+  invalid-warning, refusal   (save_from zero3 / fsdp: expect: refuse) the LoRA tensors saved as an
+                   ungathered rank holds them: the save warns naming them, the load refuses naming each
+  mismatch-fresh, mismatch-warning   (load_base unresized) the load with ignore_mismatched_sizes leaves out
+                   exactly the tensors of the resized vocabulary, at their fresh values, and says so;
+                   adapter-load then covers the other tensors, and logits are not compared
+(cases/shared/peft_shapes.py has these judges.)
 """
 
 from __future__ import annotations
@@ -43,12 +49,15 @@ from typing import Any, Literal
 
 import torch
 
+from .shared import peft_shapes as shapes
 from .contract import Case
 from .ranks.peft_adapter_io import ADAPTERS, Phase, load_rank, of_adapters, save_rank
 from harness.core.parity import EXACT, compare_tensors
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
+from harness.core.frames import exception_of
 from harness.core.zoo import HFModelSpec, get_model
+from harness.judge.checks import refusal_check
 from harness.run.envelope import RunEnv
 
 #: PEFT's embedding module names (peft.utils.constants.EMBEDDING_LAYER_NAMES): a target among them
@@ -75,6 +84,13 @@ class Options:
     adapters: int = 1  # 2: a second adapter ("second", rank dim + 2) saved beside the first
     resize_vocab: int = 0  # the base's vocabulary resized to this before the adapter is made (0: kept)
     base_state: bool = False  # PEFT's get/set_base_model_state_dict too
+    #: the LoRA A/B tensors at save_pretrained: gathered, or as rank 0 of an ungathered DeepSpeed ZeRO-3 or
+    #: FSDP1 (use_orig_params) world of two holds them (cases.ranks.peft_adapter_io.ungather); not gathered: expect: refuse
+    save_from: Literal["gathered", "zero3", "fsdp"] = "gathered"
+    #: "unresized": the load's base is the fixture as shipped, not resized to resize_vocab (the adapter trained on a
+    #: resized vocabulary loaded onto the original base, with the backend's ignore_mismatched_sizes)
+    load_base: Literal["as-saved", "unresized"] = "as-saved"
+    refuse_with: tuple[str, ...] = ("RuntimeError",)  # torch's load_state_dict refuses a size mismatch so
 
 
 def module_of(name: str) -> str:
@@ -86,10 +102,10 @@ def module_of(name: str) -> str:
 
 def expected_extras(opts: Options, plain: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The base weights PEFT's documented rule puts in an adapter's file beside the adapter (by the
-    base's key): a targeted embedding's weight (not with trainable tokens); with a resized vocabulary
-    the input and output embeddings."""
+    base's key): a targeted embedding's weight (not with trainable tokens); else, with a resized
+    vocabulary, the input and output embeddings."""
     wanted = set() if opts.trainable_token_indices else {e for e in EMBEDDINGS if e in opts.targets}
-    if opts.resize_vocab:
+    if opts.resize_vocab and not {e for e in EMBEDDINGS if e in opts.targets}:
         wanted |= set(EMBEDDINGS)
     return {k: v for k, v in plain.items() if k.endswith(".weight") and k.split(".")[-2] in wanted}
 
@@ -158,13 +174,14 @@ def effect_check(with_adapter: torch.Tensor, without: torch.Tensor) -> Check:
                  f"the adapter moves the logits by up to {moved:.3g}" + ("" if ok else f" (<= {MIN_ADAPTER_EFFECT}: it does nothing)"))
 
 
-def warnings_check(saved: list[str], loaded: list[str]) -> Check:
-    """warnings: the save warned of no invalid adapter tensor, the load of no missing, unexpected or mismatched key."""
-    bad = [f"save: {w}" for w in saved if WARNED.search(w)] + [f"load: {w}" for w in loaded if WARNED.search(w)]
+def warnings_check(saved: list[str], loaded: list[str] | None) -> Check:
+    """warnings: the save warned of no invalid adapter tensor, the load (unless None: judged elsewhere) of no
+    missing, unexpected or mismatched key."""
+    bad = [f"save: {w}" for w in saved if WARNED.search(w)] + [f"load: {w}" for w in loaded or [] if WARNED.search(w)]
     if bad:
         return Check("warnings", "failed", f"{len(bad)} warning(s): " + "; ".join(w[:300] for w in bad[:3]))
-    return Check("warnings", "passed", f"no invalid tensor on save, no missing, unexpected or mismatched key on load "
-                 f"({len(saved) + len(loaded)} warning(s) in all)")
+    return Check("warnings", "passed", "no invalid tensor on save" + (", no missing, unexpected or mismatched key on load"
+                 if loaded is not None else "") + f" ({len(saved) + len(loaded or [])} warning(s) in all)")
 
 
 def config_check(adapter: str, cfg: dict[str, Any] | None, opts: Options, dim: int) -> Check:
@@ -203,7 +220,8 @@ class PeftAdapterIo(Case):
     Options = Options
     needs = frozenset({"adapter_io"})
     checks = ("adapter-file", "adapter-load", "logits", "adapter-effect", "warnings", "adapter-config", "base-state",
-              "base-state-logits")
+              "base-state-logits", "invalid-warning", "refusal", "mismatch-fresh", "mismatch-warning")
+    refusable = True
 
     def validate_options(self, spec: CaseSpec, opts: Options) -> None:
         if spec.source.world_size != 1 or spec.target.world_size != 1:
@@ -213,6 +231,13 @@ class PeftAdapterIo(Case):
             raise ValueError(f"case {self.name}: adapters is 1 or 2, got {opts.adapters}")
         if not opts.targets:
             raise ValueError(f"case {self.name}: targets names no module")
+        if (spec.expect == "refuse") != (opts.save_from != "gathered"):
+            raise ValueError(f"case {self.name}: expect: refuse goes with save_from zero3 / fsdp (the load of an ungathered "
+                             f"adapter is judged as a refusal), and only with it")
+        if opts.load_base == "unresized" and not (opts.resize_vocab and spec.backend_opts.get("ignore_mismatched_sizes")):
+            raise ValueError(f"case {self.name}: load_base unresized needs resize_vocab and backend option ignore_mismatched_sizes")
+        if (opts.save_from != "gathered" or opts.load_base != "as-saved") and (opts.adapters != 1 or opts.base_state):
+            raise ValueError(f"case {self.name}: save_from and load_base judge one adapter, without base_state")
 
     def run(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult) -> None:
         from harness.backends import get_backend, ref_of
@@ -224,6 +249,8 @@ class PeftAdapterIo(Case):
         out.mkdir(parents=True, exist_ok=True)
         phase = Phase(hf_dir=str(hf_dir), out=str(out), opts=opts, backend=ref_of(spec), seed=1234)
         saved = env.launch("save", save_rank, phase, None)[0]
+        if opts.save_from != "gathered":
+            return self.ungathered(spec, opts, env, result, phase, saved)
         loaded = env.launch("load", load_rank, phase, None)[0]
         names = ADAPTERS[:opts.adapters]
         with env.timed("compare"):
@@ -232,19 +259,50 @@ class PeftAdapterIo(Case):
             for i, a in enumerate(names):
                 where = out if i == 0 else out / a
                 mine = {n: t for n, t in saved["params"].items() if of_adapters(n, (a,))}
-                result.checks.append(file_check(a, mine, backend.read_full(None, where), extras))
-                result.checks.append(load_check(a, mine, {n: t for n, t in loaded["params"].items() if of_adapters(n, (a,))}))
-                result.checks.append(logits_check(f"logits@{a}", saved["logits"][a], loaded["logits"].get(a), "the loaded model"))
+                file = backend.read_full(None, where)
+                result.checks.append(file_check(a, mine, file, extras))
+                got = {n: t for n, t in loaded["params"].items() if of_adapters(n, (a,))}
+                if opts.load_base == "unresized":
+                    left_out = shapes.mismatched(saved["every"], loaded["every"], file)
+                    result.checks += [load_check(a, {n: t for n, t in mine.items() if n not in left_out},
+                                                 {n: t for n, t in got.items() if n not in left_out}),
+                                      shapes.fresh_check(left_out, loaded["every"], loaded["fresh"]),
+                                      shapes.mismatch_warning_check(loaded["warnings"], left_out)]
+                else:
+                    result.checks.append(load_check(a, mine, got))
+                    result.checks.append(logits_check(f"logits@{a}", saved["logits"][a], loaded["logits"].get(a), "the loaded model"))
                 cfg = where / "adapter_config.json"
                 result.checks.append(config_check(a, json.loads(cfg.read_text()) if cfg.is_file() else None, opts,
                                                   opts.dim + 2 * i))
             result.checks.append(effect_check(saved["logits"][names[0]], saved["without"]))
-            result.checks.append(warnings_check(saved["warnings"], loaded["warnings"]))
+            result.checks.append(warnings_check(saved["warnings"], None if opts.load_base == "unresized" else loaded["warnings"]))
             if opts.base_state:
                 result.checks.append(base_state_check(saved["plain"], saved["base_state"]))
                 for a in names:
                     result.checks.append(logits_check(f"base-state-logits@{a}", saved["logits"][a], (loaded["restored"] or {}).get(a),
                                                       "the loaded model after set_base_model_state_dict"))
+
+
+    def ungathered(self, spec: CaseSpec, opts: Options, env: RunEnv, result: CaseResult, phase: Phase,
+                   saved: dict[str, Any]) -> None:
+        """save_from zero3 / fsdp: the save's warning, then the load of that file, judged as a refusal."""
+        from harness.run.world import WorldError
+
+        try:
+            env.launch("load", load_rank, phase, None)
+            error = None
+        except WorldError as exc:
+            error = exc
+        with env.timed("compare"):
+            a, where = ADAPTERS[0], Path(phase.out)
+            result.checks.append(shapes.invalid_warning_check(saved["warnings"], saved["ungathered"], a))
+            exc_type, message = exception_of(error.rank_traceback or str(error)) if error else (None, "")
+            check = refusal_check(exc_type, message, opts.refuse_with, f"an adapter saved from {opts.save_from} shards",
+                                  "the file's LoRA tensors are empty or flat 1-D, not the module's")
+            result.checks.append(shapes.names_check(check, message, saved["ungathered"]))
+            result.checks.append(effect_check(saved["logits"][a], saved["without"]))
+            cfg = where / "adapter_config.json"
+            result.checks.append(config_check(a, json.loads(cfg.read_text()) if cfg.is_file() else None, opts, opts.dim))
 
 
 CASE = PeftAdapterIo()

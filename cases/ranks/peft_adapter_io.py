@@ -28,9 +28,10 @@ class Phase:
     seed: int
 
 
-def base_model(p: Phase, seed: int) -> Any:
+def base_model(p: Phase, seed: int, load: bool = False) -> Any:
     """The fixture as transformers loads it, its vocabulary resized when the options say (the rows it
-    adds are drawn from `seed`: another process draws others)."""
+    adds are drawn from `seed`: another process draws others; `load_base: unresized` loads onto the
+    fixture as shipped)."""
     from transformers import AutoModelForCausalLM
 
     from harness.models.hf import quiet_hf
@@ -38,7 +39,7 @@ def base_model(p: Phase, seed: int) -> Any:
     quiet_hf()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(p.hf_dir, dtype=torch.float32)
-    if p.opts.resize_vocab:
+    if p.opts.resize_vocab and not (load and p.opts.load_base == "unresized"):
         model.resize_token_embeddings(p.opts.resize_vocab)
     return model
 
@@ -69,6 +70,29 @@ def input_ids(vocab: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def ungather(model: Any, names: tuple[str, ...], how: str) -> dict[str, tuple[int, ...]]:
+    """Each LoRA A/B weight of the adapters left as rank 0 of an ungathered two-rank world holds it when
+    save_pretrained runs without gathering: `zero3`, DeepSpeed ZeRO-3 keeps a parameter's partition in
+    its ds_tensor and sets param.data to an empty tensor (partition_parameters.py, free_param); `fsdp`,
+    FSDP1 with use_orig_params=True leaves each original parameter a 1-D view of its part of the rank's
+    shard of the unit's FlatParameter, or an empty tensor where the shard holds none of it
+    (_flat_param.py, _use_sharded_views). Returns each replaced parameter's new shape."""
+    lora = [(n, t) for n, t in model.named_parameters() if of_adapters(n, names) and {"lora_A", "lora_B"} & set(n.split("."))]
+    flat = torch.cat([t.detach().reshape(-1) for _, t in lora]) if lora else torch.empty(0)
+    shard, offset, shapes = flat[:(flat.numel() + 1) // 2], 0, {}
+    for n, t in lora:
+        start, end = min(offset, shard.numel()), min(offset + t.numel(), shard.numel())
+        offset += t.numel()
+        t.data = shard[start:end] if how == "fsdp" and end > start else torch.empty(0, dtype=t.dtype)
+        shapes[n] = tuple(t.shape)
+    return shapes
+
+
+def every_param(model: Any) -> dict[str, torch.Tensor]:
+    """Every parameter of the model by name, detached copies (the fixtures are tiny)."""
+    return {n: t.detach().clone() for n, t in model.named_parameters()}
+
+
 def logits_of(model: Any, adapters: tuple[str, ...]) -> dict[str, torch.Tensor]:
     model.eval()
     ids = input_ids(model.get_input_embeddings().weight.shape[0])
@@ -97,7 +121,9 @@ def save_rank(ctx: RankContext, p: Phase) -> dict[str, Any]:
     logits = logits_of(model, names)
     with model.disable_adapter():
         without = logits_of(model, names[:1])[names[0]]
-    out = Path(p.out)
+    out, every = Path(p.out), every_param(model) if p.opts.load_base == "unresized" else None
+    params = adapter_params(model, names)
+    ungathered = ungather(model, names, p.opts.save_from) if p.opts.save_from != "gathered" else {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         get_backend(p.backend).save(ctx, model, out)
@@ -108,8 +134,8 @@ def save_rank(ctx: RankContext, p: Phase) -> dict[str, Any]:
 
         base_state = {k: v.detach().clone().contiguous() for k, v in get_base_model_state_dict(model).items()}
         save_file(base_state, str(out / BASE_STATE))
-    return {"params": adapter_params(model, names), "logits": logits, "without": without, "plain": plain,
-            "base_state": base_state, "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+    return {"params": params, "logits": logits, "without": without, "plain": plain, "every": every,
+            "ungathered": ungathered, "base_state": base_state, "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
 
 
 def load_rank(ctx: RankContext, p: Phase) -> dict[str, Any]:
@@ -117,7 +143,7 @@ def load_rank(ctx: RankContext, p: Phase) -> dict[str, Any]:
     them; with `base_state`, the base's weights then disturbed and restored with peft's set_base_model_state_dict."""
     names = ADAPTERS[:p.opts.adapters]
     backend, out = get_backend(p.backend), Path(p.out)
-    model = base_model(p, p.seed + 1)
+    model = base_model(p, p.seed + 1, load=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = backend.load(ctx, model, out, names[0])
@@ -135,5 +161,11 @@ def load_rank(ctx: RankContext, p: Phase) -> dict[str, Any]:
                     t.add_(0.5)
         set_base_model_state_dict(model, load_file(str(out / BASE_STATE)))
         restored = logits_of(model, names)
+    every = fresh = None
+    if p.opts.load_base == "unresized":  # the loaded model, and one built the same way (same seed) that loads nothing
+        from peft import PeftConfig, PeftModel
+
+        every = every_param(model)
+        fresh = every_param(PeftModel(base_model(p, p.seed + 1, load=True), PeftConfig.from_pretrained(str(out))))
     return {"params": params, "logits": logits, "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
-            "restored": restored}
+            "restored": restored, "every": every, "fresh": fresh}

@@ -13,6 +13,8 @@ Options (matrix `backend_options`):
                      out as a Hub repository in a local Hugging Face cache and loaded by repository id
                      with HF_HUB_OFFLINE=1 (a compute node without internet: `from_pretrained(base,
                      "org/adapter", cache_dir=...)`, a second adapter by `subfolder=`)
+  ignore_mismatched_sizes  the load passes peft's ignore_mismatched_sizes=True: a file tensor whose
+                     shape is not the model's is left out of the load and warned of, not refused
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Options:
     format: Literal["safetensors", "bin"] = "safetensors"
     low_cpu_mem_usage: bool = False
     source: Literal["dir", "hub-cache"] = "dir"
+    ignore_mismatched_sizes: bool = False
 
 
 class HfPeft(Backend):
@@ -58,6 +61,8 @@ class HfPeft(Backend):
         from peft import PeftModel
 
         kwargs: dict[str, Any] = {"adapter_name": adapter, "low_cpu_mem_usage": self.options.low_cpu_mem_usage}
+        if self.options.ignore_mismatched_sizes:
+            kwargs["ignore_mismatched_sizes"] = True
         hub = self.options.source == "hub-cache"
         where = str(directory)
         if hub:

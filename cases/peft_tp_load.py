@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .contract import Case
+from .shared.peft import MIN_ADAPTER_EFFECT
 from .ranks.peft_tp_load import RESAVED, MakePhase, TpPhase, make_rank, tp_load_rank
 from harness.core.parity import EXACT, Tolerance, compare_state, compare_tensors
 from harness.core.result import CaseResult, Check
@@ -47,7 +48,6 @@ TP_LOGITS_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-5, why="transformers TP vs on
 #: so lora_A's columns (save_and_load.py:518-519 picks lora_A; tensor_parallel.py:891-899 RowwiseParallel, dim -1)
 SPLIT = {"colwise": ("lora_A", None, "lora_B", 0), "rowwise": ("lora_A", 1, "lora_B", None)}
 PREFIX = "base_model.model."
-MIN_ADAPTER_EFFECT = 1e-3  # max |logits(adapter) - logits(base)| at or below this: the adapter did nothing (as peft-adapter-io)
 #: what a load must not warn of (PEFT warns of missing, unexpected or mismatched keys on load, of invalid-shape
 #: LoRA tensors on save); other warnings pass (as peft-adapter-io)
 WARNED = re.compile(r"missing|unexpected|mismatch|invalid shape", re.IGNORECASE)

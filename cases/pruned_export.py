@@ -37,11 +37,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .contract import Case
+from .shared.hf_tolerance import MEGATRON_HF_TOLERANCE, MEGATRON_HF_TOLERANCE_BF16
 from .ranks.pruned_export import AutoExport, StudentSave, auto_export, student_save
 from harness.backends import get_backend, ref_of, resolve
 from harness.backends._megatron_lm import iteration_dir
 from harness.core import truth
-from harness.core.parity import Tolerance
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
 from harness.core.zoo import HFModelSpec, get_model
@@ -51,11 +51,10 @@ from harness.judge.checks import not_run_checks, state_check, tensor_check
 from harness.models.mcore import DType
 from harness.run.envelope import RunEnv
 
+
 CHECKS = ("export-config", "export-dtype", "export-weights", "tied-output", "hf-logits")
-#: hf-roundtrip's Megatron-vs-transformers bounds (MEGATRON_HF_TOLERANCE, _BF16; their measurements are
-#: there): a case imports no other case, so they are restated, and tests/test_pruned_export.py keeps them equal
-MEGATRON_HF = {"fp32": Tolerance(atol=1e-5, rtol=1e-5, why="Megatron vs transformers fp32 kernels"),
-               "bf16": Tolerance(atol=3e-2, rtol=3e-2, why="Megatron vs transformers bf16 kernels round activations differently")}
+#: hf-roundtrip's Megatron-vs-transformers bounds (cases/shared/hf_tolerance.py holds their measurements)
+MEGATRON_HF = {"fp32": MEGATRON_HF_TOLERANCE, "bf16": MEGATRON_HF_TOLERANCE_BF16}
 
 
 @dataclass(frozen=True)

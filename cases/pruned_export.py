@@ -28,6 +28,10 @@ Checks:
                  bridge emits it: model_bridge.py stream_weights_megatron_to_hf); untied: written
   hf-logits      transformers' AutoModelForCausalLM.from_pretrained(export) (in the run's dtype)
                  gives Megatron's logits at D within hf-roundtrip's Megatron-vs-HF bound
+  loaded-forward the model load_megatron_model returns runs megatron-core's forward-only schedule as
+                 loaded (as Megatron-LM evaluates) and gives the logits it gives once the training
+                 hooks its config carries back from run_config.yaml are cleared, bitwise; hf-logits
+                 is judged on the cleared forward, so one defect does not hide the other
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from .ranks.pruned_export import AutoExport, StudentSave, auto_export, student_s
 from harness.backends import get_backend, ref_of, resolve
 from harness.backends._megatron_lm import iteration_dir
 from harness.core import truth
+from harness.core.parity import EXACT
 from harness.core.result import CaseResult, Check
 from harness.core.spec import CaseSpec
 from harness.core.zoo import HFModelSpec, get_model
@@ -52,7 +57,7 @@ from harness.models.mcore import DType
 from harness.run.envelope import RunEnv
 
 
-CHECKS = ("export-config", "export-dtype", "export-weights", "tied-output", "hf-logits")
+CHECKS = ("export-config", "export-dtype", "export-weights", "tied-output", "hf-logits", "loaded-forward")
 #: hf-roundtrip's Megatron-vs-transformers bounds (cases/shared/hf_tolerance.py holds their measurements)
 MEGATRON_HF = {"fp32": MEGATRON_HF_TOLERANCE, "bf16": MEGATRON_HF_TOLERANCE_BF16}
 
@@ -92,6 +97,19 @@ def judge(student: HFModelSpec, dtype: str, exported_cfg: dict, teacher_cfg: dic
         checks.append(tensor_check("hf-logits", megatron_logits, hf_logits, f"megatron@{dst}", "transformers(export)",
                                    "transformers' logits of the export match Megatron's", MEGATRON_HF[dtype]))
     return checks
+
+
+def loaded_forward_check(as_loaded, error: str, cleared, hooks: dict[str, str], dst: str) -> Check:
+    """The loaded model's forward as load_megatron_model returns it, against the same forward with the
+    training hooks cleared (`hooks`: those it carried; `error`: what the as-loaded forward raised)."""
+    carried = f" (its config carried the saved job's {', '.join(f'{k}={v}' for k, v in hooks.items())})" if hooks else ""
+    if error:
+        return Check("loaded-forward", "failed", f"the loaded model's forward-only schedule at {dst} raised {error[:300]}{carried}",
+                     tolerance=EXACT)
+    if as_loaded is None or cleared is None:
+        return Check("loaded-forward", "failed", f"no rank of the export world at {dst} returned both forwards", tolerance=EXACT)
+    return tensor_check("loaded-forward", cleared, as_loaded, f"megatron@{dst} (hooks cleared)", f"megatron@{dst} (as loaded)",
+                        f"the loaded model runs as loaded, bitwise the cleared forward{carried}", EXACT)
 
 
 class PrunedExport(Case):
@@ -145,10 +163,9 @@ class PrunedExport(Case):
                 hf_logits = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             megatron = next((o.logits for o in outs if o.logits is not None), None)
             hooks = next((o.hooks for o in outs if o.hooks), {})
-            if hooks:
-                result.notes.append(f"the loaded model's config carried the saved job's training hooks {hooks} (run_config.yaml "
-                                    "records them; unbound, megatron-core's forward schedule cannot call no_sync_func): cleared for "
-                                    "the logits forward")
+            holder = next((o for o in outs if o.logits is not None or o.forward_error), None)
+            result.checks.append(loaded_forward_check(holder.as_loaded if holder else None, holder.forward_error if holder else "",
+                                                      megatron, hooks, spec.target.id))
             result.checks += judge(student, opts.dtype, _json(export), _json(teacher_dir),
                                    get_backend(resolve("bridge_hf")).read_full(None, export),
                                    read_checkpoint(iteration_dir(ckpt)).tensors, megatron, hf_logits, spec.target.id)

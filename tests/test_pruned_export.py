@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness.cases.pruned_export import Options, judge, student_of
+from harness.cases.pruned_export import Options, judge, loaded_forward_check, student_of
 from harness.core.zoo import get_model
 from harness.judge.auto_export import STUDENT_FIELDS, config_check, dtype_check, expected_hf, per_layer, tied_check
 
@@ -146,3 +146,17 @@ def test_the_student_is_the_teacher_pruned():
     teacher = get_model("hf-llama", "hf")
     assert student_of(teacher, Options(student_layers=2)) == replace(teacher, name="hf-llama-student", num_layers=2)
     assert student_of(teacher, Options(student_layers=3, student_ffn=64)).intermediate_size == 64
+
+
+def test_loaded_forward_fails_on_a_raise_a_different_forward_and_nothing():
+    """The loaded model as load_megatron_model returns it must run the forward-only schedule and give the
+    logits it gives with the training hooks cleared (the hooks it carried are named either way)."""
+    cleared = torch.linspace(-1.0, 1.0, 24).reshape(1, 4, 6)
+    hooks = {"no_sync_func": "DistributedDataParallel.no_sync"}
+    assert loaded_forward_check(cleared.clone(), "", cleared, {}, "D").status == "passed"
+    raised = loaded_forward_check(None, "TypeError: no_sync() missing 1 required positional argument: 'self'", cleared, hooks, "D")
+    assert raised.status == "failed" and "TypeError" in raised.detail and "no_sync_func=DistributedDataParallel.no_sync" in raised.detail
+    other = loaded_forward_check(cleared + 1e-6, "", cleared, hooks, "D")
+    assert other.status == "failed"
+    assert loaded_forward_check(None, "", cleared, {}, "D").status == "failed"
+    assert loaded_forward_check(None, "", None, {}, "D").status == "failed"

@@ -74,7 +74,8 @@ class AutoExport:
     AutoBridge.export_ckpt makes (load_megatron_model, save_hf_pretrained) inside the world's process
     group (export_ckpt opens one of its own, which a world already has). Past TP/PP 1 the load gets
     `mp_overrides` (load_megatron_model resets both to 1 otherwise). Returns Megatron's logits of
-    the loaded model at `topo` (None off the rank that holds them) and the training hooks cleared first."""
+    the loaded model at `topo` (None off the rank that holds them) as loaded and with the training hooks
+    cleared, what the as-loaded forward raised, and the hooks."""
 
     student: HFModelSpec
     checkpoint: str
@@ -101,10 +102,14 @@ def auto_export(ctx: RankContext, p: AutoExport) -> "ExportOut":
         built = (model[0].config.tensor_model_parallel_size, model[0].config.pipeline_model_parallel_size)
         if built != (p.topo.tp, p.topo.pp):
             raise RuntimeError(f"load_megatron_model built TP/PP {built}, the world is {p.topo.id}")
+        try:  # the loaded model as load_megatron_model returns it, through megatron-core's forward-only schedule
+            as_loaded, forward_error = mb.megatron_logits(mb.BridgeModel(bridge, model), p.student, ctx.device), ""
+        except Exception as exc:  # noqa: BLE001 - what the user's evaluation meets: the loaded-forward check names it
+            as_loaded, forward_error = None, f"{type(exc).__name__}: {exc}"
         hooks = training_hooks(model[0].config)
         logits = mb.megatron_logits(mb.BridgeModel(bridge, model), p.student, ctx.device)
         bridge.save_hf_pretrained(model, p.export_to, show_progress=False)
-    return ExportOut(logits, hooks)
+    return ExportOut(logits, hooks, as_loaded, forward_error)
 
 
 #: the training loop's hooks on a model config (Bridge's setup.py:565-578 sets them, as Megatron-LM does)
@@ -116,6 +121,9 @@ class ExportOut:
     logits: torch.Tensor | None
     #: the saved job's training hooks the loaded model's config carried (run_config.yaml records them), by name
     hooks: dict[str, str]
+    #: the logits of the model as loaded (before the hooks are cleared), and what that forward raised
+    as_loaded: torch.Tensor | None = None
+    forward_error: str = ""
 
 
 def training_hooks(config: Any) -> dict[str, str]:

@@ -54,6 +54,7 @@ def test_vpp_case_ids_are_stable():
         "peft-export[bridge_peft-hf-qwen3moe-tp1pp1dp1cp1->tp1pp2dp1cp1vpp2-lora]",
         "reshard-optimizer[mcore_torch-gpt-gqa-tp1pp2dp1cp1vpp2->tp1pp2dp1cp1vpp2-dp_zero_gather_scatter-bf16-torch-format]",
         "hf-roundtrip[bridge_hf-hf-qwen2_5_vl-tp1pp1dp1cp1->tp1pp2dp1cp1vpp2]",
+        "finetune[bridge_training-gpt-gqa-tp1pp1dp2cp1->tp1pp2dp1cp1vpp2-fully_reshardable-bf16-warmup-cosine-load-main-params]",
     ])
     vpp_cases = [c for c in cases if c.source.vpp > 1 or c.target.vpp > 1]
     assert len(vpp_cases) == len(ids) and all("vpp" in c.markers for c in vpp_cases)

@@ -51,6 +51,7 @@ import torch
 
 from .shared import peft_shapes as shapes
 from .contract import Case
+from .shared.adapter_draw import WARNED
 from .ranks.peft_adapter_io import ADAPTERS, Phase, load_rank, of_adapters, save_rank
 from harness.core.parity import EXACT, compare_tensors
 from harness.core.result import CaseResult, Check
@@ -69,7 +70,6 @@ PEFT_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_
 MIN_ADAPTER_EFFECT = 1e-3  # max |logits(adapter) - logits(base)| below this: the adapter did nothing
 #: what a save or a load must not warn of (PEFT warns of invalid-shape LoRA tensors on save, of missing,
 #: unexpected or mismatched keys on load); other warnings (deprecations, the embedding-save notice) pass
-WARNED = re.compile(r"missing|unexpected|mismatch|invalid shape", re.IGNORECASE)
 SHOWN = 6
 
 

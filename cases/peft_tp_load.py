@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .contract import Case
+from .shared.adapter_draw import WARNED
 from .shared.peft import MIN_ADAPTER_EFFECT
 from .ranks.peft_tp_load import RESAVED, MakePhase, TpPhase, make_rank, tp_load_rank
 from harness.core.parity import EXACT, Tolerance, compare_state, compare_tensors
@@ -50,7 +51,6 @@ SPLIT = {"colwise": ("lora_A", None, "lora_B", 0), "rowwise": ("lora_A", 1, "lor
 PREFIX = "base_model.model."
 #: what a load must not warn of (PEFT warns of missing, unexpected or mismatched keys on load, of invalid-shape
 #: LoRA tensors on save); other warnings pass (as peft-adapter-io)
-WARNED = re.compile(r"missing|unexpected|mismatch|invalid shape", re.IGNORECASE)
 SHOWN = 6
 
 

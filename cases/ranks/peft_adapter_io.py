@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..shared.adapter_draw import draw, input_ids
 from harness.backends import BackendRef, get_backend
 from harness.core.context import RankContext
 
@@ -64,11 +65,6 @@ def adapter_params(model: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor
     return {n: t.detach().clone() for n, t in model.named_parameters() if of_adapters(n, names)}
 
 
-def input_ids(vocab: int) -> torch.Tensor:
-    """Two rows: the first ids (where trainable tokens sit) and the last ones (a resized vocabulary's new rows)."""
-    return torch.stack([torch.arange(1, 9), torch.arange(vocab - 8, vocab)]).long()
-
-
 @torch.no_grad()
 def ungather(model: Any, names: tuple[str, ...], how: str) -> dict[str, tuple[int, ...]]:
     """Each LoRA A/B weight of the adapters left as rank 0 of an ungathered two-rank world holds it when
@@ -114,10 +110,7 @@ def save_rank(ctx: RankContext, p: Phase) -> dict[str, Any]:
     model = get_peft_model(base, lora_config(p.opts))
     if len(names) > 1:
         model.add_adapter(names[1], lora_config(p.opts, second=True))
-    g = torch.Generator().manual_seed(p.seed)
-    with torch.no_grad():  # every adapter tensor its own random values: a moved or swapped tensor shows
-        for n, t in sorted((n, t) for n, t in model.named_parameters() if of_adapters(n, names)):
-            t.copy_(torch.randn(t.shape, generator=g) * 0.05)
+    draw(model, lambda n: of_adapters(n, names), p.seed)
     logits = logits_of(model, names)
     with model.disable_adapter():
         without = logits_of(model, names[:1])[names[0]]

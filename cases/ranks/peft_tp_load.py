@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..shared.adapter_draw import draw, input_ids
 from harness.backends import BackendRef, get_backend
 from harness.core.context import RankContext
 
@@ -49,11 +50,6 @@ def logits_on(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids.to(device)).logits.float().cpu().clone()
 
 
-def input_ids(vocab: int) -> torch.Tensor:
-    """Two rows of ids: the first ones and the last ones of the vocabulary."""
-    return torch.stack([torch.arange(1, 9), torch.arange(vocab - 8, vocab)]).long()
-
-
 def adapter_params(model: Any) -> dict[str, torch.Tensor]:
     """The default adapter's LoRA tensors by parameter name, detached CPU copies."""
     return {n: t.detach().cpu().clone() for n, t in model.named_parameters() if ".lora_" in n and ".default." in n}
@@ -69,10 +65,7 @@ def make_rank(ctx: RankContext, p: MakePhase) -> dict[str, Any]:
     quiet_hf()
     base = AutoModelForCausalLM.from_pretrained(p.hf_dir, dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(r=p.dim, lora_alpha=p.alpha, target_modules=list(p.targets)))
-    g = torch.Generator().manual_seed(p.seed)
-    with torch.no_grad():  # sorted: the same draw for the same names, whatever order the model lists them in
-        for n, t in sorted((n, t) for n, t in model.named_parameters() if ".lora_" in n):
-            t.copy_(torch.randn(t.shape, generator=g) * 0.05)
+    draw(model, lambda n: ".lora_" in n, p.seed)
     ids = input_ids(model.get_input_embeddings().weight.shape[0])
     logits = logits_on(model, ids)
     with model.disable_adapter():

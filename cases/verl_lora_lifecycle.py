@@ -188,17 +188,18 @@ class VerlLoraLifecycle(Case):
             result.checks.append(resaved_check(first, again, src, dst))
             result.checks.append(stream_check(first[0], resumed[0].stream, src, dst))
             ids = truth.fixed_input_ids(model)
+            base = hf_logits(hf_dir, ids)  # transformers on the base: the adapter's effect and the reference policy
             at_s = next((o.logits for o in saved if o.logits is not None), None)
             at_d = next((o.logits for o in resumed if o.logits is not None), None)
             adapter_d = step_dir(ckpt, again_step) / "model" / "huggingface" / "adapter"
             if at_d is None or not again[0]:
                 result.checks.append(Check("logits", "failed", "no Megatron+LoRA logits at D or no adapter re-exported", tolerance=EXACT))
             else:
-                result.checks.append(logits_check(hf_logits(hf_dir, ids, adapter=adapter_d), hf_logits(hf_dir, ids), at_d, dst))
+                result.checks.append(logits_check(hf_logits(hf_dir, ids, adapter=adapter_d), base, at_d, dst))
             result.checks.append(resumed_logits_check(at_s, at_d, src, dst))
             at_d_ref = next((o.ref_logits for o in resumed if o.ref_logits is not None), None)
             at_d_after = next((o.restored_logits for o in resumed if o.restored_logits is not None), None)
-            result.checks.extend(disabled_adapter_checks(hf_logits(hf_dir, ids), at_d, at_d_ref, at_d_after, dst))
+            result.checks.extend(disabled_adapter_checks(base, at_d, at_d_ref, at_d_after, dst))
             result.checks.append(merger_adapter_check(first, merged_dir, merge_error, dst))
 
 
